@@ -1,0 +1,50 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, installs Ebb, runs a real demo job on the embedded stack
+#   make test   installs the dev tools too, and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+# The source roots that together make the `ebb` namespace package.
+SRC_ROOTS := libs/common:libs/client:services/shard_master:services/controller:services/worker
+
+.PHONY: demo test lint format bench clean install dev
+
+install: $(VENV)/.runtime
+dev: $(VENV)/.dev
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: an unpinned torch would pull the CUDA build and several GB with it.
+$(VENV)/.runtime: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime pyproject.toml
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(VENV)/bin/ebb demo ebb-demo
+
+test: $(VENV)/.dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	PYTHONPATH=$(SRC_ROOTS) $(VENV)/bin/lint-imports
+
+format: $(VENV)/.dev
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(VENV)/.dev
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) ebb-demo .ebb .pytest_cache .mypy_cache .ruff_cache build *.egg-info

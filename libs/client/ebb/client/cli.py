@@ -1,0 +1,403 @@
+"""The `ebb` command.
+
+ebb run JOB.yaml              run a job on this machine, on an embedded stack, and wait
+ebb demo [DIR]                write a sample dataset, model and job into DIR, then run it
+ebb up                        the embedded stack in the foreground, for submit/status/cancel
+ebb submit JOB.yaml           submit to a running stack (--nats URL)
+ebb status [JOB]              jobs, or one job in detail
+ebb cancel JOB                cancel a job
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ebb.common import log as logsetup
+from ebb.common.bus import NatsConfig
+from ebb.common.errors import BusError, EbbError, RemoteError, SpecError
+from ebb.common.messages import JobStatus
+from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
+from ebb.common.spec import JobSpec, check_roots, load_job_file
+
+from .sdk import EbbClient, SubmitError
+from .stack import LocalStack, StackConfig, StackError
+
+EXIT_INTERRUPTED = 130
+DEFAULT_NATS = "nats://127.0.0.1:4222"
+
+# Piped output (scripts, CI logs) gets wide lines rather than tables wrapped at 80 columns.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _load(path: str, roots: list[str]) -> JobSpec:
+    spec = load_job_file(path).with_id()
+    try:
+        check_roots(spec, roots)
+    except SpecError as e:
+        raise SpecError(e.path, f"{e.problem} (allow more with --data-root DIR)") from None
+    return spec
+
+
+# -- ebb run / ebb demo --------------------------------------------------------------------
+
+
+class ProgressView:
+    """A progress bar (rows, rows/s, ETA, errors) on a terminal; a line every 5 s elsewhere."""
+
+    def __init__(self, job: JobSpec, *, enabled: bool) -> None:
+        self.started = time.monotonic()
+        self.live = enabled and console.is_terminal
+        self.enabled = enabled
+        self._last_line = 0.0
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("rows  {task.fields[rate]} rows/s"),
+            TimeRemainingColumn(),
+            TextColumn("errors {task.fields[errors]}"),
+            console=console,
+            transient=True,
+        )
+        self.task = self.progress.add_task(job.name, total=None, rate="-", errors=0)
+
+    def __enter__(self) -> ProgressView:
+        if self.live:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self.progress.stop()
+
+    def update(self, status: JobStatus) -> None:
+        elapsed = max(1e-6, time.monotonic() - self.started)
+        rate = f"{status.rows_done / elapsed:,.0f}"
+        total = max(status.rows_total, status.rows_done) or None
+        self.progress.update(
+            self.task,
+            completed=status.rows_done,
+            total=total,
+            rate=rate,
+            errors=status.error_rows,
+            description=f"{status.name} {status.state.lower()}",
+        )
+        now = time.monotonic()
+        if self.enabled and not self.live and now - self._last_line >= 5.0:
+            self._last_line = now
+            done = status.shards.get("DONE", 0)
+            console.print(
+                f"{status.state.lower()}: {status.rows_done:,}/{status.rows_total:,} rows, "
+                f"{done}/{status.shards_total} shards, {status.error_rows:,} errors, {rate} rows/s"
+            )
+
+
+def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
+    colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(status.state, "")
+    rate = status.rows_done / seconds if seconds > 0 else 0.0
+    out.print(f"job [bold]{status.id}[/] [{colour}]{status.state}[/] in {seconds:.1f}s")
+    out.print(f"  rows     {status.rows_done:,} ({rate:,.0f} rows/s), {status.error_rows:,} errors")
+    out.print(
+        f"  shards   {status.shards.get('DONE', 0)} done, "
+        f"{status.shards.get('QUARANTINED', 0)} quarantined, of {status.shards_total}"
+    )
+    if status.manifest:
+        out.print(f"  output   {status.manifest}")
+    if status.reason:
+        out.print(f"  reason   {status.reason}")
+    if logs is not None and status.state != "SUCCEEDED":
+        out.print(f"  logs     {logs}")
+
+
+async def run_job(args: argparse.Namespace, job_file: str) -> int:
+    roots = [str(Path(job_file).resolve().parent), os.getcwd(), *args.data_root]
+    spec = _load(job_file, roots)
+    temporary = args.state_dir is None
+    state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="ebb-run-"))
+    stack = LocalStack(
+        StackConfig(
+            state_dir=state_dir,
+            data_roots=roots,
+            max_workers=args.max_workers or (os.cpu_count() or 1),
+            log_level=args.log_level,
+        )
+    )
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    started = time.monotonic()
+    keep = args.keep_state
+    supervisor: asyncio.Task[None] | None = None
+    try:
+        with console.status("starting the embedded stack"):
+            await stack.start()
+        supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
+        async with await EbbClient.connect(stack.nats_config) as client:
+            job_id = await client.submit(spec)
+            console.print(f"job {job_id} submitted ({spec.input.uri} -> {spec.output.uri})")
+            with ProgressView(spec, enabled=not args.quiet) as view:
+                waiting = asyncio.ensure_future(client.wait(job_id, on_update=view.update))
+                stopper = asyncio.ensure_future(interrupted.wait())
+                await asyncio.wait([waiting, stopper], return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+                if not waiting.done():
+                    waiting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiting
+                    console.print("interrupted: cancelling the job")
+                    await client.cancel(job_id, "interrupted (Ctrl-C)")
+                    final = await client.job(job_id)
+                    summarize(final, time.monotonic() - started, stack.logs)
+                    keep = keep or not temporary
+                    return EXIT_INTERRUPTED
+                final = waiting.result()
+        summarize(final, time.monotonic() - started, stack.logs)
+        if final.state != "SUCCEEDED":
+            keep = True
+            return EXIT_FAILED
+        return EXIT_OK
+    except (StackError, SubmitError) as e:
+        console.print(f"[red]error:[/] {e}")
+        keep = True
+        return EXIT_FAILED
+    except BaseException:
+        keep = True
+        raise
+    finally:
+        if supervisor is not None:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
+        with console.status("stopping the embedded stack"):
+            await stack.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if temporary and not keep:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        elif temporary:
+            console.print(f"state and logs kept in {state_dir}")
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    return await run_job(args, args.job)
+
+
+async def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import write_demo
+
+    folder = Path(args.dir).resolve()
+    if (folder / "out").exists():
+        # A demo is meant to be run again and again: start each run from a clean output.
+        shutil.rmtree(folder / "out")
+    with console.status(f"writing the demo into {folder}"):
+        job = await asyncio.to_thread(write_demo, folder, rows=args.rows)
+    console.print(f"demo: {args.rows:,} rows, an ONNX model and a job spec in {folder}")
+    return await run_job(args, str(job))
+
+
+# -- ebb up --------------------------------------------------------------------------------
+
+
+async def cmd_up(args: argparse.Namespace) -> int:
+    roots = [os.getcwd(), *args.data_root]
+    stack = LocalStack(
+        StackConfig(
+            state_dir=Path(args.state_dir or ".ebb").resolve(),
+            data_roots=roots,
+            port=args.port,
+            max_workers=args.max_workers or (os.cpu_count() or 1),
+            log_level=args.log_level,
+        )
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor: asyncio.Task[None] | None = None
+    try:
+        await stack.start()
+        supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
+        out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
+        out.print(f"  ebb submit job.yaml --nats {stack.nats.url}")
+        out.print("Ctrl-C stops it (unfinished jobs resume at the next `ebb up`).")
+        await stop.wait()
+        return EXIT_OK
+    except StackError as e:
+        console.print(f"[red]error:[/] {e}")
+        return EXIT_FAILED
+    finally:
+        if supervisor is not None:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
+        await stack.stop()
+
+
+# -- talking to a running stack ------------------------------------------------------------
+
+
+def _nats(args: argparse.Namespace) -> NatsConfig:
+    return NatsConfig(url=args.nats, prefix=args.prefix)
+
+
+async def cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_job_file(args.job)
+    async with await EbbClient.connect(_nats(args)) as client:
+        job_id = await client.submit(spec)
+        out.print(f"job {job_id} accepted")
+        if not args.wait:
+            return EXIT_OK
+        started = time.monotonic()
+        with ProgressView(spec, enabled=True) as view:
+            final = await client.wait(job_id, on_update=view.update)
+        summarize(final, time.monotonic() - started, None)
+        return EXIT_OK if final.state == "SUCCEEDED" else EXIT_FAILED
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    async with await EbbClient.connect(_nats(args)) as client:
+        if args.job:
+            status = await client.job(args.job)
+            table = Table(show_header=False, box=None)
+            for key, value in (
+                ("id", status.id),
+                ("name", status.name),
+                ("state", status.state),
+                ("reason", status.reason),
+                ("rows", f"{status.rows_done:,} of {status.rows_total:,}"),
+                ("error rows", f"{status.error_rows:,}"),
+                ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
+                ("workers", f"{status.min_workers}..{status.max_workers}"),
+                ("manifest", status.manifest),
+            ):
+                if value:
+                    table.add_row(key, str(value))
+            out.print(table)
+            return EXIT_OK
+        reply = await client.status()
+        table = Table("job", "state", "rows", "errors", "shards done", "submitted")
+        for job in sorted(reply.jobs, key=lambda j: j.submitted_at):
+            table.add_row(
+                job.id,
+                job.state,
+                f"{job.rows_done:,}/{job.rows_total:,}",
+                f"{job.error_rows:,}",
+                f"{job.shards.get('DONE', 0)}/{job.shards_total}",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted_at)),
+            )
+        out.print(table)
+        for job_id, reason in reply.rejected.items():
+            out.print(f"[red]rejected[/] {job_id}: {reason}")
+        return EXIT_OK
+
+
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    async with await EbbClient.connect(_nats(args)) as client:
+        reply = await client.cancel(args.job)
+        out.print(f"job {args.job} {reply.state}")
+        return EXIT_OK
+
+
+# -- wiring --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="ebb",
+        description="Offline batch inference, exactly once.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def local_options(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--state-dir", help="keep NATS state and logs here (default: temporary)")
+        c.add_argument("--keep-state", action="store_true", help="keep the temporary state")
+        c.add_argument("--data-root", action="append", default=[], help="allow data under DIR")
+        c.add_argument(
+            "--max-workers", type=int, default=0, help="workers at once (default: cores)"
+        )
+        c.add_argument("--quiet", action="store_true", help="no progress display")
+        c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+
+    def remote_options(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--nats", default=env("EBB_NATS_URL", DEFAULT_NATS))
+        c.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
+
+    c = sub.add_parser("run", help="run a job on an embedded stack and wait for it")
+    c.add_argument("job", help="job spec (YAML or JSON)")
+    local_options(c)
+    c.set_defaults(handler=cmd_run)
+
+    c = sub.add_parser("demo", help="write a sample job and run it")
+    c.add_argument("dir", nargs="?", default="ebb-demo")
+    c.add_argument("--rows", type=int, default=100_000)
+    local_options(c)
+    c.set_defaults(handler=cmd_demo)
+
+    c = sub.add_parser("up", help="run the embedded stack in the foreground")
+    c.add_argument("--port", type=int, default=4222)
+    c.add_argument("--state-dir", default=None, help="default: ./.ebb")
+    c.add_argument("--data-root", action="append", default=[])
+    c.add_argument("--max-workers", type=int, default=0)
+    c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    c.set_defaults(handler=cmd_up)
+
+    c = sub.add_parser("submit", help="submit a job to a running stack")
+    c.add_argument("job")
+    c.add_argument("--wait", action="store_true", help="follow it to the end")
+    remote_options(c)
+    c.set_defaults(handler=cmd_submit)
+
+    c = sub.add_parser("status", help="show jobs, or one job")
+    c.add_argument("job", nargs="?", default="")
+    remote_options(c)
+    c.set_defaults(handler=cmd_status)
+
+    c = sub.add_parser("cancel", help="cancel a job")
+    c.add_argument("job")
+    remote_options(c)
+    c.set_defaults(handler=cmd_cancel)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The services log to their own files; here only what the user must see.
+    logsetup.setup(os.environ.get("EBB_CLI_LOG_LEVEL", "WARNING"))
+
+    async def guarded() -> int:
+        try:
+            code: int = await args.handler(args)
+            return code
+        except SpecError as e:
+            console.print(f"[red]invalid job spec:[/] {e}")
+            return EXIT_USAGE
+        except RemoteError as e:
+            console.print(f"[red]error:[/] {e.message} ({e.code})")
+            return EXIT_FAILED
+        except (SubmitError, BusError, EbbError) as e:
+            console.print(f"[red]error:[/] {e}")
+            return EXIT_FAILED
+
+    return run(guarded())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The Python SDK: submit a job, follow it, cancel it.
+
+async with await EbbClient.connect(NatsConfig(url="nats://ebb-nats:4222")) as ebb:
+    job_id = await ebb.submit(load_job_file("job.yaml"))
+    final = await ebb.wait(job_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from types import TracebackType
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+
+from ebb.common import bus, schema
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.errors import EbbError, RemoteError, SchemaError
+from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobEvent, JobStatus, StatusReply
+from ebb.common.spec import JobSpec
+
+
+class SubmitError(EbbError):
+    """The job was not accepted: refused by the master (the message says why) or no master."""
+
+
+class EbbClient:
+    def __init__(self, nc: NATS, config: NatsConfig) -> None:
+        self.nc = nc
+        self.config = config
+        self.subjects = Subjects(config.prefix)
+        self.master = MasterClient(nc, config, backoff=Backoff(first_s=0.2, max_s=2.0, attempts=8))
+
+    @classmethod
+    async def connect(cls, config: NatsConfig) -> EbbClient:
+        return cls(await bus.connect(config, name="ebb-client"), config)
+
+    async def close(self) -> None:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await self.nc.drain()
+
+    async def __aenter__(self) -> EbbClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def submit(self, spec: JobSpec, *, accept_timeout_s: float = 120.0) -> str:
+        """Publish the job and wait until the master has accepted (planned and persisted) it.
+
+        The job id is the message id, so submitting the same job twice runs it once.
+        Raises SubmitError with the master's reason if it refuses the job.
+        """
+        spec = spec.with_id()
+        events = await self.nc.subscribe(self.subjects.events(spec.id))
+        try:
+            try:
+                ack = await self.nc.jetstream().publish(
+                    self.subjects.submit,
+                    schema.pack(spec),
+                    headers={"Nats-Msg-Id": spec.id},
+                    stream=self.subjects.jobs_stream,
+                )
+            except nats.errors.NoRespondersError:
+                raise SubmitError(
+                    f"no Ebb stack at {self.config.url}: stream {self.subjects.jobs_stream} "
+                    "does not exist (is a shard master running?)"
+                ) from None
+            if ack.duplicate:
+                # Submitted before: no new event is coming, but the status answers at once.
+                with contextlib.suppress(RemoteError):
+                    await self.master.job(spec.id)
+                    return spec.id
+            return await self._await_acceptance(spec.id, events, accept_timeout_s)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await events.unsubscribe()
+
+    async def _await_acceptance(self, job_id: str, events: Subscription, timeout_s: float) -> str:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                msg = await events.next_msg(timeout=1.0)
+                event = schema.decode(JobEvent, msg.data)
+                if event.kind == "rejected":
+                    raise SubmitError(f"job {job_id} rejected: {event.reason}")
+                if event.kind in ("accepted", "progress", "state"):
+                    return job_id
+            except (nats.errors.TimeoutError, SchemaError):
+                pass
+            # Events are hints: the status is the truth (and covers a resubmitted job).
+            try:
+                await self.master.job(job_id)
+                return job_id
+            except RemoteError as e:
+                if e.code == "rejected":
+                    raise SubmitError(f"job {job_id} rejected: {e.message}") from None
+                if e.code != "not_found":
+                    raise
+        raise SubmitError(f"job {job_id} was not accepted within {timeout_s:g}s")
+
+    async def status(self, job: str = "") -> StatusReply:
+        return await self.master.status(job)
+
+    async def job(self, job: str) -> JobStatus:
+        return await self.master.job(job)
+
+    async def cancel(self, job: str, reason: str = "cancelled by user") -> CancelReply:
+        return await self.master.cancel(job, reason)
+
+    async def wait(
+        self,
+        job: str,
+        *,
+        poll_s: float = 0.5,
+        on_update: Callable[[JobStatus], None] | None = None,
+    ) -> JobStatus:
+        """Until the job ends; `on_update` sees each status on the way. Returns the last one."""
+        woken = asyncio.Event()
+
+        async def on_event(_msg: object) -> None:
+            woken.set()
+
+        events = await self.nc.subscribe(self.subjects.events(job), cb=on_event)
+        try:
+            while True:
+                status = await self.master.job(job)
+                if on_update is not None:
+                    on_update(status)
+                if status.state in TERMINAL_JOB_STATES:
+                    return status
+                woken.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), poll_s)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await events.unsubscribe()

@@ -1,0 +1,174 @@
+"""The embedded stack on one machine: nats-server, shard master and controller as processes.
+
+Each service runs as its own process (`python -m ebb.shard_master`, `python -m ebb.controller`),
+exactly as it is deployed, only with loopback networking and local workers. Logs go to files
+under the state folder; `ebb run` prints where when a job fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig, connect
+from ebb.common.embedded import EmbeddedNats
+from ebb.common.errors import BusError, EbbError, RemoteError
+
+log = logging.getLogger(__name__)
+
+
+class StackError(EbbError):
+    """A service of the embedded stack did not start."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackConfig:
+    state_dir: Path
+    """JetStream store and logs live here; reusing it resumes unfinished jobs."""
+    data_roots: list[str]
+    port: int = 0
+    """NATS port on 127.0.0.1 (0: any free port)."""
+    max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    prefix: str = "ebb"
+    log_level: str = "INFO"
+    worker_grace_s: float = 30.0
+    start_timeout_s: float = 60.0
+
+
+class LocalStack:
+    """nats-server, master and controller. `supervise()` restarts a service that dies, with
+    backoff, as Kubernetes would restart its pod: state lives in JetStream, so a restarted
+    master resumes every job where it was."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.logs = config.state_dir / "logs"
+        self.nats = EmbeddedNats(state_dir=config.state_dir / "nats", port=config.port)
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.restarts: dict[str, int] = {}
+        self._log_files: list[IO[bytes]] = []
+        self._stopping = False
+
+    @property
+    def nats_config(self) -> NatsConfig:
+        return NatsConfig(url=self.nats.url, prefix=self.config.prefix)
+
+    def _command(self, name: str) -> list[str]:
+        common = ["--nats", self.nats.url, "--prefix", self.config.prefix]
+        common += ["--log-level", self.config.log_level]
+        if name == "master":
+            roots: list[str] = []
+            for root in self.config.data_roots:
+                roots += ["--data-root", root]
+            return ["-m", "ebb.shard_master", *common, "--id", "embedded", *roots]
+        return [
+            "-m",
+            "ebb.controller",
+            *common,
+            "--max-workers",
+            str(self.config.max_workers),
+            "--log-dir",
+            str(self.logs / "workers"),
+            "--worker-grace",
+            str(self.config.worker_grace_s),
+        ]
+
+    async def start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.nats.start)
+        for name in ("master", "controller"):
+            await self._spawn(name)
+        await self._wait_for_master()
+
+    async def _spawn(self, name: str) -> None:
+        log_file = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115, ASYNC230 - closed in stop()
+        self._log_files.append(log_file)
+        self.processes[name] = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *self._command(name),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    async def kill(self, name: str) -> None:
+        """SIGKILL a service, as a node failure would (tests, chaos drills)."""
+        process = self.processes[name]
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+    async def restart(self, name: str) -> None:
+        """Start a service that is not running (after `kill`)."""
+        if self.processes[name].returncode is None:
+            raise StackError(f"{name} is still running")
+        await self._spawn(name)
+
+    async def supervise(self) -> None:
+        """Restart a service that exits, for as long as the stack runs. Runs until cancelled."""
+        while not self._stopping:
+            for name, process in list(self.processes.items()):
+                if process.returncode is None or self._stopping:
+                    continue
+                count = self.restarts.get(name, 0)
+                self.restarts[name] = count + 1
+                delay = min(30.0, 0.5 * 2**count)
+                log.warning(
+                    "%s exited with code %s; restarting in %.1fs (see %s)",
+                    name,
+                    process.returncode,
+                    delay,
+                    self.logs / f"{name}.log",
+                )
+                await asyncio.sleep(delay)
+                if not self._stopping:
+                    await self._spawn(name)
+            if not self.nats.running() and not self._stopping:
+                log.warning("nats-server exited; restarting it")
+                await asyncio.to_thread(self.nats.start)
+            await asyncio.sleep(0.5)
+
+    async def _wait_for_master(self) -> None:
+        nc = await connect(self.nats_config, name="ebb-stack-probe")
+        try:
+            client = MasterClient(nc, self.nats_config, backoff=Backoff(first_s=0.05, max_s=0.5))
+            await asyncio.wait_for(client.status(), self.config.start_timeout_s)
+        except (TimeoutError, BusError, RemoteError) as e:
+            raise StackError(
+                f"the shard master did not start; see {self.logs / 'master.log'}"
+            ) from e
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.drain()
+
+    async def stop(self) -> None:
+        """In order: controller (it drains the workers), master, then NATS."""
+        self._stopping = True
+        await _terminate(self.processes.get("controller"), self.config.worker_grace_s + 15)
+        await _terminate(self.processes.get("master"), 15)
+        await asyncio.to_thread(self.nats.stop)
+        for f in self._log_files:
+            f.close()
+        self._log_files.clear()
+
+
+async def _terminate(process: asyncio.subprocess.Process | None, grace_s: float) -> None:
+    if process is None or process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()

@@ -1,0 +1,105 @@
+"""A typed client for the shard master's request/reply API, shared by the worker and the SDK."""
+
+from __future__ import annotations
+
+import secrets
+from typing import TypeVar
+
+from nats.aio.client import Client as NATS
+
+from .bus import Backoff, NatsConfig, Subjects, request
+from .errors import RemoteError
+from .messages import (
+    CancelReply,
+    CancelRequest,
+    CommitReply,
+    CommitRequest,
+    JobStatus,
+    LeaseReply,
+    LeaseRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+    StatusReply,
+    StatusRequest,
+)
+from .schema import Message
+
+M = TypeVar("M", bound=Message)
+
+
+class MasterClient:
+    """Requests to the master. Each retries timeouts and "no responders" (a master restarting
+    or failing over) on `backoff`; an error reply raises RemoteError at once."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        config: NatsConfig,
+        *,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.nc = nc
+        self.subjects = Subjects(config.prefix)
+        self.timeout_s = config.request_timeout_s
+        self.backoff = backoff or Backoff(first_s=0.2, max_s=5.0, attempts=0)
+
+    async def lease(self, job: str, worker: str) -> LeaseReply:
+        # One id for every retry of this request: a reply lost in transit is answered again
+        # with the same lease instead of a second one.
+        req = LeaseRequest(job=job, worker=worker, request_id=secrets.token_hex(8))
+        return await self._call("lease", req, LeaseReply)
+
+    async def renew(self, token: str, *, timeout_s: float | None = None) -> RenewReply:
+        return await request(
+            self.nc,
+            self.subjects.master("renew"),
+            RenewRequest(token=token),
+            RenewReply,
+            timeout_s=timeout_s or self.timeout_s,
+        )
+
+    async def commit(self, token: str, *, rows: int, error_rows: int) -> CommitReply:
+        req = CommitRequest(token=token, rows=rows, error_rows=error_rows)
+        return await self._call("commit", req, CommitReply)
+
+    async def release(self, token: str, reason: str, *, retryable: bool) -> ReleaseReply:
+        req = ReleaseRequest(token=token, reason=reason, retryable=retryable)
+        return await self._call("release", req, ReleaseReply)
+
+    async def status(
+        self,
+        job: str = "",
+        *,
+        include_spec: bool = False,
+        include_leases: bool = False,
+        active_only: bool = False,
+    ) -> StatusReply:
+        req = StatusRequest(
+            job=job,
+            include_spec=include_spec,
+            include_leases=include_leases,
+            active_only=active_only,
+        )
+        return await self._call("status", req, StatusReply)
+
+    async def job(self, job: str, *, include_spec: bool = False) -> JobStatus:
+        """One job's status. RemoteError `rejected` if its submission was refused."""
+        reply = await self.status(job, include_spec=include_spec)
+        if not reply.jobs:
+            raise RemoteError("rejected", reply.rejected.get(job, f"job {job} was rejected"))
+        return reply.jobs[0]
+
+    async def cancel(self, job: str, reason: str = "cancelled by user") -> CancelReply:
+        return await self._call("cancel", CancelRequest(job=job, reason=reason), CancelReply)
+
+    async def _call(self, op: str, message: Message, reply_type: type[M]) -> M:
+        return await request(
+            self.nc,
+            self.subjects.master(op),
+            message,
+            reply_type,
+            timeout_s=self.timeout_s,
+            backoff=self.backoff,
+        )

@@ -1,0 +1,302 @@
+"""NATS: connection with reconnect and backoff, subject names, JetStream set-up, typed requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from . import schema
+from .errors import BusError, RemoteError, SchemaError
+from .messages import ErrorReply
+from .schema import Message
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """A retry schedule: capped exponential delays with full jitter."""
+
+    first_s: float = 0.1
+    """Delay before the second try."""
+    max_s: float = 5.0
+    """Longest delay between two tries."""
+    factor: float = 2.0
+    attempts: int = 0
+    """Tries in all; 0: unbounded."""
+
+    def delays(self) -> list[float] | None:
+        return None if self.attempts == 0 else [self.delay(i) for i in range(self.attempts - 1)]
+
+    def delay(self, attempt: int) -> float:
+        """Delay after the `attempt`-th failure (0-based), with jitter in [50%, 100%]."""
+        ceiling = min(self.max_s, self.first_s * self.factor ** min(attempt, 32))
+        return ceiling * (0.5 + random.random() / 2)  # noqa: S311 - jitter, not crypto
+
+
+@dataclass(frozen=True, kw_only=True)
+class NatsConfig:
+    url: str = "nats://127.0.0.1:4222"
+    """One server URL, or several separated by commas."""
+    prefix: str = "ebb"
+    """First token of every subject and name, so that several Ebb installations can share NATS."""
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    """A NATS .creds file (JWT + nkey seed)."""
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 5.0
+    """Time a request waits for its reply before it is retried."""
+    connect_backoff: Backoff = field(default_factory=lambda: Backoff(first_s=0.2, max_s=5.0))
+
+    @property
+    def servers(self) -> list[str]:
+        return [u.strip() for u in self.url.split(",") if u.strip()]
+
+
+class Subjects:
+    """Every subject, stream and bucket name, derived from one prefix."""
+
+    def __init__(self, prefix: str = "ebb") -> None:
+        if not prefix or not all(c.isalnum() or c in "-_" for c in prefix):
+            raise ValueError(f"bad subject prefix {prefix!r}: letters, digits, - and _ only")
+        self.prefix = prefix
+        self.submit = f"{prefix}.jobs.submit"
+        self.all_events = f"{prefix}.jobs.*.events"
+        self.jobs_stream = f"{prefix.upper().replace('-', '_')}_JOBS"
+        self.jobs_bucket = f"{prefix}-jobs"
+        self.shards_bucket = f"{prefix}-shards"
+        self.leader_bucket = f"{prefix}-leader"
+
+    def master(self, op: str) -> str:
+        return f"{self.prefix}.master.{op}"
+
+    def events(self, job: str) -> str:
+        return f"{self.prefix}.jobs.{job}.events"
+
+
+async def connect(config: NatsConfig, *, name: str) -> NATS:
+    """Connect, retrying the first connection with backoff; later drops reconnect forever."""
+
+    connected: list[NATS] = []
+
+    def closing() -> bool:
+        return bool(connected) and (connected[0].is_closed or connected[0].is_draining)
+
+    async def on_error(e: Exception) -> None:
+        log.log(logging.DEBUG if closing() else logging.WARNING, "nats error (%s): %s", name, e)
+
+    async def on_disconnect() -> None:
+        log.log(logging.DEBUG if closing() else logging.WARNING, "nats disconnected (%s)", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected (%s)", name)
+
+    options: dict[str, Any] = {
+        "servers": config.servers,
+        "name": name,
+        "connect_timeout": config.connect_timeout_s,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+    }
+    if config.user is not None:
+        options["user"] = config.user
+        options["password"] = config.password
+    if config.token is not None:
+        options["token"] = config.token
+    if config.creds_file is not None:
+        options["user_credentials"] = config.creds_file
+    if config.tls_ca or config.tls_cert:
+        import ssl
+
+        context = ssl.create_default_context(cafile=config.tls_ca)
+        if config.tls_cert:
+            context.load_cert_chain(config.tls_cert, config.tls_key)
+        options["tls"] = context
+
+    attempt = 0
+    while True:
+        try:
+            nc = await nats.connect(**options)
+            connected.append(nc)
+            return nc
+        except (OSError, nats.errors.Error, TimeoutError) as e:
+            limit = config.connect_backoff.attempts
+            if limit and attempt + 1 >= limit:
+                raise BusError(f"cannot connect to NATS at {config.url}: {e}") from e
+            delay = config.connect_backoff.delay(attempt)
+            log.warning(
+                "cannot connect to NATS at %s (%s); retrying in %.1fs", config.url, e, delay
+            )
+            attempt += 1
+            await asyncio.sleep(delay)
+
+
+_RETRYABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError)
+
+
+async def request(
+    nc: NATS,
+    subject: str,
+    message: Message,
+    reply_type: type[M],
+    *,
+    timeout_s: float,
+    backoff: Backoff | None = None,
+) -> M:
+    """Send a request and validate its reply as `reply_type`.
+
+    Timeouts and "no responders" (the master restarting, say) are retried on `backoff`;
+    without one, the first failure raises BusError. An error reply raises RemoteError.
+    """
+    payload = schema.encode(message)
+    attempt = 0
+    while True:
+        try:
+            reply = await nc.request(subject, payload, timeout=timeout_s)
+            break
+        except _RETRYABLE as e:
+            if backoff is None or (backoff.attempts and attempt + 1 >= backoff.attempts):
+                raise BusError(f"no reply on {subject}: {type(e).__name__}") from e
+            await asyncio.sleep(backoff.delay(attempt))
+            attempt += 1
+    return parse_reply(reply.data, reply_type)
+
+
+def parse_reply(data: bytes, reply_type: type[M]) -> M:
+    try:
+        body = schema.unpack(data)
+        schema.check_version(body)
+        if body.get("ok") is False:
+            err = schema.load(ErrorReply, body, strict=False)
+            raise RemoteError(err.code, err.message)
+        return schema.load(reply_type, body, strict=False)
+    except SchemaError as e:
+        raise RemoteError("bad_reply", f"malformed reply: {e}") from e
+
+
+def error_reply(code: str, message: str) -> bytes:
+    return schema.encode(ErrorReply(code=code, message=message))
+
+
+async def ensure_jetstream(
+    js: JetStreamContext, subjects: Subjects, *, leader_ttl_s: float
+) -> None:
+    """Create the stream and buckets Ebb needs, or check they exist. Idempotent."""
+    stream = StreamConfig(
+        name=subjects.jobs_stream,
+        subjects=[subjects.submit],
+        storage=StorageType.FILE,
+        # A submitted job is work to do exactly once: acked messages are removed.
+        retention=RetentionPolicy.WORK_QUEUE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+        max_msg_size=1024 * 1024,
+    )
+    try:
+        await js.stream_info(subjects.jobs_stream)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(stream)
+    await ensure_bucket(js, KeyValueConfig(bucket=subjects.jobs_bucket, history=1))
+    await ensure_bucket(js, KeyValueConfig(bucket=subjects.shards_bucket, history=1))
+    await ensure_bucket(
+        js, KeyValueConfig(bucket=subjects.leader_bucket, history=1, ttl=leader_ttl_s)
+    )
+
+
+async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    try:
+        return await js.key_value(config.bucket)
+    except nats.js.errors.BucketNotFoundError:
+        config.storage = StorageType.FILE
+        return await js.create_key_value(config=config)
+
+
+Handler = Callable[[bytes], Awaitable[bytes]]
+
+
+class RequestServer:
+    """Serves request/reply subjects: one handler per subject, up to `concurrency` at a time.
+
+    A handler that raises gets an `internal` error reply: a bug in one request never takes the
+    service down, and the requester learns why it failed. Handlers run as tasks this object
+    owns; `close` unsubscribes, lets running handlers finish for `grace_s`, then cancels them.
+    """
+
+    def __init__(self, nc: NATS, *, queue: str, concurrency: int = 64) -> None:
+        self._nc = nc
+        self._queue = queue
+        self._slots = asyncio.Semaphore(concurrency)
+        self._subscriptions: list[Any] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def add(self, subject: str, handler: Handler) -> None:
+        async def on_message(msg: Any) -> None:
+            # Waiting for a slot here holds this subscription's delivery loop, which is the
+            # back-pressure we want: NATS buffers (and eventually drops) rather than us.
+            await self._slots.acquire()
+            task = asyncio.create_task(self._answer(subject, handler, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+
+        self._subscriptions.append(
+            await self._nc.subscribe(subject, queue=self._queue, cb=on_message)
+        )
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _answer(self, subject: str, handler: Handler, msg: Any) -> None:
+        try:
+            answer = await handler(msg.data)
+        except Exception as e:
+            log.exception("handler for %s failed", subject)
+            answer = error_reply("internal", f"{type(e).__name__}: {e}")
+        if msg.reply:
+            try:
+                await msg.respond(answer)
+            except nats.errors.Error as e:
+                log.warning("could not reply on %s: %s", subject, e)
+
+    async def close(self, *, grace_s: float = 5.0) -> None:
+        for sub in self._subscriptions:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error as e:
+                log.debug("unsubscribe failed: %s", e)
+        self._subscriptions.clear()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)

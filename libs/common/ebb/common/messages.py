@@ -1,0 +1,209 @@
+"""Every message that crosses NATS, as a versioned schema.
+
+Requests go to `<prefix>.master.<op>`; each has one reply type. A reply is either the op's
+reply message (`ok: true`) or an `ErrorReply` (`ok: false`, a stable `code` and a sentence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from .schema import Message
+
+# -- shards ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSpec(Message):
+    """Where a shard's rows are. Metadata only, never data."""
+
+    index: int
+    path: str
+    """The file holding the rows."""
+    format: Literal["parquet", "csv", "jsonl"]
+    rows: int
+    """Rows in the shard: exact for Parquet, an estimate for text formats."""
+    row_groups: list[int] = field(default_factory=list)
+    """Parquet: the row groups read, in order."""
+    row_offset: int = 0
+    """Parquet: rows skipped at the start of the first row group (a split row group)."""
+    byte_start: int = 0
+    """Text formats: first byte of the shard, at the start of a line."""
+    byte_end: int = 0
+    """Text formats: one past the last byte, at the end of a line."""
+
+
+ShardState = Literal["TODO", "DOING", "DONE", "QUARANTINED"]
+JobState = Literal["SUBMITTED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
+TERMINAL_JOB_STATES: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+
+# -- replies ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorReply(Message):
+    KIND: ClassVar[str] = "error"
+    ok: bool = False
+    code: str
+    """bad_request, stale_token, not_found, not_leader, job_ended, unavailable, internal."""
+    message: str
+
+
+# -- lease protocol --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRequest(Message):
+    KIND: ClassVar[str] = "lease"
+    job: str
+    worker: str
+    request_id: str = ""
+    """Retries of one request carry the same id and get the same answer: a lost reply never
+    leaves behind a lease nobody knows about."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseReply(Message):
+    KIND: ClassVar[str] = "lease_reply"
+    ok: bool = True
+    status: Literal["granted", "wait", "end"]
+    """granted: work on `shard`; wait: ask again after `retry_after_s`; end: the job is over."""
+    shard: ShardSpec | None = None
+    attempt: int = 0
+    token: str = ""
+    lease_s: float = 0.0
+    """Lease period, counted by the worker from when it SENT the request."""
+    retry_after_s: float = 0.0
+    speculative: bool = False
+    """Another attempt of this shard is running; whichever commits first wins."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenewRequest(Message):
+    KIND: ClassVar[str] = "renew"
+    token: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenewReply(Message):
+    KIND: ClassVar[str] = "renew_reply"
+    ok: bool = True
+    lease_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRequest(Message):
+    KIND: ClassVar[str] = "commit"
+    token: str
+    rows: int = 0
+    error_rows: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitReply(Message):
+    KIND: ClassVar[str] = "commit_reply"
+    ok: bool = True
+    status: Literal["done", "already_done"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseRequest(Message):
+    KIND: ClassVar[str] = "release"
+    token: str
+    reason: str
+    retryable: bool = True
+    """True: back to the tail of the queue as is. False (poison): counts as a failed attempt."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseReply(Message):
+    KIND: ClassVar[str] = "release_reply"
+    ok: bool = True
+    state: ShardState
+
+
+# -- jobs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusRequest(Message):
+    KIND: ClassVar[str] = "status"
+    job: str = ""
+    """One job, or every job when empty."""
+    include_spec: bool = False
+    include_leases: bool = False
+    active_only: bool = False
+    """Only jobs that are not finished."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseInfo(Message):
+    shard: int
+    attempt: int
+    worker: str
+    expires_in_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStatus(Message):
+    id: str
+    name: str
+    state: JobState
+    reason: str = ""
+    priority: int = 0
+    shards_total: int = 0
+    shards: dict[str, int] = field(default_factory=dict)
+    """Shard count per state (TODO, DOING, DONE, QUARANTINED)."""
+    rows_total: int = 0
+    """Exact for Parquet input; an estimate from planning for text formats."""
+    rows_done: int = 0
+    error_rows: int = 0
+    submitted_at: float = 0.0
+    """Wall-clock seconds since the epoch, for display only."""
+    finished_at: float = 0.0
+    min_workers: int = 0
+    max_workers: int = 0
+    manifest: str = ""
+    """URI of `_manifest.json`, once the job succeeded."""
+    spec: dict[str, Any] | None = None
+    leases: list[LeaseInfo] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusReply(Message):
+    KIND: ClassVar[str] = "status_reply"
+    ok: bool = True
+    jobs: list[JobStatus]
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Recently rejected submissions by job id, with the reason (kept in memory only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelRequest(Message):
+    KIND: ClassVar[str] = "cancel"
+    job: str
+    reason: str = "cancelled by user"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelReply(Message):
+    KIND: ClassVar[str] = "cancel_reply"
+    ok: bool = True
+    state: JobState
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobEvent(Message):
+    """Published on `<prefix>.jobs.<job>.events`: a hint to look, never the source of truth."""
+
+    KIND: ClassVar[str] = "job_event"
+    job: str
+    kind: Literal["accepted", "rejected", "progress", "state"]
+    state: str = ""
+    reason: str = ""
+    shards_done: int = 0
+    shards_total: int = 0
+    rows_done: int = 0
+    error_rows: int = 0

@@ -1,0 +1,268 @@
+"""The output layout and its exactly-once commit protocol (DESIGN section 5).
+
+    <out>/data/shard=S/attempt=A/part-00000.parquet   written by one attempt of shard S
+    <out>/_commits/shard=S.json                       created EXCLUSIVELY by the attempt that wins
+    <out>/_manifest.json                              written by the master when the job succeeds
+
+A data file is complete before it is visible (local: temp file, fsync, rename; object stores:
+one PUT). The commit record is created exclusively (local: temp file, fsync, `os.link`, which
+fails if the name exists; object stores: fsspec `pipe_file(mode="create")`, a conditional PUT on
+stores that offer one). Whoever creates it decides which attempt's files are the shard's output;
+every other attempt's folder is garbage. Readers read only what `_manifest.json` lists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from . import schema
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = "data"
+COMMITS_DIR = "_commits"
+MANIFEST = "_manifest.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputFile:
+    path: str
+    """Relative to the output root."""
+    rows: int
+    error_rows: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    job: str
+    shard: int
+    attempt: int
+    files: list[OutputFile]
+    worker: str = ""
+    committed_at: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def error_rows(self) -> int:
+        return sum(f.error_rows for f in self.files)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestFile:
+    path: str
+    shard: int
+    attempt: int
+    rows: int
+    error_rows: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    job: str
+    files: list[ManifestFile]
+    rows: int
+    error_rows: int
+    shards: int
+    quarantined_shards: list[int] = field(default_factory=list)
+    created_at: float = 0.0
+
+
+def shard_dir(shard: int) -> str:
+    return f"{DATA_DIR}/shard={shard:05d}"
+
+
+def attempt_dir(shard: int, attempt: int) -> str:
+    return f"{shard_dir(shard)}/attempt={attempt}"
+
+
+def commit_path(shard: int) -> str:
+    return f"{COMMITS_DIR}/shard={shard:05d}.json"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(schema.dump(value), indent=1, sort_keys=True).encode()
+
+
+class OutputStore:
+    """One job's output root, on the local disk or any fsspec filesystem."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri.rstrip("/")
+        fs, root = fsspec.core.url_to_fs(self.uri)
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.root: str = root.rstrip("/")
+        self.local = isinstance(fs, LocalFileSystem)
+
+    def full(self, relpath: str) -> str:
+        return posixpath.join(self.root, relpath)
+
+    def url(self, relpath: str) -> str:
+        """A URI for `relpath` that a user (or fsspec) can open."""
+        return f"{self.uri}/{relpath}"
+
+    # -- writing data ----------------------------------------------------------------------
+
+    def write_file(self, relpath: str, data: bytes) -> None:
+        """Write `data` so that the file is either absent or complete, never partial."""
+        path = self.full(relpath)
+        if not self.local:
+            self.fs.pipe_file(path, data)
+            return
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(directory)
+
+    # -- commit records --------------------------------------------------------------------
+
+    def create_commit(self, record: CommitRecord) -> tuple[bool, CommitRecord]:
+        """Create the shard's commit record if none exists.
+
+        Returns (True, record) if this call created it, else (False, the existing record):
+        another attempt won and its files are the shard's output.
+        """
+        path = self.full(commit_path(record.shard))
+        data = _json(record)
+        if self.local:
+            created = self._link_exclusive(path, data)
+        else:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                created = True
+            except FileExistsError:
+                created = False
+        if created:
+            return True, record
+        existing = self.read_commit(record.shard)
+        if existing is None:  # pragma: no cover - a commit record is never deleted
+            raise RuntimeError(f"commit record {path} vanished after a conflicting create")
+        return False, existing
+
+    def _link_exclusive(self, path: str, data: bytes) -> bool:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                # link(2) fails with EEXIST if the name exists: atomic, exclusive creation
+                # of a file whose content was complete and durable before it got its name.
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            _fsync_dir(directory)
+            return True
+        finally:
+            _unlink_quietly(tmp)
+
+    def read_commit(self, shard: int) -> CommitRecord | None:
+        path = self.full(commit_path(shard))
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        return schema.load(CommitRecord, json.loads(raw), strict=False)
+
+    def first_commit(self) -> CommitRecord | None:
+        """Any one commit record under this root (to tell whose output the root holds)."""
+        try:
+            names = sorted(self.fs.ls(self.full(COMMITS_DIR), detail=False))
+        except FileNotFoundError:
+            return None
+        for name in names:
+            if name.endswith(".json"):
+                return schema.load(CommitRecord, json.loads(self.fs.cat_file(name)), strict=False)
+        return None
+
+    # -- the manifest and garbage ----------------------------------------------------------
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        self.write_file(MANIFEST, _json(manifest))
+
+    def read_manifest(self) -> Manifest | None:
+        try:
+            raw = self.fs.cat_file(self.full(MANIFEST))
+        except FileNotFoundError:
+            return None
+        return schema.load(Manifest, json.loads(raw), strict=False)
+
+    def remove_uncommitted(self, winners: dict[int, int]) -> int:
+        """Delete attempt folders that are not their shard's winner. Returns folders removed.
+
+        Only call once no lease of the job can still be writing (the job has ended).
+        """
+        removed = 0
+        base = self.full(DATA_DIR)
+        try:
+            shard_dirs = self.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return 0
+        for sd in shard_dirs:
+            name = posixpath.basename(sd.rstrip("/"))
+            if not name.startswith("shard="):
+                continue
+            try:
+                shard = int(name.removeprefix("shard="))
+            except ValueError:
+                continue
+            for ad in self.fs.ls(sd, detail=False):
+                attempt_name = posixpath.basename(ad.rstrip("/"))
+                if not attempt_name.startswith("attempt="):
+                    continue
+                try:
+                    attempt = int(attempt_name.removeprefix("attempt="))
+                except ValueError:
+                    continue
+                if winners.get(shard) != attempt:
+                    self.fs.rm(ad, recursive=True)
+                    removed += 1
+        return removed
+
+
+def new_commit(
+    *, job: str, shard: int, attempt: int, files: list[OutputFile], worker: str
+) -> CommitRecord:
+    return CommitRecord(
+        job=job, shard=shard, attempt=attempt, files=files, worker=worker, committed_at=time.time()
+    )
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

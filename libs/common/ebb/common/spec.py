@@ -1,0 +1,341 @@
+"""The job spec: what to read, which pipeline to run on it, where to write, with what resources
+and which fault policy. It is the same map whether it arrives as YAML, JSON or msgpack.
+
+Every field is validated on load (types by `schema.load`, values by `__post_init__`), so a bad
+spec is refused with the path of the first bad field before any state changes anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import secrets
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+
+from . import schema
+from .errors import SchemaError, SpecError
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+MODELET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+InputFormat = Literal["parquet", "csv", "jsonl"]
+Runtime = Literal["onnx", "torchscript"]
+
+MODEL_SUFFIXES: dict[str, Runtime] = {
+    ".onnx": "onnx",
+    ".pt": "torchscript",
+    ".pth": "torchscript",
+    ".ts": "torchscript",
+    ".torchscript": "torchscript",
+}
+FORMAT_SUFFIXES: dict[str, InputFormat] = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+}
+
+
+def _bad(name: str, problem: str) -> SpecError:
+    return SpecError(name, problem)
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise _bad(name, f"must be > 0, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    uri: str
+    """A file, a folder (every file of the format under it) or a glob; a path or fsspec URL."""
+    format: InputFormat | None = None
+    """parquet, csv or jsonl. Inferred from the file suffix when absent."""
+    columns: list[str] | None = None
+    """Columns handed to the pipeline, per row. None: every column."""
+    rows_per_shard: int = 10_000
+    """Target rows in one shard, the unit of leasing, retry and commit."""
+
+    def __post_init__(self) -> None:
+        if not self.uri:
+            raise _bad("uri", "must not be empty")
+        _positive("rows_per_shard", self.rows_per_shard)
+        if self.format is None:
+            suffix = posixpath.splitext(self.uri.rstrip("/"))[1].lower()
+            inferred = FORMAT_SUFFIXES.get(suffix)
+            if inferred is None:
+                raise _bad("format", f"cannot infer from {self.uri!r}; say parquet, csv or jsonl")
+            object.__setattr__(self, "format", inferred)
+
+    @property
+    def fmt(self) -> InputFormat:
+        assert self.format is not None  # filled in by __post_init__
+        return self.format
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One stage of the pipeline: a user modelet class, or a model file served by a runtime."""
+
+    name: str = ""
+    """Shown in logs and metrics. Defaults to `stage<N>`."""
+    modelet: str | None = None
+    """`module:Class`, importable in the worker (see pipeline.code_paths)."""
+    model: str | None = None
+    """Path or URL of an ONNX (.onnx) or TorchScript (.pt, .ts) file."""
+    runtime: Runtime | None = None
+    """onnx or torchscript. Inferred from the model file's suffix when absent."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the modelet's constructor."""
+    input: str | None = None
+    """Model stages: feed this field of a map item to the model, instead of the item itself."""
+    batch_size: int = 32
+    """Largest batch the stage assembles."""
+    batch_wait_s: float = 0.01
+    """Longest wait for a batch to fill, counted from its FIRST item."""
+    workers: int = 1
+    """Processes running this stage."""
+    threads: int = 0
+    """Intra-op threads per process for model runtimes (0: the runtime's default)."""
+    device: str = "cpu"
+    """cpu, cuda or cuda:N."""
+
+    def __post_init__(self) -> None:
+        if (self.modelet is None) == (self.model is None):
+            raise _bad("modelet", "a stage names exactly one of `modelet` or `model`")
+        if self.modelet is not None and not MODELET_RE.match(self.modelet):
+            raise _bad("modelet", f"expected `module:Class`, got {self.modelet!r}")
+        if self.model is not None:
+            suffix = posixpath.splitext(self.model)[1].lower()
+            inferred = MODEL_SUFFIXES.get(suffix)
+            if self.runtime is None:
+                if inferred is None:
+                    known = ", ".join(MODEL_SUFFIXES)
+                    raise _bad("model", f"unknown model suffix {suffix!r} (known: {known})")
+                object.__setattr__(self, "runtime", inferred)
+            elif inferred is not None and inferred != self.runtime:
+                raise _bad("runtime", f"{self.runtime} does not match a {suffix} model file")
+        elif self.runtime is not None:
+            raise _bad("runtime", "only a model stage has a runtime")
+        _positive("batch_size", self.batch_size)
+        if self.batch_wait_s < 0:
+            raise _bad("batch_wait_s", f"must be >= 0, got {self.batch_wait_s}")
+        _positive("workers", self.workers)
+        if self.threads < 0:
+            raise _bad("threads", f"must be >= 0, got {self.threads}")
+        if not re.match(r"^(cpu|cuda(:\d+)?)$", self.device):
+            raise _bad("device", f"expected cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    stages: list[StageSpec]
+    """Run in order: each stage's output items are the next stage's input items."""
+    code_paths: list[str] = field(default_factory=list)
+    """Directories put in front of sys.path in stage processes, for user modelets."""
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise _bad("stages", "a pipeline has at least one stage")
+        named = [s if s.name else replace(s, name=f"stage{i}") for i, s in enumerate(self.stages)]
+        names = [s.name for s in named]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise _bad("stages", f"stage names must be unique: {sorted(dup)}")
+        object.__setattr__(self, "stages", named)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSpec:
+    uri: str
+    """Output root: data/, _commits/ and _manifest.json are written under it."""
+    format: Literal["parquet"] = "parquet"
+    carryover: list[str] = field(default_factory=list)
+    """Input columns copied, untouched, into the output next to the predictions."""
+    prediction_column: str = "prediction"
+    """Column name for the last stage's result when it is not a map of columns."""
+
+    def __post_init__(self) -> None:
+        if not self.uri:
+            raise _bad("uri", "must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourceSpec:
+    min_workers: int = 1
+    max_workers: int = 1
+    cpu: float = 1.0
+    """CPU cores requested per worker."""
+    memory_gb: float = 2.0
+    """Memory requested per worker."""
+    gpu: int = 0
+    """GPUs per worker."""
+    pool: str = "offline"
+    """Node pool preferred: offline, mixed or online (Kubernetes backend)."""
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 0:
+            raise _bad("min_workers", f"must be >= 0, got {self.min_workers}")
+        _positive("max_workers", self.max_workers)
+        if self.min_workers > self.max_workers:
+            raise _bad("min_workers", f"{self.min_workers} exceeds max_workers {self.max_workers}")
+        _positive("cpu", self.cpu)
+        _positive("memory_gb", self.memory_gb)
+        if self.gpu < 0:
+            raise _bad("gpu", f"must be >= 0, got {self.gpu}")
+        if self.pool not in ("offline", "mixed", "online"):
+            raise _bad("pool", f"expected offline, mixed or online, got {self.pool!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultPolicy:
+    lease_s: float = 60.0
+    """Lease period. Workers renew at about a third of it; an expired lease is retried."""
+    max_attempts: int = 3
+    """Failed attempts (expired or poisoned) after which a shard is quarantined."""
+    max_error_fraction: float = 0.01
+    """Fraction of rows allowed to fail (error rows and quarantined shards) before the job fails."""
+    batch_timeout_s: float = 300.0
+    """A batch running longer kills and restarts its stage process; retried once, then errors."""
+    worker_memory_gb: float | None = None
+    """Stage processes above this RSS are recycled between batches."""
+    speculative: bool = True
+    """Re-lease the oldest running shards to idle workers at the tail of the job."""
+
+    def __post_init__(self) -> None:
+        _positive("lease_s", self.lease_s)
+        _positive("max_attempts", self.max_attempts)
+        if not 0 <= self.max_error_fraction <= 1:
+            raise _bad("max_error_fraction", f"must lie in [0, 1], got {self.max_error_fraction}")
+        _positive("batch_timeout_s", self.batch_timeout_s)
+        if self.worker_memory_gb is not None:
+            _positive("worker_memory_gb", self.worker_memory_gb)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    name: str
+    id: str = ""
+    """Unique job id, sent as `Nats-Msg-Id`: resubmitting is a no-op. Assigned if empty."""
+    input: InputSpec
+    pipeline: PipelineSpec
+    output: OutputSpec
+    resources: ResourceSpec = field(default_factory=ResourceSpec)
+    fault: FaultPolicy = field(default_factory=FaultPolicy)
+    priority: int = 0
+    """Higher-priority jobs get capacity first."""
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 200:
+            raise _bad("name", "must be 1 to 200 characters")
+        if self.id and not JOB_ID_RE.match(self.id):
+            raise _bad("id", f"must match {JOB_ID_RE.pattern}, got {self.id!r}")
+
+    def with_id(self) -> JobSpec:
+        """This spec with an id: its own, or one made from the name and a random suffix."""
+        if self.id:
+            return self
+        stem = re.sub(r"[^A-Za-z0-9_-]+", "-", self.name).strip("-_")[:40] or "job"
+        return replace(self, id=f"{stem}-{secrets.token_hex(4)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = schema.dump(self)
+        return body
+
+
+def parse_job(data: object) -> JobSpec:
+    """Validate a decoded job map (from YAML, JSON or msgpack) as a JobSpec."""
+    try:
+        return schema.load(JobSpec, data, strict=True)
+    except SpecError:
+        raise
+    except SchemaError as e:
+        raise SpecError(e.path, e.problem) from None
+
+
+def load_job_file(path: str | os.PathLike[str]) -> JobSpec:
+    """Read a YAML or JSON job file; relative paths in it are taken relative to the file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecError("", f"cannot read job file {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError("", f"{p} is not valid YAML or JSON: {e}") from None
+    spec = parse_job(data)
+    return resolve_paths(spec, p.resolve().parent)
+
+
+def _is_url(uri: str) -> bool:
+    scheme = urlsplit(uri).scheme
+    return len(scheme) > 1  # a single letter is a Windows drive, not a scheme
+
+
+def _resolve(uri: str, base: Path) -> str:
+    if _is_url(uri):
+        return uri
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    p = Path(uri).expanduser()
+    return str(p if p.is_absolute() else (base / p))
+
+
+def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
+    """Make every local path in the spec absolute, relative to `base` (the job file's folder)."""
+    stages = [
+        replace(s, model=_resolve(s.model, base)) if s.model is not None else s
+        for s in spec.pipeline.stages
+    ]
+    return replace(
+        spec,
+        input=replace(spec.input, uri=_resolve(spec.input.uri, base)),
+        pipeline=replace(
+            spec.pipeline,
+            stages=stages,
+            code_paths=[_resolve(c, base) for c in spec.pipeline.code_paths],
+        ),
+        output=replace(spec.output, uri=_resolve(spec.output.uri, base)),
+    )
+
+
+def _normalise(uri: str) -> str:
+    """Collapse `.` and `..` and duplicate slashes; local paths are made absolute."""
+    if _is_url(uri):
+        parts = urlsplit(uri)
+        return f"{parts.scheme}://{parts.netloc}{posixpath.normpath('/' + parts.path)}"
+    return os.path.normpath(os.path.abspath(uri))
+
+
+def _under(uri: str, root: str) -> bool:
+    root = _normalise(root).rstrip("/")
+    return uri == root or uri.startswith(root + "/")
+
+
+def check_roots(spec: JobSpec, roots: list[str]) -> None:
+    """Refuse a spec whose input, output, model or code paths lie outside the allowed roots.
+
+    Local paths are resolved through symlinks, so neither `..` nor a link can escape a root.
+    """
+    named = [("input.uri", spec.input.uri), ("output.uri", spec.output.uri)]
+    named += [
+        (f"pipeline.stages[{i}].model", s.model)
+        for i, s in enumerate(spec.pipeline.stages)
+        if s.model is not None
+    ]
+    named += [(f"pipeline.code_paths[{i}]", c) for i, c in enumerate(spec.pipeline.code_paths)]
+    for where, uri in named:
+        if not _is_url(uri) and not os.path.isabs(uri):
+            raise SpecError(where, f"{uri!r} must be absolute when submitted")
+        resolved = _normalise(uri) if _is_url(uri) else os.path.realpath(uri)
+        resolved_roots = [r if _is_url(r) else os.path.realpath(r) for r in roots]
+        if not any(_under(resolved, r) for r in resolved_roots):
+            allowed = ", ".join(roots) or "(none configured)"
+            raise SpecError(where, f"{uri!r} lies outside the allowed data roots: {allowed}")

@@ -1,0 +1,183 @@
+"""The local backend: workers are child processes of the controller (`ebb run`, `ebb up`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from ebb.common.bus import NatsConfig
+from ebb.common.messages import JobStatus
+
+from .backend import Phase, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Child:
+    id: str
+    job: str
+    process: asyncio.subprocess.Process
+    started_at: float
+    log_file: IO[bytes] | None
+    terminate_at: float | None = None
+    kill_at: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalConfig:
+    nats: NatsConfig
+    max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """Workers this machine runs at once, across all jobs."""
+    log_dir: str | None = None
+    """Each worker's output goes to <log_dir>/<worker id>.log; None: inherit ours."""
+    python: str = sys.executable
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for workers."""
+
+
+class LocalBackend:
+    def __init__(self, config: LocalConfig) -> None:
+        self.config = config
+        self._children: dict[str, _Child] = {}
+
+    async def observe(self) -> list[WorkerInfo]:
+        now = asyncio.get_running_loop().time()
+        out = []
+        for child in self._children.values():
+            code = child.process.returncode
+            if code is None and child.kill_at is not None and now >= child.kill_at:
+                log.warning("worker %s did not drain in time: killing it", child.id)
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+            if code is None:
+                phase: Phase = "terminating" if child.terminate_at is not None else "running"
+                out.append(
+                    WorkerInfo(id=child.id, job=child.job, phase=phase, started_at=child.started_at)
+                )
+                continue
+            if child.log_file is not None:
+                child.log_file.close()
+                child.log_file = None
+            out.append(
+                WorkerInfo(
+                    id=child.id,
+                    job=child.job,
+                    phase="succeeded" if code == 0 else "failed",
+                    started_at=child.started_at,
+                    exit_code=code,
+                    reason=_describe(code),
+                )
+            )
+        return out
+
+    async def capacity(self) -> int:
+        return self.config.max_workers
+
+    async def launch(self, job: JobStatus, worker_id: str) -> None:
+        if worker_id in self._children:
+            return
+        nats = self.config.nats
+        args = [
+            self.config.python,
+            "-m",
+            "ebb.worker",
+            "--job",
+            job.id,
+            "--id",
+            worker_id,
+            "--nats",
+            nats.url,
+            "--prefix",
+            nats.prefix,
+        ]
+        env = {**os.environ, **self.config.env}
+        # Credentials travel in the environment, not on the command line (visible in ps).
+        for key, value in (
+            ("EBB_NATS_USER", nats.user),
+            ("EBB_NATS_PASSWORD", nats.password),
+            ("EBB_NATS_CREDS", nats.creds_file),
+        ):
+            if value:
+                env[key] = value
+        log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
+        process = await asyncio.create_subprocess_exec(
+            *args,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT if log_file else None,
+            # Its own process group: a Ctrl-C at the terminal reaches the CLI, which then
+            # drains workers in order, rather than every worker at once.
+            start_new_session=True,
+        )
+        self._children[worker_id] = _Child(
+            id=worker_id,
+            job=job.id,
+            process=process,
+            started_at=asyncio.get_running_loop().time(),
+            log_file=log_file,
+        )
+        log.info("launched worker %s for job %s (pid %d)", worker_id, job.id, process.pid)
+
+    async def terminate(self, worker_id: str, *, grace_s: float) -> None:
+        child = self._children.get(worker_id)
+        if child is None or child.process.returncode is not None or child.terminate_at is not None:
+            return
+        now = asyncio.get_running_loop().time()
+        child.terminate_at = now
+        child.kill_at = now + grace_s
+        with contextlib.suppress(ProcessLookupError):
+            child.process.send_signal(signal.SIGTERM)
+
+    async def forget(self, worker_id: str) -> None:
+        child = self._children.get(worker_id)
+        if child is not None and child.process.returncode is not None:
+            del self._children[worker_id]
+
+    def pids(self) -> dict[str, int]:
+        """Worker id -> pid of the live workers (for tests and `ebb up` diagnostics)."""
+        return {
+            c.id: c.process.pid for c in self._children.values() if c.process.returncode is None
+        }
+
+    async def close(self, *, grace_s: float) -> None:
+        """Local workers are our children: drain them all, then kill what is left."""
+        for worker_id in list(self._children):
+            await self.terminate(worker_id, grace_s=grace_s)
+        waits = [c.process.wait() for c in self._children.values() if c.process.returncode is None]
+        if waits:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(w) for w in waits], timeout=grace_s
+            )
+            for child in self._children.values():
+                if child.process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.process.kill()
+            if pending:
+                await asyncio.wait(pending)
+        for child in self._children.values():
+            if child.log_file is not None:
+                child.log_file.close()
+        self._children.clear()
+
+
+def _open_log(folder: str, worker_id: str) -> IO[bytes]:
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return open(Path(folder) / f"{worker_id}.log", "ab")
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,92 @@
+"""The controller service: a reconcile loop, woken by job events and by a periodic resync.
+
+Agents: `reconciler` (one pass at a time, level-triggered; a failed pass is logged and the
+next one tries again). Job events only make the next pass come sooner: missing one costs at
+most `resync_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+
+from ebb.common import bus
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.errors import BusError, RemoteError
+from ebb.common.supervisor import Supervisor
+
+from . import metrics
+from .backend import ClusterBackend
+from .reconcile import Reconciler, ReconcilerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    resync_s: float = 2.0
+    """Longest time between two reconcile passes."""
+    min_interval_s: float = 0.2
+    """Shortest time between two passes, however many events arrive."""
+    reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
+    shutdown_grace_s: float = 30.0
+
+
+class Controller:
+    def __init__(self, config: ControllerConfig, backend: ClusterBackend) -> None:
+        self.config = config
+        self.backend = backend
+        self.supervisor = Supervisor("controller")
+        self._wake = asyncio.Event()
+        self.reconciler: Reconciler | None = None
+
+    def request_stop(self) -> None:
+        self.supervisor.request_stop()
+
+    async def run(self) -> None:
+        nc = await bus.connect(self.config.nats, name="ebb-controller")
+        subjects = Subjects(self.config.nats.prefix)
+        # One try per request: a pass that cannot reach the master is skipped, not stalled.
+        master = MasterClient(nc, self.config.nats, backoff=Backoff(attempts=1))
+        self.reconciler = Reconciler(
+            master=master, backend=self.backend, config=self.config.reconciler
+        )
+
+        async def on_event(_msg: Any) -> None:
+            self._wake.set()
+
+        subscription = await nc.subscribe(subjects.all_events, cb=on_event)
+        try:
+            async with self.supervisor as sup:
+                sup.spawn("reconciler", self.reconcile_forever())
+                await sup.wait()
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await subscription.unsubscribe()
+            await self.backend.close(grace_s=self.config.shutdown_grace_s)
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.drain()
+
+    async def reconcile_forever(self) -> None:
+        assert self.reconciler is not None
+        while True:
+            self._wake.clear()
+            try:
+                await self.reconciler.reconcile_once()
+                metrics.RECONCILES.labels("ok").inc()
+            except (BusError, RemoteError) as e:
+                metrics.RECONCILES.labels("master_unavailable").inc()
+                log.info("reconcile skipped: master unavailable (%s)", e)
+            except Exception:
+                metrics.RECONCILES.labels("error").inc()
+                log.exception("reconcile pass failed")
+            await asyncio.sleep(self.config.min_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.resync_s)

@@ -1,0 +1,81 @@
+"""`python -m ebb.shard_master`: run the shard master until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from ebb.common import log as logsetup
+from ebb.common import metrics as metricsserver
+from ebb.common.bus import NatsConfig
+from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
+from ebb.common.supervisor import AgentExited, install_stop_signals
+
+from .errors import Deposed
+from .service import MasterConfig, ShardMaster
+
+log = logging.getLogger("ebb.shard_master")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m ebb.shard_master", description=__doc__)
+    p.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
+    p.add_argument("--nats-user", default=env("EBB_NATS_USER"))
+    p.add_argument("--nats-password", default=env("EBB_NATS_PASSWORD"))
+    p.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"))
+    p.add_argument("--id", default=env("EBB_MASTER_ID", socket.gethostname()))
+    p.add_argument(
+        "--data-root",
+        action="append",
+        default=[r for r in env("EBB_DATA_ROOTS", "").split(",") if r],
+        help="a root under which job inputs, outputs and models may lie (repeatable)",
+    )
+    p.add_argument("--leader-ttl", type=float, default=float(env("EBB_LEADER_TTL_S", "10")))
+    p.add_argument("--speculate-after", type=float, default=5.0)
+    p.add_argument("--metrics-port", type=int, default=_int_or_none(env("EBB_METRICS_PORT")))
+    p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+async def amain(args: argparse.Namespace) -> int:
+    config = MasterConfig(
+        nats=NatsConfig(
+            url=args.nats,
+            prefix=args.prefix,
+            user=args.nats_user,
+            password=args.nats_password,
+            creds_file=args.nats_creds,
+        ),
+        id=args.id,
+        data_roots=args.data_root,
+        leader_ttl_s=args.leader_ttl,
+        speculate_after_s=args.speculate_after,
+        metrics_port=args.metrics_port,
+    )
+    master = ShardMaster(config)
+    install_stop_signals(master.request_stop)
+    try:
+        await master.run()
+    except (AgentExited, Deposed) as e:
+        log.error("%s", e)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logsetup.setup(args.log_level, service="shard master")
+    metricsserver.serve(args.metrics_port)
+    return run(amain(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""The shard master's exceptions. Each maps to a stable error code in replies."""
+
+from __future__ import annotations
+
+from ebb.common.errors import EbbError
+
+
+class MasterError(EbbError):
+    code = "internal"
+
+
+class BadRequest(MasterError):
+    code = "bad_request"
+
+
+class StaleToken(MasterError):
+    """The token is not a current lease: expired, released, superseded or from a zombie."""
+
+    code = "stale_token"
+
+
+class JobNotFound(MasterError):
+    code = "not_found"
+
+
+class JobEnded(MasterError):
+    """The job reached a terminal state; its leases are void."""
+
+    code = "job_ended"
+
+
+class NoCommitRecord(MasterError):
+    """`commit` came before the shard's commit record exists in the output."""
+
+    code = "no_commit_record"
+
+
+class PlanningError(MasterError):
+    """The input cannot be split into shards (missing, unreadable, empty)."""
+
+    code = "bad_request"
+
+
+class Deposed(MasterError):
+    """Another master wrote the state we hold: we are no longer the only writer. Stop now."""
+
+    code = "not_leader"

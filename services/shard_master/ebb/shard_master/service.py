@@ -1,0 +1,372 @@
+"""The shard master service: NATS in front of the lease table.
+
+Agents (each a task of one supervisor; if one dies, the master exits and is restarted):
+- leadership: keeps the leader key; losing it stops the master.
+- intake:     pulls job messages from the EBB_JOBS stream, validates, plans, persists, acks.
+- reaper:     expires leases past their deadline and finishes jobs whose shards are settled.
+- publisher:  sends job events (progress, state changes) for the CLI and the controller.
+Requests on `<prefix>.master.<op>` are served beside them by a RequestServer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from ebb.common import bus, schema
+from ebb.common.bus import NatsConfig, RequestServer, Subjects
+from ebb.common.errors import SchemaError, SpecError
+from ebb.common.messages import (
+    CancelRequest,
+    CommitRequest,
+    JobEvent,
+    LeaseRequest,
+    ReleaseRequest,
+    RenewRequest,
+    StatusRequest,
+)
+from ebb.common.output import OutputStore
+from ebb.common.schema import Message
+from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
+from ebb.common.supervisor import Supervisor
+
+from . import metrics
+from .errors import Deposed, MasterError, PlanningError
+from .leader import Leadership
+from .store import Store
+from .table import LeaseTable
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req", bound=Message)
+
+_MAX_SUBMIT_DELIVERIES = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class MasterConfig:
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    id: str = field(default_factory=socket.gethostname)
+    """This master's identity in the leader election. A restart under the same id leads at once."""
+    data_roots: list[str] = field(default_factory=list)
+    """Input, output, model and code paths of a job must lie under one of these."""
+    leader_ttl_s: float = 10.0
+    """A dead leader is replaced after at most this long."""
+    wait_retry_s: float = 1.0
+    """Told to workers that find no shard free, yet the job unfinished."""
+    speculate_after_s: float = 5.0
+    """A shard runs at least this long (and 1.5x the median shard time) before it is duplicated."""
+    reaper_interval_s: float = 0.5
+    concurrency: int = 64
+    """Requests served at once."""
+    shutdown_grace_s: float = 5.0
+    metrics_port: int | None = None
+
+
+class ShardMaster:
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.subjects = Subjects(config.nats.prefix)
+        self.supervisor = Supervisor("master")
+        self.table: LeaseTable | None = None
+        self._events: asyncio.Queue[JobEvent] = asyncio.Queue(maxsize=10_000)
+        self.ready = asyncio.Event()
+        """Set once this master leads and serves requests."""
+        self.deposed: Deposed | None = None
+
+    def request_stop(self) -> None:
+        self.supervisor.request_stop()
+
+    async def run(self) -> None:
+        nc = await bus.connect(self.config.nats, name=f"ebb-master-{self.config.id}")
+        try:
+            await self._run(nc)
+        finally:
+            try:
+                await nc.drain()
+            except (nats.errors.Error, TimeoutError) as e:
+                log.debug("drain failed: %s", e)
+
+    async def _run(self, nc: NATS) -> None:
+        js = nc.jetstream()
+        await bus.ensure_jetstream(js, self.subjects, leader_ttl_s=self.config.leader_ttl_s)
+        leadership = Leadership(
+            await js.key_value(self.subjects.leader_bucket),
+            holder=self.config.id,
+            ttl_s=self.config.leader_ttl_s,
+        )
+        acquire = asyncio.create_task(leadership.acquire())
+        stop = asyncio.create_task(self.supervisor.stop_requested.wait())
+        await asyncio.wait([acquire, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            await asyncio.wait([acquire])
+            return
+        epoch = acquire.result()
+
+        store = Store(
+            jobs=await js.key_value(self.subjects.jobs_bucket),
+            shards=await js.key_value(self.subjects.shards_bucket),
+        )
+        self.table = table = LeaseTable(
+            store=store,
+            epoch=epoch,
+            on_event=self._emit,
+            wait_retry_s=self.config.wait_retry_s,
+            speculate_after_s=self.config.speculate_after_s,
+        )
+        await table.load()
+        server = RequestServer(nc, queue="ebb-master", concurrency=self.config.concurrency)
+        await server.add(self.subjects.master("lease"), self._handler(LeaseRequest, self._lease))
+        await server.add(self.subjects.master("renew"), self._handler(RenewRequest, self._renew))
+        await server.add(self.subjects.master("commit"), self._handler(CommitRequest, self._commit))
+        await server.add(
+            self.subjects.master("release"), self._handler(ReleaseRequest, self._release)
+        )
+        await server.add(self.subjects.master("status"), self._handler(StatusRequest, self._status))
+        await server.add(self.subjects.master("cancel"), self._handler(CancelRequest, self._cancel))
+        self.ready.set()
+        log.info("shard master %s serving (epoch %d)", self.config.id, epoch)
+        try:
+            async with self.supervisor as sup:
+                sup.spawn("leadership", leadership.keepalive())
+                sup.spawn("intake", self.intake(js))
+                sup.spawn("reaper", self.reaper())
+                sup.spawn("publisher", self.publisher(nc))
+                await sup.wait()
+            if self.deposed is not None:
+                raise self.deposed
+        finally:
+            # Staged: stop answering (in-flight requests finish), then hand leadership over.
+            await server.close(grace_s=self.config.shutdown_grace_s)
+            await leadership.resign()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _handler(
+        self, request_type: type[Req], serve: Callable[[Req], Awaitable[Message]]
+    ) -> Callable[[bytes], Awaitable[bytes]]:
+        op = request_type.KIND
+
+        async def handle(data: bytes) -> bytes:
+            started = time.perf_counter()
+            try:
+                request = schema.decode(request_type, data)
+            except SchemaError as e:
+                metrics.INVALID_MESSAGES.labels(op).inc()
+                metrics.OPS.labels(op, "bad_request").inc()
+                return bus.error_reply("bad_request", str(e))
+            try:
+                reply = await serve(request)
+            except Deposed as e:
+                # Someone else writes our state: answering anything more would be a lie.
+                log.error("deposed: %s", e)
+                self.deposed = e
+                self.request_stop()
+                metrics.OPS.labels(op, e.code).inc()
+                return bus.error_reply(e.code, str(e))
+            except MasterError as e:
+                metrics.OPS.labels(op, e.code).inc()
+                return bus.error_reply(e.code, str(e))
+            except (nats.errors.Error, TimeoutError) as e:
+                metrics.OPS.labels(op, "unavailable").inc()
+                return bus.error_reply("unavailable", f"state store unavailable: {e}")
+            metrics.OPS.labels(op, "ok").inc()
+            metrics.OP_SECONDS.labels(op).observe(time.perf_counter() - started)
+            return schema.encode(reply)
+
+        return handle
+
+    def _table(self) -> LeaseTable:
+        assert self.table is not None
+        return self.table
+
+    async def _lease(self, r: LeaseRequest) -> Message:
+        return await self._table().lease(r.job, r.worker, r.request_id)
+
+    async def _renew(self, r: RenewRequest) -> Message:
+        return self._table().renew(r.token)
+
+    async def _commit(self, r: CommitRequest) -> Message:
+        return await self._table().commit(r.token)
+
+    async def _release(self, r: ReleaseRequest) -> Message:
+        return await self._table().release(r.token, r.reason, retryable=r.retryable)
+
+    async def _status(self, r: StatusRequest) -> Message:
+        return self._table().status(
+            r.job,
+            include_spec=r.include_spec,
+            include_leases=r.include_leases,
+            active_only=r.active_only,
+        )
+
+    async def _cancel(self, r: CancelRequest) -> Message:
+        return await self._table().cancel(r.job, r.reason)
+
+    # -- agents ----------------------------------------------------------------------------
+
+    async def intake(self, js: JetStreamContext) -> None:
+        """Take submitted jobs off the stream, one at a time, acking each once it is persisted."""
+        sub = await js.pull_subscribe(
+            self.subjects.submit,
+            durable="ebb-master",
+            stream=self.subjects.jobs_stream,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=120.0),
+        )
+        try:
+            await self._intake_loop(sub)
+        finally:
+            # Unsubscribe rather than let drain() handle it: fetched messages are never marked
+            # done in a pull subscription's queue, so drain would wait out its whole timeout.
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _intake_loop(self, sub: Any) -> None:
+        while True:
+            try:
+                messages = await sub.fetch(batch=8, timeout=1.0)
+            except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from inside fetch
+                continue
+            except nats.errors.Error as e:
+                log.warning("intake: fetch failed (%s); retrying", e)
+                await asyncio.sleep(1.0)
+                continue
+            for msg in messages:
+                await self._take_job(msg)
+
+    async def _take_job(self, msg: Msg) -> None:
+        table = self._table()
+        claimed_id = _claimed_job_id(msg)
+        try:
+            spec = self._decode_job(msg)
+            check_roots(spec, self.config.data_roots)
+            await asyncio.to_thread(_check_output_free, spec)
+        except SchemaError as e:
+            metrics.INVALID_MESSAGES.labels("submit").inc()
+            log.warning("job %s rejected: %s", claimed_id or "<no id>", e)
+            if claimed_id:
+                table.reject(claimed_id, str(e))
+            await msg.term()
+            return
+        try:
+            accepted = await table.submit(spec)
+        except PlanningError as e:
+            log.warning("job %s rejected: %s", spec.id, e)
+            table.reject(spec.id, str(e))
+            await msg.term()
+            return
+        except Deposed:
+            raise
+        except Exception as e:
+            # Storage or NATS trouble: let the message come back, a bounded number of times.
+            delivered = msg.metadata.num_delivered
+            if delivered >= _MAX_SUBMIT_DELIVERIES:
+                log.exception("job %s: giving up after %d tries", spec.id, delivered)
+                table.reject(spec.id, f"could not be planned after {delivered} tries: {e}")
+                await msg.term()
+            else:
+                log.warning("job %s: intake failed (%s); will retry", spec.id, e)
+                await msg.nak(delay=2.0 * delivered)
+            return
+        if not accepted:
+            log.info("job %s was submitted before; ignoring the repeat", spec.id)
+        await msg.ack()
+
+    def _decode_job(self, msg: Msg) -> JobSpec:
+        headers = msg.headers or {}
+        if headers.get("Content-Type", "").startswith("application/json"):
+            try:
+                body = json.loads(msg.data)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise SpecError("", f"not valid JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise SpecError("", "a job message is a map")
+            body.setdefault(schema.VERSION_KEY, schema.SCHEMA_VERSION)
+        else:
+            body = schema.unpack(msg.data)
+        schema.check_version(body)
+        spec = parse_job(body)
+        if not spec.id:
+            claimed = headers.get("Nats-Msg-Id", "")
+            spec = parse_job({**spec.to_dict(), "id": claimed}) if claimed else spec.with_id()
+        return spec
+
+    async def reaper(self) -> None:
+        """Expire overdue leases; finish jobs whose shards are all settled."""
+        table = self._table()
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await table.expire_due()
+                for job in table.running_jobs():
+                    if job.counts["DONE"] + job.counts["QUARANTINED"] == job.record.shards_total:
+                        await table.settle(job)
+            except Deposed:
+                raise
+            except Exception:
+                log.exception("reaper pass failed; retrying")
+            wait = self.config.reaper_interval_s
+            next_expiry = table.next_expiry()
+            if next_expiry is not None:
+                wait = min(wait, max(0.01, next_expiry - loop.time()))
+            await asyncio.sleep(wait)
+
+    def _emit(self, event: JobEvent) -> None:
+        try:
+            self._events.put_nowait(event)
+        except asyncio.QueueFull:
+            log.debug("event queue full; dropping %s event of %s", event.kind, event.job)
+
+    async def publisher(self, nc: NATS) -> None:
+        while True:
+            event = await self._events.get()
+            try:
+                await nc.publish(self.subjects.events(event.job), schema.encode(event))
+            except nats.errors.Error as e:
+                log.debug("could not publish event: %s", e)
+
+
+def _claimed_job_id(msg: Msg) -> str:
+    """The job id a message claims, if one can be read at all: for rejection notices."""
+    candidates: list[Any] = [(msg.headers or {}).get("Nats-Msg-Id")]
+    try:
+        body = schema.unpack(msg.data)
+        candidates.insert(0, body.get("id"))
+    except SchemaError:
+        try:
+            body = json.loads(msg.data)
+            if isinstance(body, dict):
+                candidates.insert(0, body.get("id"))
+        except (ValueError, UnicodeDecodeError):
+            pass
+    for c in candidates:
+        if isinstance(c, str) and JOB_ID_RE.match(c):
+            return c
+    return ""
+
+
+def _check_output_free(spec: JobSpec) -> None:
+    """Refuse an output root that holds another job's output: its commits would be mistaken
+    for this job's (the same rule as Spark's default save mode, `error`)."""
+    output = OutputStore(spec.output.uri)
+    manifest = output.read_manifest()
+    if manifest is not None and manifest.job != spec.id:
+        raise SpecError("output.uri", f"{spec.output.uri} holds the output of job {manifest.job}")
+    record = output.first_commit()
+    if record is not None and record.job != spec.id:
+        raise SpecError("output.uri", f"{spec.output.uri} holds commits of job {record.job}")

@@ -1,0 +1,139 @@
+"""The lease table's durable form: one JetStream KV record per job and per shard.
+
+Every write is a compare-and-set on the record's last revision. A write that finds another
+revision means some other process (a second master that believes it leads) wrote the record:
+we raise `Deposed` rather than overwrite it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from ebb.common import schema
+from ebb.common.messages import JobState, ShardSpec, ShardState
+from ebb.common.output import OutputFile
+
+from .errors import Deposed
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRecord:
+    token: str
+    attempt: int
+    worker: str
+    speculative: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRecord:
+    job: str
+    spec: ShardSpec
+    state: ShardState = "TODO"
+    seq: int = 0
+    """Queue position while TODO: lower is served first; re-queued shards get a new, higher seq."""
+    attempts: int = 0
+    """Attempts started. The next attempt is numbered attempts + 1."""
+    failures: int = 0
+    """Attempts that failed (lease expired, poisoned). At max_attempts the shard is quarantined."""
+    leases: list[LeaseRecord] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """The latest failure reasons, newest last."""
+    done_attempt: int = 0
+    rows: int = 0
+    error_rows: int = 0
+    files: list[OutputFile] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord:
+    id: str
+    spec: dict[str, Any]
+    state: JobState = "SUBMITTED"
+    reason: str = ""
+    shards_total: int = 0
+    rows_total: int = 0
+    submitted_at: float = 0.0
+    finished_at: float = 0.0
+    # Final counts, written when the job ends, so that a finished job is described without
+    # loading its shards.
+    shards_done: int = 0
+    shards_quarantined: int = 0
+    rows_done: int = 0
+    error_rows: int = 0
+    manifest: str = ""
+
+
+def shard_key(job: str, index: int) -> str:
+    return f"{job}.{index:07d}"
+
+
+class Store:
+    def __init__(self, *, jobs: KeyValue, shards: KeyValue) -> None:
+        self._jobs = jobs
+        self._shards = shards
+
+    async def create_job(self, record: JobRecord) -> int | None:
+        """Create the job's record; None if it exists already."""
+        try:
+            return await self._jobs.create(record.id, schema.pack(record))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def update_job(self, record: JobRecord, *, last: int) -> int:
+        try:
+            return await self._jobs.update(record.id, schema.pack(record), last=last)
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise Deposed(f"job {record.id} was written by someone else") from e
+
+    async def get_job(self, job: str) -> tuple[JobRecord, int] | None:
+        try:
+            entry = await self._jobs.get(job)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        assert entry.value is not None and entry.revision is not None
+        return schema.decode(JobRecord, entry.value), entry.revision
+
+    async def create_shard(self, record: ShardRecord) -> int | None:
+        """Create a shard's record; None if it exists already (a resumed planning)."""
+        try:
+            return await self._shards.create(
+                shard_key(record.job, record.spec.index), schema.pack(record)
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def update_shard(self, record: ShardRecord, *, last: int) -> int:
+        key = shard_key(record.job, record.spec.index)
+        try:
+            return await self._shards.update(key, schema.pack(record), last=last)
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise Deposed(f"shard {key} was written by someone else") from e
+
+    async def load_jobs(self) -> list[tuple[JobRecord, int]]:
+        return [(schema.decode(JobRecord, v), rev) for v, rev in await _snapshot(self._jobs, ">")]
+
+    async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
+        entries = await _snapshot(self._shards, f"{job}.*")
+        return [(schema.decode(ShardRecord, v), rev) for v, rev in entries]
+
+
+async def _snapshot(
+    kv: KeyValue, pattern: str, *, timeout_s: float = 30.0
+) -> list[tuple[bytes, int]]:
+    """Current value of every key matching `pattern`, read as one ordered stream (fast)."""
+    watcher = await kv.watch(pattern, ignore_deletes=True)
+    out: list[tuple[bytes, int]] = []
+    try:
+        while True:
+            entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
+            if entry is None:  # end of the initial values
+                break
+            if entry.value is not None and entry.revision is not None:
+                out.append((entry.value, entry.revision))
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+    return out

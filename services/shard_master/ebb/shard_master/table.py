@@ -1,0 +1,725 @@
+"""The lease table: every job's shards, their queue, their leases, and each transition.
+
+State lives in two places with one rule between them: a transition is written to KV
+(compare-and-set) first, and only then applied in memory and answered. The memory side is
+what makes it fast; the KV side is what lets a restarted master carry on.
+
+Concurrency: the service runs on one event loop. A transition on a shard holds that shard's
+lock across its KV write, so two transitions of one shard never interleave, while different
+shards proceed concurrently. Picking a shard from the queue is synchronous (no await between
+looking and taking), so two workers can never be handed the same TODO shard.
+
+Deadlines live on the master's monotonic clock, in memory only: a restarted master gives every
+running lease a fresh full period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import secrets
+import statistics
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Literal
+
+from ebb.common.messages import (
+    TERMINAL_JOB_STATES,
+    CancelReply,
+    CommitReply,
+    JobEvent,
+    JobState,
+    JobStatus,
+    LeaseInfo,
+    LeaseReply,
+    ReleaseReply,
+    RenewReply,
+    ShardState,
+    StatusReply,
+)
+from ebb.common.output import MANIFEST, Manifest, ManifestFile, OutputStore
+from ebb.common.spec import JobSpec, parse_job
+
+from . import metrics
+from .errors import BadRequest, JobEnded, JobNotFound, NoCommitRecord, StaleToken
+from .planner import plan_shards
+from .store import JobRecord, LeaseRecord, ShardRecord, Store
+
+log = logging.getLogger(__name__)
+
+_KEEP_ERRORS = 5
+_KEEP_DURATIONS = 256
+_LEASE_REPLY_CACHE = 4096
+_CREATE_CHUNK = 256
+
+
+class Shard:
+    __slots__ = ("deadlines", "granted", "lock", "record", "revision")
+
+    def __init__(self, record: ShardRecord, revision: int) -> None:
+        self.record = record
+        self.revision = revision
+        self.lock = asyncio.Lock()
+        self.deadlines: dict[str, float] = {}
+        """Active lease tokens and when each expires (monotonic)."""
+        self.granted: dict[str, float] = {}
+        """Active lease tokens and when each was granted (monotonic)."""
+
+    @property
+    def index(self) -> int:
+        return self.record.spec.index
+
+
+class Job:
+    def __init__(self, record: JobRecord, revision: int, spec: JobSpec) -> None:
+        self.record = record
+        self.revision = revision
+        self.spec = spec
+        self.lock = asyncio.Lock()
+        self.shards: list[Shard] = []
+        self.todo: deque[int] = deque()
+        self.doing: set[int] = set()
+        self.counts: Counter[str] = Counter()
+        self.rows_done = 0
+        self.error_rows = 0
+        self.quarantined_rows = 0
+        self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
+        self.next_seq = 0
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    @property
+    def ended(self) -> bool:
+        return self.record.state in TERMINAL_JOB_STATES
+
+    def adopt_shards(
+        self, entries: list[tuple[ShardRecord, int]], now: float, lease_s: float
+    ) -> None:
+        """Build the in-memory table from persisted shard records (after planning or a restart)."""
+        self.shards = [
+            Shard(rec, rev) for rec, rev in sorted(entries, key=lambda e: e[0].spec.index)
+        ]
+        self.todo.clear()
+        self.doing.clear()
+        self.counts.clear()
+        self.rows_done = self.error_rows = self.quarantined_rows = 0
+        todo: list[tuple[int, int]] = []
+        for shard in self.shards:
+            rec = shard.record
+            self.counts[rec.state] += 1
+            self.next_seq = max(self.next_seq, rec.seq + 1)
+            if rec.state == "TODO":
+                todo.append((rec.seq, shard.index))
+            elif rec.state == "DOING":
+                self.doing.add(shard.index)
+                for lease in rec.leases:
+                    # We cannot know how long the holder has had it: a fresh full period.
+                    shard.deadlines[lease.token] = now + lease_s
+                    shard.granted[lease.token] = now
+            elif rec.state == "DONE":
+                self.rows_done += rec.rows
+                self.error_rows += rec.error_rows
+            elif rec.state == "QUARANTINED":
+                self.quarantined_rows += rec.spec.rows
+        self.todo.extend(index for _, index in sorted(todo))
+        self.publish_gauges()
+
+    def release_shards(self) -> None:
+        """Forget the shards of an ended job: its record keeps the final counts."""
+        self.shards = []
+        self.todo.clear()
+        self.doing.clear()
+
+    def publish_gauges(self) -> None:
+        for state in ("TODO", "DOING", "DONE", "QUARANTINED"):
+            metrics.SHARDS.labels(self.id, state).set(self.counts[state])
+
+    def move(self, old: str, new: str) -> None:
+        self.counts[old] -= 1
+        self.counts[new] += 1
+        metrics.SHARDS.labels(self.id, old).set(self.counts[old])
+        metrics.SHARDS.labels(self.id, new).set(self.counts[new])
+
+
+def make_token(epoch: int, job: str, shard: int, attempt: int) -> str:
+    return f"{epoch}:{job}:{shard}:{attempt}:{secrets.token_hex(6)}"
+
+
+def parse_token(token: str) -> tuple[str, int]:
+    """(job, shard) named by a token, or StaleToken if it is not one of ours."""
+    parts = token.split(":")
+    if len(parts) != 5:
+        raise StaleToken("malformed lease token")
+    try:
+        return parts[1], int(parts[2])
+    except ValueError:
+        raise StaleToken("malformed lease token") from None
+
+
+EventKind = Literal["accepted", "rejected", "progress", "state"]
+EventSink = Callable[[JobEvent], None]
+OutputOpener = Callable[[str], OutputStore]
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        epoch: int,
+        on_event: EventSink,
+        open_output: OutputOpener = OutputStore,
+        wait_retry_s: float = 1.0,
+        speculate_after_s: float = 5.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._store = store
+        self._epoch = epoch
+        self._emit = on_event
+        self._open_output = open_output
+        self._wait_retry_s = wait_retry_s
+        self._speculate_after_s = speculate_after_s
+        self._clock = clock or asyncio.get_running_loop().time
+        self.jobs: dict[str, Job] = {}
+        self.rejected: OrderedDict[str, str] = OrderedDict()
+        self._expiries: list[tuple[float, str, int, str]] = []
+        self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
+
+    # -- loading and intake ----------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Rebuild the table from KV: every job, and every shard of the jobs still running."""
+        now = self._clock()
+        for record, revision in await self._store.load_jobs():
+            spec = parse_job(record.spec)
+            job = Job(record, revision, spec)
+            self.jobs[job.id] = job
+            if record.state == "RUNNING":
+                job.adopt_shards(await self._store.load_shards(job.id), now, spec.fault.lease_s)
+                for shard in job.shards:
+                    for token, deadline in shard.deadlines.items():
+                        heapq.heappush(self._expiries, (deadline, job.id, shard.index, token))
+        self._publish_job_gauges()
+        log.info(
+            "loaded %d jobs (%d running)",
+            len(self.jobs),
+            sum(1 for j in self.jobs.values() if j.state == "RUNNING"),
+        )
+
+    def reject(self, job_id: str, reason: str) -> None:
+        """Remember a refused submission for a while, so `status` can say why."""
+        self.rejected[job_id] = reason
+        while len(self.rejected) > 256:
+            self.rejected.popitem(last=False)
+        self._emit(JobEvent(job=job_id, kind="rejected", reason=reason))
+
+    async def submit(self, spec: JobSpec) -> bool:
+        """Plan and persist a validated job. False if it was known already (a resubmission)."""
+        job = self.jobs.get(spec.id)
+        if job is not None and job.state != "SUBMITTED":
+            return False
+        # Plan before writing anything: input that cannot be planned is refused with no trace.
+        # Planning reads only metadata, but of possibly many files: off the event loop.
+        shard_specs = await asyncio.to_thread(plan_shards, spec.input)
+        if job is None:
+            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=time.time())
+            revision = await self._store.create_job(record)
+            if revision is None:
+                found = await self._store.get_job(spec.id)
+                if found is None:
+                    raise BadRequest(f"job {spec.id} vanished during submission")
+                record, revision = found
+                if record.state != "SUBMITTED":
+                    return False
+            job = Job(record, revision, spec)
+            self.jobs[job.id] = job
+        records = [ShardRecord(job=spec.id, spec=s, seq=s.index) for s in shard_specs]
+        for start in range(0, len(records), _CREATE_CHUNK):
+            chunk = records[start : start + _CREATE_CHUNK]
+            # Records that exist already come from an interrupted planning of this same job.
+            await asyncio.gather(*(self._store.create_shard(r) for r in chunk))
+        entries = await self._store.load_shards(spec.id)
+        running = replace(
+            job.record,
+            state="RUNNING",
+            shards_total=len(records),
+            rows_total=sum(s.rows for s in shard_specs),
+        )
+        job.revision = await self._store.update_job(running, last=job.revision)
+        job.record = running
+        job.adopt_shards(entries, self._clock(), spec.fault.lease_s)
+        self._publish_job_gauges()
+        log.info("job %s accepted: %d shards, ~%d rows", job.id, len(records), running.rows_total)
+        self._emit(self._event(job, "accepted"))
+        return True
+
+    # -- the lease protocol ----------------------------------------------------------------
+
+    def _job(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id!r}")
+        return job
+
+    def _locate(self, token: str) -> tuple[Job, Shard]:
+        job_id, index = parse_token(token)
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise StaleToken("lease token of an unknown job")
+        if job.ended:
+            raise JobEnded(f"job {job_id} is {job.state}")
+        if not 0 <= index < len(job.shards):
+            raise StaleToken("lease token of an unknown shard")
+        return job, job.shards[index]
+
+    async def lease(self, job_id: str, worker: str, request_id: str = "") -> LeaseReply:
+        cache_key = (worker, request_id)
+        if request_id and cache_key in self._lease_replies:
+            return self._lease_replies[cache_key]
+        reply = await self._lease(job_id, worker)
+        if request_id and reply.status == "granted":
+            self._lease_replies[cache_key] = reply
+            while len(self._lease_replies) > _LEASE_REPLY_CACHE:
+                self._lease_replies.popitem(last=False)
+        return reply
+
+    async def _lease(self, job_id: str, worker: str) -> LeaseReply:
+        job = self._job(job_id)
+        if job.ended:
+            return LeaseReply(status="end")
+        if job.state != "RUNNING":
+            return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+        shard = self._pick(job)
+        speculative = False
+        if shard is None:
+            shard = self._pick_speculative(job, worker)
+            if shard is None:
+                if job.doing:
+                    return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+                return LeaseReply(status="end")
+            speculative = True
+        lease_s = job.spec.fault.lease_s
+        async with shard.lock:
+            record = shard.record
+            expected: ShardState = "DOING" if speculative else "TODO"
+            if job.ended or record.state != expected or (speculative and len(record.leases) != 1):
+                if not speculative and record.state == "TODO":
+                    job.todo.appendleft(shard.index)
+                return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+            attempt = record.attempts + 1
+            token = make_token(self._epoch, job.id, shard.index, attempt)
+            lease = LeaseRecord(
+                token=token, attempt=attempt, worker=worker, speculative=speculative
+            )
+            new = replace(record, state="DOING", attempts=attempt, leases=[*record.leases, lease])
+            try:
+                shard.revision = await self._store.update_shard(new, last=shard.revision)
+            except BaseException:
+                if not speculative:
+                    job.todo.appendleft(shard.index)
+                raise
+            shard.record = new
+            now = self._clock()
+            shard.deadlines[token] = now + lease_s
+            shard.granted[token] = now
+            heapq.heappush(self._expiries, (now + lease_s, job.id, shard.index, token))
+            if not speculative:
+                job.doing.add(shard.index)
+                job.move("TODO", "DOING")
+        if speculative:
+            log.info("job %s: speculative attempt %d of shard %d", job.id, attempt, shard.index)
+        return LeaseReply(
+            status="granted",
+            shard=record.spec,
+            attempt=attempt,
+            token=token,
+            lease_s=lease_s,
+            speculative=speculative,
+        )
+
+    def _pick(self, job: Job) -> Shard | None:
+        while job.todo:
+            shard = job.shards[job.todo.popleft()]
+            if shard.record.state == "TODO":
+                return shard
+        return None
+
+    def _pick_speculative(self, job: Job, worker: str) -> Shard | None:
+        """The running shard that has run longest, if it runs well past the usual shard time.
+
+        Only once some shards have finished (so that "usual" means something), only a shard
+        with a single attempt running, and never one the asking worker holds itself.
+        """
+        if not job.spec.fault.speculative or not job.durations:
+            return None
+        min_age = max(self._speculate_after_s, 1.5 * statistics.median(job.durations))
+        now = self._clock()
+        best: Shard | None = None
+        best_age = 0.0
+        for index in job.doing:
+            shard = job.shards[index]
+            leases = shard.record.leases
+            if len(leases) != 1 or leases[0].worker == worker:
+                continue
+            age = now - shard.granted.get(leases[0].token, now)
+            if age >= min_age and age > best_age:
+                best, best_age = shard, age
+        return best
+
+    def renew(self, token: str) -> RenewReply:
+        job, shard = self._locate(token)
+        if token not in shard.deadlines:
+            raise StaleToken("lease is no longer current")
+        lease_s = job.spec.fault.lease_s
+        deadline = self._clock() + lease_s
+        shard.deadlines[token] = deadline
+        heapq.heappush(self._expiries, (deadline, job.id, shard.index, token))
+        metrics.LEASE_RENEWALS.labels(job.id).inc()
+        return RenewReply(lease_s=lease_s)
+
+    async def commit(self, token: str) -> CommitReply:
+        job_id, index = parse_token(token)
+        job = self.jobs.get(job_id)
+        if (
+            job is not None
+            and 0 <= index < len(job.shards)
+            and job.shards[index].record.state == "DONE"
+        ):
+            return CommitReply(status="already_done")
+        job, shard = self._locate(token)
+        async with shard.lock:
+            record = shard.record
+            if record.state == "DONE":
+                return CommitReply(status="already_done")
+            if token not in shard.deadlines:
+                raise StaleToken("lease is no longer current")
+            output = self._open_output(job.spec.output.uri)
+            commit = await asyncio.to_thread(output.read_commit, shard.index)
+            if commit is None:
+                raise NoCommitRecord(f"no commit record for shard {shard.index} in {output.uri}")
+            if commit.job != job.id:
+                raise BadRequest(
+                    f"commit record of shard {shard.index} belongs to job {commit.job}"
+                )
+            new = replace(
+                record,
+                state="DONE",
+                leases=[],
+                done_attempt=commit.attempt,
+                rows=commit.rows,
+                error_rows=commit.error_rows,
+                files=commit.files,
+            )
+            shard.revision = await self._store.update_shard(new, last=shard.revision)
+            shard.record = new
+            now = self._clock()
+            job.durations.append(now - shard.granted.get(token, now))
+            shard.deadlines.clear()
+            shard.granted.clear()
+            job.doing.discard(shard.index)
+            job.move("DOING", "DONE")
+            job.rows_done += commit.rows
+            job.error_rows += commit.error_rows
+        metrics.SHARDS_DONE.labels(job.id).inc()
+        metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
+        metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
+        self._emit(self._event(job, "progress"))
+        await self.settle(job)
+        return CommitReply(status="done")
+
+    async def release(self, token: str, reason: str, *, retryable: bool) -> ReleaseReply:
+        job, shard = self._locate(token)
+        async with shard.lock:
+            if token not in shard.deadlines:
+                if shard.record.state == "DONE":
+                    return ReleaseReply(state="DONE")
+                raise StaleToken("lease is no longer current")
+            state = await self._drop_lease(job, shard, token, reason=reason, failed=not retryable)
+        metrics.RETRIES.labels(job.id, "released" if retryable else "poisoned").inc()
+        if state == "QUARANTINED":
+            await self.settle(job)
+        return ReleaseReply(state=state)
+
+    async def _drop_lease(
+        self, job: Job, shard: Shard, token: str, *, reason: str, failed: bool
+    ) -> ShardState:
+        """End one lease of a shard (caller holds the shard's lock) and persist the outcome."""
+        record = shard.record
+        remaining = [lease for lease in record.leases if lease.token != token]
+        failures = record.failures + (1 if failed else 0)
+        errors = [*record.errors, reason][-_KEEP_ERRORS:] if reason else record.errors
+        seq = record.seq
+        state: ShardState
+        if remaining:
+            state = "DOING"  # another attempt still runs; it may yet succeed
+        elif failures >= job.spec.fault.max_attempts:
+            state = "QUARANTINED"
+        else:
+            state = "TODO"
+            seq = job.next_seq
+        new = replace(
+            record, state=state, leases=remaining, failures=failures, errors=errors, seq=seq
+        )
+        shard.revision = await self._store.update_shard(new, last=shard.revision)
+        shard.record = new
+        shard.deadlines.pop(token, None)
+        shard.granted.pop(token, None)
+        if state != "DOING":
+            job.doing.discard(shard.index)
+            job.move("DOING", state)
+        if state == "TODO":
+            job.next_seq += 1
+            job.todo.append(shard.index)  # the tail: others get their turn first
+        elif state == "QUARANTINED":
+            job.quarantined_rows += record.spec.rows
+            log.warning(
+                "job %s: shard %d quarantined after %d failed attempts: %s",
+                job.id,
+                shard.index,
+                failures,
+                reason,
+            )
+        return state
+
+    def next_expiry(self) -> float | None:
+        return self._expiries[0][0] if self._expiries else None
+
+    async def expire_due(self) -> int:
+        """Expire every lease whose deadline has passed. Returns how many expired."""
+        now = self._clock()
+        due: list[tuple[float, str, int, str]] = []
+        while self._expiries and self._expiries[0][0] <= now:
+            entry = heapq.heappop(self._expiries)
+            deadline, job_id, index, token = entry
+            job = self.jobs.get(job_id)
+            if job is None or job.ended or index >= len(job.shards):
+                continue
+            if job.shards[index].deadlines.get(token) == deadline:  # else renewed or gone
+                due.append(entry)
+        expired = 0
+        for deadline, job_id, index, token in due:
+            job = self.jobs[job_id]
+            shard = job.shards[index]
+            async with shard.lock:
+                # A renew may have arrived while we waited for the lock: it wins.
+                if shard.deadlines.get(token) != deadline:
+                    continue
+                worker = next((ls.worker for ls in shard.record.leases if ls.token == token), "?")
+                attempt = next((ls.attempt for ls in shard.record.leases if ls.token == token), 0)
+                try:
+                    state = await self._drop_lease(
+                        job,
+                        shard,
+                        token,
+                        reason=f"lease of attempt {attempt} expired (worker {worker})",
+                        failed=True,
+                    )
+                except Exception:
+                    # Not persisted: leave it due, and try again on the next pass.
+                    heapq.heappush(self._expiries, (deadline, job_id, index, token))
+                    raise
+            expired += 1
+            metrics.LEASE_EXPIRIES.labels(job.id).inc()
+            log.info("job %s: shard %d lease expired (%s), now %s", job.id, index, worker, state)
+            if state == "QUARANTINED":
+                await self.settle(job)
+        return expired
+
+    # -- job outcomes ----------------------------------------------------------------------
+
+    async def settle(self, job: Job) -> None:
+        """Fail the job if errors crossed its threshold; finish it if every shard is settled.
+
+        Level-triggered: safe to call any time, again and again (the reaper does, so that a
+        finalisation interrupted by an I/O error is retried).
+        """
+        async with job.lock:
+            if job.state != "RUNNING":
+                return
+            total = job.record.shards_total
+            settled = job.counts["DONE"] + job.counts["QUARANTINED"]
+            errors = job.error_rows + job.quarantined_rows
+            budget = job.spec.fault.max_error_fraction * max(job.record.rows_total, 1)
+            if errors > budget:
+                await self._end(job, "FAILED", self._failure_reason(job, errors))
+            elif settled == total:
+                if job.counts["DONE"] == 0:
+                    await self._end(job, "FAILED", self._failure_reason(job, errors))
+                else:
+                    await self._succeed(job)
+
+    def _failure_reason(self, job: Job, errors: int) -> str:
+        parts = [
+            f"{errors} failed rows exceed max_error_fraction "
+            f"{job.spec.fault.max_error_fraction} of {job.record.rows_total} rows"
+        ]
+        quarantined = [s for s in job.shards if s.record.state == "QUARANTINED"]
+        if quarantined and len(quarantined) == job.record.shards_total:
+            parts = ["every shard was quarantined"]
+        for shard in quarantined[:3]:
+            last = shard.record.errors[-1] if shard.record.errors else "?"
+            parts.append(f"shard {shard.index} quarantined: {last}")
+        return "; ".join(parts)
+
+    async def _succeed(self, job: Job) -> None:
+        output = self._open_output(job.spec.output.uri)
+        files: list[ManifestFile] = []
+        winners: dict[int, int] = {}
+        quarantined: list[int] = []
+        for shard in job.shards:
+            record = shard.record
+            if record.state == "QUARANTINED":
+                quarantined.append(shard.index)
+                continue
+            winners[shard.index] = record.done_attempt
+            files += [
+                ManifestFile(
+                    path=f.path,
+                    shard=shard.index,
+                    attempt=record.done_attempt,
+                    rows=f.rows,
+                    error_rows=f.error_rows,
+                )
+                for f in record.files
+            ]
+        manifest = Manifest(
+            job=job.id,
+            files=files,
+            rows=job.rows_done,
+            error_rows=job.error_rows,
+            shards=job.record.shards_total,
+            quarantined_shards=quarantined,
+            created_at=time.time(),
+        )
+        await asyncio.to_thread(output.write_manifest, manifest)
+        try:
+            removed = await asyncio.to_thread(output.remove_uncommitted, winners)
+            if removed:
+                log.info("job %s: removed %d uncommitted attempt folders", job.id, removed)
+        except OSError as e:  # garbage left behind is harmless: readers use the manifest
+            log.warning("job %s: could not remove uncommitted attempts: %s", job.id, e)
+        await self._end(job, "SUCCEEDED", "", manifest=output.url(MANIFEST))
+
+    async def _end(self, job: Job, state: JobState, reason: str, *, manifest: str = "") -> None:
+        """Persist a terminal state (caller holds the job's lock)."""
+        record = replace(
+            job.record,
+            state=state,
+            reason=reason,
+            finished_at=time.time(),
+            shards_done=job.counts["DONE"],
+            shards_quarantined=job.counts["QUARANTINED"],
+            rows_done=job.rows_done,
+            error_rows=job.error_rows,
+            manifest=manifest,
+        )
+        job.revision = await self._store.update_job(record, last=job.revision)
+        job.record = record
+        log.info("job %s %s %s", job.id, state, reason)
+        self._publish_job_gauges()
+        self._emit(self._event(job, "state"))
+        job.release_shards()
+
+    async def cancel(self, job_id: str, reason: str) -> CancelReply:
+        job = self._job(job_id)
+        async with job.lock:
+            if not job.ended:
+                await self._end(job, "CANCELLED", reason)
+        return CancelReply(state=job.record.state)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def status(
+        self,
+        job_id: str = "",
+        *,
+        include_spec: bool = False,
+        include_leases: bool = False,
+        active_only: bool = False,
+    ) -> StatusReply:
+        if job_id:
+            job = self.jobs.get(job_id)
+            if job is None:
+                if job_id in self.rejected:
+                    return StatusReply(jobs=[], rejected={job_id: self.rejected[job_id]})
+                raise JobNotFound(f"no job {job_id!r}")
+            jobs = [job]
+        else:
+            jobs = [j for j in self.jobs.values() if not (active_only and j.ended)]
+        return StatusReply(
+            jobs=[self._describe(j, include_spec, include_leases) for j in jobs],
+            rejected={} if job_id else dict(self.rejected),
+        )
+
+    def _describe(self, job: Job, include_spec: bool, include_leases: bool) -> JobStatus:
+        record = job.record
+        live = job.state == "RUNNING"
+        if live:
+            shards = {s: job.counts[s] for s in ("TODO", "DOING", "DONE", "QUARANTINED")}
+            rows_done, error_rows = job.rows_done, job.error_rows
+        else:
+            shards = {"DONE": record.shards_done, "QUARANTINED": record.shards_quarantined}
+            rows_done, error_rows = record.rows_done, record.error_rows
+        leases: list[LeaseInfo] = []
+        if include_leases and live:
+            now = self._clock()
+            for index in sorted(job.doing):
+                shard = job.shards[index]
+                for lease in shard.record.leases:
+                    if lease.token in shard.deadlines:
+                        leases.append(
+                            LeaseInfo(
+                                shard=index,
+                                attempt=lease.attempt,
+                                worker=lease.worker,
+                                expires_in_s=shard.deadlines[lease.token] - now,
+                            )
+                        )
+        return JobStatus(
+            id=job.id,
+            name=job.spec.name,
+            state=record.state,
+            reason=record.reason,
+            priority=job.spec.priority,
+            shards_total=record.shards_total,
+            shards=shards,
+            rows_total=record.rows_total,
+            rows_done=rows_done,
+            error_rows=error_rows,
+            submitted_at=record.submitted_at,
+            finished_at=record.finished_at,
+            min_workers=job.spec.resources.min_workers,
+            max_workers=job.spec.resources.max_workers,
+            manifest=record.manifest,
+            spec=record.spec if include_spec else None,
+            leases=leases,
+        )
+
+    def running_jobs(self) -> list[Job]:
+        return [j for j in self.jobs.values() if j.state == "RUNNING"]
+
+    def _event(self, job: Job, kind: EventKind) -> JobEvent:
+        return JobEvent(
+            job=job.id,
+            kind=kind,
+            state=job.state,
+            reason=job.record.reason,
+            shards_done=job.counts["DONE"],
+            shards_total=job.record.shards_total,
+            rows_done=job.rows_done,
+            error_rows=job.error_rows,
+        )
+
+    def _publish_job_gauges(self) -> None:
+        counts = Counter(j.state for j in self.jobs.values())
+        for state in ("SUBMITTED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"):
+            metrics.JOBS.labels(state).set(counts[state])

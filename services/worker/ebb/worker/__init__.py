@@ -1,0 +1,1 @@
+"""The worker: lease loop, modelet pipeline in stage processes, exactly-once writer."""

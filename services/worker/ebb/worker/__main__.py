@@ -1,0 +1,69 @@
+"""`python -m ebb.worker --job JOB`: work on one job's shards until it ends or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from ebb.common import log as logsetup
+from ebb.common import metrics as metricsserver
+from ebb.common.bus import NatsConfig
+from ebb.common.runner import EXIT_FAILED, run
+from ebb.common.supervisor import AgentExited, install_stop_signals
+
+from .service import Worker, WorkerConfig, default_worker_id
+
+log = logging.getLogger("ebb.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m ebb.worker", description=__doc__)
+    p.add_argument("--job", default=env("EBB_JOB"), required=env("EBB_JOB") is None)
+    p.add_argument("--id", default=env("EBB_WORKER_ID") or default_worker_id())
+    p.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
+    p.add_argument("--nats-user", default=env("EBB_NATS_USER"))
+    p.add_argument("--nats-password", default=env("EBB_NATS_PASSWORD"))
+    p.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"))
+    p.add_argument("--shards-in-flight", type=int, default=2)
+    p.add_argument("--grace", type=float, default=float(env("EBB_SHUTDOWN_GRACE_S", "30")))
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+async def amain(args: argparse.Namespace) -> int:
+    worker = Worker(
+        WorkerConfig(
+            nats=NatsConfig(
+                url=args.nats,
+                prefix=args.prefix,
+                user=args.nats_user,
+                password=args.nats_password,
+                creds_file=args.nats_creds,
+            ),
+            job=args.job,
+            id=args.id,
+            shards_in_flight=args.shards_in_flight,
+            shutdown_grace_s=args.grace,
+        )
+    )
+    install_stop_signals(worker.request_drain)
+    try:
+        return await worker.run()
+    except AgentExited as e:
+        log.error("%s", e)
+        return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logsetup.setup(args.log_level, service=f"worker {args.id}")
+    metricsserver.serve(args.metrics_port)
+    return run(amain(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Batch assembly: by size, and by a wait measured from the FIRST item's arrival.
+
+A batch is ready when it is full, when its oldest item has waited `max_wait_s`, or when the
+input is known to be drained (flush) - never later. The wait is not reset by new arrivals, so
+a trickle of items cannot hold a batch back forever. Items flagged solo run alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Item:
+    uid: int
+    value: Any
+    arrived: float
+    solo: bool = False
+
+
+class Batcher:
+    def __init__(self, *, max_size: int, max_wait_s: float) -> None:
+        if max_size < 1:
+            raise ValueError("max_size must be >= 1")
+        self.max_size = max_size
+        self.max_wait_s = max_wait_s
+        self._items: deque[Item] = deque()
+        self._flush = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, uids: list[int], values: list[Any], now: float, *, solo: bool = False) -> None:
+        self._items.extend(Item(u, v, now, solo) for u, v in zip(uids, values, strict=True))
+
+    def flush(self) -> None:
+        """The upstream has nothing more for now: stop waiting for batches to fill."""
+        if self._items:
+            self._flush = True
+
+    def ready(self, now: float) -> bool:
+        if not self._items:
+            return False
+        head = self._items[0]
+        return (
+            head.solo
+            or self._flush
+            or len(self._items) >= self.max_size
+            or now - head.arrived >= self.max_wait_s
+        )
+
+    def time_left(self, now: float) -> float | None:
+        """Seconds until the oldest item's wait runs out; None when empty."""
+        if not self._items:
+            return None
+        return max(0.0, self._items[0].arrived + self.max_wait_s - now)
+
+    def take(self) -> list[Item]:
+        """The next batch: a solo item alone, else up to max_size items in arrival order."""
+        if not self._items:
+            return []
+        if self._items[0].solo:
+            batch = [self._items.popleft()]
+        else:
+            batch = []
+            while self._items and len(batch) < self.max_size and not self._items[0].solo:
+                batch.append(self._items.popleft())
+        if not self._items:
+            self._flush = False
+        return batch

@@ -1,0 +1,26 @@
+"""The worker's Prometheus metrics (its stage processes report through the router)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ROWS = Counter("ebb_worker_rows_total", "Rows written by this worker (error rows included)")
+ERROR_ROWS = Counter("ebb_worker_error_rows_total", "Rows written with an error")
+SHARDS = Counter("ebb_worker_shards_total", "Shard attempts by outcome", ["result"])
+SHARD_SECONDS = Histogram(
+    "ebb_worker_shard_seconds",
+    "Time from lease to commit of a shard",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+RENEWALS = Counter("ebb_worker_lease_renewals_total", "Lease renewals this worker sent")
+LEASES_HELD = Gauge("ebb_worker_leases_held", "Shards this worker holds now")
+QUEUE_DEPTH = Gauge("ebb_stage_queue_depth", "Items waiting for or inside a stage", ["stage"])
+BATCH_SIZE = Histogram(
+    "ebb_stage_batch_size",
+    "Items per batch a stage ran",
+    ["stage"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+STAGE_RESTARTS = Counter(
+    "ebb_stage_restarts_total", "Stage processes replaced", ["stage", "reason"]
+)

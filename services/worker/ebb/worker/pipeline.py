@@ -1,0 +1,564 @@
+"""The modelet pipeline: stage processes, the router thread that feeds them, and the asyncio
+coordinator that pairs every result with the future waiting for its uid.
+
+    coordinator (asyncio)  --submit-->  router thread  --pipe-->  stage 0 process(es)
+                                             ^  |                        |
+                                             |  +------pipe-->  stage 1 process(es)  ...
+                                             +----- results / errors ----+
+
+Every process has a private inbox pipe and a private outbox pipe; the router moves frames
+between them (as bytes, without unpickling) and hands each frame to the least-loaded process of
+the next stage. Private pipes, not queues shared by several processes, because a process
+killed while holding a shared queue's lock, or halfway through writing to it, wedges or
+corrupts it for everyone; a private pipe dies with its process. The router also knows exactly
+which items each process holds, so when one dies (crash, OOM kill, or killed by the router
+because a batch overran its timeout) those items, and only those, are sent again, one per
+batch; an item whose batch dies twice becomes an error row.
+
+Memory is bounded by the coordinator, which never has more than `max_inflight` items inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ebb.common.spec import StageSpec
+
+from . import frames, metrics
+from .stage import BatchBoard, StageConfig, stage_main
+
+log = logging.getLogger(__name__)
+
+Outcome = tuple[bool, Any]
+"""(True, output) for an item that made it through, (False, error message) for one that did not."""
+
+_STARTUP_FAILURES_FATAL = 3
+
+
+class PipelineError(Exception):
+    pass
+
+
+class PipelineSetupError(PipelineError):
+    """A stage cannot start (bad modelet, model file, import error): no retry will help."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    stages: list[StageSpec]
+    code_paths: list[str] = field(default_factory=list)
+    batch_timeout_s: float = 300.0
+    """A batch running longer gets its process killed; its items are retried once, alone."""
+    memory_limit_bytes: int | None = None
+    """A stage process above this RSS is recycled between batches."""
+    max_inflight: int = 0
+    """Items inside the pipeline at most (0: enough to keep every stage process busy)."""
+    max_item_crashes: int = 2
+    """An item whose batch's process dies this many times becomes an error."""
+    start_timeout_s: float = 300.0
+
+    def inflight_limit(self) -> int:
+        if self.max_inflight:
+            return self.max_inflight
+        busy = sum(2 * s.workers * s.batch_size for s in self.stages)
+        return max(busy + 2 * self.frame_size(), 4 * self.frame_size())
+
+    def frame_size(self) -> int:
+        return max(16, min(256, self.stages[0].batch_size))
+
+
+class _StageProcess:
+    """One stage process and the router's view of it."""
+
+    def __init__(
+        self, ctx: Any, stage: int, slot: int, spec: StageSpec, config: PipelineConfig
+    ) -> None:
+        self.stage = stage
+        self.slot = slot
+        self.name = spec.name
+        inbox_r, self.inbox = ctx.Pipe(duplex=False)
+        self.outbox, outbox_w = ctx.Pipe(duplex=False)
+        self.board = BatchBoard(ctx, spec.batch_size)
+        stage_config = StageConfig(
+            spec=spec, code_paths=config.code_paths, memory_limit_bytes=config.memory_limit_bytes
+        )
+        self.process = ctx.Process(
+            target=stage_main,
+            args=(stage_config, inbox_r, outbox_w, self.board),
+            name=f"ebb-stage-{spec.name}-{slot}",
+        )
+        self.process.start()
+        # Our copies of the child's ends must go, or we would never see EOF when it dies.
+        inbox_r.close()
+        outbox_w.close()
+        self.held: dict[int, None] = {}
+        """uids sent to this process and not yet returned (an ordered set)."""
+        self.ready = False
+        self.recycling = False
+        self.stopping = False
+        self.flushed = False
+        self.dead = False
+        self.kill_reason = ""
+
+    @property
+    def load(self) -> int:
+        return len(self.held)
+
+    def send(self, buf: bytes) -> bool:
+        try:
+            self.inbox.send_bytes(buf)
+            return True
+        except OSError:  # the process is gone; its sentinel will tell the router
+            return False
+
+    def close(self) -> None:
+        for conn in (self.inbox, self.outbox):
+            conn.close()
+
+
+class Router:
+    """The thread that owns every stage process. Only its own thread touches its state;
+    other threads talk to it through `submit`, `flush` and `stop`."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        on_results: Callable[[list[int], list[Any]], None],
+        on_errors: Callable[[list[int], list[str]], None],
+        on_ready: Callable[[], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.specs = config.stages
+        self.on_results = on_results
+        self.on_errors = on_errors
+        self.on_ready = on_ready
+        self.on_fatal = on_fatal
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[list[_StageProcess]] = [[] for _ in self.specs]
+        self.backlog: list[deque[tuple[bytes, list[int], int]]] = [deque() for _ in self.specs]
+        self.originals: dict[int, Any] = {}
+        self.crashes: Counter[int] = Counter()
+        self.startup_failures: Counter[int] = Counter()
+        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        self._wake_lock = threading.Lock()
+        self.draining = False
+        self.announced_ready = False
+        self.fatal = ""
+        self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
+
+    # -- called from other threads ---------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, uids: list[int], values: list[Any]) -> None:
+        self.requests.put(("submit", uids, values))
+        self._wake()
+
+    def flush(self) -> None:
+        self.requests.put(("flush",))
+        self._wake()
+
+    def stop(self, grace_s: float) -> None:
+        """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
+        if self.thread.is_alive():
+            self.requests.put(("stop", grace_s))
+            self._wake()
+            self.thread.join()
+
+    def depths(self) -> list[int]:
+        """Items waiting for or inside each stage (approximate: read without locking)."""
+        return [
+            sum(len(u) for _, u, _ in list(self.backlog[k])) + sum(p.load for p in self.procs[k])
+            for k in range(len(self.specs))
+        ]
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_w.send_bytes(b"")
+
+    # -- the router thread -----------------------------------------------------------------
+
+    def _main(self) -> None:
+        grace_s = 0.0
+        try:
+            for k, spec in enumerate(self.specs):
+                for slot in range(spec.workers):
+                    self._spawn(k, slot)
+            while True:
+                stop = self._take_requests()
+                if stop is not None:
+                    grace_s = stop
+                    break
+                self._dispatch()
+                self._flush_drained()
+                self._wait_and_receive(0.1)
+                self._kill_overdue()
+        except Exception as e:
+            log.exception("pipeline router failed")
+            self._fail(f"pipeline router failed: {type(e).__name__}: {e}")
+        finally:
+            self._shutdown(grace_s)
+
+    def _spawn(self, stage: int, slot: int) -> None:
+        self.procs[stage].append(
+            _StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
+        )
+
+    def _take_requests(self) -> float | None:
+        while True:
+            try:
+                request = self.requests.get_nowait()
+            except queue.Empty:
+                return None
+            if request[0] == "submit":
+                _, uids, values = request
+                self.draining = False
+                self.originals.update(zip(uids, values, strict=True))
+                self.backlog[0].append((frames.pack(frames.ITEMS, uids, values), uids, 0))
+            elif request[0] == "flush":
+                self.draining = True
+            elif request[0] == "stop":
+                return float(request[1])
+
+    def _dispatch(self) -> None:
+        # Downstream first: what it frees is what lets upstream results move on.
+        for k in reversed(range(len(self.specs))):
+            spec = self.specs[k]
+            cap = 2 * spec.batch_size
+            backlog = self.backlog[k]
+            while backlog:
+                candidates = [
+                    p
+                    for p in self.procs[k]
+                    if p.ready and not (p.recycling or p.stopping or p.dead) and p.load < cap
+                ]
+                if not candidates:
+                    break
+                target = min(candidates, key=lambda p: p.load)
+                buf, uids, flags = backlog.popleft()
+                if not target.send(buf):
+                    backlog.appendleft((buf, uids, flags))
+                    target.dead = True
+                    break
+                target.held.update(dict.fromkeys(uids))
+                target.flushed = False
+
+    def _flush_drained(self) -> None:
+        """When the input is drained, tell each stage whose upstream is empty not to wait."""
+        if not self.draining:
+            return
+        for k in range(len(self.specs)):
+            for p in self.procs[k]:
+                if p.held and not p.flushed and p.ready and not p.dead:
+                    p.flushed = p.send(frames.pack(frames.FLUSH))
+            if self.backlog[k] or any(p.held for p in self.procs[k]):
+                break
+
+    def _wait_and_receive(self, timeout: float) -> None:
+        by_conn: dict[Any, _StageProcess] = {}
+        by_sentinel: dict[int, _StageProcess] = {}
+        for stage in self.procs:
+            for p in stage:
+                by_conn[p.outbox] = p
+                by_sentinel[p.process.sentinel] = p
+        ready = wait([self._wake_r, *by_conn, *by_sentinel], timeout=timeout)
+        dead: list[_StageProcess] = []
+        for obj in ready:
+            if obj is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            elif isinstance(obj, int):
+                dead.append(by_sentinel[obj])
+            else:
+                p = by_conn[obj]
+                if not self._receive(p):
+                    dead.append(p)
+        for p in dict.fromkeys(dead):
+            self._bury(p)
+
+    def _receive(self, p: _StageProcess) -> bool:
+        """Read every message a process has sent. False once its outbox reports EOF."""
+        conn: Connection = p.outbox
+        try:
+            while conn.poll():
+                self._handle(p, conn.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _handle(self, p: _StageProcess, buf: bytes) -> None:
+        kind, flags, uids = frames.header(buf)
+        last = p.stage == len(self.specs) - 1
+        if kind == frames.ITEMS:
+            for uid in uids:
+                p.held.pop(uid, None)
+            metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
+            if last:
+                self._finish(uids)
+                self.on_results(uids, frames.payload(buf))
+            else:
+                self.backlog[p.stage + 1].append((buf, uids, flags))
+        elif kind == frames.ERRORS:
+            for uid in uids:
+                p.held.pop(uid, None)
+            self._finish(uids)
+            self.on_errors(uids, frames.payload(buf))
+        elif kind == frames.READY:
+            p.ready = True
+            self.startup_failures[p.stage] = 0
+            if not self.announced_ready and all(q.ready for s in self.procs for q in s):
+                self.announced_ready = True
+                self.on_ready()
+        elif kind == frames.SETUP_FAILED:
+            self._fail(str(frames.payload(buf)))
+        elif kind == frames.RECYCLE:
+            log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
+            metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
+            p.recycling = True
+            p.stopping = p.send(frames.pack(frames.STOP))
+            self._spawn(p.stage, p.slot)
+
+    def _finish(self, uids: list[int]) -> None:
+        for uid in uids:
+            self.originals.pop(uid, None)
+            self.crashes.pop(uid, None)
+
+    def _bury(self, p: _StageProcess) -> None:
+        """A process exited: collect its last words, then retry or fail what it held."""
+        self._receive(p)
+        p.process.join(timeout=5)
+        p.dead = True
+        p.close()
+        self.procs[p.stage].remove(p)
+        code = p.process.exitcode
+        if p.stopping and not p.held:
+            return  # recycled or stopped, cleanly
+        if self.fatal:
+            return
+        if not p.ready:
+            self.startup_failures[p.stage] += 1
+            if self.startup_failures[p.stage] >= _STARTUP_FAILURES_FATAL:
+                self._fail(
+                    f"stage {p.name!r} died {_STARTUP_FAILURES_FATAL} times while starting "
+                    f"(exit code {code})"
+                )
+                return
+        how = p.kill_reason or _exit_description(code)
+        metrics.STAGE_RESTARTS.labels(p.name, "timeout" if p.kill_reason else "died").inc()
+        # Blame the batch that was running when it died; the rest of what it held is
+        # innocent and simply goes round again. Died between batches: blame everything.
+        running = set(p.board.running()) & p.held.keys() or set(p.held)
+        if p.held:
+            log.warning(
+                "stage %s process %d %s; %d items in its batch, %d more queued",
+                p.name,
+                p.slot,
+                how,
+                len(running),
+                len(p.held) - len(running),
+            )
+        failed: list[int] = []
+        for uid in p.held:
+            if uid not in running:
+                self._resubmit(uid, solo=False)
+                continue
+            self.crashes[uid] += 1
+            if self.crashes[uid] >= self.config.max_item_crashes:
+                failed.append(uid)
+            else:
+                # Alone this time: whatever killed the batch may have been a batch-mate.
+                self._resubmit(uid, solo=True)
+        if failed:
+            self._finish(failed)
+            message = f"stage {p.name!r}: its process {how} while running this row, every time"
+            self.on_errors(failed, [message] * len(failed))
+        self._spawn(p.stage, p.slot)
+
+    def _resubmit(self, uid: int, *, solo: bool) -> None:
+        """Send an item through the pipeline again, from the first stage."""
+        flags = frames.SOLO if solo else 0
+        buf = frames.pack(frames.ITEMS, [uid], [self.originals[uid]], flags=flags)
+        self.backlog[0].append((buf, [uid], flags))
+
+    def _kill_overdue(self) -> None:
+        timeout = self.config.batch_timeout_s
+        now = time.monotonic()
+        for stage in self.procs:
+            for p in stage:
+                started = p.board.started
+                if started and now - started > timeout and not p.kill_reason:
+                    p.kill_reason = f"was killed after a batch ran over {timeout:g}s"
+                    log.warning(
+                        "stage %s process %d: batch over %gs, killing it", p.name, p.slot, timeout
+                    )
+                    p.process.kill()
+
+    def _fail(self, message: str) -> None:
+        if not self.fatal:
+            self.fatal = message
+            log.error("pipeline failed: %s", message)
+            self.on_fatal(message)
+
+    def _shutdown(self, grace_s: float) -> None:
+        everyone = [p for stage in self.procs for p in stage]
+        for p in everyone:
+            if not p.stopping:
+                p.stopping = p.send(frames.pack(frames.STOP))
+        deadline = time.monotonic() + grace_s
+        for p in everyone:
+            # Keep reading, or a stage blocked writing its last results would never exit.
+            while p.process.is_alive() and time.monotonic() < deadline:
+                if not self._receive(p):
+                    p.process.join(timeout=0.5)
+                    break
+                p.process.join(timeout=0.05)
+        for p in everyone:
+            if p.process.is_alive():
+                p.process.kill()
+            p.process.join(timeout=5)
+            p.close()
+        self.procs = [[] for _ in self.specs]
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "vanished"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Pipeline:
+    """The asyncio side: `run(values)` returns one Outcome per value, in order."""
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self._router: Router | None = None
+        self._pending: dict[int, asyncio.Future[Outcome]] = {}
+        self._next_uid = 0
+        self._inflight = 0
+        self._limit = config.inflight_limit()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._ready = asyncio.Event()
+        self._fatal = ""
+
+    @property
+    def failed(self) -> str:
+        return self._fatal
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def threadsafe(fn: Callable[..., None]) -> Callable[..., None]:
+            def call(*args: Any) -> None:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(fn, *args)
+
+            return call
+
+        self._router = Router(
+            self.config,
+            on_results=threadsafe(self._on_results),
+            on_errors=threadsafe(self._on_errors),
+            on_ready=threadsafe(self._ready.set),
+            on_fatal=threadsafe(self._on_fatal),
+        )
+        self._router.start()
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.config.start_timeout_s)
+        except TimeoutError:
+            raise PipelineSetupError(
+                f"stages not ready after {self.config.start_timeout_s:g}s"
+            ) from None
+        if self._fatal:
+            raise PipelineSetupError(self._fatal)
+
+    async def run(self, values: Sequence[Any]) -> list[Outcome]:
+        if self._fatal:
+            raise PipelineSetupError(self._fatal)
+        router = self._router
+        assert router is not None, "start() the pipeline first"
+        loop = asyncio.get_running_loop()
+        n = len(values)
+        base = self._next_uid
+        self._next_uid += n
+        futures = [loop.create_future() for _ in range(n)]
+        self._pending.update(zip(range(base, base + n), futures, strict=True))
+        frame = self.config.frame_size()
+        try:
+            for start in range(0, n, frame):
+                size = min(frame, n - start)
+                while self._inflight and self._inflight + size > self._limit:
+                    self._space.clear()
+                    await self._space.wait()
+                if self._fatal:
+                    raise PipelineSetupError(self._fatal)
+                self._inflight += size
+                router.submit(
+                    list(range(base + start, base + start + size)),
+                    list(values[start : start + size]),
+                )
+            router.flush()
+            outcomes = list(await asyncio.gather(*futures))
+            if self._fatal:
+                raise PipelineSetupError(self._fatal)
+            return outcomes
+        finally:
+            for uid in range(base, base + n):
+                future = self._pending.pop(uid, None)
+                if future is not None and not future.done():
+                    future.cancel()
+
+    def _on_results(self, uids: list[int], values: list[Any]) -> None:
+        for uid, value in zip(uids, values, strict=True):
+            future = self._pending.pop(uid, None)
+            if future is not None and not future.done():
+                future.set_result((True, value))
+        self._returned(len(uids))
+
+    def _on_errors(self, uids: list[int], messages: list[str]) -> None:
+        for uid, message in zip(uids, messages, strict=True):
+            future = self._pending.pop(uid, None)
+            if future is not None and not future.done():
+                future.set_result((False, message))
+        self._returned(len(uids))
+
+    def _returned(self, n: int) -> None:
+        self._inflight = max(0, self._inflight - n)
+        if self._inflight + self.config.frame_size() <= self._limit:
+            self._space.set()
+
+    def _on_fatal(self, message: str) -> None:
+        self._fatal = message
+        self._ready.set()
+        self._space.set()
+        # Wake every waiter; `run` sees `_fatal` and raises once, for all of them.
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result((False, message))
+        self._pending.clear()
+
+    def depths(self) -> list[int]:
+        return self._router.depths() if self._router else []
+
+    async def stop(self, *, grace_s: float = 10.0) -> None:
+        router, self._router = self._router, None
+        if router is not None:
+            await asyncio.to_thread(router.stop, grace_s)

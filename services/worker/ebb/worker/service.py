@@ -1,0 +1,394 @@
+"""The worker: lease a shard, read it, run it through the pipeline, write, commit, repeat.
+
+Agents (tasks of one supervisor):
+- leaser:  leases shards and runs each in its own task, up to `shards_in_flight` at once, so
+           the next shard is leased and read while the current one computes (prefetch).
+- renewer: renews every held lease at about a third of its period; a lease the master
+           refuses (expired, superseded, job over) is lost, and its shard's task is cancelled.
+
+SIGTERM drains in stages: stop leasing; let shards in flight finish within the grace period;
+release (retryable) whatever is still unfinished; stop the stage processes; exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from ebb.common import bus
+from ebb.common.api import MasterClient
+from ebb.common.bus import NatsConfig
+from ebb.common.errors import BusError, RemoteError
+from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
+from ebb.common.output import CommitRecord, OutputStore, new_commit
+from ebb.common.runner import EXIT_CONFIG, EXIT_OK
+from ebb.common.spec import JobSpec, parse_job
+from ebb.common.supervisor import Supervisor
+
+from . import metrics
+from .pipeline import Pipeline, PipelineConfig, PipelineSetupError
+from .reader import read_shard, table_rows
+from .writer import build_output, write_attempt
+
+log = logging.getLogger(__name__)
+
+_LOST_CODES = frozenset({"stale_token", "job_ended", "not_found"})
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    job: str
+    id: str = field(default_factory=default_worker_id)
+    shards_in_flight: int = 2
+    """Shards held at once: one computing while the next is leased and read."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM, time for shards in flight to finish before they are released."""
+    stage_stop_grace_s: float = 10.0
+    release_timeout_s: float = 5.0
+
+
+@dataclass(eq=False)
+class ActiveLease:
+    token: str
+    shard: ShardSpec
+    attempt: int
+    lease_s: float
+    deadline: float
+    """On our loop's clock: counted from when we SENT the request that granted or renewed it."""
+    renew_at: float
+    task: asyncio.Task[None] | None = None
+    lost: str = ""
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.supervisor = Supervisor("worker", cancel_timeout_s=config.shutdown_grace_s + 10)
+        self.draining = asyncio.Event()
+        self.leases: dict[str, ActiveLease] = {}
+        self.exit_code = EXIT_OK
+        self.spec: JobSpec | None = None
+        self.pipeline: Pipeline | None = None
+        self._pipeline_started: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.shards_done = 0
+
+    def request_drain(self) -> None:
+        """Stop leasing and wind down gracefully (SIGTERM)."""
+        if not self.draining.is_set():
+            log.info("draining: no new shards; finishing those in flight")
+        self.draining.set()
+
+    async def run(self) -> int:
+        nc = await bus.connect(self.config.nats, name=f"ebb-worker-{self.config.id}")
+        try:
+            return await self._run(nc)
+        finally:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.drain()
+
+    async def _run(self, nc: NATS) -> int:
+        self.master = MasterClient(nc, self.config.nats)
+        try:
+            status = await self.master.job(self.config.job, include_spec=True)
+        except RemoteError as e:
+            log.error("job %s: %s", self.config.job, e)
+            return EXIT_CONFIG
+        if status.state in TERMINAL_JOB_STATES or status.spec is None:
+            log.info("job %s is %s: nothing to do", status.id, status.state)
+            return EXIT_OK
+        self.spec = spec = parse_job(status.spec)
+        memory = spec.fault.worker_memory_gb
+        self.pipeline = Pipeline(
+            PipelineConfig(
+                stages=spec.pipeline.stages,
+                code_paths=spec.pipeline.code_paths,
+                batch_timeout_s=spec.fault.batch_timeout_s,
+                memory_limit_bytes=int(memory * 2**30) if memory else None,
+            )
+        )
+        # Stage processes start (models load) while the first shard is leased and read.
+        self._pipeline_started = asyncio.create_task(self.pipeline.start(), name="pipeline-start")
+        log.info("worker %s on job %s", self.config.id, spec.id)
+        try:
+            async with self.supervisor as sup:
+                sup.spawn("leaser", self.leaser())
+                sup.spawn("renewer", self.renewer())
+                sup.spawn("gauges", self.gauges())
+                await sup.wait()
+        finally:
+            if not self._pipeline_started.done():
+                self._pipeline_started.cancel()
+            await asyncio.wait([self._pipeline_started])
+            await self.pipeline.stop(grace_s=self.config.stage_stop_grace_s)
+        log.info("worker %s exits after %d shards", self.config.id, self.shards_done)
+        return self.exit_code
+
+    # -- leasing ---------------------------------------------------------------------------
+
+    async def leaser(self) -> None:
+        assert self.spec is not None
+        slots = asyncio.Semaphore(self.config.shards_in_flight)
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.draining.is_set():
+                if not await self._until_drained(slots.acquire()):
+                    break
+                if self.draining.is_set():
+                    slots.release()
+                    break
+                sent_at = loop.time()
+                reply = await self._until_drained(self.master.lease(self.spec.id, self.config.id))
+                if reply is None or reply.status == "end":
+                    slots.release()
+                    break
+                if reply.status == "wait":
+                    slots.release()
+                    pause = reply.retry_after_s * random.uniform(0.8, 1.2)  # noqa: S311
+                    await self._until_drained(asyncio.sleep(pause))
+                    continue
+                task = asyncio.create_task(
+                    self._work(reply, sent_at),
+                    name=f"shard-{reply.shard.index if reply.shard else '?'}",
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _: slots.release())
+            await self._finish_in_flight()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(self._tasks)
+        self.supervisor.request_stop()
+
+    async def _until_drained(self, coro: Any) -> Any:
+        """Await `coro`, unless draining starts first (then None)."""
+        work = asyncio.ensure_future(coro)
+        drained = asyncio.ensure_future(self.draining.wait())
+        try:
+            await asyncio.wait([work, drained], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return None
+
+    async def _finish_in_flight(self) -> None:
+        if not self._tasks:
+            return
+        if self.draining.is_set():
+            _, pending = await asyncio.wait(self._tasks, timeout=self.config.shutdown_grace_s)
+            for task in pending:
+                log.info("grace period over: releasing %s", task.get_name())
+                task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+
+    async def _work(self, reply: LeaseReply, sent_at: float) -> None:
+        assert reply.shard is not None
+        active = ActiveLease(
+            token=reply.token,
+            shard=reply.shard,
+            attempt=reply.attempt,
+            lease_s=reply.lease_s,
+            deadline=sent_at + reply.lease_s,
+            renew_at=sent_at + reply.lease_s / 3,
+            task=asyncio.current_task(),
+        )
+        self.leases[active.token] = active
+        index = active.shard.index
+        started = time.perf_counter()
+        try:
+            await self._process(active)
+            metrics.SHARDS.labels("done").inc()
+            metrics.SHARD_SECONDS.observe(time.perf_counter() - started)
+            self.shards_done += 1
+        except asyncio.CancelledError:
+            if active.lost:
+                # We cancelled ourselves because the lease is gone: not an error, not a stop.
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                log.warning(
+                    "shard %d: lease lost (%s); abandoning attempt %d",
+                    index,
+                    active.lost,
+                    active.attempt,
+                )
+                metrics.SHARDS.labels("lost").inc()
+                return
+            await self._release(active, "worker shutting down", retryable=True)
+            metrics.SHARDS.labels("released").inc()
+            raise
+        except PipelineSetupError as e:
+            log.error("pipeline cannot start: %s", e)
+            await self._release(active, f"pipeline setup failed: {e}", retryable=False)
+            metrics.SHARDS.labels("failed").inc()
+            # Every shard would fail the same way here: stop, and say it is configuration.
+            self.exit_code = EXIT_CONFIG
+            self.request_drain()
+        except Exception as e:
+            log.exception("shard %d attempt %d failed", index, active.attempt)
+            await self._release(active, f"{type(e).__name__}: {e}", retryable=False)
+            metrics.SHARDS.labels("failed").inc()
+        finally:
+            self.leases.pop(active.token, None)
+
+    async def _process(self, active: ActiveLease) -> None:
+        spec = self.spec
+        assert spec is not None and self.pipeline is not None and self._pipeline_started
+        shard = active.shard
+        store = OutputStore(spec.output.uri)
+        existing = await asyncio.to_thread(store.read_commit, shard.index)
+        if existing is not None and existing.job == spec.id:
+            log.info(
+                "shard %d: attempt %d committed before; reporting it", shard.index, existing.attempt
+            )
+            await self._commit(active, existing)
+            return
+        columns = None
+        if spec.input.columns is not None:
+            columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
+        data = await asyncio.to_thread(read_shard, shard, columns)
+        rows = await asyncio.to_thread(table_rows, data.table, spec.input.columns)
+        good = [i for i in range(len(rows)) if i not in data.bad_rows]
+        await asyncio.shield(self._pipeline_started)
+        results = await self.pipeline.run([rows[i] for i in good])
+        outcomes: list[tuple[bool, Any] | None] = [None] * len(rows)
+        for i, outcome in zip(good, results, strict=True):
+            outcomes[i] = outcome
+        table, error_rows = await asyncio.to_thread(
+            build_output, data.table, outcomes, spec.output, data.bad_rows
+        )
+        files = await asyncio.to_thread(
+            write_attempt,
+            store,
+            table,
+            shard=shard.index,
+            attempt=active.attempt,
+            error_rows=error_rows,
+        )
+        record = new_commit(
+            job=spec.id,
+            shard=shard.index,
+            attempt=active.attempt,
+            files=files,
+            worker=self.config.id,
+        )
+        won, record = await asyncio.to_thread(store.create_commit, record)
+        if not won:
+            log.info(
+                "shard %d: attempt %d committed first; ours is garbage", shard.index, record.attempt
+            )
+        metrics.ROWS.inc(table.num_rows)
+        metrics.ERROR_ROWS.inc(error_rows)
+        await self._commit(active, record)
+
+    async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:
+        try:
+            reply = await self.master.commit(
+                active.token, rows=record.rows, error_rows=record.error_rows
+            )
+        except RemoteError as e:
+            if e.code in _LOST_CODES:
+                # The commit record stands: whoever holds the shard now will find and report it.
+                log.info("shard %d: commit refused (%s)", active.shard.index, e)
+                return
+            raise
+        log.info(
+            "shard %d attempt %d %s: %d rows, %d errors",
+            active.shard.index,
+            active.attempt,
+            reply.status,
+            record.rows,
+            record.error_rows,
+        )
+
+    async def _release(self, active: ActiveLease, reason: str, *, retryable: bool) -> None:
+        """Hand a shard back. Shielded and bounded: it must happen even while we are being
+        cancelled, and must not hold up a shutdown if the master is unreachable."""
+
+        async def release() -> None:
+            try:
+                await asyncio.wait_for(
+                    self.master.release(active.token, reason, retryable=retryable),
+                    self.config.release_timeout_s,
+                )
+            except (RemoteError, BusError, TimeoutError) as e:
+                log.info(
+                    "release of shard %d not confirmed (%s); its lease will expire",
+                    active.shard.index,
+                    e,
+                )
+
+        await asyncio.shield(release())
+
+    # -- renewing --------------------------------------------------------------------------
+
+    async def renewer(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for active in list(self.leases.values()):
+                if active.lost or loop.time() < active.renew_at:
+                    continue
+                await self._renew(active, loop)
+            upcoming = [a.renew_at for a in self.leases.values() if not a.lost]
+            pause = min(upcoming, default=loop.time() + 0.5) - loop.time()
+            await asyncio.sleep(min(0.5, max(0.02, pause)))
+
+    async def _renew(self, active: ActiveLease, loop: asyncio.AbstractEventLoop) -> None:
+        sent = loop.time()
+        try:
+            reply = await self.master.renew(
+                active.token, timeout_s=max(0.5, min(5.0, active.lease_s / 4))
+            )
+        except RemoteError as e:
+            if e.code in _LOST_CODES:
+                self._lose(active, e.message)
+            else:
+                active.renew_at = loop.time() + 1.0
+            return
+        except BusError as e:
+            if loop.time() >= active.deadline:
+                self._lose(active, f"not renewed before its deadline ({e})")
+            else:
+                active.renew_at = loop.time() + min(1.0, active.lease_s / 10)
+            return
+        metrics.RENEWALS.inc()
+        active.deadline = sent + reply.lease_s
+        # Early, with jitter, so that a fleet of workers does not renew in lockstep.
+        active.renew_at = sent + reply.lease_s / 3 * random.uniform(0.8, 1.0)  # noqa: S311
+
+    def _lose(self, active: ActiveLease, reason: str) -> None:
+        active.lost = reason or "lease lost"
+        if active.task is not None:
+            active.task.cancel()
+
+    async def gauges(self) -> None:
+        """Publish the pipeline's queue depths (sampled)."""
+        assert self.spec is not None and self.pipeline is not None
+        names = [s.name for s in self.spec.pipeline.stages]
+        while True:
+            for name, depth in zip(names, self.pipeline.depths(), strict=False):
+                metrics.QUEUE_DEPTH.labels(name).set(depth)
+            metrics.LEASES_HELD.set(len(self.leases))
+            await asyncio.sleep(1.0)

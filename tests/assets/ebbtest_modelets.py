@@ -1,0 +1,86 @@
+"""Modelets used by the tests, loaded by stage processes through `code_paths`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+
+class FailOn:
+    """Features, except that rows whose id is in `ids` raise (a row the model cannot take)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = set(ids)
+
+    def process(self, row: dict[str, Any]) -> Any:
+        if row["id"] in self.ids:
+            raise ValueError(f"cannot score row {row['id']}")
+        return np.asarray(row["features"], dtype=np.float32)
+
+
+class CrashOn:
+    """Features, except that a row whose id is in `ids` kills the whole process."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = set(ids)
+
+    def process(self, row: dict[str, Any]) -> Any:
+        if row["id"] in self.ids:
+            os._exit(17)
+        return np.asarray(row["features"], dtype=np.float32)
+
+
+class HangOn:
+    """Features, except that a row whose id is in `ids` never returns."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = set(ids)
+
+    def process(self, row: dict[str, Any]) -> Any:
+        if row["id"] in self.ids:
+            time.sleep(3600)
+        return np.asarray(row["features"], dtype=np.float32)
+
+
+class Slow:
+    """Features, sleeping `seconds_per_batch` per batch: keeps a shard in flight a while."""
+
+    def __init__(self, seconds_per_batch: float) -> None:
+        self.seconds = seconds_per_batch
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        time.sleep(self.seconds)
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
+class Hog:
+    """Features, holding on to `mb_per_batch` MB more with every batch (a leak)."""
+
+    def __init__(self, mb_per_batch: int) -> None:
+        self.mb = mb_per_batch
+        self.hoard: list[bytes] = []
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        self.hoard.append(os.urandom(self.mb * 1024 * 1024))
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
+class BrokenSetup:
+    def __init__(self) -> None:
+        pass
+
+    def setup(self) -> None:
+        raise RuntimeError("weights not found")
+
+    def process(self, row: Any) -> Any:
+        return row
+
+
+class Pid:
+    """Each row -> the pid of the process that handled it."""
+
+    def process(self, row: Any) -> Any:
+        return os.getpid()

@@ -1,0 +1,91 @@
+"""Fixtures: a real nats-server per test (free port, temp store), and leak checks.
+
+Every test must leave no child process and no asyncio task behind: a service that forgets
+one in a test forgets it in production too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from nats.aio.client import Client as NATS
+
+from ebb.common import bus
+from ebb.common.bus import NatsConfig
+from ebb.common.embedded import EmbeddedNats
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, pytest.Function) and asyncio.iscoroutinefunction(item.obj):
+            item.fixturenames.insert(0, "_no_leftover_tasks")
+        if item.get_closest_marker("cluster") and not os.environ.get("EBB_TEST_CLUSTER"):
+            item.add_marker(pytest.mark.skip(reason="needs a real cluster: set EBB_TEST_CLUSTER=1"))
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker lives as long as this process, by design."""
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [
+        p
+        for p in me.children(recursive=True)
+        if p.pid not in before and not _is_resource_tracker(p)
+    ]
+    _, alive = psutil.wait_procs(new, timeout=5)
+    leftover = [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in alive if p.is_running()]
+    for p in alive:
+        p.kill()
+    assert not leftover, f"test left child processes behind: {leftover}"
+
+
+@pytest.fixture
+async def _no_leftover_tasks() -> AsyncIterator[None]:
+    yield
+    current = asyncio.current_task()
+    # Give tasks that are finishing (cancelled callbacks, closing transports) one turn.
+    for _ in range(3):
+        await asyncio.sleep(0)
+    leftover = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    # nats-py keeps internal tasks only while a connection is open; ours must all be closed.
+    assert not leftover, f"test left asyncio tasks behind: {[t.get_name() for t in leftover]}"
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(state_dir=tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_config(nats_server: EmbeddedNats) -> NatsConfig:
+    return NatsConfig(url=nats_server.url, request_timeout_s=2.0)
+
+
+@pytest.fixture
+async def nc(nats_config: NatsConfig) -> AsyncIterator[NATS]:
+    client = await bus.connect(nats_config, name="test")
+    try:
+        yield client
+    finally:
+        await client.close()

@@ -1,0 +1,208 @@
+"""The controller: the pure plan, and the local backend keeping real workers alive."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from ebb.client.sdk import EbbClient
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.messages import JobStatus
+from ebb.common.spec import parse_job
+from ebb.controller.backend import WorkerInfo
+from ebb.controller.local import LocalBackend, LocalConfig
+from ebb.controller.reconcile import Reconciler, ReconcilerConfig, plan, share
+from ebb.shard_master.service import MasterConfig
+
+from .helpers import job_spec, read_output, wait_until, write_dataset, write_model
+from .test_master import Master
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def job(
+    job_id: str,
+    *,
+    todo: int = 10,
+    doing: int = 0,
+    lo: int = 1,
+    hi: int = 4,
+    priority: int = 0,
+    state: str = "RUNNING",
+) -> JobStatus:
+    return JobStatus(
+        id=job_id,
+        name=job_id,
+        state=state,  # type: ignore[arg-type]
+        shards={"TODO": todo, "DOING": doing},
+        min_workers=lo,
+        max_workers=hi,
+        priority=priority,
+        submitted_at=float(ord(job_id[0])),
+    )
+
+
+def worker(
+    worker_id: str, job_id: str, *, phase: str = "running", started: float = 0.0
+) -> WorkerInfo:
+    return WorkerInfo(id=worker_id, job=job_id, phase=phase, started_at=started)  # type: ignore[arg-type]
+
+
+def test_share_gives_mins_first_then_priority_then_equally() -> None:
+    jobs = [job("a", lo=1, hi=8), job("b", lo=2, hi=8), job("c", lo=1, hi=8, priority=5)]
+    assert share(jobs, 3) == {"c": 1, "a": 1, "b": 1}  # mins in priority order, while they last
+    assert share(jobs, 4) == {"c": 1, "a": 1, "b": 2}
+    assert share(jobs, 10) == {"c": 7, "a": 1, "b": 2}  # the rest to the highest priority
+    assert share(jobs, 20) == {"c": 8, "a": 6, "b": 6}  # then equally
+
+
+def test_share_never_exceeds_remaining_work_or_max() -> None:
+    assert share([job("a", todo=1, doing=1, hi=8)], 8) == {"a": 2}
+    assert share([job("a", todo=0, doing=0)], 8) == {"a": 0}
+    assert share([job("a", todo=100, hi=3)], 8) == {"a": 3}
+    assert share([job("a", state="SUBMITTED")], 8) == {"a": 0}
+
+
+def test_plan_launches_the_missing_and_drains_the_surplus_youngest_first() -> None:
+    jobs = [job("a", hi=2), job("b", hi=1, todo=0, doing=0)]
+    workers = [
+        worker("a1", "a", started=1.0),
+        worker("b1", "b", started=1.0),
+        worker("b2", "b", started=2.0),
+        worker("z1", "gone-job"),
+    ]
+    decided = plan(jobs=jobs, workers=workers, capacity=8, now=10.0, not_before={})
+    assert decided.launch == {"a": 1}
+    assert sorted(decided.terminate) == ["b1", "b2", "z1"]
+
+
+def test_plan_counts_draining_workers_against_capacity_and_honours_backoff() -> None:
+    jobs = [job("a", hi=4)]
+    workers = [worker("a1", "a"), worker("old", "x", phase="terminating")]
+    decided = plan(jobs=jobs, workers=workers, capacity=3, now=10.0, not_before={"a": 12.5})
+    assert decided.desired == {"a": 2}
+    assert decided.launch == {}
+    assert decided.held_back == {"a": 2.5}
+
+
+@pytest.fixture
+async def running_master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
+    from .helpers import ASSETS
+
+    m = Master(MasterConfig(nats=nats_config, id="m", data_roots=[str(tmp_path), str(ASSETS)]))
+    await m.start()
+    try:
+        yield m
+    finally:
+        await m.stop()
+
+
+async def test_local_backend_relaunches_a_worker_that_dies(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master
+) -> None:
+    write_dataset(tmp_path / "data", rows=12_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {
+            "modelet": "ebbtest_modelets:Slow",
+            "params": {"seconds_per_batch": 0.05},
+            "batch_size": 100,
+        },
+        {"model": str(tmp_path / "model.onnx"), "batch_size": 100},
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(2, 2)))
+    backend = LocalBackend(
+        LocalConfig(nats=nats_config, max_workers=4, log_dir=str(tmp_path / "logs"))
+    )
+    async with await EbbClient.connect(nats_config) as client:
+        job_id = await client.submit(spec)
+        master = MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
+        reconciler = Reconciler(
+            master=master,
+            backend=backend,
+            config=ReconcilerConfig(
+                relaunch_backoff=Backoff(first_s=0.1, max_s=0.2), worker_grace_s=5
+            ),
+        )
+        try:
+            first = await reconciler.reconcile_once()
+            assert first.launch == {job_id: 2}
+            assert len(backend.pids()) == 2
+            victim, pid = next(iter(backend.pids().items()))
+            os.kill(pid, signal.SIGKILL)
+            await wait_until(lambda: victim not in backend.pids(), what="the worker to die")
+
+            async def replaced() -> bool:
+                await reconciler.reconcile_once()
+                return len(backend.pids()) == 2 and victim not in backend.pids()
+
+            await wait_until(replaced, timeout=30, what="a replacement worker")
+            assert reconciler.failures[job_id] == 1
+
+            async def finished() -> bool:
+                await reconciler.reconcile_once()
+                return (await client.job(job_id)).state == "SUCCEEDED"
+
+            await wait_until(finished, timeout=120, interval=0.5, what="the job to finish")
+            # Every worker left on its own once the job ended.
+            await wait_until(lambda: not backend.pids(), timeout=30, what="the workers to exit")
+        finally:
+            await backend.close(grace_s=5)
+    table, _ = read_output(tmp_path / "out")
+    assert sorted(table.column("id").to_numpy().tolist()) == list(range(12_000))
+
+
+async def test_closing_drains_workers_and_they_hand_their_shards_back(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master
+) -> None:
+    write_dataset(tmp_path / "data", rows=20_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.5}, "batch_size": 50}
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(1, 1)))
+    backend = LocalBackend(
+        LocalConfig(
+            nats=nats_config,
+            max_workers=2,
+            log_dir=str(tmp_path / "logs"),
+            env={"EBB_SHUTDOWN_GRACE_S": "0.5"},  # the worker's own grace: release, not finish
+        )
+    )
+    async with await EbbClient.connect(nats_config) as client:
+        job_id = await client.submit(spec)
+        await backend.launch(await client.job(job_id), "w-1")
+
+        async def holds_a_lease() -> bool:
+            status = await client.master.status(job_id, include_leases=True)
+            return bool(status.jobs[0].leases)
+
+        await wait_until(holds_a_lease, timeout=60, what="the worker to lease a shard")
+        await backend.close(grace_s=30)
+        status = (await client.master.status(job_id, include_leases=True)).jobs[0]
+    assert status.leases == [] and status.shards["DOING"] == 0
+    # Handed back, not left to expire.
+    assert not REGISTRY.get_sample_value("ebb_lease_expiries_total", {"job": job_id})
+    log = (tmp_path / "logs" / "w-1.log").read_text()
+    assert "grace period over: releasing" in log
+
+
+async def test_nothing_is_launched_for_a_job_with_nothing_left(nats_config: NatsConfig) -> None:
+    backend = LocalBackend(LocalConfig(nats=nats_config, max_workers=2))
+    decided = plan(
+        jobs=[job("a", todo=0, doing=0)],
+        workers=await backend.observe(),
+        capacity=2,
+        now=0.0,
+        not_before={},
+    )
+    assert decided.launch == {} and decided.terminate == []
+    await backend.close(grace_s=1)
+    await asyncio.sleep(0)

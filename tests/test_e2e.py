@@ -1,0 +1,247 @@
+"""End to end on the embedded stack: nats-server, master, controller and workers as real
+processes, exactly as `ebb run` starts them. Faults are real too: SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from ebb.client.sdk import EbbClient
+from ebb.client.stack import LocalStack, StackConfig
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff
+from ebb.common.errors import BusError
+from ebb.common.messages import JobStatus
+from ebb.common.output import COMMITS_DIR
+from ebb.common.spec import parse_job
+
+from .helpers import (
+    ASSETS,
+    committed_files,
+    job_spec,
+    read_output,
+    reference_predictions,
+    wait_until,
+    write_dataset,
+    write_model,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
+    s = LocalStack(
+        StackConfig(
+            state_dir=tmp_path / "state",
+            data_roots=[str(tmp_path), str(ASSETS)],
+            max_workers=3,
+            worker_grace_s=10,
+        )
+    )
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+@pytest.fixture
+async def client(stack: LocalStack) -> AsyncIterator[EbbClient]:
+    c = await EbbClient.connect(stack.nats_config)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def slow_stages(tmp_path: Path, seconds_per_batch: float) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "slow",
+            "modelet": "ebbtest_modelets:Slow",
+            "params": {"seconds_per_batch": seconds_per_batch},
+            "batch_size": 100,
+        },
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 200},
+    ]
+
+
+def assert_exactly_once(tmp_path: Path, rows: int) -> Any:
+    table, manifest = read_output(tmp_path / "out")
+    ids = table.column("id").to_numpy()
+    assert len(ids) == rows
+    assert sorted(ids.tolist()) == list(range(rows)), "every id exactly once"
+    assert {f["path"] for f in manifest["files"]} == committed_files(tmp_path / "out")
+    return table
+
+
+async def test_fifty_thousand_rows_on_three_workers_exactly_once(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    rows = 60_000
+    write_dataset(tmp_path / "data", rows=rows, files=3, row_group_size=5_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=5_000, workers=(3, 3)))
+    job_id = await client.submit(spec)
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert (final.rows_done, final.error_rows, final.shards["DONE"]) == (rows, 0, 12)
+
+    table = assert_exactly_once(tmp_path, rows)
+    assert table.column("_error").null_count == rows
+    # The carryover columns come through untouched...
+    for row in table.slice(0, 2_000).to_pylist():
+        assert row["customer"] == f"customer-{row['id']:07d}"
+    # ...and every prediction is what the model gives on that row, run directly.
+    expected = reference_predictions(tmp_path / "data", tmp_path / "model.onnx")
+    for row in table.select(["id", "label", "score"]).to_pylist():
+        label, score = expected[row["id"]]
+        assert row["label"] == label
+        assert row["score"] == pytest.approx(score, rel=1e-5)
+    # Three workers shared the work.
+    workers = {
+        json.loads(p.read_text())["worker"] for p in (tmp_path / "out" / COMMITS_DIR).glob("*.json")
+    }
+    assert len(workers) == 3
+
+
+def _pid_of(worker_id: str) -> int | None:
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "ebb.worker" in cmdline and worker_id in cmdline:
+            return int(proc.pid)
+    return None
+
+
+async def test_sigkill_of_a_worker_holding_a_lease_loses_nothing(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    rows = 20_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=2_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(
+        job_spec(
+            tmp_path,
+            rows_per_shard=2_000,
+            stages=slow_stages(tmp_path, 0.05),
+            workers=(2, 2),
+            fault={"lease_s": 3},
+        )
+    )
+    job_id = await client.submit(spec)
+
+    async def a_held_lease() -> Any:
+        status = (await client.master.status(job_id, include_leases=True)).jobs[0]
+        for lease in status.leases:
+            pid = _pid_of(lease.worker)
+            if pid is not None:
+                return lease, pid
+        return None
+
+    lease, pid = await wait_until(a_held_lease, timeout=60, what="a worker holding a lease")
+    os.kill(pid, signal.SIGKILL)
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert_exactly_once(tmp_path, rows)
+    # The killed worker's shard was done again, by another attempt.
+    record = json.loads(
+        (tmp_path / "out" / COMMITS_DIR / f"shard={lease.shard:05d}.json").read_text()
+    )
+    assert record["attempt"] > lease.attempt or record["worker"] != lease.worker
+
+
+async def test_master_killed_and_restarted_mid_job_loses_nothing(
+    tmp_path: Path, stack: LocalStack, client: EbbClient
+) -> None:
+    rows = 24_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=2_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(
+        job_spec(tmp_path, rows_per_shard=2_000, stages=slow_stages(tmp_path, 0.03), workers=(2, 2))
+    )
+    job_id = await client.submit(spec)
+
+    async def some_done() -> bool:
+        done = (await client.job(job_id)).shards.get("DONE", 0)
+        return 2 <= done < 12
+
+    await wait_until(some_done, timeout=60, what="a few shards done")
+    await stack.kill("master")
+    assert stack.processes["master"].returncode == -signal.SIGKILL
+    # Nobody answers now; workers keep computing, their renewals and commits wait.
+    probe = MasterClient(client.nc, stack.nats_config, backoff=Backoff(attempts=1))
+    with pytest.raises(BusError, match="NoResponders"):
+        await probe.status()
+    await stack.restart("master")
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.rows_done == rows
+    assert_exactly_once(tmp_path, rows)
+
+
+async def test_rows_that_make_the_model_raise_become_error_rows(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    rows = 10_000
+    bad = [5, 777, 9_999]
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=2_500)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {
+            "name": "pick",
+            "modelet": "ebbtest_modelets:FailOn",
+            "params": {"ids": bad},
+            "batch_size": 64,
+        },
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 256},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 256},
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=2_500, stages=stages, workers=(2, 2)))
+    final = await client.wait(await client.submit(spec))
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.error_rows == len(bad)
+    table = assert_exactly_once(tmp_path, rows)
+    errors = {r["id"]: r for r in table.to_pylist() if r["_error"] is not None}
+    assert sorted(errors) == bad
+    assert "stage 'pick': ValueError: cannot score row 777" in errors[777]["_error"]
+    assert errors[777]["label"] is None and errors[777]["customer"] == "customer-0000777"
+
+
+async def test_too_many_failing_rows_fail_the_job(tmp_path: Path, client: EbbClient) -> None:
+    write_dataset(tmp_path / "data", rows=4_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages: list[dict[str, Any]] = [
+        {"modelet": "ebbtest_modelets:FailOn", "params": {"ids": list(range(0, 4_000, 10))}},
+        {"model": str(tmp_path / "model.onnx")},
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000, stages=stages))
+    final = await client.wait(await client.submit(spec))
+    assert final.state == "FAILED"
+    assert "exceed max_error_fraction 0.01" in final.reason
+
+
+async def test_a_pipeline_that_cannot_start_fails_the_job_with_its_reason(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    write_dataset(tmp_path / "data", rows=2_000, row_group_size=1_000)
+    spec = parse_job(
+        job_spec(
+            tmp_path,
+            rows_per_shard=1_000,
+            stages=[{"modelet": "ebbtest_modelets:BrokenSetup"}],
+            fault={"max_attempts": 2},
+        )
+    )
+    final: JobStatus = await asyncio.wait_for(client.wait(await client.submit(spec)), 120)
+    assert final.state == "FAILED"
+    assert "weights not found" in final.reason

@@ -1,0 +1,422 @@
+"""The shard master against a real nats-server: the lease protocol, fencing, durability, intake."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import nats.js.errors
+import pytest
+from nats.aio.client import Client as NATS
+from prometheus_client import REGISTRY
+
+from ebb.client.sdk import EbbClient, SubmitError
+from ebb.common import schema
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.errors import RemoteError
+from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
+from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.spec import JobSpec, parse_job
+from ebb.shard_master.service import MasterConfig, ShardMaster
+
+from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Master:
+    """A ShardMaster running in this event loop, that a test can stop and start again."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.service: ShardMaster | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> ShardMaster:
+        self.service = ShardMaster(self.config)
+        self.task = asyncio.create_task(self.service.run())
+        ready = asyncio.create_task(self.service.ready.wait())
+        await asyncio.wait([ready, self.task], return_when=asyncio.FIRST_COMPLETED)
+        if self.task.done():
+            ready.cancel()
+            self.task.result()
+        return self.service
+
+    async def stop(self) -> None:
+        if self.service is not None and self.task is not None:
+            self.service.request_stop()
+            await self.task
+            self.service = self.task = None
+
+
+@pytest.fixture
+async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
+    m = Master(
+        MasterConfig(
+            nats=nats_config,
+            id="test-master",
+            data_roots=[str(tmp_path), str(ASSETS)],
+            leader_ttl_s=3.0,
+            speculate_after_s=0.2,
+            reaper_interval_s=0.05,
+        )
+    )
+    await m.start()
+    try:
+        yield m
+    finally:
+        await m.stop()
+
+
+@pytest.fixture
+async def client(nats_config: NatsConfig, master: Master) -> AsyncIterator[EbbClient]:
+    c = await EbbClient.connect(nats_config)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest.fixture
+def api(client: EbbClient, nats_config: NatsConfig) -> MasterClient:
+    return MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
+
+
+def make_job(
+    tmp_path: Path, *, rows: int = 3_000, rows_per_shard: int = 1_000, **fault: Any
+) -> JobSpec:
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=rows_per_shard)
+    write_model(tmp_path / "model.onnx")
+    return parse_job(job_spec(tmp_path, rows_per_shard=rows_per_shard, fault=fault)).with_id()
+
+
+def commit_record(spec: JobSpec, reply: LeaseReply, rows: int = 1_000) -> None:
+    """What a worker does before `commit`: write its file and create the commit record."""
+    assert reply.shard is not None
+    store = OutputStore(spec.output.uri)
+    path = f"{attempt_dir(reply.shard.index, reply.attempt)}/part-00000.parquet"
+    store.write_file(path, b"data")
+    store.create_commit(
+        new_commit(
+            job=spec.id,
+            shard=reply.shard.index,
+            attempt=reply.attempt,
+            files=[OutputFile(path=path, rows=rows)],
+            worker="w",
+        )
+    )
+
+
+async def shards(api: MasterClient, job: str) -> dict[str, int]:
+    return (await api.job(job)).shards
+
+
+async def test_lease_renew_commit(tmp_path: Path, client: EbbClient, api: MasterClient) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    assert await shards(api, spec.id) == {"TODO": 3, "DOING": 0, "DONE": 0, "QUARANTINED": 0}
+
+    reply = await api.lease(spec.id, "w1")
+    assert reply.status == "granted" and reply.shard is not None
+    assert (reply.shard.index, reply.attempt) == (0, 1)
+    assert (await api.renew(reply.token)).lease_s == 10.0
+
+    with pytest.raises(RemoteError) as e:
+        await api.commit(reply.token, rows=1_000, error_rows=0)
+    assert e.value.code == "no_commit_record"
+
+    commit_record(spec, reply)
+    assert (await api.commit(reply.token, rows=1_000, error_rows=0)).status == "done"
+    assert (await api.commit(reply.token, rows=1_000, error_rows=0)).status == "already_done"
+    status = await api.job(spec.id)
+    assert status.shards["DONE"] == 1 and status.rows_done == 1_000
+
+
+async def test_the_whole_job_ends_with_a_manifest_of_winners(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    # A losing attempt's folder, which must be collected as garbage.
+    OutputStore(spec.output.uri).write_file(f"{attempt_dir(1, 7)}/part-00000.parquet", b"x")
+    for _ in range(3):
+        reply = await api.lease(spec.id, "w1")
+        commit_record(spec, reply)
+        await api.commit(reply.token, rows=1_000, error_rows=0)
+    assert (await api.lease(spec.id, "w1")).status == "end"
+    final = await client.wait(spec.id)
+    assert final.state == "SUCCEEDED"
+    manifest = json.loads(Path(final.manifest).read_text())
+    assert [f["path"] for f in manifest["files"]] == [
+        f"{attempt_dir(i, 1)}/part-00000.parquet" for i in range(3)
+    ]
+    assert manifest["rows"] == 3_000
+    assert not (tmp_path / "out" / attempt_dir(1, 7)).exists()
+
+
+async def test_an_expired_token_can_neither_renew_nor_commit(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=1_000, lease_s=0.5)
+    await client.submit(spec)
+    zombie = await api.lease(spec.id, "zombie")
+    # Nobody renews: the lease expires and the shard goes back to the queue.
+    await wait_until(lambda: _is_todo(api, spec.id), timeout=10, what="the lease to expire")
+
+    for call in (api.renew(zombie.token), api.commit(zombie.token, rows=1, error_rows=0)):
+        with pytest.raises(RemoteError) as e:
+            await call
+        assert e.value.code == "stale_token"
+
+    fresh = await api.lease(spec.id, "w2")
+    assert fresh.shard == zombie.shard and fresh.attempt == 2
+    # The zombie wakes up, writes its files and a commit record, and commits: refused, and the
+    # shard stays with its current holder.
+    commit_record(spec, zombie)
+    with pytest.raises(RemoteError) as e:
+        await api.commit(zombie.token, rows=1, error_rows=0)
+    assert e.value.code == "stale_token"
+    assert (await shards(api, spec.id))["DOING"] == 1
+    # The holder finds the commit record (the zombie's attempt won the race to create it) and
+    # reports it: the shard is done exactly once, with the zombie's files.
+    assert (await api.commit(fresh.token, rows=1, error_rows=0)).status == "done"
+    final = await client.wait(spec.id)
+    manifest = json.loads(Path(final.manifest).read_text())
+    assert [f["attempt"] for f in manifest["files"]] == [1]
+
+
+async def _is_todo(api: MasterClient, job: str) -> bool:
+    return (await shards(api, job))["TODO"] == 1
+
+
+async def test_poisoned_shard_is_quarantined_and_fails_the_job(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=3_000, max_attempts=2)
+    await client.submit(spec)
+    states = []
+    for expected in (0, 1, 2, 0):  # a poisoned shard goes to the back of the queue
+        reply = await api.lease(spec.id, "w1")
+        assert reply.shard is not None and reply.shard.index == expected
+        poisoned = expected == 0
+        if poisoned:
+            states.append((await api.release(reply.token, "model crashed", retryable=False)).state)
+    assert states == ["TODO", "QUARANTINED"]
+    # One shard in three lost is far over the 1% of rows allowed to fail: the job fails now,
+    # without waiting for the rest.
+    final = await client.wait(spec.id)
+    assert final.state == "FAILED"
+    assert "1000 failed rows exceed max_error_fraction 0.01" in final.reason
+    assert "shard 0 quarantined: model crashed" in final.reason
+
+
+async def test_retryable_release_goes_to_the_tail(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    first = await api.lease(spec.id, "w1")
+    assert (await api.release(first.token, "draining", retryable=True)).state == "TODO"
+    order = []
+    for _ in range(3):
+        reply = await api.lease(spec.id, "w1")
+        assert reply.shard is not None
+        order.append((reply.shard.index, reply.attempt))
+    assert order == [(1, 1), (2, 1), (0, 2)]
+
+
+async def test_a_retried_lease_request_gets_the_same_lease(
+    tmp_path: Path, client: EbbClient, nc: NATS
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    request = schema.encode(LeaseRequest(job=spec.id, worker="w1", request_id="r-1"))
+    subject = Subjects().master("lease")
+    first = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
+    again = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
+    assert first.token == again.token
+
+
+async def test_malformed_requests_get_an_error_and_change_nothing(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    before = await api.job(spec.id)
+    for op, payload in [
+        ("lease", b"\x00garbage"),
+        ("lease", msgpack.packb({"v": 1, "job": spec.id})),
+        ("commit", msgpack.packb({"v": 1, "token": 12})),
+        ("renew", msgpack.packb({"v": 42, "token": "x"})),
+        ("release", msgpack.packb({"v": 1, "token": "not:a:real:token:at", "reason": "x"})),
+    ]:
+        reply = await nc.request(Subjects().master(op), payload, timeout=5)
+        error = schema.decode(ErrorReply, reply.data)
+        assert error.code in ("bad_request", "stale_token"), (op, error)
+    after = await api.job(spec.id)
+    assert after == before
+
+
+async def test_a_malformed_job_message_is_dropped_counted_and_changes_nothing(
+    client: EbbClient, api: MasterClient, nc: NATS
+) -> None:
+    def invalid() -> float:
+        return REGISTRY.get_sample_value("ebb_invalid_messages_total", {"source": "submit"}) or 0.0
+
+    before = invalid()
+    js = nc.jetstream()
+    await js.publish(Subjects().submit, b"\x93not a map", headers={"Nats-Msg-Id": "junk-1"})
+    await js.publish(Subjects().submit, b"{json?", headers={"Content-Type": "application/json"})
+    await wait_until(lambda: invalid() - before >= 2, timeout=10, what="both messages refused")
+    consumer = await js.consumer_info(Subjects().jobs_stream, "ebb-master")
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+    assert (await api.status()).jobs == []
+    await assert_no_job_records(nc)
+
+
+async def assert_no_job_records(nc: NATS) -> None:
+    kv = await nc.jetstream().key_value(Subjects().jobs_bucket)
+    with pytest.raises(nats.js.errors.NoKeysError):
+        await kv.keys()
+
+
+async def test_a_bad_spec_is_rejected_with_its_reason(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS
+) -> None:
+    spec = make_job(tmp_path)
+    # The client validates too; a raw publisher is trusted by nobody.
+    body = spec.to_dict()
+    body["id"] = "bad-spec"
+    body["pipeline"]["stages"][0]["batch_size"] = -4
+    body["v"] = 1
+    await nc.jetstream().publish(Subjects().submit, msgpack.packb(body))
+    reason = await wait_until(lambda: _rejection(api, "bad-spec"), timeout=10, what="the rejection")
+    assert "pipeline.stages[0].batch_size: must be > 0" in reason
+
+    missing = replace(spec, id="no-input", input=replace(spec.input, uri=str(tmp_path / "none")))
+    with pytest.raises(SubmitError, match="does not exist"):
+        await client.submit(missing)
+
+    outside = replace(spec, id="outside", output=replace(spec.output, uri="/elsewhere/out"))
+    with pytest.raises(SubmitError, match="outside the allowed data roots"):
+        await client.submit(outside)
+    assert (await api.status()).jobs == []
+    await assert_no_job_records(nc)
+
+
+async def _rejection(api: MasterClient, job: str) -> str:
+    try:
+        return (await api.status(job)).rejected.get(job, "")
+    except RemoteError as e:
+        assert e.code == "not_found"
+        return ""
+
+
+async def test_another_jobs_output_folder_is_refused(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    store = OutputStore(spec.output.uri)
+    store.create_commit(new_commit(job="someone-else", shard=0, attempt=1, files=[], worker="w"))
+    with pytest.raises(SubmitError, match="holds commits of job someone-else"):
+        await client.submit(spec)
+
+
+async def test_submitting_twice_runs_one_job(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    await client.submit(spec)
+    assert [j.id for j in (await api.status()).jobs] == [spec.id]
+    assert (await shards(api, spec.id))["TODO"] == 3
+
+
+async def test_json_submission_from_any_nats_client(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS
+) -> None:
+    spec = make_job(tmp_path)
+    payload = json.dumps({**spec.to_dict(), "id": "from-json"}).encode()
+    await nc.jetstream().publish(
+        Subjects().submit, payload, headers={"Content-Type": "application/json"}
+    )
+    status = await wait_until(lambda: _job_or_none(api, "from-json"), timeout=10, what="the job")
+    assert status.state == "RUNNING"
+
+
+async def _job_or_none(api: MasterClient, job: str) -> Any:
+    try:
+        return await api.job(job)
+    except RemoteError:
+        return None
+
+
+async def test_cancel_voids_every_lease(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert (await api.cancel(spec.id)).state == "CANCELLED"
+    assert (await api.lease(spec.id, "w2")).status == "end"
+    with pytest.raises(RemoteError) as e:
+        await api.renew(held.token)
+    assert e.value.code == "job_ended"
+
+
+async def test_a_restarted_master_resumes_every_lease(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    done = await api.lease(spec.id, "w1")
+    commit_record(spec, done)
+    await api.commit(done.token, rows=1_000, error_rows=0)
+
+    await master.stop()
+    restarted = await master.start()
+    assert restarted.table is not None
+    status = await api.job(spec.id)
+    assert status.shards == {"TODO": 1, "DOING": 1, "DONE": 1, "QUARANTINED": 0}
+    # The lease survived, with a fresh full period, and its holder carries on.
+    assert (await api.renew(held.token)).lease_s == 10.0
+    commit_record(spec, held)
+    assert (await api.commit(held.token, rows=1_000, error_rows=0)).status == "done"
+    assert (await api.lease(spec.id, "w1")).attempt == 1
+
+
+async def test_speculative_attempt_at_the_tail_first_commit_wins(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    slow = await api.lease(spec.id, "slow")
+    fast = await api.lease(spec.id, "fast")
+    commit_record(spec, fast)
+    await api.commit(fast.token, rows=1_000, error_rows=0)
+    # Nothing left in the queue: the idle worker gets a second attempt of the straggler, once
+    # it has run longer than the other shards did.
+    backup = await wait_until(
+        lambda: _granted(api, spec.id, "fast"), timeout=10, what="a speculative lease"
+    )
+    assert backup.speculative and backup.shard == slow.shard and backup.attempt == 2
+    commit_record(spec, backup)
+    assert (await api.commit(backup.token, rows=1_000, error_rows=0)).status == "done"
+    # That was the last shard: the job is over, and the straggler's late commit is void.
+    with pytest.raises(RemoteError) as e:
+        await api.commit(slow.token, rows=1_000, error_rows=0)
+    assert e.value.code == "job_ended"
+    final = await client.wait(spec.id)
+    assert final.state == "SUCCEEDED" and final.rows_done == 2_000
+
+
+async def _granted(api: MasterClient, job: str, worker: str) -> LeaseReply | None:
+    reply = await api.lease(job, worker)
+    return reply if reply.status == "granted" else None

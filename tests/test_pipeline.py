@@ -1,0 +1,183 @@
+"""The modelet pipeline in real stage processes: results, batching, and every way a stage fails."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from ebb.common.spec import StageSpec
+from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
+
+from .helpers import ASSETS, FEATURES, write_model
+
+
+def rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    return [{"id": i, "features": rng.normal(size=FEATURES).astype(np.float32)} for i in range(n)]
+
+
+def features_stage(**kw: Any) -> StageSpec:
+    return StageSpec(
+        name="features",
+        modelet="ebb.worker.modelets:Features",
+        params={"columns": ["features"]},
+        **kw,
+    )
+
+
+async def run_pipeline(stages: list[StageSpec], items: list[Any], **config: Any) -> list[Any]:
+    pipeline = Pipeline(PipelineConfig(stages=stages, code_paths=[str(ASSETS)], **config))
+    try:
+        await pipeline.start()
+        return await pipeline.run(items)
+    finally:
+        await pipeline.stop()
+
+
+async def test_onnx_stage_matches_onnxruntime_directly(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m.onnx")
+    items = rows(3_000)
+    outcomes = await run_pipeline(
+        [features_stage(batch_size=64), StageSpec(name="model", model=str(model), batch_size=128)],
+        items,
+    )
+    assert all(ok for ok, _ in outcomes)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    expected = session.run(None, {"x": np.stack([r["features"] for r in items])})[0]
+    np.testing.assert_allclose(np.stack([v for _, v in outcomes]), expected, rtol=1e-5, atol=1e-6)
+
+
+class _TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(FEATURES, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.layer(x), dim=1)
+
+
+async def test_torchscript_stage_matches_torch_directly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = _TinyNet().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(net)
+    scripted.save(str(tmp_path / "m.pt"))  # type: ignore[no-untyped-call]
+    items = rows(500)
+    outcomes = await run_pipeline(
+        [features_stage(), StageSpec(name="model", model=str(tmp_path / "m.pt"), batch_size=50)],
+        items,
+    )
+    with torch.inference_mode():
+        expected = net(torch.from_numpy(np.stack([r["features"] for r in items]))).numpy()
+    np.testing.assert_allclose(np.stack([v for _, v in outcomes]), expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_raising_row_fails_alone(tmp_path: Path) -> None:
+    bad = {7, 500, 501, 1999}
+    outcomes = await run_pipeline(
+        [
+            StageSpec(
+                name="pick",
+                modelet="ebbtest_modelets:FailOn",
+                params={"ids": sorted(bad)},
+                batch_size=64,
+            )
+        ],
+        rows(2_000),
+    )
+    failed = {i for i, (ok, _) in enumerate(outcomes) if not ok}
+    assert failed == bad
+    assert "cannot score row 500" in outcomes[500][1]
+
+
+async def test_a_row_that_kills_its_process_fails_alone_and_the_stage_recovers() -> None:
+    outcomes = await run_pipeline(
+        [
+            StageSpec(
+                name="crashy",
+                modelet="ebbtest_modelets:CrashOn",
+                params={"ids": [123]},
+                batch_size=32,
+            ),
+            StageSpec(name="pid", modelet="ebbtest_modelets:Pid"),
+        ],
+        rows(1_000),
+    )
+    failed = [i for i, (ok, _) in enumerate(outcomes) if not ok]
+    assert failed == [123]
+    assert "exited with code 17" in outcomes[123][1]
+
+
+async def test_a_hung_batch_is_killed_and_only_its_culprit_fails() -> None:
+    outcomes = await run_pipeline(
+        [
+            StageSpec(
+                name="hangs", modelet="ebbtest_modelets:HangOn", params={"ids": [42]}, batch_size=16
+            )
+        ],
+        rows(300),
+        batch_timeout_s=1.0,
+    )
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [42]
+    assert "ran over 1s" in outcomes[42][1]
+
+
+async def test_a_stage_over_its_memory_limit_is_recycled_without_losing_items() -> None:
+    def recycled() -> float:
+        sample = REGISTRY.get_sample_value(
+            "ebb_stage_restarts_total", {"stage": "hog", "reason": "memory"}
+        )
+        return sample or 0.0
+
+    before = recycled()
+    stage = StageSpec(
+        name="hog", modelet="ebbtest_modelets:Hog", params={"mb_per_batch": 20}, batch_size=50
+    )
+    items = rows(2_000)
+    outcomes = await run_pipeline([stage], items, memory_limit_bytes=250 * 2**20)
+    assert all(ok for ok, _ in outcomes)
+    for item, (_, value) in zip(items, outcomes, strict=True):
+        np.testing.assert_array_equal(value, item["features"])
+    assert recycled() - before >= 2  # 40 batches x 20 MB against a 250 MB limit
+
+
+async def test_several_workers_per_stage_share_the_items() -> None:
+    outcomes = await run_pipeline(
+        [StageSpec(name="pid", modelet="ebbtest_modelets:Pid", workers=2, batch_size=8)],
+        rows(2_000),
+    )
+    pids = {pid for _, pid in outcomes}
+    assert len(pids) == 2
+
+
+async def test_a_stage_that_cannot_start_fails_the_pipeline_clearly() -> None:
+    pipeline = Pipeline(
+        PipelineConfig(
+            stages=[StageSpec(name="broken", modelet="ebbtest_modelets:BrokenSetup")],
+            code_paths=[str(ASSETS)],
+        )
+    )
+    try:
+        with pytest.raises(PipelineSetupError, match="weights not found"):
+            await pipeline.start()
+        with pytest.raises(PipelineSetupError):
+            await pipeline.run(rows(3))
+    finally:
+        await pipeline.stop()
+
+
+async def test_an_unknown_modelet_class_fails_the_pipeline_clearly() -> None:
+    pipeline = Pipeline(PipelineConfig(stages=[StageSpec(modelet="no_such_module:Thing")]))
+    try:
+        with pytest.raises(PipelineSetupError, match="cannot import 'no_such_module'"):
+            await pipeline.start()
+    finally:
+        await pipeline.stop()

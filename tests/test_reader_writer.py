@@ -1,0 +1,102 @@
+"""Reading shards (bad rows kept as error rows) and building outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ebb.common.messages import ShardSpec
+from ebb.common.spec import OutputSpec
+from ebb.worker.reader import ShardReadError, read_shard, table_rows
+from ebb.worker.writer import ERROR_COLUMN, OutputError, build_output, to_arrow
+
+
+def _text_shard(path: Path, fmt: str) -> ShardSpec:
+    size = path.stat().st_size
+    start = len(path.read_bytes().split(b"\n", 1)[0]) + 1 if fmt == "csv" else 0
+    return ShardSpec(index=0, path=str(path), format=fmt, rows=0, byte_start=start, byte_end=size)  # type: ignore[arg-type]
+
+
+def test_malformed_csv_rows_stay_in_place_as_error_rows(tmp_path: Path) -> None:
+    path = tmp_path / "x.csv"
+    path.write_text("id,v\n1,a\n2,b,EXTRA\n3,c\n\n4\n5,e\n")
+    data = read_shard(_text_shard(path, "csv"), None)
+    assert data.table.num_rows == 5
+    assert data.table.column("id").to_pylist() == [1, None, 3, None, 5]
+    assert sorted(data.bad_rows) == [1, 3]
+    assert "EXTRA" in data.bad_rows[1]
+
+
+def test_a_value_that_breaks_type_inference_does_not_lose_the_shard(tmp_path: Path) -> None:
+    path = tmp_path / "x.csv"
+    path.write_text("id,v\n1,2.5\n2,3.5\n3,oops\n")
+    data = read_shard(_text_shard(path, "csv"), None)
+    assert data.table.num_rows == 3
+    assert data.table.column("v").to_pylist() == ["2.5", "3.5", "oops"]
+
+
+def test_malformed_jsonl_lines_become_error_rows(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"id": 1}\n{"id": 2\n[1, 2]\n{"id": 4}\n')
+    data = read_shard(_text_shard(path, "jsonl"), None)
+    assert data.table.column("id").to_pylist() == [1, None, None, 4]
+    assert set(data.bad_rows) == {1, 2}
+    assert "not an object" in data.bad_rows[2]
+
+
+def test_unreadable_shard_raises(tmp_path: Path) -> None:
+    (tmp_path / "x.parquet").write_bytes(b"not parquet at all")
+    shard = ShardSpec(
+        index=0, path=str(tmp_path / "x.parquet"), format="parquet", rows=1, row_groups=[0]
+    )
+    with pytest.raises(ShardReadError):
+        read_shard(shard, None)
+
+
+def test_rows_turn_vector_columns_into_arrays() -> None:
+    table = pa.table(
+        {
+            "id": [1, 2],
+            "v": pa.FixedSizeListArray.from_arrays(pa.array([1.0, 2.0, 3.0, 4.0], pa.float32()), 2),
+            "s": ["a", "b"],
+        }
+    )
+    rows = table_rows(table, ["id", "v"])
+    assert rows[1]["id"] == 2
+    np.testing.assert_array_equal(rows[1]["v"], np.array([3.0, 4.0], dtype=np.float32))
+    assert "s" not in rows[0]
+
+
+def test_output_has_one_row_per_input_with_errors_in_place() -> None:
+    table = pa.table({"id": [10, 11, 12, 13], "extra": ["a", "b", "c", "d"]})
+    outcomes = [
+        (True, {"label": 1, "score": 0.5}),
+        (False, "boom"),
+        None,
+        (True, {"label": 2, "score": 0.9}),
+    ]
+    out, errors = build_output(
+        table, outcomes, OutputSpec(uri="/o", carryover=["id"]), {2: "bad row"}
+    )
+    assert errors == 2
+    assert out.column_names == ["id", "label", "score", ERROR_COLUMN]
+    assert out.column("id").to_pylist() == [10, 11, 12, 13]
+    assert out.column("label").to_pylist() == [1, None, None, 2]
+    assert out.column(ERROR_COLUMN).to_pylist() == [None, "boom", "bad row", None]
+
+
+def test_array_results_become_fixed_size_lists_with_nulls() -> None:
+    values = [np.array([1.0, 2.0], dtype=np.float32), None, np.array([3.0, 4.0], dtype=np.float32)]
+    column = to_arrow(values)
+    assert column.type == pa.list_(pa.float32(), 2)
+    assert column.to_pylist() == [[1.0, 2.0], None, [3.0, 4.0]]
+    assert to_arrow([np.float32(1.5), None]).to_pylist() == [1.5, None]
+
+
+def test_result_clashing_with_carryover_is_an_error() -> None:
+    table = pa.table({"label": [1]})
+    with pytest.raises(OutputError, match="clashes"):
+        build_output(table, [(True, {"label": 2})], OutputSpec(uri="/o", carryover=["label"]), {})

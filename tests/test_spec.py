@@ -1,0 +1,147 @@
+"""Job specs: everything validated before anything happens, with the path of the bad field."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ebb.common.errors import SpecError
+from ebb.common.spec import JobSpec, check_roots, load_job_file, parse_job
+
+
+def minimal(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "j",
+        "input": {"uri": "/data/in.parquet"},
+        "pipeline": {"stages": [{"model": "/models/m.onnx"}]},
+        "output": {"uri": "/data/out"},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def test_defaults_and_inference() -> None:
+    spec = parse_job(minimal())
+    assert spec.input.format == "parquet"
+    assert spec.pipeline.stages[0].runtime == "onnx"
+    assert spec.pipeline.stages[0].name == "stage0"
+    assert spec.fault.max_attempts == 3
+    assert spec.resources.min_workers == 1
+
+
+def test_with_id_is_stable_once_set() -> None:
+    spec = parse_job(minimal(name="My Job!")).with_id()
+    assert spec.id.startswith("My-Job-")
+    assert spec.with_id().id == spec.id
+
+
+@pytest.mark.parametrize(
+    ("change", "path", "problem"),
+    [
+        ({"input": {"uri": "/d/x.txt"}}, "input.format", "cannot infer"),
+        ({"input": {"uri": "/d/x.parquet", "rows_per_shard": 0}}, "input.rows_per_shard", "> 0"),
+        ({"pipeline": {"stages": []}}, "pipeline.stages", "at least one stage"),
+        (
+            {"pipeline": {"stages": [{"model": "/m.onnx", "modelet": "a:B"}]}},
+            "pipeline.stages[0].modelet",
+            "exactly one",
+        ),
+        (
+            {"pipeline": {"stages": [{"modelet": "nocolon"}]}},
+            "pipeline.stages[0].modelet",
+            "module:Class",
+        ),
+        (
+            {"pipeline": {"stages": [{"model": "/m.bin"}]}},
+            "pipeline.stages[0].model",
+            "unknown model suffix",
+        ),
+        (
+            {"pipeline": {"stages": [{"model": "/m.onnx", "batch_size": -1}]}},
+            "pipeline.stages[0].batch_size",
+            "> 0",
+        ),
+        (
+            {"pipeline": {"stages": [{"model": "/m.onnx", "batchsize": 4}]}},
+            "pipeline.stages[0].batchsize",
+            "did you mean 'batch_size'",
+        ),
+        ({"resources": {"min_workers": 3, "max_workers": 2}}, "resources.min_workers", "exceeds"),
+        ({"fault": {"max_error_fraction": 2}}, "fault.max_error_fraction", "[0, 1]"),
+        ({"id": "bad id!"}, "id", "must match"),
+        ({"name": 7}, "name", "expected str"),
+    ],
+)
+def test_bad_specs_say_where(change: dict[str, Any], path: str, problem: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_job(minimal(**change))
+    assert e.value.path == path
+    assert problem in e.value.problem
+
+
+def test_job_file_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    spec = minimal(input={"uri": "data/x.parquet"}, output={"uri": "../out"})
+    spec["pipeline"] = {"stages": [{"model": "m.onnx"}], "code_paths": ["."]}
+    (tmp_path / "jobs" / "job.yaml").write_text(yaml.safe_dump(spec))
+    loaded = load_job_file(tmp_path / "jobs" / "job.yaml")
+    assert loaded.input.uri == str(tmp_path / "jobs" / "data" / "x.parquet")
+    assert loaded.pipeline.stages[0].model == str(tmp_path / "jobs" / "m.onnx")
+    assert os.path.normpath(loaded.output.uri) == str(tmp_path / "out")
+
+
+def test_unreadable_job_file_is_a_spec_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("name: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_job_file(tmp_path / "bad.yaml")
+    with pytest.raises(SpecError, match="cannot read"):
+        load_job_file(tmp_path / "missing.yaml")
+
+
+def _rooted(tmp_path: Path, **paths: str) -> JobSpec:
+    return parse_job(
+        minimal(
+            input={"uri": paths.get("input", str(tmp_path / "root" / "in.parquet"))},
+            output={"uri": paths.get("output", str(tmp_path / "root" / "out"))},
+            pipeline={"stages": [{"model": paths.get("model", str(tmp_path / "root" / "m.onnx"))}]},
+        )
+    )
+
+
+def test_paths_must_stay_under_the_data_roots(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    check_roots(_rooted(tmp_path), [str(root)])
+    escape = str(root / ".." / "secret" / "in.parquet")
+    with pytest.raises(SpecError, match="outside the allowed data roots") as e:
+        check_roots(_rooted(tmp_path, input=escape), [str(root)])
+    assert e.value.path == "input.uri"
+    with pytest.raises(SpecError) as e:
+        check_roots(_rooted(tmp_path, model="/etc/m.onnx"), [str(root)])
+    assert e.value.path == "pipeline.stages[0].model"
+
+
+def test_a_symlink_cannot_escape_a_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SpecError, match="outside"):
+        check_roots(_rooted(tmp_path, output=str(root / "link" / "out")), [str(root)])
+
+
+def test_url_roots(tmp_path: Path) -> None:
+    spec = _rooted(tmp_path, input="s3://bucket/team/in.parquet", output="s3://bucket/team/out")
+    spec = parse_job(
+        {**spec.to_dict(), "pipeline": {"stages": [{"model": "s3://bucket/team/m.onnx"}]}}
+    )
+    check_roots(spec, ["s3://bucket/team"])
+    with pytest.raises(SpecError):
+        check_roots(spec, ["s3://bucket/other"])
+    sneaky = parse_job({**spec.to_dict(), "output": {"uri": "s3://bucket/team/../other/out"}})
+    with pytest.raises(SpecError):
+        check_roots(sneaky, ["s3://bucket/team"])
