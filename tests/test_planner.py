@@ -72,6 +72,14 @@ def test_listing_skips_hidden_and_marker_files(tmp_path: Path) -> None:
     assert len(list_input_files(str(tmp_path / "*.parquet"), "parquet")) == 1
 
 
+def test_a_missing_column_is_refused_at_planning(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"id": [1], "features": [[1.0]]}), tmp_path / "a.parquet")
+    spec = InputSpec(uri=str(tmp_path / "a.parquet"))
+    assert len(plan_shards(spec, required_columns=["id", "features"])) == 1
+    with pytest.raises(PlanningError, match=r"has no column\(s\) \['feature'\]"):
+        plan_shards(spec, required_columns=["id", "feature"])
+
+
 def test_missing_empty_and_corrupt_inputs_are_planning_errors(tmp_path: Path) -> None:
     with pytest.raises(PlanningError, match="does not exist"):
         plan_shards(InputSpec(uri=str(tmp_path / "nope.parquet")))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -56,12 +56,16 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def plan_shards(spec: InputSpec) -> list[ShardSpec]:
-    """Every shard of the input, numbered from 0 in file order."""
+def plan_shards(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> list[ShardSpec]:
+    """Every shard of the input, numbered from 0 in file order.
+
+    required_columns: columns every Parquet file must have (checked in each footer), so that a
+    misspelt column is refused at submission rather than failing every shard later.
+    """
     shards: list[ShardSpec] = []
     for path in list_input_files(spec.uri, spec.fmt):
         if spec.fmt == "parquet":
-            pieces = _plan_parquet(path, spec.rows_per_shard)
+            pieces = _plan_parquet(path, spec.rows_per_shard, required_columns)
         else:
             pieces = _plan_text(path, spec.fmt, spec.rows_per_shard)
         shards += [replace(piece, index=len(shards) + i) for i, piece in enumerate(pieces)]
@@ -70,12 +74,19 @@ def plan_shards(spec: InputSpec) -> list[ShardSpec]:
     return shards
 
 
-def _plan_parquet(path: str, rows_per_shard: int) -> Iterator[ShardSpec]:
+def _plan_parquet(
+    path: str, rows_per_shard: int, required_columns: Sequence[str]
+) -> Iterator[ShardSpec]:
     try:
         with fsspec.open(path, "rb") as f:
-            metadata = pq.ParquetFile(f).metadata
+            parquet = pq.ParquetFile(f)
+            metadata = parquet.metadata
+            names = set(parquet.schema_arrow.names)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... on a corrupt footer
         raise PlanningError(f"cannot read Parquet metadata of {path}: {e}") from e
+    missing = [c for c in required_columns if c not in names]
+    if missing:
+        raise PlanningError(f"{path} has no column(s) {missing}; it has {sorted(names)}")
     pending: list[int] = []
     pending_rows = 0
 

@@ -229,7 +229,10 @@ class LeaseTable:
             return False
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
-        shard_specs = await asyncio.to_thread(plan_shards, spec.input)
+        required = [*(spec.input.columns or []), *spec.output.carryover]
+        shard_specs = await asyncio.to_thread(
+            plan_shards, spec.input, required_columns=list(dict.fromkeys(required))
+        )
         if job is None:
             record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=time.time())
             revision = await self._store.create_job(record)
