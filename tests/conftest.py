@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -78,8 +79,15 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 
 
 @pytest.fixture
-def nats_config(nats_server: EmbeddedNats) -> NatsConfig:
-    return NatsConfig(url=nats_server.url, request_timeout_s=2.0)
+def prefix() -> str:
+    """A subject prefix of this test's own: with it no stray client from another test (or
+    another run) that reconnects to a reused port can answer or take our messages."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def nats_config(nats_server: EmbeddedNats, prefix: str) -> NatsConfig:
+    return NatsConfig(url=nats_server.url, prefix=prefix, request_timeout_s=2.0)
 
 
 @pytest.fixture

@@ -98,7 +98,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_up_submit_status_cancel(tmp_path: Path) -> None:
+def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
     write_dataset(tmp_path / "data", rows=4_000, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
     stages = [
@@ -115,6 +115,8 @@ def test_up_submit_status_cancel(tmp_path: Path) -> None:
             str(port),
             "--state-dir",
             "state",
+            "--prefix",
+            prefix,
             "--data-root",
             str(Path(__file__).parent),
         ],
@@ -128,20 +130,20 @@ def test_up_submit_status_cancel(tmp_path: Path) -> None:
         first = up.stdout.readline()  # blocks until the stack is up (or up died)
         assert "Ebb is up" in first, first + up.stdout.read()
 
-        submitted = ebb("submit", "job.yaml", "--nats", url, cwd=tmp_path)
+        submitted = ebb("submit", "job.yaml", "--nats", url, "--prefix", prefix, cwd=tmp_path)
         assert submitted.returncode == 0, submitted.stderr
         job_id = submitted.stdout.split()[1]
 
-        listing = ebb("status", "--nats", url, cwd=tmp_path)
+        listing = ebb("status", "--nats", url, "--prefix", prefix, cwd=tmp_path)
         assert listing.returncode == 0 and job_id in listing.stdout
 
-        cancelled = ebb("cancel", job_id, "--nats", url, cwd=tmp_path)
+        cancelled = ebb("cancel", job_id, "--nats", url, "--prefix", prefix, cwd=tmp_path)
         assert cancelled.returncode == 0 and "CANCELLED" in cancelled.stdout
 
-        detail = ebb("status", job_id, "--nats", url, cwd=tmp_path)
+        detail = ebb("status", job_id, "--nats", url, "--prefix", prefix, cwd=tmp_path)
         assert "CANCELLED" in detail.stdout and "cancelled by user" in detail.stdout
 
-        missing = ebb("status", "no-such-job", "--nats", url, cwd=tmp_path)
+        missing = ebb("status", "no-such-job", "--nats", url, "--prefix", prefix, cwd=tmp_path)
         assert missing.returncode == 1 and "no job 'no-such-job'" in missing.stderr
     finally:
         up.send_signal(signal.SIGINT)

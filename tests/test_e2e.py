@@ -38,13 +38,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
+async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
     s = LocalStack(
         StackConfig(
             state_dir=tmp_path / "state",
             data_roots=[str(tmp_path), str(ASSETS)],
             max_workers=3,
             worker_grace_s=10,
+            prefix=prefix,
+            token=prefix,
         )
     )
     await s.start()

@@ -84,6 +84,11 @@ async def client(nats_config: NatsConfig, master: Master) -> AsyncIterator[EbbCl
 
 
 @pytest.fixture
+def subjects(prefix: str) -> Subjects:
+    return Subjects(prefix)
+
+
+@pytest.fixture
 def api(client: EbbClient, nats_config: NatsConfig) -> MasterClient:
     return MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
 
@@ -232,19 +237,19 @@ async def test_retryable_release_goes_to_the_tail(
 
 
 async def test_a_retried_lease_request_gets_the_same_lease(
-    tmp_path: Path, client: EbbClient, nc: NATS
+    tmp_path: Path, client: EbbClient, nc: NATS, subjects: Subjects
 ) -> None:
     spec = make_job(tmp_path)
     await client.submit(spec)
     request = schema.encode(LeaseRequest(job=spec.id, worker="w1", request_id="r-1"))
-    subject = Subjects().master("lease")
+    subject = subjects.master("lease")
     first = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
     again = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
     assert first.token == again.token
 
 
 async def test_malformed_requests_get_an_error_and_change_nothing(
-    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
 ) -> None:
     spec = make_job(tmp_path)
     await client.submit(spec)
@@ -256,7 +261,7 @@ async def test_malformed_requests_get_an_error_and_change_nothing(
         ("renew", msgpack.packb({"v": 42, "token": "x"})),
         ("release", msgpack.packb({"v": 1, "token": "not:a:real:token:at", "reason": "x"})),
     ]:
-        reply = await nc.request(Subjects().master(op), payload, timeout=5)
+        reply = await nc.request(subjects.master(op), payload, timeout=5)
         error = schema.decode(ErrorReply, reply.data)
         assert error.code in ("bad_request", "stale_token"), (op, error)
     after = await api.job(spec.id)
@@ -264,30 +269,30 @@ async def test_malformed_requests_get_an_error_and_change_nothing(
 
 
 async def test_a_malformed_job_message_is_dropped_counted_and_changes_nothing(
-    client: EbbClient, api: MasterClient, nc: NATS
+    client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
 ) -> None:
     def invalid() -> float:
         return REGISTRY.get_sample_value("ebb_invalid_messages_total", {"source": "submit"}) or 0.0
 
     before = invalid()
     js = nc.jetstream()
-    await js.publish(Subjects().submit, b"\x93not a map", headers={"Nats-Msg-Id": "junk-1"})
-    await js.publish(Subjects().submit, b"{json?", headers={"Content-Type": "application/json"})
+    await js.publish(subjects.submit, b"\x93not a map", headers={"Nats-Msg-Id": "junk-1"})
+    await js.publish(subjects.submit, b"{json?", headers={"Content-Type": "application/json"})
     await wait_until(lambda: invalid() - before >= 2, timeout=10, what="both messages refused")
-    consumer = await js.consumer_info(Subjects().jobs_stream, "ebb-master")
+    consumer = await js.consumer_info(subjects.jobs_stream, "ebb-master")
     assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
     assert (await api.status()).jobs == []
-    await assert_no_job_records(nc)
+    await assert_no_job_records(nc, subjects)
 
 
-async def assert_no_job_records(nc: NATS) -> None:
-    kv = await nc.jetstream().key_value(Subjects().jobs_bucket)
+async def assert_no_job_records(nc: NATS, subjects: Subjects) -> None:
+    kv = await nc.jetstream().key_value(subjects.jobs_bucket)
     with pytest.raises(nats.js.errors.NoKeysError):
         await kv.keys()
 
 
 async def test_a_bad_spec_is_rejected_with_its_reason(
-    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
 ) -> None:
     spec = make_job(tmp_path)
     # The client validates too; a raw publisher is trusted by nobody.
@@ -295,7 +300,7 @@ async def test_a_bad_spec_is_rejected_with_its_reason(
     body["id"] = "bad-spec"
     body["pipeline"]["stages"][0]["batch_size"] = -4
     body["v"] = 1
-    await nc.jetstream().publish(Subjects().submit, msgpack.packb(body))
+    await nc.jetstream().publish(subjects.submit, msgpack.packb(body))
     reason = await wait_until(lambda: _rejection(api, "bad-spec"), timeout=10, what="the rejection")
     assert "pipeline.stages[0].batch_size: must be > 0" in reason
 
@@ -307,7 +312,7 @@ async def test_a_bad_spec_is_rejected_with_its_reason(
     with pytest.raises(SubmitError, match="outside the allowed data roots"):
         await client.submit(outside)
     assert (await api.status()).jobs == []
-    await assert_no_job_records(nc)
+    await assert_no_job_records(nc, subjects)
 
 
 async def _rejection(api: MasterClient, job: str) -> str:
@@ -339,12 +344,12 @@ async def test_submitting_twice_runs_one_job(
 
 
 async def test_json_submission_from_any_nats_client(
-    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
 ) -> None:
     spec = make_job(tmp_path)
     payload = json.dumps({**spec.to_dict(), "id": "from-json"}).encode()
     await nc.jetstream().publish(
-        Subjects().submit, payload, headers={"Content-Type": "application/json"}
+        subjects.submit, payload, headers={"Content-Type": "application/json"}
     )
     status = await wait_until(lambda: _job_or_none(api, "from-json"), timeout=10, what="the job")
     assert status.state == "RUNNING"

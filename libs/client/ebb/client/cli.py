@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -133,6 +134,9 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             state_dir=state_dir,
             data_roots=roots,
             max_workers=args.max_workers or (os.cpu_count() or 1),
+            prefix=args.prefix,
+            # Nobody else has any business on this one-job stack.
+            token=secrets.token_urlsafe(24),
             log_level=args.log_level,
         )
     )
@@ -221,6 +225,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             data_roots=roots,
             port=args.port,
             max_workers=args.max_workers or (os.cpu_count() or 1),
+            prefix=args.prefix,
             log_level=args.log_level,
         )
     )
@@ -252,7 +257,14 @@ async def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _nats(args: argparse.Namespace) -> NatsConfig:
-    return NatsConfig(url=args.nats, prefix=args.prefix)
+    return NatsConfig(
+        url=args.nats,
+        prefix=args.prefix,
+        user=os.environ.get("EBB_NATS_USER"),
+        password=os.environ.get("EBB_NATS_PASSWORD"),
+        token=os.environ.get("EBB_NATS_TOKEN"),
+        creds_file=os.environ.get("EBB_NATS_CREDS"),
+    )
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
@@ -334,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-workers", type=int, default=0, help="workers at once (default: cores)"
         )
         c.add_argument("--quiet", action="store_true", help="no progress display")
+        c.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"), help=argparse.SUPPRESS)
         c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
 
     def remote_options(c: argparse.ArgumentParser) -> None:
@@ -356,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", default=None, help="default: ./.ebb")
     c.add_argument("--data-root", action="append", default=[])
     c.add_argument("--max-workers", type=int, default=0)
+    c.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"), help="subject prefix")
     c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
     c.set_defaults(handler=cmd_up)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig, connect
+from ebb.common.bus import Backoff, NatsConfig, connect, nats_environment
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import BusError, EbbError, RemoteError
 
@@ -38,6 +38,8 @@ class StackConfig:
     """NATS port on 127.0.0.1 (0: any free port)."""
     max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     prefix: str = "ebb"
+    token: str | None = None
+    """A secret every client must present to the embedded NATS (None: no authentication)."""
     log_level: str = "INFO"
     worker_grace_s: float = 30.0
     start_timeout_s: float = 60.0
@@ -51,7 +53,9 @@ class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.logs = config.state_dir / "logs"
-        self.nats = EmbeddedNats(state_dir=config.state_dir / "nats", port=config.port)
+        self.nats = EmbeddedNats(
+            state_dir=config.state_dir / "nats", port=config.port, token=config.token
+        )
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
         self._log_files: list[IO[bytes]] = []
@@ -59,11 +63,10 @@ class LocalStack:
 
     @property
     def nats_config(self) -> NatsConfig:
-        return NatsConfig(url=self.nats.url, prefix=self.config.prefix)
+        return NatsConfig(url=self.nats.url, prefix=self.config.prefix, token=self.config.token)
 
     def _command(self, name: str) -> list[str]:
-        common = ["--nats", self.nats.url, "--prefix", self.config.prefix]
-        common += ["--log-level", self.config.log_level]
+        common = ["--log-level", self.config.log_level]
         if name == "master":
             roots: list[str] = []
             for root in self.config.data_roots:
@@ -98,6 +101,7 @@ class LocalStack:
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **nats_environment(self.nats_config)},
         )
 
     async def kill(self, name: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -300,3 +301,50 @@ class RequestServer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+
+
+def add_nats_arguments(parser: Any) -> None:
+    """The NATS options every service takes: flags, defaulting to EBB_* environment variables.
+
+    Secrets (password, token) are read from the environment only, never from the command
+    line, where any user of the machine could see them in the process list.
+    """
+    env = os.environ.get
+    parser.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
+    parser.add_argument("--nats-user", default=env("EBB_NATS_USER"))
+    parser.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"), help=".creds file")
+    parser.add_argument("--nats-tls-ca", default=env("EBB_NATS_TLS_CA"))
+    parser.add_argument("--nats-tls-cert", default=env("EBB_NATS_TLS_CERT"))
+    parser.add_argument("--nats-tls-key", default=env("EBB_NATS_TLS_KEY"))
+
+
+def nats_config_from_args(args: Any) -> NatsConfig:
+    env = os.environ.get
+    return NatsConfig(
+        url=args.nats,
+        prefix=args.prefix,
+        user=args.nats_user,
+        password=env("EBB_NATS_PASSWORD"),
+        token=env("EBB_NATS_TOKEN"),
+        creds_file=args.nats_creds,
+        tls_ca=args.nats_tls_ca,
+        tls_cert=args.nats_tls_cert,
+        tls_key=args.nats_tls_key,
+    )
+
+
+def nats_environment(config: NatsConfig) -> dict[str, str]:
+    """Environment that gives a child process the same NATS connection settings."""
+    pairs = {
+        "EBB_NATS_URL": config.url,
+        "EBB_PREFIX": config.prefix,
+        "EBB_NATS_USER": config.user,
+        "EBB_NATS_PASSWORD": config.password,
+        "EBB_NATS_TOKEN": config.token,
+        "EBB_NATS_CREDS": config.creds_file,
+        "EBB_NATS_TLS_CA": config.tls_ca,
+        "EBB_NATS_TLS_CERT": config.tls_cert,
+        "EBB_NATS_TLS_KEY": config.tls_key,
+    }
+    return {k: v for k, v in pairs.items() if v}

@@ -63,12 +63,16 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         port: int = 0,
         config_file: str | None = None,
+        token: str | None = None,
         binary: str | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
         self.port = port
         self.config_file = config_file
+        self.token = token
+        """Clients must present it: keeps out strays, e.g. a process left over from an earlier
+        run that reconnects to whichever new server took its old port."""
         self.binary = binary or find_nats_server()
         self._proc: subprocess.Popen[str] | None = None
         self._drain: threading.Thread | None = None
@@ -107,6 +111,13 @@ class EmbeddedNats:
         ]
         if self.config_file:
             args += ["--config", self.config_file]
+        env = dict(os.environ)
+        if self.token:
+            # Through a config file, not the command line: ps shows every process's argv.
+            auth = self.state_dir / "auth.conf"
+            auth.write_text(f'authorization {{ token: "{self.token}" }}\n')
+            auth.chmod(0o600)
+            args += ["--config", str(auth)]
         self._ready.clear()
         self._output.clear()
         self._proc = subprocess.Popen(
@@ -114,6 +125,7 @@ class EmbeddedNats:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=env,
             text=True,
             # Its own process group: a Ctrl-C aimed at `ebb run` must not kill the server
             # before the services above it have shut down.

@@ -8,7 +8,7 @@ import os
 
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common.bus import NatsConfig
+from ebb.common.bus import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
@@ -23,11 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m ebb.controller", description=__doc__)
     p.add_argument("--backend", choices=["local"], default=env("EBB_BACKEND", "local"))
-    p.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
-    p.add_argument("--nats-user", default=env("EBB_NATS_USER"))
-    p.add_argument("--nats-password", default=env("EBB_NATS_PASSWORD"))
-    p.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"))
+    add_nats_arguments(p)
     p.add_argument("--max-workers", type=int, default=int(env("EBB_MAX_WORKERS", "0")) or None)
     p.add_argument("--log-dir", default=env("EBB_WORKER_LOG_DIR"))
     p.add_argument("--worker-grace", type=float, default=30.0)
@@ -38,13 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    nats = NatsConfig(
-        url=args.nats,
-        prefix=args.prefix,
-        user=args.nats_user,
-        password=args.nats_password,
-        creds_file=args.nats_creds,
-    )
+    nats = nats_config_from_args(args)
     if args.backend != "local":  # pragma: no cover - argparse restricts the choices
         return EXIT_USAGE
     local = LocalConfig(nats=nats, log_dir=args.log_dir)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ebb.common.bus import NatsConfig
+from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.messages import JobStatus
 
 from .backend import Phase, WorkerInfo
@@ -84,29 +84,10 @@ class LocalBackend:
     async def launch(self, job: JobStatus, worker_id: str) -> None:
         if worker_id in self._children:
             return
-        nats = self.config.nats
-        args = [
-            self.config.python,
-            "-m",
-            "ebb.worker",
-            "--job",
-            job.id,
-            "--id",
-            worker_id,
-            "--nats",
-            nats.url,
-            "--prefix",
-            nats.prefix,
-        ]
-        env = {**os.environ, **self.config.env}
-        # Credentials travel in the environment, not on the command line (visible in ps).
-        for key, value in (
-            ("EBB_NATS_USER", nats.user),
-            ("EBB_NATS_PASSWORD", nats.password),
-            ("EBB_NATS_CREDS", nats.creds_file),
-        ):
-            if value:
-                env[key] = value
+        args = [self.config.python, "-m", "ebb.worker", "--job", job.id, "--id", worker_id]
+        # Connection settings, secrets included, travel in the environment, not on the
+        # command line (visible in ps).
+        env = {**os.environ, **self.config.env, **nats_environment(self.config.nats)}
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         process = await asyncio.create_subprocess_exec(
             *args,

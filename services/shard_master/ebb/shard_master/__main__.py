@@ -9,7 +9,7 @@ import socket
 
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common.bus import NatsConfig
+from ebb.common.bus import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
@@ -22,11 +22,7 @@ log = logging.getLogger("ebb.shard_master")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m ebb.shard_master", description=__doc__)
-    p.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
-    p.add_argument("--nats-user", default=env("EBB_NATS_USER"))
-    p.add_argument("--nats-password", default=env("EBB_NATS_PASSWORD"))
-    p.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"))
+    add_nats_arguments(p)
     p.add_argument("--id", default=env("EBB_MASTER_ID", socket.gethostname()))
     p.add_argument(
         "--data-root",
@@ -47,13 +43,7 @@ def _int_or_none(value: str | None) -> int | None:
 
 async def amain(args: argparse.Namespace) -> int:
     config = MasterConfig(
-        nats=NatsConfig(
-            url=args.nats,
-            prefix=args.prefix,
-            user=args.nats_user,
-            password=args.nats_password,
-            creds_file=args.nats_creds,
-        ),
+        nats=nats_config_from_args(args),
         id=args.id,
         data_roots=args.data_root,
         leader_ttl_s=args.leader_ttl,

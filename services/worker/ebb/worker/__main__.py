@@ -8,7 +8,7 @@ import os
 
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common.bus import NatsConfig
+from ebb.common.bus import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
@@ -22,11 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ebb.worker", description=__doc__)
     p.add_argument("--job", default=env("EBB_JOB"), required=env("EBB_JOB") is None)
     p.add_argument("--id", default=env("EBB_WORKER_ID") or default_worker_id())
-    p.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
-    p.add_argument("--nats-user", default=env("EBB_NATS_USER"))
-    p.add_argument("--nats-password", default=env("EBB_NATS_PASSWORD"))
-    p.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"))
+    add_nats_arguments(p)
     p.add_argument("--shards-in-flight", type=int, default=2)
     p.add_argument("--grace", type=float, default=float(env("EBB_SHUTDOWN_GRACE_S", "30")))
     p.add_argument("--metrics-port", type=int, default=None)
@@ -37,13 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def amain(args: argparse.Namespace) -> int:
     worker = Worker(
         WorkerConfig(
-            nats=NatsConfig(
-                url=args.nats,
-                prefix=args.prefix,
-                user=args.nats_user,
-                password=args.nats_password,
-                creds_file=args.nats_creds,
-            ),
+            nats=nats_config_from_args(args),
             job=args.job,
             id=args.id,
             shards_in_flight=args.shards_in_flight,
