@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -327,9 +328,8 @@ async def test_another_jobs_output_folder_is_refused(
     tmp_path: Path, client: EbbClient, api: MasterClient
 ) -> None:
     spec = make_job(tmp_path)
-    store = OutputStore(spec.output.uri)
-    store.create_commit(new_commit(job="someone-else", shard=0, attempt=1, files=[], worker="w"))
-    with pytest.raises(SubmitError, match="holds commits of job someone-else"):
+    assert OutputStore(spec.output.uri).claim("someone-else") == "someone-else"
+    with pytest.raises(SubmitError, match="holds the output of job someone-else"):
         await client.submit(spec)
 
 
@@ -425,3 +425,70 @@ async def test_speculative_attempt_at_the_tail_first_commit_wins(
 async def _granted(api: MasterClient, job: str, worker: str) -> LeaseReply | None:
     reply = await api.lease(job, worker)
     return reply if reply.status == "granted" else None
+
+
+async def test_a_worker_that_committed_and_died_is_not_redone(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    # One attempt allowed: before, an expiry here quarantined the shard and then deleted the
+    # output its attempt had committed.
+    spec = make_job(tmp_path, rows=1_000, lease_s=0.5, max_attempts=1)
+    await client.submit(spec)
+    reply = await api.lease(spec.id, "dies-after-commit-record")
+    commit_record(spec, reply)  # ...and the worker dies before telling the master
+    final = await asyncio.wait_for(client.wait(spec.id), 30)
+    assert final.state == "SUCCEEDED", final.reason
+    manifest = json.loads(Path(final.manifest).read_text())
+    assert [(f["shard"], f["attempt"]) for f in manifest["files"]] == [(0, 1)]
+    assert (tmp_path / "out" / attempt_dir(0, 1) / "part-00000.parquet").exists()
+
+
+async def test_ending_a_job_does_not_stop_other_jobs_leases_from_expiring(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    first = make_job(tmp_path / "a", rows=1_000, lease_s=0.3)
+    second = make_job(tmp_path / "b", rows=1_000, lease_s=0.3)
+    await client.submit(first)
+    await client.submit(second)
+    await api.lease(first.id, "w1")
+    await api.lease(second.id, "w2")
+    await api.cancel(first.id)  # its lease is still in the expiry heap
+    await wait_until(lambda: _is_todo(api, second.id), timeout=10, what="the second's expiry")
+
+
+async def test_a_message_that_breaks_validation_in_odd_ways_only_rejects_itself(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    (tmp_path / "afile").write_text("not a folder")
+    bad_bodies = [
+        {**spec.to_dict(), "id": "nul-byte", "output": {"uri": str(tmp_path / "o\x00ut")}},
+        {
+            **spec.to_dict(),
+            "id": "under-a-file",
+            "output": {"uri": str(tmp_path / "afile" / "out")},
+        },
+        {**spec.to_dict(), "id": "nan-lease", "fault": {"lease_s": float("nan")}},
+    ]
+    for body in bad_bodies:
+        await nc.jetstream().publish(subjects.submit, msgpack.packb({**body, "v": 1}))
+    for body in bad_bodies:
+        job_id = str(body["id"])
+        reason = await wait_until(
+            functools.partial(_rejection, api, job_id), timeout=10, what=f"{job_id} refused"
+        )
+        assert reason
+    # ...and the master still takes good jobs.
+    await client.submit(spec)
+    assert (await api.job(spec.id)).state == "RUNNING"
+    assert await _rejection(api, "nan-lease") == "fault.lease_s: expected a finite number, got nan"
+
+
+async def test_two_jobs_cannot_share_an_output_folder(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    first = make_job(tmp_path)
+    await client.submit(first)
+    second = replace(first, id="second-job")
+    with pytest.raises(SubmitError, match=f"holds the output of job {first.id}"):
+        await client.submit(second)

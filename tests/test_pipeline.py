@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from prometheus_client import REGISTRY
 from ebb.common.spec import StageSpec
 from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
 
-from .helpers import ASSETS, FEATURES, write_model
+from .helpers import ASSETS, FEATURES, wait_until, write_model
 
 
 def rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -181,3 +183,41 @@ async def test_an_unknown_modelet_class_fails_the_pipeline_clearly() -> None:
             await pipeline.start()
     finally:
         await pipeline.stop()
+
+
+async def test_a_stage_hung_in_native_code_holding_the_gil_is_still_killed() -> None:
+    # Rows big enough that two batches fill the pipe: the router blocks writing to the hung
+    # process, and only the watchdog thread can free it.
+    items = [{"id": i, "blob": os.urandom(200_000)} for i in range(64)]
+    stage = StageSpec(
+        name="hang", modelet="ebbtest_modelets:GilHang", params={"ids": [0]}, batch_size=4
+    )
+    outcomes = await asyncio.wait_for(run_pipeline([stage], items, batch_timeout_s=1.0), 60)
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [0]
+    assert outcomes[1] == (True, 200_000)
+
+
+async def test_recycling_never_leaves_more_processes_than_configured() -> None:
+    stage = StageSpec(
+        name="crashy", modelet="ebbtest_modelets:CrashOn", params={"ids": [5, 6, 7]}, batch_size=4
+    )
+    pipeline = Pipeline(
+        PipelineConfig(stages=[stage], code_paths=[str(ASSETS)], memory_limit_bytes=1)
+    )
+    try:
+        await pipeline.start()
+        outcomes = await pipeline.run(rows(40))
+        assert sorted(i for i, (ok, _) in enumerate(outcomes) if not ok) == [5, 6, 7]
+        router = pipeline._router
+        assert router is not None
+        await wait_until(lambda: len(router.procs[0]) == 1, timeout=20, what="one hog process")
+    finally:
+        await pipeline.stop()
+
+
+async def test_an_output_that_cannot_be_sent_fails_only_its_row() -> None:
+    stage = StageSpec(name="odd", modelet="ebbtest_modelets:Unsendable", params={"ids": [3]})
+    outcomes = await run_pipeline([stage], rows(50))
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [3]
+    assert "output cannot be sent" in outcomes[3][1]
+    assert outcomes[4] == (True, 4)

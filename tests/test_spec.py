@@ -43,7 +43,11 @@ def test_with_id_is_stable_once_set() -> None:
     ("change", "path", "problem"),
     [
         ({"input": {"uri": "/d/x.txt"}}, "input.format", "cannot infer"),
-        ({"input": {"uri": "/d/x.parquet", "rows_per_shard": 0}}, "input.rows_per_shard", "> 0"),
+        (
+            {"input": {"uri": "/d/x.parquet", "rows_per_shard": 0}},
+            "input.rows_per_shard",
+            "> 0",
+        ),
         ({"pipeline": {"stages": []}}, "pipeline.stages", "at least one stage"),
         (
             {"pipeline": {"stages": [{"model": "/m.onnx", "modelet": "a:B"}]}},

@@ -84,3 +84,27 @@ class Pid:
 
     def process(self, row: Any) -> Any:
         return os.getpid()
+
+
+class GilHang:
+    """Never returns from native code that holds the GIL (a wedged C extension)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = set(ids)
+
+    def process(self, row: Any) -> Any:
+        if row["id"] in self.ids:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(3600)  # libc sleep, called without releasing the GIL
+        return len(row["blob"])
+
+
+class Unsendable:
+    """Row ids in `ids` produce an output that cannot be pickled."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = set(ids)
+
+    def process(self, row: Any) -> Any:
+        return (lambda: None) if row["id"] in self.ids else row["id"]

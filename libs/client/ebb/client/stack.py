@@ -43,6 +43,8 @@ class StackConfig:
     log_level: str = "INFO"
     worker_grace_s: float = 30.0
     start_timeout_s: float = 60.0
+    controller: bool = True
+    """Start a controller (with local workers). Without one, workers are someone else's."""
 
 
 class LocalStack:
@@ -87,7 +89,7 @@ class LocalStack:
     async def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.nats.start)
-        for name in ("master", "controller"):
+        for name in ("master", "controller") if self.config.controller else ("master",):
             await self._spawn(name)
         await self._wait_for_master()
 

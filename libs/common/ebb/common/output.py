@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 DATA_DIR = "data"
 COMMITS_DIR = "_commits"
 MANIFEST = "_manifest.json"
+OWNER = "_job.json"
+"""Names the job that owns the output root; created exclusively when the job is accepted."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +138,17 @@ class OutputStore:
             raise
         _fsync_dir(directory)
 
+    def claim(self, job: str) -> str:
+        """Make `job` the owner of this output root, unless another job owns it already.
+
+        Returns the owner's id: `job` itself, or whoever claimed the root first.
+        """
+        path = self.full(OWNER)
+        if self._create_exclusive(path, json.dumps({"job": job, "claimed_at": time.time()})):
+            return job
+        owner = json.loads(self.fs.cat_file(path)).get("job")
+        return str(owner)
+
     # -- commit records --------------------------------------------------------------------
 
     def create_commit(self, record: CommitRecord) -> tuple[bool, CommitRecord]:
@@ -145,21 +158,23 @@ class OutputStore:
         another attempt won and its files are the shard's output.
         """
         path = self.full(commit_path(record.shard))
-        data = _json(record)
-        if self.local:
-            created = self._link_exclusive(path, data)
-        else:
-            try:
-                self.fs.pipe_file(path, data, mode="create")
-                created = True
-            except FileExistsError:
-                created = False
-        if created:
+        if self._create_exclusive(path, _json(record)):
             return True, record
         existing = self.read_commit(record.shard)
         if existing is None:  # pragma: no cover - a commit record is never deleted
             raise RuntimeError(f"commit record {path} vanished after a conflicting create")
         return False, existing
+
+    def _create_exclusive(self, path: str, data: bytes | str) -> bool:
+        """Create a complete file at `path` unless one exists. True if this call created it."""
+        raw = data.encode() if isinstance(data, str) else data
+        if self.local:
+            return self._link_exclusive(path, raw)
+        try:
+            self.fs.pipe_file(path, raw, mode="create")
+        except FileExistsError:
+            return False
+        return True
 
     def _link_exclusive(self, path: str, data: bytes) -> bool:
         directory = os.path.dirname(path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -151,6 +152,9 @@ def _convert(tp: Any, data: object, path: str, strict: bool) -> Any:
     if tp is float:
         if isinstance(data, bool) or not isinstance(data, int | float):
             raise SchemaError(path, f"expected a number, got {_type_name(data)}")
+        # NaN compares false with everything: one NaN deadline would break a heap's order.
+        if not math.isfinite(data):
+            raise SchemaError(path, f"expected a finite number, got {data!r}")
         return float(data)
     if tp is str:
         if not isinstance(data, str):

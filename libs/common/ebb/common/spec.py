@@ -7,6 +7,7 @@ spec is refused with the path of the first bad field before any state changes an
 
 from __future__ import annotations
 
+import math
 import os
 import posixpath
 import re
@@ -47,6 +48,8 @@ def _bad(name: str, problem: str) -> SpecError:
 
 
 def _positive(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {value}")
     if value <= 0:
         raise _bad(name, f"must be > 0, got {value}")
 
@@ -124,7 +127,7 @@ class StageSpec:
         elif self.runtime is not None:
             raise _bad("runtime", "only a model stage has a runtime")
         _positive("batch_size", self.batch_size)
-        if self.batch_wait_s < 0:
+        if not 0 <= self.batch_wait_s < math.inf:
             raise _bad("batch_wait_s", f"must be >= 0, got {self.batch_wait_s}")
         _positive("workers", self.workers)
         if self.threads < 0:

@@ -41,6 +41,10 @@ class PlanningError(MasterError):
     code = "bad_request"
 
 
+class OutputTaken(PlanningError):
+    """The output root belongs to another job."""
+
+
 class Deposed(MasterError):
     """Another master wrote the state we hold: we are no longer the only writer. Stop now."""
 

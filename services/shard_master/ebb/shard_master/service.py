@@ -38,7 +38,6 @@ from ebb.common.messages import (
     RenewRequest,
     StatusRequest,
 )
-from ebb.common.output import OutputStore
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
 from ebb.common.supervisor import Supervisor
@@ -226,7 +225,13 @@ class ShardMaster:
             self.subjects.submit,
             durable="ebb-master",
             stream=self.subjects.jobs_stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=120.0),
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=120.0,
+                # A message that keeps failing without being acked or terminated (a crash
+                # while planning it, say) is not redelivered forever.
+                max_deliver=2 * _MAX_SUBMIT_DELIVERIES,
+            ),
         )
         try:
             await self._intake_loop(sub)
@@ -255,12 +260,14 @@ class ShardMaster:
         try:
             spec = self._decode_job(msg)
             check_roots(spec, self.config.data_roots)
-            await asyncio.to_thread(_check_output_free, spec)
-        except SchemaError as e:
+        except Exception as e:  # noqa: BLE001 - one bad message must not stop the intake
+            # SchemaError above all, but a NUL byte in a path (ValueError) and the like too:
+            # whatever is wrong with one message must not stop the intake of the others.
             metrics.INVALID_MESSAGES.labels("submit").inc()
-            log.warning("job %s rejected: %s", claimed_id or "<no id>", e)
+            reason = str(e) if isinstance(e, SchemaError) else f"{type(e).__name__}: {e}"
+            log.warning("job %s rejected: %s", claimed_id or "<no id>", reason)
             if claimed_id:
-                table.reject(claimed_id, str(e))
+                table.reject(claimed_id, reason)
             await msg.term()
             return
         try:
@@ -277,7 +284,7 @@ class ShardMaster:
             delivered = msg.metadata.num_delivered
             if delivered >= _MAX_SUBMIT_DELIVERIES:
                 log.exception("job %s: giving up after %d tries", spec.id, delivered)
-                table.reject(spec.id, f"could not be planned after {delivered} tries: {e}")
+                await table.abandon(spec.id, f"could not be planned after {delivered} tries: {e}")
                 await msg.term()
             else:
                 log.warning("job %s: intake failed (%s); will retry", spec.id, e)
@@ -358,15 +365,3 @@ def _claimed_job_id(msg: Msg) -> str:
         if isinstance(c, str) and JOB_ID_RE.match(c):
             return c
     return ""
-
-
-def _check_output_free(spec: JobSpec) -> None:
-    """Refuse an output root that holds another job's output: its commits would be mistaken
-    for this job's (the same rule as Spark's default save mode, `error`)."""
-    output = OutputStore(spec.output.uri)
-    manifest = output.read_manifest()
-    if manifest is not None and manifest.job != spec.id:
-        raise SpecError("output.uri", f"{spec.output.uri} holds the output of job {manifest.job}")
-    record = output.first_commit()
-    if record is not None and record.job != spec.id:
-        raise SpecError("output.uri", f"{spec.output.uri} holds commits of job {record.job}")

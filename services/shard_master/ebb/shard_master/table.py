@@ -40,11 +40,19 @@ from ebb.common.messages import (
     ShardState,
     StatusReply,
 )
-from ebb.common.output import MANIFEST, Manifest, ManifestFile, OutputStore
+from ebb.common.output import MANIFEST, CommitRecord, Manifest, ManifestFile, OutputStore
 from ebb.common.spec import JobSpec, parse_job
 
 from . import metrics
-from .errors import BadRequest, JobEnded, JobNotFound, NoCommitRecord, StaleToken
+from .errors import (
+    BadRequest,
+    Deposed,
+    JobEnded,
+    JobNotFound,
+    NoCommitRecord,
+    OutputTaken,
+    StaleToken,
+)
 from .planner import plan_shards
 from .store import JobRecord, LeaseRecord, ShardRecord, Store
 
@@ -54,6 +62,7 @@ _KEEP_ERRORS = 5
 _KEEP_DURATIONS = 256
 _LEASE_REPLY_CACHE = 4096
 _CREATE_CHUNK = 256
+_FINISH_TRIES = 5
 
 
 class Shard:
@@ -88,6 +97,7 @@ class Job:
         self.quarantined_rows = 0
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         self.next_seq = 0
+        self.finish_failures = 0
 
     @property
     def id(self) -> str:
@@ -222,6 +232,16 @@ class LeaseTable:
             self.rejected.popitem(last=False)
         self._emit(JobEvent(job=job_id, kind="rejected", reason=reason))
 
+    async def abandon(self, job_id: str, reason: str) -> None:
+        """A submission that could not be completed: a job left SUBMITTED is marked FAILED."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            self.reject(job_id, reason)
+            return
+        async with job.lock:
+            if job.state == "SUBMITTED":
+                await self._end(job, "FAILED", reason)
+
     async def submit(self, spec: JobSpec) -> bool:
         """Plan and persist a validated job. False if it was known already (a resubmission)."""
         job = self.jobs.get(spec.id)
@@ -233,6 +253,16 @@ class LeaseTable:
         shard_specs = await asyncio.to_thread(
             plan_shards, spec.input, required_columns=list(dict.fromkeys(required))
         )
+        # The output root becomes this job's, atomically: no other job can write into it.
+        try:
+            owner = await asyncio.to_thread(self._open_output(spec.output.uri).claim, spec.id)
+        except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
+            raise OutputTaken(f"cannot write to {spec.output.uri}: {e}") from e
+        if owner != spec.id:
+            raise OutputTaken(
+                f"{spec.output.uri} holds the output of job {owner}: remove it, or choose "
+                "another output.uri"
+            )
         if job is None:
             record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=time.time())
             revision = await self._store.create_job(record)
@@ -405,39 +435,48 @@ class LeaseTable:
                 return CommitReply(status="already_done")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
-            output = self._open_output(job.spec.output.uri)
-            commit = await asyncio.to_thread(output.read_commit, shard.index)
+            commit = await self._read_commit(job, shard)
             if commit is None:
-                raise NoCommitRecord(f"no commit record for shard {shard.index} in {output.uri}")
-            if commit.job != job.id:
-                raise BadRequest(
-                    f"commit record of shard {shard.index} belongs to job {commit.job}"
+                raise NoCommitRecord(
+                    f"no commit record for shard {shard.index} in {job.spec.output.uri}"
                 )
-            new = replace(
-                record,
-                state="DONE",
-                leases=[],
-                done_attempt=commit.attempt,
-                rows=commit.rows,
-                error_rows=commit.error_rows,
-                files=commit.files,
-            )
-            shard.revision = await self._store.update_shard(new, last=shard.revision)
-            shard.record = new
             now = self._clock()
             job.durations.append(now - shard.granted.get(token, now))
-            shard.deadlines.clear()
-            shard.granted.clear()
-            job.doing.discard(shard.index)
-            job.move("DOING", "DONE")
-            job.rows_done += commit.rows
-            job.error_rows += commit.error_rows
+            await self._record_done(job, shard, commit)
+        await self.settle(job)
+        return CommitReply(status="done")
+
+    async def _read_commit(self, job: Job, shard: Shard) -> CommitRecord | None:
+        output = self._open_output(job.spec.output.uri)
+        commit = await asyncio.to_thread(output.read_commit, shard.index)
+        if commit is not None and commit.job != job.id:
+            raise BadRequest(f"commit record of shard {shard.index} belongs to job {commit.job}")
+        return commit
+
+    async def _record_done(self, job: Job, shard: Shard, commit: CommitRecord) -> None:
+        """The shard's output is the commit record's (caller holds the shard's lock)."""
+        previous = shard.record.state
+        new = replace(
+            shard.record,
+            state="DONE",
+            leases=[],
+            done_attempt=commit.attempt,
+            rows=commit.rows,
+            error_rows=commit.error_rows,
+            files=commit.files,
+        )
+        shard.revision = await self._store.update_shard(new, last=shard.revision)
+        shard.record = new
+        shard.deadlines.clear()
+        shard.granted.clear()
+        job.doing.discard(shard.index)
+        job.move(previous, "DONE")
+        job.rows_done += commit.rows
+        job.error_rows += commit.error_rows
         metrics.SHARDS_DONE.labels(job.id).inc()
         metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
         metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
         self._emit(self._event(job, "progress"))
-        await self.settle(job)
-        return CommitReply(status="done")
 
     async def release(self, token: str, reason: str, *, retryable: bool) -> ReleaseReply:
         job, shard = self._locate(token)
@@ -448,7 +487,7 @@ class LeaseTable:
                 raise StaleToken("lease is no longer current")
             state = await self._drop_lease(job, shard, token, reason=reason, failed=not retryable)
         metrics.RETRIES.labels(job.id, "released" if retryable else "poisoned").inc()
-        if state == "QUARANTINED":
+        if state in ("QUARANTINED", "DONE"):
             await self.settle(job)
         return ReleaseReply(state=state)
 
@@ -458,6 +497,22 @@ class LeaseTable:
         """End one lease of a shard (caller holds the shard's lock) and persist the outcome."""
         record = shard.record
         remaining = [lease for lease in record.leases if lease.token != token]
+        if not remaining:
+            # The attempt may have committed its output and died before telling us: then the
+            # shard is done, and retrying or quarantining it would lose or redo that output.
+            try:
+                commit = await self._read_commit(job, shard)
+            except BadRequest:
+                commit = None  # another job's record: never ours to adopt
+            if commit is not None:
+                log.info(
+                    "job %s: shard %d was committed by attempt %d",
+                    job.id,
+                    shard.index,
+                    commit.attempt,
+                )
+                await self._record_done(job, shard, commit)
+                return "DONE"
         failures = record.failures + (1 if failed else 0)
         errors = [*record.errors, reason][-_KEEP_ERRORS:] if reason else record.errors
         seq = record.seq
@@ -497,45 +552,59 @@ class LeaseTable:
         return self._expiries[0][0] if self._expiries else None
 
     async def expire_due(self) -> int:
-        """Expire every lease whose deadline has passed. Returns how many expired."""
+        """Expire every lease whose deadline has passed. Returns how many expired.
+
+        Each lease is handled on its own: one that cannot be expired now (the store is
+        unreachable) goes back on the heap and the others still expire.
+        """
         now = self._clock()
         due: list[tuple[float, str, int, str]] = []
         while self._expiries and self._expiries[0][0] <= now:
-            entry = heapq.heappop(self._expiries)
-            deadline, job_id, index, token = entry
-            job = self.jobs.get(job_id)
-            if job is None or job.ended or index >= len(job.shards):
-                continue
-            if job.shards[index].deadlines.get(token) == deadline:  # else renewed or gone
-                due.append(entry)
+            due.append(heapq.heappop(self._expiries))
         expired = 0
-        for deadline, job_id, index, token in due:
-            job = self.jobs[job_id]
-            shard = job.shards[index]
-            async with shard.lock:
-                # A renew may have arrived while we waited for the lock: it wins.
-                if shard.deadlines.get(token) != deadline:
-                    continue
-                worker = next((ls.worker for ls in shard.record.leases if ls.token == token), "?")
-                attempt = next((ls.attempt for ls in shard.record.leases if ls.token == token), 0)
+        try:
+            while due:
+                entry = due[0]
                 try:
-                    state = await self._drop_lease(
-                        job,
-                        shard,
-                        token,
-                        reason=f"lease of attempt {attempt} expired (worker {worker})",
-                        failed=True,
-                    )
-                except Exception:
-                    # Not persisted: leave it due, and try again on the next pass.
-                    heapq.heappush(self._expiries, (deadline, job_id, index, token))
+                    if await self._expire(*entry):
+                        expired += 1
+                except Deposed:
                     raise
-            expired += 1
-            metrics.LEASE_EXPIRIES.labels(job.id).inc()
-            log.info("job %s: shard %d lease expired (%s), now %s", job.id, index, worker, state)
-            if state == "QUARANTINED":
-                await self.settle(job)
+                except Exception:
+                    log.exception("could not expire a lease of job %s; retrying", entry[1])
+                    heapq.heappush(self._expiries, entry)
+                due.pop(0)
+        finally:
+            for entry in due:  # not reached: a Deposed master stops, but leaves them due
+                heapq.heappush(self._expiries, entry)
         return expired
+
+    async def _expire(self, deadline: float, job_id: str, index: int, token: str) -> bool:
+        job = self.jobs.get(job_id)
+        if job is None or job.ended or index >= len(job.shards):
+            return False
+        shard = job.shards[index]
+        if shard.deadlines.get(token) != deadline:
+            return False  # renewed, or already gone
+        async with shard.lock:
+            # A renew (or the end of the job) may have come while we waited for the lock.
+            if job.ended or shard.deadlines.get(token) != deadline:
+                return False
+            lease = next((ls for ls in shard.record.leases if ls.token == token), None)
+            worker = lease.worker if lease else "?"
+            attempt = lease.attempt if lease else 0
+            state = await self._drop_lease(
+                job,
+                shard,
+                token,
+                reason=f"lease of attempt {attempt} expired (worker {worker})",
+                failed=True,
+            )
+        metrics.LEASE_EXPIRIES.labels(job.id).inc()
+        log.info("job %s: shard %d lease expired (%s), now %s", job.id, index, worker, state)
+        if state in ("QUARANTINED", "DONE"):
+            await self.settle(job)
+        return True
 
     # -- job outcomes ----------------------------------------------------------------------
 
@@ -543,8 +612,28 @@ class LeaseTable:
         """Fail the job if errors crossed its threshold; finish it if every shard is settled.
 
         Level-triggered: safe to call any time, again and again (the reaper does, so that a
-        finalisation interrupted by an I/O error is retried).
+        finalisation interrupted by an I/O error is retried). Never raises but Deposed: a job
+        that cannot be finished (its manifest cannot be written) fails after a few tries.
         """
+        try:
+            await self._settle(job)
+            job.finish_failures = 0
+        except Deposed:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to finish is retried, then fails the job
+            job.finish_failures += 1
+            log.warning("job %s: could not finish (try %d): %s", job.id, job.finish_failures, e)
+            if job.finish_failures >= _FINISH_TRIES:
+                try:
+                    async with job.lock:
+                        if job.state == "RUNNING":
+                            await self._end(job, "FAILED", f"could not finish the job: {e}")
+                except Deposed:
+                    raise
+                except Exception:
+                    log.exception("job %s: could not record its failure either", job.id)
+
+    async def _settle(self, job: Job) -> None:
         async with job.lock:
             if job.state != "RUNNING":
                 return

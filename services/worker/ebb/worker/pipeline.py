@@ -21,6 +21,7 @@ Memory is bounded by the coordinator, which never has more than `max_inflight` i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import queue
@@ -158,11 +159,17 @@ class Router:
         self.announced_ready = False
         self.fatal = ""
         self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
+        self._watchdog_stop = threading.Event()
+        self._kill_all_after = 0.0
+        self.watchdog = threading.Thread(
+            target=self._watchdog, name="ebb-pipeline-watchdog", daemon=True
+        )
 
     # -- called from other threads ---------------------------------------------------------
 
     def start(self) -> None:
         self.thread.start()
+        self.watchdog.start()
 
     def submit(self, uids: list[int], values: list[Any]) -> None:
         self.requests.put(("submit", uids, values))
@@ -175,9 +182,13 @@ class Router:
     def stop(self, grace_s: float) -> None:
         """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
         if self.thread.is_alive():
+            self._kill_all_after = time.monotonic() + grace_s + 1.0
             self.requests.put(("stop", grace_s))
             self._wake()
             self.thread.join()
+        self._watchdog_stop.set()
+        if self.watchdog.is_alive():
+            self.watchdog.join()
 
     def depths(self) -> list[int]:
         """Items waiting for or inside each stage (approximate: read without locking)."""
@@ -206,7 +217,6 @@ class Router:
                 self._dispatch()
                 self._flush_drained()
                 self._wait_and_receive(0.1)
-                self._kill_overdue()
         except Exception as e:
             log.exception("pipeline router failed")
             self._fail(f"pipeline router failed: {type(e).__name__}: {e}")
@@ -309,7 +319,13 @@ class Router:
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
             if last:
                 self._finish(uids)
-                self.on_results(uids, frames.payload(buf))
+                try:
+                    values = frames.payload(buf)
+                except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
+                    message = f"stage {p.name!r}: its result could not be read: {e!r}"
+                    self.on_errors(uids, [message] * len(uids))
+                else:
+                    self.on_results(uids, values)
             else:
                 self.backlog[p.stage + 1].append((buf, uids, flags))
         elif kind == frames.ERRORS:
@@ -324,7 +340,13 @@ class Router:
                 self.announced_ready = True
                 self.on_ready()
         elif kind == frames.SETUP_FAILED:
-            self._fail(str(frames.payload(buf)))
+            message = str(frames.payload(buf))
+            if not self.announced_ready:
+                self._fail(message)  # the configuration is wrong: fail fast
+            else:
+                # A replacement that cannot start (the GPU still holds the old process's
+                # memory, say): its exit counts as a failed start, retried a few times.
+                log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
         elif kind == frames.RECYCLE:
             log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
             metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
@@ -341,6 +363,9 @@ class Router:
         """A process exited: collect its last words, then retry or fail what it held."""
         self._receive(p)
         p.process.join(timeout=5)
+        if p.process.is_alive():  # its pipe closed but it lingers: make sure it is gone
+            p.process.kill()
+            p.process.join(timeout=5)
         p.dead = True
         p.close()
         self.procs[p.stage].remove(p)
@@ -386,7 +411,8 @@ class Router:
             self._finish(failed)
             message = f"stage {p.name!r}: its process {how} while running this row, every time"
             self.on_errors(failed, [message] * len(failed))
-        self._spawn(p.stage, p.slot)
+        if not p.recycling:  # a recycled process's replacement started when it asked
+            self._spawn(p.stage, p.slot)
 
     def _resubmit(self, uid: int, *, solo: bool) -> None:
         """Send an item through the pipeline again, from the first stage."""
@@ -394,18 +420,32 @@ class Router:
         buf = frames.pack(frames.ITEMS, [uid], [self.originals[uid]], flags=flags)
         self.backlog[0].append((buf, [uid], flags))
 
-    def _kill_overdue(self) -> None:
+    def _watchdog(self) -> None:
+        """Kill stage processes whose batch overran its timeout; at shutdown, past the grace
+        period, kill every one. A thread of its own: the router may be blocked writing to
+        the very process that hangs (a full pipe), and only the kill frees it."""
         timeout = self.config.batch_timeout_s
-        now = time.monotonic()
-        for stage in self.procs:
-            for p in stage:
-                started = p.board.started
-                if started and now - started > timeout and not p.kill_reason:
-                    p.kill_reason = f"was killed after a batch ran over {timeout:g}s"
-                    log.warning(
-                        "stage %s process %d: batch over %gs, killing it", p.name, p.slot, timeout
-                    )
-                    p.process.kill()
+        while not self._watchdog_stop.wait(0.2):
+            now = time.monotonic()
+            for stage in list(self.procs):
+                for p in list(stage):
+                    if p.dead or p.kill_reason:
+                        continue
+                    started = p.board.started
+                    if self._kill_all_after and now > self._kill_all_after:
+                        p.kill_reason = "was killed at shutdown"
+                    elif started and now - started > timeout:
+                        p.kill_reason = f"was killed after a batch ran over {timeout:g}s"
+                        log.warning(
+                            "stage %s process %d: batch over %gs, killing it",
+                            p.name,
+                            p.slot,
+                            timeout,
+                        )
+                    else:
+                        continue
+                    with contextlib.suppress(OSError, ValueError, AttributeError):
+                        p.process.kill()
 
     def _fail(self, message: str) -> None:
         if not self.fatal:

@@ -43,6 +43,9 @@ from .writer import build_output, write_attempt
 log = logging.getLogger(__name__)
 
 _LOST_CODES = frozenset({"stale_token", "job_ended", "not_found"})
+_RETRY_CODES = frozenset({"unavailable", "not_leader", "internal", "bad_reply", "no_commit_record"})
+"""Answers that say "not now": the master is restarting, its store timed out, or (on an
+eventually consistent object store) it cannot see our commit record yet."""
 
 
 def default_worker_id() -> str:
@@ -73,6 +76,8 @@ class ActiveLease:
     renew_at: float
     task: asyncio.Task[None] | None = None
     lost: str = ""
+    committed: bool = False
+    """Our commit record exists (or another attempt's does): never a poisoned release now."""
 
 
 class Worker:
@@ -153,7 +158,16 @@ class Worker:
                     slots.release()
                     break
                 sent_at = loop.time()
-                reply = await self._until_drained(self.master.lease(self.spec.id, self.config.id))
+                try:
+                    reply = await self._lease()
+                except RemoteError as e:
+                    slots.release()
+                    if e.code == "not_found":
+                        log.error("job %s is unknown to the master: stopping", self.spec.id)
+                        break
+                    log.warning("lease refused (%s); retrying", e)
+                    await self._until_drained(asyncio.sleep(self.master.backoff.delay(0) * 5))
+                    continue
                 if reply is None or reply.status == "end":
                     slots.release()
                     break
@@ -176,6 +190,23 @@ class Worker:
             if self._tasks:
                 await asyncio.wait(self._tasks)
         self.supervisor.request_stop()
+
+    async def _lease(self) -> LeaseReply | None:
+        """Ask for a shard. If draining starts while the request is out, the master may have
+        granted one already: wait (briefly) for the answer and hand such a shard straight
+        back, instead of leaving a lease nobody holds to expire and count as a failure."""
+        assert self.spec is not None
+        request = asyncio.ensure_future(self.master.lease(self.spec.id, self.config.id))
+        reply: LeaseReply | None = await self._until_drained(asyncio.shield(request))
+        if reply is not None:
+            return reply
+        try:
+            late = await asyncio.wait_for(request, self.config.release_timeout_s)
+        except (TimeoutError, RemoteError, BusError):
+            return None
+        if late.status == "granted" and late.shard is not None:
+            await self._release_token(late.token, late.shard.index, "worker draining", True)
+        return None
 
     async def _until_drained(self, coro: Any) -> Any:
         """Await `coro`, unless draining starts first (then None)."""
@@ -248,7 +279,10 @@ class Worker:
             self.request_drain()
         except Exception as e:
             log.exception("shard %d attempt %d failed", index, active.attempt)
-            await self._release(active, f"{type(e).__name__}: {e}", retryable=False)
+            # Past the commit record the shard is done whatever happens here: hand it back
+            # unharmed, and the master takes the record as the shard's output.
+            reason = f"{type(e).__name__}: {e}"
+            await self._release(active, reason, retryable=active.committed)
             metrics.SHARDS.labels("failed").inc()
         finally:
             self.leases.pop(active.token, None)
@@ -304,16 +338,32 @@ class Worker:
         await self._commit(active, record)
 
     async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:
-        try:
-            reply = await self.master.commit(
-                active.token, rows=record.rows, error_rows=record.error_rows
-            )
-        except RemoteError as e:
-            if e.code in _LOST_CODES:
-                # The commit record stands: whoever holds the shard now will find and report it.
-                log.info("shard %d: commit refused (%s)", active.shard.index, e)
-                return
-            raise
+        """Report the commit record to the master, retrying through master restarts and
+        store hiccups. The record already decides the shard's output; this only tells."""
+        active.committed = True
+        attempt = 0
+        while True:
+            try:
+                reply = await self.master.commit(
+                    active.token, rows=record.rows, error_rows=record.error_rows
+                )
+                break
+            except RemoteError as e:
+                if e.code in _LOST_CODES:
+                    # The record stands: whoever holds the shard now will find and report it.
+                    log.info("shard %d: commit refused (%s)", active.shard.index, e)
+                    return
+                if e.code not in _RETRY_CODES:
+                    raise
+                delay = self.master.backoff.delay(attempt)
+                log.warning(
+                    "shard %d: commit not taken (%s); retrying in %.1fs",
+                    active.shard.index,
+                    e,
+                    delay,
+                )
+                attempt += 1
+                await asyncio.sleep(delay)
         log.info(
             "shard %d attempt %d %s: %d rows, %d errors",
             active.shard.index,
@@ -324,21 +374,20 @@ class Worker:
         )
 
     async def _release(self, active: ActiveLease, reason: str, *, retryable: bool) -> None:
+        await self._release_token(active.token, active.shard.index, reason, retryable)
+
+    async def _release_token(self, token: str, shard: int, reason: str, retryable: bool) -> None:
         """Hand a shard back. Shielded and bounded: it must happen even while we are being
         cancelled, and must not hold up a shutdown if the master is unreachable."""
 
         async def release() -> None:
             try:
                 await asyncio.wait_for(
-                    self.master.release(active.token, reason, retryable=retryable),
+                    self.master.release(token, reason, retryable=retryable),
                     self.config.release_timeout_s,
                 )
             except (RemoteError, BusError, TimeoutError) as e:
-                log.info(
-                    "release of shard %d not confirmed (%s); its lease will expire",
-                    active.shard.index,
-                    e,
-                )
+                log.info("release of shard %d not confirmed (%s); its lease will expire", shard, e)
 
         await asyncio.shield(release())
 

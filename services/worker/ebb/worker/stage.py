@@ -193,11 +193,37 @@ class StageLoop:
             self.board.clear()
         if ok_uids:
             flags = frames.SOLO if solo else 0
-            self.outbox.send_bytes(frames.pack(frames.ITEMS, ok_uids, ok_values, flags=flags))
+            try:
+                message = frames.pack(frames.ITEMS, ok_uids, ok_values, flags=flags)
+            except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
+                message, unsendable = self._pack_each(ok_uids, ok_values, flags)
+                failed += unsendable
+            if message:
+                self.outbox.send_bytes(message)
         if failed:
             self.outbox.send_bytes(
                 frames.pack(frames.ERRORS, [u for u, _ in failed], [m for _, m in failed])
             )
+
+    def _pack_each(
+        self, uids: list[int], values: list[Any], flags: int
+    ) -> tuple[bytes, list[tuple[int, str]]]:
+        """Pack the outputs that can be sent; the others fail their own items."""
+        good_uids: list[int] = []
+        good_values: list[Any] = []
+        failed: list[tuple[int, str]] = []
+        for uid, value in zip(uids, values, strict=True):
+            try:
+                frames.pack(frames.ITEMS, [uid], [value])
+            except Exception as e:  # noqa: BLE001 - any pickling failure is this item's
+                failed.append((uid, f"stage {self.name!r}: output cannot be sent: {_describe(e)}"))
+            else:
+                good_uids.append(uid)
+                good_values.append(value)
+        packed = (
+            frames.pack(frames.ITEMS, good_uids, good_values, flags=flags) if good_uids else b""
+        )
+        return packed, failed
 
     def _isolate(
         self, uids: list[int], values: list[Any]

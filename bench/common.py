@@ -1,0 +1,143 @@
+"""What every benchmark shares: the run context, timing, medians, tables, plots, the stack."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ebb.client.sdk import EbbClient
+from ebb.client.stack import LocalStack, StackConfig
+from ebb.common.messages import JobStatus
+from ebb.common.spec import JobSpec
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+
+
+@dataclass
+class Context:
+    quick: bool
+    workdir: Path
+    """Scratch space for datasets, models and outputs."""
+    docs: Path
+    """Where the report and its plots go."""
+    repeats: int = 3
+    device: str = "cpu"
+    log: Callable[[str], None] = print
+
+    def size(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+    def dir(self, name: str) -> Path:
+        path = self.workdir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+@dataclass
+class Section:
+    """One benchmark's findings, as they go into docs/benchmarks.md."""
+
+    title: str
+    intro: str
+    tables: list[str] = field(default_factory=list)
+    plots: list[tuple[str, str]] = field(default_factory=list)
+    """(file name under docs/img, caption)."""
+    notes: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    """Headline numbers, for the smoke test and the console."""
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float]) -> str:
+    """`median (min-max)` for a table cell."""
+    return f"{median(values):,.1f} ({min(values):,.1f}-{max(values):,.1f})"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def interleaved(
+    variants: dict[str, Callable[[], float]], repeats: int, log: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """Run each variant `repeats` times, alternating A B A B..., so that a noisy neighbour
+    hurts every variant alike. Each callable returns one measurement."""
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(repeats):
+        for name, run in variants.items():
+            value = run()
+            results[name].append(value)
+            log(f"  {name} run {r + 1}/{repeats}: {value:,.2f}")
+    return results
+
+
+@contextlib.contextmanager
+def stopwatch() -> Iterator[Callable[[], float]]:
+    start = time.perf_counter()
+    yield lambda: time.perf_counter() - start
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    memory = psutil.virtual_memory().total / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, Python {platform.python_version()}"
+
+
+@contextlib.asynccontextmanager
+async def ebb_stack(
+    ctx: Context, name: str, *, max_workers: int, worker_grace_s: float = 10.0
+) -> AsyncIterator[tuple[LocalStack, EbbClient]]:
+    """The embedded stack (nats-server, master, controller as processes), and a client."""
+    stack = LocalStack(
+        StackConfig(
+            state_dir=ctx.dir(f"{name}-state-{time.monotonic_ns()}"),
+            data_roots=[str(ctx.workdir), str(BENCH_DIR)],
+            max_workers=max_workers,
+            worker_grace_s=worker_grace_s,
+            log_level="WARNING",
+        )
+    )
+    await stack.start()
+    try:
+        client = await EbbClient.connect(stack.nats_config)
+        try:
+            yield stack, client
+        finally:
+            await client.close()
+    finally:
+        await stack.stop()
+
+
+async def run_job(client: EbbClient, spec: JobSpec) -> tuple[JobStatus, float]:
+    """Submit and wait; (final status, seconds from submit to the end)."""
+    started = time.perf_counter()
+    job_id = await client.submit(spec)
+    final = await client.wait(job_id, poll_s=0.2)
+    return final, time.perf_counter() - started
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)
