@@ -42,3 +42,22 @@ def test_solo_items_run_alone() -> None:
     assert [i.uid for i in b.take()] == [1, 2]
     assert [i.uid for i in b.take()] == [3]
     assert [i.uid for i in b.take()] == [4]
+
+
+def test_adaptive_batch_size_grows_while_it_pays_and_settles() -> None:
+    from ebb.worker.batcher import AdaptiveBatchSize
+
+    # Per-item cost falls until 64, then flattens: the search should settle on 64.
+    def cost(size: int) -> float:
+        return 0.001 + 0.05 / min(size, 64)
+
+    sizer = AdaptiveBatchSize(max_size=512, start=8, window=4)
+    seen = []
+    for _ in range(200):
+        size = sizer.size
+        seen.append(size)
+        sizer.observe(size, cost(size) * size)
+    assert seen[-1] == 64
+    assert max(seen) == 128  # it tried one step past the best, and came back
+    current = sizer.size
+    assert sizer.observe(3, 1.0) == current  # a partial batch says nothing

@@ -221,3 +221,45 @@ async def test_an_output_that_cannot_be_sent_fails_only_its_row() -> None:
     assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [3]
     assert "output cannot be sent" in outcomes[3][1]
     assert outcomes[4] == (True, 4)
+
+
+def fan_stages(**label: Any) -> list[StageSpec]:
+    return [
+        StageSpec(name="split", modelet="ebbtest_modelets:Split", fanout=True, batch_size=16),
+        StageSpec(name="label", modelet="ebbtest_modelets:Label", params=label, batch_size=64),
+        StageSpec(name="join", modelet="ebbtest_modelets:Join", fanin=True, batch_size=16),
+    ]
+
+
+def joined(row_id: int) -> str:
+    return "+".join(f"{row_id}.{k}" for k in range(row_id % 4))
+
+
+async def test_fan_out_and_back_in_keeps_every_part_in_order() -> None:
+    outcomes = await run_pipeline(fan_stages(), rows(1_000))
+    assert [v for _, v in outcomes] == [joined(i) for i in range(1_000)]
+    assert outcomes[4] == (True, "")  # no parts at all: the item still comes back
+
+
+async def test_without_a_fan_in_the_parts_come_back_as_a_list() -> None:
+    outcomes = await run_pipeline(fan_stages()[:2], rows(100))
+    assert outcomes[7] == (True, ["7.0", "7.1", "7.2"])
+
+
+async def test_a_failing_part_fails_its_item_only() -> None:
+    outcomes = await run_pipeline(fan_stages(fail_on=11), rows(200))
+    failed = [i for i, (ok, _) in enumerate(outcomes) if not ok]
+    assert failed == [11]
+    assert "part 2 of its fan-out" in outcomes[11][1] and "unreadable crop" in outcomes[11][1]
+
+
+async def test_a_part_that_kills_its_process_fails_its_item_and_the_rest_recovers() -> None:
+    outcomes = await run_pipeline(fan_stages(crash_on=15), rows(200))
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [15]
+    assert all(v == joined(i) for i, (ok, v) in enumerate(outcomes) if ok)
+
+
+async def test_a_fan_out_stage_must_return_lists() -> None:
+    stages = [StageSpec(name="pid", modelet="ebbtest_modelets:Pid", fanout=True)]
+    outcomes = await run_pipeline(stages, rows(3))
+    assert all(not ok and "must return a list" in v for ok, v in outcomes)

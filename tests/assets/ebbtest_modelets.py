@@ -108,3 +108,32 @@ class Unsendable:
 
     def process(self, row: Any) -> Any:
         return (lambda: None) if row["id"] in self.ids else row["id"]
+
+
+class Split:
+    """Row -> a list of `row["id"] % 4` parts (possibly none): a detector's crops."""
+
+    def process(self, row: Any) -> Any:
+        return [{"id": row["id"], "part": k} for k in range(row["id"] % 4)]
+
+
+class Label:
+    """Part -> "id.part"; fails on `fail_on` (an id), crashes its process on `crash_on`."""
+
+    def __init__(self, fail_on: int = -1, crash_on: int = -1) -> None:
+        self.fail_on = fail_on
+        self.crash_on = crash_on
+
+    def process(self, part: Any) -> Any:
+        if part["id"] == self.crash_on and part["part"] == 1:
+            os._exit(23)
+        if part["id"] == self.fail_on and part["part"] == 2:
+            raise ValueError("unreadable crop")
+        return f"{part['id']}.{part['part']}"
+
+
+class Join:
+    """The parts' results of one row -> one string."""
+
+    def process(self, parts: list[str]) -> Any:
+        return "+".join(parts)

@@ -98,12 +98,27 @@ class StageSpec:
     """Keyword arguments for the modelet's constructor."""
     input: str | None = None
     """Model stages: feed this field of a map item to the model, instead of the item itself."""
+    output: str | None = None
+    """Model stages: put the model's output under this key of the (map) item, keeping the
+    item's other fields, instead of replacing the item with it."""
+    fanout: bool = False
+    """The stage returns a list per item; each element goes on through the next stages as an
+    item of its own (a detector's crops, say). Their results come back together as a list,
+    at the fan-in stage or at the end of the pipeline."""
+    fanin: bool = False
+    """The stage receives, per item, the list of results of its fanned-out parts."""
     batch_size: int = 32
     """Largest batch the stage assembles."""
+    adaptive_batch: bool = False
+    """Search, online, the batch size (up to batch_size) that costs least per item."""
     batch_wait_s: float = 0.01
     """Longest wait for a batch to fill, counted from its FIRST item."""
     workers: int = 1
-    """Processes running this stage."""
+    """Processes running this stage at the start."""
+    min_workers: int | None = None
+    """Fewest processes the elastic scheduler may leave (default: workers)."""
+    max_workers: int | None = None
+    """Most processes the elastic scheduler may start (default: workers: no scaling)."""
     threads: int = 0
     """Intra-op threads per process for model runtimes (0: the runtime's default)."""
     device: str = "cpu"
@@ -126,10 +141,21 @@ class StageSpec:
                 raise _bad("runtime", f"{self.runtime} does not match a {suffix} model file")
         elif self.runtime is not None:
             raise _bad("runtime", "only a model stage has a runtime")
+        elif self.output is not None:
+            raise _bad("output", "only a model stage has an output key")
+        if self.fanout and self.fanin:
+            raise _bad("fanin", "a stage cannot both fan out and fan in")
         _positive("batch_size", self.batch_size)
         if not 0 <= self.batch_wait_s < math.inf:
             raise _bad("batch_wait_s", f"must be >= 0, got {self.batch_wait_s}")
         _positive("workers", self.workers)
+        if self.min_workers is None:
+            object.__setattr__(self, "min_workers", self.workers)
+        if self.max_workers is None:
+            object.__setattr__(self, "max_workers", self.workers)
+        assert self.min_workers is not None and self.max_workers is not None
+        if not 1 <= self.min_workers <= self.workers <= self.max_workers:
+            raise _bad("workers", "need 1 <= min_workers <= workers <= max_workers")
         if self.threads < 0:
             raise _bad("threads", f"must be >= 0, got {self.threads}")
         if not re.match(r"^(cpu|cuda(:\d+)?)$", self.device):
@@ -151,6 +177,12 @@ class PipelineSpec:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise _bad("stages", f"stage names must be unique: {sorted(dup)}")
+        fanouts = [i for i, s in enumerate(named) if s.fanout]
+        fanins = [i for i, s in enumerate(named) if s.fanin]
+        if len(fanouts) > 1 or len(fanins) > 1:
+            raise _bad("stages", "one fan-out (and one fan-in after it) at most")
+        if fanins and (not fanouts or fanins[0] <= fanouts[0]):
+            raise _bad(f"stages[{fanins[0]}].fanin", "a fan-in stage comes after a fan-out stage")
         object.__setattr__(self, "stages", named)
 
 

@@ -70,3 +70,52 @@ class Batcher:
         if not self._items:
             self._flush = False
         return batch
+
+
+class AdaptiveBatchSize:
+    """Finds, online, the batch size that costs least per item (maximises items/s).
+
+    Starts small and doubles while a full batch gets cheaper per item by more than
+    `tolerance`; steps back when a larger size is no better; re-probes now and then, since
+    the best size moves with the data. Only full batches count: a batch cut short by its
+    wait says nothing about what a bigger one would cost.
+    """
+
+    def __init__(
+        self, *, max_size: int, start: int = 8, window: int = 8, tolerance: float = 0.05
+    ) -> None:
+        self.max_size = max_size
+        self.size = min(start, max_size)
+        self.window = window
+        self.tolerance = tolerance
+        self.cost: dict[int, float] = {}
+        """Median seconds per item at each size tried."""
+        self._samples: list[float] = []
+        self._windows = 0
+
+    def observe(self, items: int, seconds: float) -> int:
+        """A batch of `items` ran in `seconds`. Returns the size to use next."""
+        if items != self.size or items == 0:
+            return self.size
+        self._samples.append(seconds / items)
+        if len(self._samples) < self.window:
+            return self.size
+        self._samples.sort()
+        self.cost[self.size] = self._samples[len(self._samples) // 2]
+        self._samples.clear()
+        self._windows += 1
+        if self._windows % 50 == 0:
+            self.cost = {self.size: self.cost[self.size]}  # the data may have changed
+        self.size = self._next()
+        return self.size
+
+    def _next(self) -> int:
+        here = self.cost[self.size]
+        smaller, bigger = self.size // 2, min(self.size * 2, self.max_size)
+        if smaller in self.cost and self.cost[smaller] <= here * (1 + self.tolerance):
+            return smaller  # the last doubling bought nothing: back down (less latency)
+        if bigger != self.size and (
+            bigger not in self.cost or self.cost[bigger] < here * (1 - self.tolerance)
+        ):
+            return bigger
+        return self.size

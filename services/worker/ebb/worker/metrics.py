@@ -24,3 +24,7 @@ BATCH_SIZE = Histogram(
 STAGE_RESTARTS = Counter(
     "ebb_stage_restarts_total", "Stage processes replaced", ["stage", "reason"]
 )
+STAGE_WORKERS = Gauge("ebb_stage_workers", "Processes running a stage", ["stage"])
+STAGE_UTILIZATION = Gauge(
+    "ebb_stage_utilization", "Busy fraction of a stage's processes (elastic stages)", ["stage"]
+)

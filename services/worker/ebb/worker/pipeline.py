@@ -36,6 +36,7 @@ from typing import Any
 from ebb.common.spec import StageSpec
 
 from . import frames, metrics
+from .elastic import DeviceMonitor, ElasticScheduler, ElasticSettings, StageLoad
 from .stage import BatchBoard, StageConfig, stage_main
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,32 @@ class PipelineConfig:
     """Items inside the pipeline at most (0: enough to keep every stage process busy)."""
     max_item_crashes: int = 2
     """An item whose batch's process dies this many times becomes an error."""
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
+    """How the elastic scheduler decides (used when any stage has min_workers < max_workers)."""
     start_timeout_s: float = 300.0
 
     def inflight_limit(self) -> int:
         if self.max_inflight:
             return self.max_inflight
-        busy = sum(2 * s.workers * s.batch_size for s in self.stages)
+        busy = sum(2 * (s.max_workers or s.workers) * s.batch_size for s in self.stages)
         return max(busy + 2 * self.frame_size(), 4 * self.frame_size())
 
     def frame_size(self) -> int:
         return max(16, min(256, self.stages[0].batch_size))
+
+
+@dataclass(eq=False)
+class Family:
+    """An item that fanned out, waiting for its parts."""
+
+    parent: int
+    results: list[Any]
+    flags: int
+    members: list[int] = field(default_factory=list)
+    remaining: int = 0
+
+    def __post_init__(self) -> None:
+        self.remaining = len(self.results)
 
 
 class _StageProcess:
@@ -109,7 +126,11 @@ class _StageProcess:
         self.stopping = False
         self.flushed = False
         self.dead = False
+        self.retired = False
+        """Stopped by the elastic scheduler: not to be replaced."""
         self.kill_reason = ""
+        self.busy_mark = 0.0
+        self.mark_time = time.monotonic()
 
     @property
     def load(self) -> int:
@@ -150,10 +171,22 @@ class Router:
         self.procs: list[list[_StageProcess]] = [[] for _ in self.specs]
         self.backlog: list[deque[tuple[bytes, list[int], int]]] = [deque() for _ in self.specs]
         self.originals: dict[int, Any] = {}
+        fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
+        fanins = [k for k, s in enumerate(self.specs) if s.fanin]
+        self.fanout_stage: int | None = fanouts[0] if fanouts else None
+        self.fanin_stage: int | None = fanins[0] if fanins else None
+        self.families: dict[int, Family] = {}
+        self.children: dict[int, tuple[int, int]] = {}
+        """Fanned-out parts (negative uids) -> (their item's uid, their place in it)."""
+        self._next_child = -1
         self.crashes: Counter[int] = Counter()
         self.startup_failures: Counter[int] = Counter()
         self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        scalable = any(s.min_workers != s.max_workers for s in self.specs)
+        self.elastic = ElasticScheduler(config.elastic) if scalable else None
+        self.monitor = DeviceMonitor() if scalable else None
+        self._next_tick = time.monotonic() + config.elastic.tick_s
         self._wake_lock = threading.Lock()
         self.draining = False
         self.announced_ready = False
@@ -217,6 +250,8 @@ class Router:
                 self._dispatch()
                 self._flush_drained()
                 self._wait_and_receive(0.1)
+                if self.elastic is not None and time.monotonic() >= self._next_tick:
+                    self._rebalance()
         except Exception as e:
             log.exception("pipeline router failed")
             self._fail(f"pipeline router failed: {type(e).__name__}: {e}")
@@ -312,27 +347,20 @@ class Router:
 
     def _handle(self, p: _StageProcess, buf: bytes) -> None:
         kind, flags, uids = frames.header(buf)
-        last = p.stage == len(self.specs) - 1
         if kind == frames.ITEMS:
             for uid in uids:
                 p.held.pop(uid, None)
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
-            if last:
-                self._finish(uids)
-                try:
-                    values = frames.payload(buf)
-                except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
-                    message = f"stage {p.name!r}: its result could not be read: {e!r}"
-                    self.on_errors(uids, [message] * len(uids))
-                else:
-                    self.on_results(uids, values)
-            else:
-                self.backlog[p.stage + 1].append((buf, uids, flags))
+            try:
+                self._route(p.stage, buf, uids, flags)
+            except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
+                self._fail_items(
+                    uids, [f"stage {p.name!r}: its result could not be read: {e!r}"] * len(uids)
+                )
         elif kind == frames.ERRORS:
             for uid in uids:
                 p.held.pop(uid, None)
-            self._finish(uids)
-            self.on_errors(uids, frames.payload(buf))
+            self._fail_items(uids, frames.payload(buf))
         elif kind == frames.READY:
             p.ready = True
             self.startup_failures[p.stage] = 0
@@ -353,6 +381,102 @@ class Router:
             p.recycling = True
             p.stopping = p.send(frames.pack(frames.STOP))
             self._spawn(p.stage, p.slot)
+
+    # -- where items go next -----------------------------------------------------------------
+
+    def _route(self, stage: int, buf: bytes, uids: list[int], flags: int) -> None:
+        """Items that came out of `stage`: on to the next stage, into a fan-out, back to
+        their family, or out of the pipeline."""
+        after = stage + 1
+        if stage == self.fanout_stage:
+            self._fan_out(stage, frames.payload(buf), uids, flags)
+        elif self._gathers_after(stage):
+            self._gather(frames.payload(buf), uids)
+        elif after == len(self.specs):
+            self._finish(uids)
+            self.on_results(uids, frames.payload(buf))
+        else:
+            self.backlog[after].append((buf, uids, flags))
+
+    def _gathers_after(self, stage: int) -> bool:
+        """Is the end of `stage` where the items of a fan-out come back together?"""
+        if self.fanout_stage is None or stage < self.fanout_stage:
+            return False
+        return stage + 1 == (self.fanin_stage if self.fanin_stage is not None else len(self.specs))
+
+    def _fan_out(self, stage: int, values: list[Any], uids: list[int], flags: int) -> None:
+        children: list[int] = []
+        child_values: list[Any] = []
+        for uid, value in zip(uids, values, strict=True):
+            if not isinstance(value, list | tuple):
+                name = self.specs[stage].name
+                kind = type(value).__name__
+                problem = f"stage {name!r} fans out: it must return a list per item, not {kind}"
+                self._fail_items([uid], [problem])
+            elif not value or self._gathers_after(stage):
+                self._complete(uid, list(value), flags)
+            else:
+                family = Family(parent=uid, results=[None] * len(value), flags=flags)
+                self.families[uid] = family
+                for index, part in enumerate(value):
+                    child = self._next_child
+                    self._next_child -= 1
+                    self.children[child] = (uid, index)
+                    family.members.append(child)
+                    children.append(child)
+                    child_values.append(part)
+        if children:
+            buf = frames.pack(frames.ITEMS, children, child_values, flags=flags)
+            self.backlog[stage + 1].append((buf, children, flags))
+
+    def _gather(self, values: list[Any], uids: list[int]) -> None:
+        for uid, value in zip(uids, values, strict=True):
+            found = self.children.pop(uid, None)
+            if found is None:
+                continue  # a child of a family that failed or started over
+            parent, index = found
+            family = self.families[parent]
+            family.results[index] = value
+            family.remaining -= 1
+            if family.remaining == 0:
+                del self.families[parent]
+                self._complete(parent, family.results, family.flags)
+
+    def _complete(self, parent: int, results: list[Any], flags: int) -> None:
+        """A fanned-out item has all its parts: on to the fan-in stage, or out."""
+        if self.fanin_stage is not None:
+            buf = frames.pack(frames.ITEMS, [parent], [results], flags=flags)
+            self.backlog[self.fanin_stage].append((buf, [parent], flags))
+        else:
+            self._finish([parent])
+            self.on_results([parent], [results])
+
+    def _fail_items(self, uids: list[int], messages: list[str]) -> None:
+        """Errors: an item fails; a fanned-out part fails its whole item, once."""
+        out_uids: list[int] = []
+        out_messages: list[str] = []
+        for uid, message in zip(uids, messages, strict=True):
+            if uid < 0:
+                found = self.children.pop(uid, None)
+                if found is None:
+                    continue
+                parent, index = found
+                self._disband(parent)
+                out_uids.append(parent)
+                out_messages.append(f"part {index} of its fan-out: {message}")
+            else:
+                out_uids.append(uid)
+                out_messages.append(message)
+        if out_uids:
+            self._finish(out_uids)
+            self.on_errors(out_uids, out_messages)
+
+    def _disband(self, parent: int) -> None:
+        """Forget a family: results of its parts still in flight will be dropped."""
+        family = self.families.pop(parent, None)
+        if family is not None:
+            for child in family.members:
+                self.children.pop(child, None)
 
     def _finish(self, uids: list[int]) -> None:
         for uid in uids:
@@ -397,8 +521,16 @@ class Router:
                 len(p.held) - len(running),
             )
         failed: list[int] = []
+        blamed: dict[int, bool] = {}
         for uid in p.held:
-            if uid not in running:
+            # A fanned-out part cannot be sent again on its own: its whole item starts over.
+            owner = self.children[uid][0] if uid in self.children else uid
+            if uid < 0 and owner == uid:
+                continue  # a part of a family that already failed or started over
+            blamed[owner] = blamed.get(owner, False) or uid in running
+        for uid, guilty in blamed.items():
+            self._disband(uid)
+            if not guilty:
                 self._resubmit(uid, solo=False)
                 continue
             self.crashes[uid] += 1
@@ -411,7 +543,7 @@ class Router:
             self._finish(failed)
             message = f"stage {p.name!r}: its process {how} while running this row, every time"
             self.on_errors(failed, [message] * len(failed))
-        if not p.recycling:  # a recycled process's replacement started when it asked
+        if not (p.recycling or p.retired):  # those were replaced already, or not wanted
             self._spawn(p.stage, p.slot)
 
     def _resubmit(self, uid: int, *, solo: bool) -> None:
@@ -419,6 +551,60 @@ class Router:
         flags = frames.SOLO if solo else 0
         buf = frames.pack(frames.ITEMS, [uid], [self.originals[uid]], flags=flags)
         self.backlog[0].append((buf, [uid], flags))
+
+    def _rebalance(self) -> None:
+        """One tick of the elastic scheduler: measure each stage, maybe add or retire one."""
+        assert self.elastic is not None and self.monitor is not None
+        now = time.monotonic()
+        self._next_tick = now + self.config.elastic.tick_s
+        loads: list[StageLoad] = []
+        for k, spec in enumerate(self.specs):
+            live = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
+            shares = []
+            for p in live:
+                busy = p.board.busy_seconds(now)
+                elapsed = now - p.mark_time
+                if elapsed > 0.5 * self.config.elastic.tick_s:
+                    shares.append(min(1.0, (busy - p.busy_mark) / elapsed))
+                p.busy_mark, p.mark_time = busy, now
+            utilization = sum(shares) / len(shares) if shares else 0.0
+            running = sum(len(p.board.running()) for p in live)
+            waiting = (
+                sum(len(u) for _, u, _ in self.backlog[k]) + sum(p.load for p in live) - running
+            )
+            assert spec.min_workers is not None and spec.max_workers is not None
+            loads.append(
+                StageLoad(
+                    stage=k,
+                    workers=len([p for p in self.procs[k] if not (p.stopping or p.dead)]),
+                    min_workers=spec.min_workers,
+                    max_workers=spec.max_workers,
+                    utilization=utilization,
+                    waiting=waiting,
+                    device_busy=self.monitor.busy(spec.device),
+                )
+            )
+            metrics.STAGE_UTILIZATION.labels(spec.name).set(utilization)
+        decision = self.elastic.decide(now, loads)
+        if decision is not None:
+            action, k = decision
+            name = self.specs[k].name
+            if action == "add":
+                slot = max((p.slot for p in self.procs[k]), default=-1) + 1
+                log.info("elastic: stage %s gets a process (%d)", name, loads[k].workers + 1)
+                self._spawn(k, slot)
+            else:
+                candidates = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
+                if candidates:
+                    p = min(candidates, key=lambda q: q.load)
+                    log.info(
+                        "elastic: stage %s gives a process back (%d)", name, loads[k].workers - 1
+                    )
+                    p.retired = True
+                    p.stopping = p.send(frames.pack(frames.STOP))
+        for k, spec in enumerate(self.specs):
+            alive = [p for p in self.procs[k] if not (p.stopping or p.dead)]
+            metrics.STAGE_WORKERS.labels(spec.name).set(len(alive))
 
     def _watchdog(self) -> None:
         """Kill stage processes whose batch overran its timeout; at shutdown, past the grace

@@ -63,6 +63,17 @@ class _ModelStage(Modelet):
         self.uri = spec.model
         self.input_names: list[str] = []
 
+    def process_batch(self, items: list[Any]) -> list[Any]:
+        outputs = self.infer(items)
+        key = self.spec.output
+        if key is None:
+            return outputs
+        return [{**item, key: out} for item, out in zip(items, outputs, strict=True)]
+
+    def infer(self, items: list[Any]) -> list[Any]:
+        """One output per item."""
+        raise TypeError(f"{type(self).__name__} does not implement infer")
+
     def _inputs(self, items: list[Any]) -> dict[str, list[Any]]:
         if self.spec.input is not None:
             items = [item[self.spec.input] for item in items]
@@ -97,7 +108,7 @@ class OnnxStage(_ModelStage):
         self.input_names = [i.name for i in inputs]
         self.dtypes = {i.name: _ONNX_DTYPES.get(i.type, np.float32) for i in inputs}
 
-    def process_batch(self, items: list[Any]) -> list[Any]:
+    def infer(self, items: list[Any]) -> list[Any]:
         feed: dict[str, np.ndarray] = {
             name: np.stack([np.asarray(v) for v in values]).astype(self.dtypes[name], copy=False)
             for name, values in self._inputs(items).items()
@@ -131,7 +142,7 @@ class TorchScriptStage(_ModelStage):
         except AttributeError:
             self.input_names = ["input"]
 
-    def process_batch(self, items: list[Any]) -> list[Any]:
+    def infer(self, items: list[Any]) -> list[Any]:
         import torch
 
         inputs = self._inputs(items)

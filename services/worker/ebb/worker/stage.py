@@ -24,7 +24,7 @@ from typing import Any
 from ebb.common.spec import StageSpec
 
 from . import frames
-from .batcher import Batcher, Item
+from .batcher import AdaptiveBatchSize, Batcher, Item
 from .modelet import batch_callable, build_stage
 
 EXIT_SETUP_FAILED = 3
@@ -40,6 +40,7 @@ class BatchBoard:
         self._started = ctx.Value("d", 0.0, lock=False)
         self._count = ctx.Value("i", 0, lock=False)
         self._uids = ctx.Array("q", capacity, lock=False)
+        self._busy = ctx.Value("d", 0.0, lock=False)
 
     def post(self, uids: list[int]) -> None:
         n = min(len(uids), len(self._uids))
@@ -48,7 +49,15 @@ class BatchBoard:
         self._started.value = time.monotonic()  # last: a reader seeing it sees the uids
 
     def clear(self) -> None:
+        started = self._started.value
+        if started:
+            self._busy.value += time.monotonic() - started
         self._started.value = 0.0
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds spent running batches since the process started (the running one too)."""
+        started = self._started.value
+        return float(self._busy.value) + (now - started if started else 0.0)
 
     @property
     def started(self) -> float:
@@ -128,6 +137,13 @@ class StageLoop:
         self.outbox = outbox
         self.board = board
         self.batcher = Batcher(max_size=config.spec.batch_size, max_wait_s=config.spec.batch_wait_s)
+        self.sizer = (
+            AdaptiveBatchSize(max_size=config.spec.batch_size)
+            if config.spec.adaptive_batch
+            else None
+        )
+        if self.sizer is not None:
+            self.batcher.max_size = self.sizer.size
         self.messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.reader = threading.Thread(target=self._read, args=(inbox,), daemon=True)
         self.stopping = False
@@ -185,12 +201,15 @@ class StageLoop:
             return
         solo = len(batch) == 1 and batch[0].solo
         self.board.post([i.uid for i in batch])
+        started = time.perf_counter()
         try:
             ok_uids, ok_values, failed = self._isolate(
                 [i.uid for i in batch], [i.value for i in batch]
             )
         finally:
             self.board.clear()
+        if self.sizer is not None and not solo:
+            self.batcher.max_size = self.sizer.observe(len(batch), time.perf_counter() - started)
         if ok_uids:
             flags = frames.SOLO if solo else 0
             try:
