@@ -114,7 +114,7 @@ async def ebb_stack(
     stack = LocalStack(
         StackConfig(
             state_dir=ctx.dir(f"{name}-state-{time.monotonic_ns()}"),
-            data_roots=[str(ctx.workdir), str(BENCH_DIR)],
+            data_roots=[str(ctx.workdir), str(REPO)],
             max_workers=max_workers,
             worker_grace_s=worker_grace_s,
             log_level="WARNING",

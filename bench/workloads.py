@@ -39,7 +39,7 @@ def write_images(folder: Path, *, rows: int, files: int = 4, seed: int = 0) -> P
         # Smooth noise compresses like a photo, not like white noise.
         base = rng.integers(0, 255, size=(n, SIDE // 8, SIDE // 8, CHANNELS), dtype=np.uint8)
         images = np.repeat(np.repeat(base, 8, axis=1), 8, axis=2)
-        images = images + rng.integers(0, 8, size=images.shape, dtype=np.uint8)
+        images = images + rng.integers(0, 4, size=images.shape, dtype=np.uint8)
         encoded = [zlib.compress(img.tobytes(), 6) for img in images]
         table = pa.table(
             {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from ebb.common.spec import StageSpec
+from ebb.worker import shm
 from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
 
 from .helpers import ASSETS, FEATURES, wait_until, write_model
@@ -263,3 +265,39 @@ async def test_a_fan_out_stage_must_return_lists() -> None:
     stages = [StageSpec(name="pid", modelet="ebbtest_modelets:Pid", fanout=True)]
     outcomes = await run_pipeline(stages, rows(3))
     assert all(not ok and "must return a list" in v for ok, v in outcomes)
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.PREFIX}-")}
+
+
+async def test_large_arrays_travel_in_shared_memory_and_leave_nothing_behind() -> None:
+    before = _segments()
+    items = [np.full(50_000, float(i), dtype=np.float32) for i in range(400)]  # 200 KB each
+    stages = [
+        StageSpec(
+            name="a", modelet="ebbtest_modelets:Double", params={"crash_on": 123.0}, batch_size=16
+        ),
+        StageSpec(name="b", modelet="ebbtest_modelets:Double", batch_size=16),
+    ]
+    outcomes = await run_pipeline(stages, items)
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [123]
+    for i, (ok, value) in enumerate(outcomes):
+        if ok:
+            assert value.shape == (50_000,) and value[0] == 4.0 * i
+    assert _segments() == before
+
+
+def test_segments_of_dead_processes_are_swept(tmp_path: Path) -> None:
+    dead = subprocess.run(["true"], check=True)
+    del dead
+    orphan = f"{shm.PREFIX}-{2**22 - 3}-7"  # a pid beyond pid_max: nobody
+    with open(os.path.join(shm.SHM_DIR, orphan), "wb") as f:
+        f.write(b"x")
+    mine = shm.Arena()
+    name, _ = mine.store([memoryview(b"y" * 70_000)])
+    assert shm.sweep_orphans() >= 1
+    assert orphan not in _segments()
+    assert name in _segments()  # ours: this process is alive
+    shm.unlink(name)
+    mine.close()

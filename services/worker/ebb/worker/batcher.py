@@ -18,6 +18,8 @@ class Item:
     value: Any
     arrived: float
     solo: bool = False
+    segment: str = ""
+    """Shared-memory segment its value lives in ("" when inline)."""
 
 
 class Batcher:
@@ -32,8 +34,18 @@ class Batcher:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, uids: list[int], values: list[Any], now: float, *, solo: bool = False) -> None:
-        self._items.extend(Item(u, v, now, solo) for u, v in zip(uids, values, strict=True))
+    def add(
+        self,
+        uids: list[int],
+        values: list[Any],
+        now: float,
+        *,
+        solo: bool = False,
+        segment: str = "",
+    ) -> None:
+        self._items.extend(
+            Item(u, v, now, solo, segment) for u, v in zip(uids, values, strict=True)
+        )
 
     def flush(self) -> None:
         """The upstream has nothing more for now: stop waiting for batches to fill."""

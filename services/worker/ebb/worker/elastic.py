@@ -41,8 +41,8 @@ Decision = tuple[Literal["add", "remove"], int]
 class ElasticSettings:
     tick_s: float = 1.0
     """How often the stages are measured."""
-    cooldown_s: float = 5.0
-    """Quiet time after each change."""
+    cooldown_s: float = 3.0
+    """Quiet time after each change (a new process needs it to load its model)."""
     confirm: int = 2
     """Ticks in a row a decision must hold."""
     busy: float = 0.75

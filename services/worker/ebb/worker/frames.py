@@ -1,24 +1,34 @@
 """The byte format of messages between the pipeline router and its stage processes.
 
-    header  <kind:u8><flags:u8><count:u32>
-    uids    count x int64 (little-endian)
-    body    pickled payload (ITEMS: list of values, ERRORS: list of messages, ...)
+    header    <kind:u8><flags:u8><count:u32><segment:u16><buffers:u16>
+    uids      count x int64 (little-endian)
+    segment   the name of a shared-memory segment holding the large buffers (or nothing)
+    buffers   buffers x (offset:u64, length:u64), their places in the segment
+    body      pickle (protocol 5) of the payload; its large buffers are out of band
 
-The header and uids are readable without unpickling, so the router forwards a stage's
-output to the next stage as the same bytes, and knows which items every process holds.
-These pipes join processes of one worker, spawned by it: pickle never crosses a host.
+The header and uids are readable without unpickling, so the router forwards a stage's output
+to the next stage as the same bytes, and knows which items every process holds. Large array
+buffers live in shared memory (see shm.py) rather than in the pipes. These frames join the
+processes of one worker, spawned by it: pickle never crosses a host.
 """
 
 from __future__ import annotations
 
+import io
 import struct
 from collections.abc import Sequence
-from multiprocessing.reduction import ForkingPickler
+from dataclasses import dataclass
+from pickle import PickleBuffer, Pickler, loads
 from typing import Any
 
 import numpy as np
 
-HEADER = struct.Struct("<BBI")
+from .shm import Arena
+
+HEADER = struct.Struct("<BBIHH")
+PLACE = struct.Struct("<QQ")
+_MIN_OUT_OF_BAND = 2048
+"""Smaller buffers stay inline in the pickle."""
 
 ITEMS = 1
 """Items, in either direction: values keyed by uid."""
@@ -34,27 +44,97 @@ SETUP_FAILED = 6
 """Stage -> router: the modelet could not be built; the body says why."""
 RECYCLE = 7
 """Stage -> router: over my memory limit; send me nothing more, then STOP me."""
+RECLAIM = 8
+"""Router -> stage: shared-memory segments of yours that nobody reads any more (payload)."""
 
 SOLO = 0x01
 """Flag: run these items one per batch (they were in a batch whose process died)."""
+ARROW = 0x02
+"""Flag: the payload is (schema, Arrow IPC record batch) of rows, not a list of values."""
 
 
-def pack(kind: int, uids: Sequence[int] = (), payload: Any = None, *, flags: int = 0) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: int
+    flags: int
+    uids: list[int]
+    segment: str
+    """The shared-memory segment of the frame's large buffers; "" when there is none."""
+
+
+def _pickle(payload: Any, out_of_band: list[PickleBuffer] | None) -> bytes:
+    stream = io.BytesIO()
+
+    def keep_large(buffer: PickleBuffer) -> bool:
+        assert out_of_band is not None
+        if buffer.raw().nbytes < _MIN_OUT_OF_BAND:
+            return True  # inline
+        out_of_band.append(buffer)
+        return False
+
+    callback = keep_large if out_of_band is not None else None
+    Pickler(stream, protocol=5, buffer_callback=callback).dump(payload)
+    return stream.getvalue()
+
+
+def pack(
+    kind: int,
+    uids: Sequence[int] = (),
+    payload: Any = None,
+    *,
+    flags: int = 0,
+    arena: Arena | None = None,
+) -> bytes:
     ids = np.asarray(uids, dtype="<i8")
-    body = b"" if payload is None else bytes(ForkingPickler.dumps(payload, protocol=5))
-    return HEADER.pack(kind, flags, len(ids)) + ids.tobytes() + body
+    segment = b""
+    places: list[tuple[int, int]] = []
+    body = b""
+    if payload is not None:
+        large: list[PickleBuffer] | None = [] if arena is not None else None
+        body = _pickle(payload, large)
+        if large:
+            raws = [b.raw() for b in large]
+            if arena is not None and sum(r.nbytes for r in raws) >= arena.min_bytes:
+                name, places = arena.store(raws)
+                segment = name.encode()
+            else:  # too little to be worth a segment: everything inline after all
+                body = _pickle(payload, None)
+    parts = [HEADER.pack(kind, flags, len(ids), len(segment), len(places)), ids.tobytes(), segment]
+    parts += [PLACE.pack(offset, length) for offset, length in places]
+    parts.append(body)
+    return b"".join(parts)
 
 
-def header(buf: bytes) -> tuple[int, int, list[int]]:
-    """(kind, flags, uids) without touching the payload."""
-    kind, flags, count = HEADER.unpack_from(buf)
+def header(buf: bytes) -> Header:
+    """Kind, flags, uids and segment, without touching the payload."""
+    kind, flags, count, seg_len, _ = HEADER.unpack_from(buf)
     uids = np.frombuffer(buf, dtype="<i8", count=count, offset=HEADER.size).tolist()
-    return kind, flags, uids
-
-
-def payload(buf: bytes) -> Any:
-    count = HEADER.unpack_from(buf)[2]
     start = HEADER.size + 8 * count
+    return Header(kind, flags, uids, bytes(buf[start : start + seg_len]).decode())
+
+
+def payload(buf: bytes, *, arena: Arena | None = None, copy: bool = False) -> Any:
+    """The frame's payload. Its large buffers are views of shared memory, which stays mapped
+    (in `arena`) until `arena.done(segment, ...)`; with copy=True they are copied out instead
+    and the caller owes the segment nothing."""
+    _, _, count, seg_len, n_places = HEADER.unpack_from(buf)
+    start = HEADER.size + 8 * count
+    segment = bytes(buf[start : start + seg_len]).decode()
+    start += seg_len
+    places = [PLACE.unpack_from(buf, start + i * PLACE.size) for i in range(n_places)]
+    start += n_places * PLACE.size
     if start >= len(buf):
         return None
-    return ForkingPickler.loads(memoryview(buf)[start:])
+    buffers: list[Any] = []
+    if segment:
+        if arena is None:
+            raise ValueError("a frame with a shared-memory segment needs an arena")
+        views = arena.views(segment, places, 0 if copy else count)
+        if copy:
+            buffers = [bytearray(v) for v in views]
+            del views
+            arena.done(segment, 0)
+        else:
+            buffers = views
+    # Frames come only from this worker's own stage processes and router (see above).
+    return loads(memoryview(buf)[start:], buffers=buffers)  # noqa: S301

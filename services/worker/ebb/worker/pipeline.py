@@ -28,15 +28,18 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import pyarrow as pa
 
 from ebb.common.spec import StageSpec
 
 from . import frames, metrics
 from .elastic import DeviceMonitor, ElasticScheduler, ElasticSettings, StageLoad
+from .shm import Arena, remove_all_of, sweep_orphans, unlink
 from .stage import BatchBoard, StageConfig, stage_main
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,24 @@ class PipelineConfig:
 
     def frame_size(self) -> int:
         return max(16, min(256, self.stages[0].batch_size))
+
+
+@dataclass(frozen=True, slots=True)
+class _ArrowRow:
+    """Where to find an item that came in as a row of an Arrow batch (to send it again)."""
+
+    batch: pa.RecordBatch
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """Items on their way to a stage, as the bytes that will be sent."""
+
+    buf: bytes
+    uids: list[int]
+    flags: int
+    segment: str = ""
 
 
 @dataclass(eq=False)
@@ -169,7 +190,15 @@ class Router:
         self.on_fatal = on_fatal
         self.ctx = mp.get_context("spawn")
         self.procs: list[list[_StageProcess]] = [[] for _ in self.specs]
-        self.backlog: list[deque[tuple[bytes, list[int], int]]] = [deque() for _ in self.specs]
+        self.backlog: list[deque[Frame]] = [deque() for _ in self.specs]
+        self.arena = Arena()
+        swept = sweep_orphans()
+        if swept:
+            log.info("removed %d shared-memory segments left by dead workers", swept)
+        self.segment_left: dict[str, int] = {}
+        """Segments a stage process has mapped -> its items not yet back from it."""
+        self.uid_segment: dict[int, str] = {}
+        """Items inside a stage process -> the segment their value came in."""
         self.originals: dict[int, Any] = {}
         fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
         fanins = [k for k, s in enumerate(self.specs) if s.fanin]
@@ -204,7 +233,9 @@ class Router:
         self.thread.start()
         self.watchdog.start()
 
-    def submit(self, uids: list[int], values: list[Any]) -> None:
+    def submit(self, uids: list[int], values: list[Any] | pa.RecordBatch) -> None:
+        """Items for the first stage: Python values, or the rows of an Arrow record batch
+        (which travels as Arrow, and becomes rows inside the stage process)."""
         self.requests.put(("submit", uids, values))
         self._wake()
 
@@ -226,7 +257,7 @@ class Router:
     def depths(self) -> list[int]:
         """Items waiting for or inside each stage (approximate: read without locking)."""
         return [
-            sum(len(u) for _, u, _ in list(self.backlog[k])) + sum(p.load for p in self.procs[k])
+            sum(len(f.uids) for f in list(self.backlog[k])) + sum(p.load for p in self.procs[k])
             for k in range(len(self.specs))
         ]
 
@@ -272,8 +303,12 @@ class Router:
             if request[0] == "submit":
                 _, uids, values = request
                 self.draining = False
-                self.originals.update(zip(uids, values, strict=True))
-                self.backlog[0].append((frames.pack(frames.ITEMS, uids, values), uids, 0))
+                if isinstance(values, pa.RecordBatch):
+                    self.originals.update((uid, _ArrowRow(values, i)) for i, uid in enumerate(uids))
+                    self._enqueue_arrow(uids, values, 0)
+                else:
+                    self.originals.update(zip(uids, values, strict=True))
+                    self._enqueue(0, uids, values)
             elif request[0] == "flush":
                 self.draining = True
             elif request[0] == "stop":
@@ -294,13 +329,18 @@ class Router:
                 if not candidates:
                     break
                 target = min(candidates, key=lambda p: p.load)
-                buf, uids, flags = backlog.popleft()
-                if not target.send(buf):
-                    backlog.appendleft((buf, uids, flags))
+                frame = backlog.popleft()
+                if not target.send(frame.buf):
+                    backlog.appendleft(frame)
                     target.dead = True
                     break
-                target.held.update(dict.fromkeys(uids))
+                target.held.update(dict.fromkeys(frame.uids))
                 target.flushed = False
+                if frame.segment:
+                    left = self.segment_left.get(frame.segment, 0)
+                    self.segment_left[frame.segment] = left + len(frame.uids)
+                    for uid in frame.uids:
+                        self.uid_segment[uid] = frame.segment
 
     def _flush_drained(self) -> None:
         """When the input is drained, tell each stage whose upstream is empty not to wait."""
@@ -346,20 +386,21 @@ class Router:
         return True
 
     def _handle(self, p: _StageProcess, buf: bytes) -> None:
-        kind, flags, uids = frames.header(buf)
-        if kind == frames.ITEMS:
+        h = frames.header(buf)
+        kind, uids = h.kind, h.uids
+        if kind in (frames.ITEMS, frames.ERRORS):
             for uid in uids:
                 p.held.pop(uid, None)
+                self._release(uid)
+        if kind == frames.ITEMS:
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
             try:
-                self._route(p.stage, buf, uids, flags)
+                self._route(p.stage, Frame(buf, uids, h.flags, h.segment))
             except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
                 self._fail_items(
                     uids, [f"stage {p.name!r}: its result could not be read: {e!r}"] * len(uids)
                 )
         elif kind == frames.ERRORS:
-            for uid in uids:
-                p.held.pop(uid, None)
             self._fail_items(uids, frames.payload(buf))
         elif kind == frames.READY:
             p.ready = True
@@ -384,19 +425,75 @@ class Router:
 
     # -- where items go next -----------------------------------------------------------------
 
-    def _route(self, stage: int, buf: bytes, uids: list[int], flags: int) -> None:
+    def _route(self, stage: int, frame: Frame) -> None:
         """Items that came out of `stage`: on to the next stage, into a fan-out, back to
         their family, or out of the pipeline."""
         after = stage + 1
+        if (
+            after < len(self.specs)
+            and stage != self.fanout_stage
+            and not self._gathers_after(stage)
+        ):
+            self.backlog[after].append(frame)  # as it came: no unpickling here
+            return
+        try:
+            values = frames.payload(frame.buf, arena=self.arena, copy=True)
+        finally:
+            if frame.segment:
+                self._segment_done(frame.segment)
         if stage == self.fanout_stage:
-            self._fan_out(stage, frames.payload(buf), uids, flags)
+            self._fan_out(stage, values, frame.uids, frame.flags)
         elif self._gathers_after(stage):
-            self._gather(frames.payload(buf), uids)
-        elif after == len(self.specs):
-            self._finish(uids)
-            self.on_results(uids, frames.payload(buf))
+            self._gather(values, frame.uids)
         else:
-            self.backlog[after].append((buf, uids, flags))
+            self._finish(frame.uids)
+            self.on_results(frame.uids, values)
+
+    def _enqueue(self, stage: int, uids: list[int], values: list[Any], flags: int = 0) -> None:
+        """Pack items for `stage` (large buffers into shared memory) and queue them."""
+        self._enqueue_payload(stage, uids, values, flags)
+
+    def _enqueue_payload(self, stage: int, uids: list[int], payload: Any, flags: int) -> None:
+        buf = frames.pack(frames.ITEMS, uids, payload, flags=flags, arena=self.arena)
+        self.backlog[stage].append(Frame(buf, uids, flags, frames.header(buf).segment))
+
+    def _enqueue_arrow(self, uids: list[int], batch: pa.RecordBatch, flags: int) -> None:
+        """Rows for the first stage as Arrow IPC: one copy into shared memory, no pickling of
+        row values, and the conversion to rows happens in the stage process, in parallel."""
+        payload = (batch.schema, batch.serialize())
+        self._enqueue_payload(0, uids, payload, flags | frames.ARROW)
+
+    def _release(self, uid: int) -> None:
+        """An item left the stage process that mapped its segment; the last one out unlinks."""
+        segment = self.uid_segment.pop(uid, None)
+        if segment is None:
+            return
+        left = self.segment_left[segment] - 1
+        if left:
+            self.segment_left[segment] = left
+        else:
+            del self.segment_left[segment]
+            self._segment_done(segment)
+
+    def _segments_in_flight(self) -> set[str]:
+        in_backlog = {f.segment for b in self.backlog for f in b if f.segment}
+        return in_backlog | set(self.segment_left)
+
+    def _segment_done(self, segment: str) -> None:
+        """Nobody reads `segment` any more: back to the process that made it, for reuse."""
+        if self.arena.owns(segment):
+            self.arena.reclaim(segment)
+            return
+        producer = int(segment.split("-")[1])
+        for stage in self.procs:
+            for p in stage:
+                if (
+                    p.process.pid == producer
+                    and not p.dead
+                    and p.send(frames.pack(frames.RECLAIM, payload=[segment]))
+                ):
+                    return
+        unlink(segment)  # its maker is gone
 
     def _gathers_after(self, stage: int) -> bool:
         """Is the end of `stage` where the items of a fan-out come back together?"""
@@ -426,8 +523,7 @@ class Router:
                     children.append(child)
                     child_values.append(part)
         if children:
-            buf = frames.pack(frames.ITEMS, children, child_values, flags=flags)
-            self.backlog[stage + 1].append((buf, children, flags))
+            self._enqueue(stage + 1, children, child_values, flags)
 
     def _gather(self, values: list[Any], uids: list[int]) -> None:
         for uid, value in zip(uids, values, strict=True):
@@ -445,8 +541,7 @@ class Router:
     def _complete(self, parent: int, results: list[Any], flags: int) -> None:
         """A fanned-out item has all its parts: on to the fan-in stage, or out."""
         if self.fanin_stage is not None:
-            buf = frames.pack(frames.ITEMS, [parent], [results], flags=flags)
-            self.backlog[self.fanin_stage].append((buf, [parent], flags))
+            self._enqueue(self.fanin_stage, [parent], [results], flags)
         else:
             self._finish([parent])
             self.on_results([parent], [results])
@@ -493,6 +588,8 @@ class Router:
         p.dead = True
         p.close()
         self.procs[p.stage].remove(p)
+        # Its free segments die with it; those still on their way to a reader stay until read.
+        remove_all_of(p.process.pid, keep=self._segments_in_flight())
         code = p.process.exitcode
         if p.stopping and not p.held:
             return  # recycled or stopped, cleanly
@@ -520,6 +617,8 @@ class Router:
                 len(running),
                 len(p.held) - len(running),
             )
+        for uid in p.held:
+            self._release(uid)
         failed: list[int] = []
         blamed: dict[int, bool] = {}
         for uid in p.held:
@@ -548,9 +647,12 @@ class Router:
 
     def _resubmit(self, uid: int, *, solo: bool) -> None:
         """Send an item through the pipeline again, from the first stage."""
+        original = self.originals[uid]
         flags = frames.SOLO if solo else 0
-        buf = frames.pack(frames.ITEMS, [uid], [self.originals[uid]], flags=flags)
-        self.backlog[0].append((buf, [uid], flags))
+        if isinstance(original, _ArrowRow):
+            self._enqueue_arrow([uid], original.batch.slice(original.index, 1), flags)
+        else:
+            self._enqueue(0, [uid], [original], flags)
 
     def _rebalance(self) -> None:
         """One tick of the elastic scheduler: measure each stage, maybe add or retire one."""
@@ -570,7 +672,7 @@ class Router:
             utilization = sum(shares) / len(shares) if shares else 0.0
             running = sum(len(p.board.running()) for p in live)
             waiting = (
-                sum(len(u) for _, u, _ in self.backlog[k]) + sum(p.load for p in live) - running
+                sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in live) - running
             )
             assert spec.min_workers is not None and spec.max_workers is not None
             loads.append(
@@ -658,6 +760,13 @@ class Router:
             p.process.join(timeout=5)
             p.close()
         self.procs = [[] for _ in self.specs]
+        for segment in self._segments_in_flight():
+            unlink(segment)
+        for p in everyone:
+            remove_all_of(p.process.pid, keep=set())
+        self.segment_left.clear()
+        self.uid_segment.clear()
+        self.arena.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -670,13 +779,37 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+class _Run:
+    """The outcomes of one `Pipeline.run`, filled in by uid as results come back."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
+        self.outcomes: list[Outcome] = [(False, "no result")] * n
+        self.remaining = n
+        self.finished: asyncio.Future[None] = loop.create_future()
+
+    def set(self, index: int, outcome: Outcome) -> None:
+        self.outcomes[index] = outcome
+        self.remaining -= 1
+        if self.remaining == 0 and not self.finished.done():
+            self.finished.set_result(None)
+
+
+def _table_frames(table: pa.Table, frame: int) -> Iterator[tuple[int, pa.RecordBatch]]:
+    start = 0
+    for batch in table.to_batches(max_chunksize=frame):
+        if batch.num_rows:
+            yield start, batch
+            start += batch.num_rows
+
+
 class Pipeline:
     """The asyncio side: `run(values)` returns one Outcome per value, in order."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self._router: Router | None = None
-        self._pending: dict[int, asyncio.Future[Outcome]] = {}
+        self._pending: dict[int, tuple[_Run, int]] = {}
+        """The items inside, by uid: whose run awaits each, and where in its outcomes."""
         self._next_uid = 0
         self._inflight = 0
         self._limit = config.inflight_limit()
@@ -716,55 +849,58 @@ class Pipeline:
         if self._fatal:
             raise PipelineSetupError(self._fatal)
 
-    async def run(self, values: Sequence[Any]) -> list[Outcome]:
+    async def run(self, values: Sequence[Any] | pa.Table) -> list[Outcome]:
+        """One Outcome per value (or per row of an Arrow table), in order."""
         if self._fatal:
             raise PipelineSetupError(self._fatal)
         router = self._router
         assert router is not None, "start() the pipeline first"
-        loop = asyncio.get_running_loop()
         n = len(values)
         base = self._next_uid
         self._next_uid += n
-        futures = [loop.create_future() for _ in range(n)]
-        self._pending.update(zip(range(base, base + n), futures, strict=True))
+        run = _Run(asyncio.get_running_loop(), n)
+        self._pending.update((base + i, (run, i)) for i in range(n))
         frame = self.config.frame_size()
+        chunks: Iterator[tuple[int, Any]]
+        if isinstance(values, pa.Table):
+            chunks = _table_frames(values, frame)
+        else:
+            chunks = ((s, list(values[s : s + frame])) for s in range(0, n, frame))
         try:
-            for start in range(0, n, frame):
-                size = min(frame, n - start)
+            for start, chunk in chunks:
+                size = len(chunk)
                 while self._inflight and self._inflight + size > self._limit:
                     self._space.clear()
                     await self._space.wait()
                 if self._fatal:
                     raise PipelineSetupError(self._fatal)
                 self._inflight += size
-                router.submit(
-                    list(range(base + start, base + start + size)),
-                    list(values[start : start + size]),
-                )
+                router.submit(list(range(base + start, base + start + size)), chunk)
             router.flush()
-            outcomes = list(await asyncio.gather(*futures))
+            if n:
+                await run.finished
             if self._fatal:
                 raise PipelineSetupError(self._fatal)
-            return outcomes
+            return run.outcomes
         finally:
             for uid in range(base, base + n):
-                future = self._pending.pop(uid, None)
-                if future is not None and not future.done():
-                    future.cancel()
+                self._pending.pop(uid, None)
 
     def _on_results(self, uids: list[int], values: list[Any]) -> None:
         for uid, value in zip(uids, values, strict=True):
-            future = self._pending.pop(uid, None)
-            if future is not None and not future.done():
-                future.set_result((True, value))
+            self._resolve(uid, (True, value))
         self._returned(len(uids))
 
     def _on_errors(self, uids: list[int], messages: list[str]) -> None:
         for uid, message in zip(uids, messages, strict=True):
-            future = self._pending.pop(uid, None)
-            if future is not None and not future.done():
-                future.set_result((False, message))
+            self._resolve(uid, (False, message))
         self._returned(len(uids))
+
+    def _resolve(self, uid: int, outcome: Outcome) -> None:
+        found = self._pending.pop(uid, None)
+        if found is not None:  # else: its run was cancelled (a lost lease), or it is a repeat
+            run, index = found
+            run.set(index, outcome)
 
     def _returned(self, n: int) -> None:
         self._inflight = max(0, self._inflight - n)
@@ -776,9 +912,8 @@ class Pipeline:
         self._ready.set()
         self._space.set()
         # Wake every waiter; `run` sees `_fatal` and raises once, for all of them.
-        for future in self._pending.values():
-            if not future.done():
-                future.set_result((False, message))
+        for run, index in list(self._pending.values()):
+            run.set(index, (False, message))
         self._pending.clear()
 
     def depths(self) -> list[int]:

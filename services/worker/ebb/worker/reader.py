@@ -132,15 +132,17 @@ def _parse_jsonl(chunk: bytes) -> ShardData:
     return ShardData(_with_nulls(good, len(lines), bad), bad)
 
 
-def table_rows(table: pa.Table, columns: list[str] | None) -> list[dict[str, Any]]:
+def table_rows(table: pa.Table | pa.RecordBatch, columns: list[str] | None) -> list[dict[str, Any]]:
     """Rows as maps of column -> value; numeric list columns become numpy arrays."""
-    names = columns if columns is not None else table.column_names
+    names = columns if columns is not None else table.schema.names
     values = [_column_values(table.column(name)) for name in names]
     return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
 
 
-def _column_values(column: pa.ChunkedArray[Any]) -> list[Any]:
-    array: Any = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+def _column_values(column: pa.ChunkedArray[Any] | pa.Array[Any]) -> list[Any]:
+    array: Any = column
+    if isinstance(column, pa.ChunkedArray):
+        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     kind = array.type
     if (
         pa.types.is_fixed_size_list(kind)

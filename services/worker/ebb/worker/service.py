@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+import pyarrow as pa
 from nats.aio.client import Client as NATS
 
 from ebb.common import bus
@@ -37,7 +38,7 @@ from ebb.common.supervisor import Supervisor
 
 from . import metrics
 from .pipeline import Pipeline, PipelineConfig, PipelineSetupError
-from .reader import read_shard, table_rows
+from .reader import read_shard
 from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
@@ -303,11 +304,17 @@ class Worker:
         if spec.input.columns is not None:
             columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
         data = await asyncio.to_thread(read_shard, shard, columns)
-        rows = await asyncio.to_thread(table_rows, data.table, spec.input.columns)
-        good = [i for i in range(len(rows)) if i not in data.bad_rows]
+        n = data.table.num_rows
+        inputs = data.table
+        if spec.input.columns is not None:
+            inputs = inputs.select(spec.input.columns)
+        good = [i for i in range(n) if i not in data.bad_rows]
+        if data.bad_rows:
+            inputs = inputs.take(pa.array(good, type=pa.int64()))
         await asyncio.shield(self._pipeline_started)
-        results = await self.pipeline.run([rows[i] for i in good])
-        outcomes: list[tuple[bool, Any] | None] = [None] * len(rows)
+        # The rows travel as Arrow and become Python values in the first stage's processes.
+        results = await self.pipeline.run(inputs)
+        outcomes: list[tuple[bool, Any] | None] = [None] * n
         for i, outcome in zip(good, results, strict=True):
             outcomes[i] = outcome
         table, error_rows = await asyncio.to_thread(

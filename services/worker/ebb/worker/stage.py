@@ -17,15 +17,20 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+import pyarrow as pa
 
 from ebb.common.spec import StageSpec
 
 from . import frames
 from .batcher import AdaptiveBatchSize, Batcher, Item
 from .modelet import batch_callable, build_stage
+from .reader import table_rows
+from .shm import Arena
 
 EXIT_SETUP_FAILED = 3
 _MAX_ERROR_CHARS = 2000
@@ -145,6 +150,7 @@ class StageLoop:
         if self.sizer is not None:
             self.batcher.max_size = self.sizer.size
         self.messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.arena = Arena()
         self.reader = threading.Thread(target=self._read, args=(inbox,), daemon=True)
         self.stopping = False
         self.recycling = False
@@ -180,20 +186,33 @@ class StageLoop:
             if self.stopping:
                 self.batcher.flush()
             while self.batcher.ready(time.monotonic()):
-                self._run(self.batcher.take())
+                batch = self.batcher.take()
+                self._run(batch)
+                segments = Counter(i.segment for i in batch if i.segment)
+                del batch  # the last references to views of shared memory, before unmapping
+                for segment, n in segments.items():
+                    self.arena.done(segment, n)
                 self._check_memory()
             if self.stopping and not len(self.batcher):
+                self.arena.close()
                 self.outbox.close()
                 return
 
     def _handle(self, message: bytes) -> None:
-        kind, flags, uids = frames.header(message)
-        if kind == frames.ITEMS:
-            values = frames.payload(message)
-            self.batcher.add(uids, values, time.monotonic(), solo=bool(flags & frames.SOLO))
-        elif kind == frames.FLUSH:
+        h = frames.header(message)
+        if h.kind == frames.ITEMS:
+            values = frames.payload(message, arena=self.arena)
+            if h.flags & frames.ARROW:
+                schema, data = values
+                values = table_rows(pa.ipc.read_record_batch(pa.py_buffer(data), schema), None)
+            solo = bool(h.flags & frames.SOLO)
+            self.batcher.add(h.uids, values, time.monotonic(), solo=solo, segment=h.segment)
+        elif h.kind == frames.RECLAIM:
+            for name in frames.payload(message):
+                self.arena.reclaim(name)
+        elif h.kind == frames.FLUSH:
             self.batcher.flush()
-        elif kind == frames.STOP:
+        elif h.kind == frames.STOP:
             self.stopping = True
 
     def _run(self, batch: list[Item]) -> None:
@@ -213,7 +232,9 @@ class StageLoop:
         if ok_uids:
             flags = frames.SOLO if solo else 0
             try:
-                message = frames.pack(frames.ITEMS, ok_uids, ok_values, flags=flags)
+                message = frames.pack(
+                    frames.ITEMS, ok_uids, ok_values, flags=flags, arena=self.arena
+                )
             except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
                 message, unsendable = self._pack_each(ok_uids, ok_values, flags)
                 failed += unsendable
@@ -240,7 +261,9 @@ class StageLoop:
                 good_uids.append(uid)
                 good_values.append(value)
         packed = (
-            frames.pack(frames.ITEMS, good_uids, good_values, flags=flags) if good_uids else b""
+            frames.pack(frames.ITEMS, good_uids, good_values, flags=flags, arena=self.arena)
+            if good_uids
+            else b""
         )
         return packed, failed
 

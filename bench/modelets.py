@@ -1,0 +1,102 @@
+"""Modelets of the benchmark workloads (stage processes import them through code_paths)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.workloads import CELLS, PATCH, decode, decode_full
+
+
+class Decode:
+    """Row -> the tagger's input tensor (decompress, crop, normalise)."""
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        return [decode(r["image"]) for r in rows]
+
+
+class DecodeFull:
+    """Row -> {"image": full-size input tensor} (the detector reads it, the cropper too)."""
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        return [{"image": decode_full(r["image"])} for r in rows]
+
+
+def crops_of(image: np.ndarray, scores: np.ndarray, threshold: float) -> list[np.ndarray]:
+    cells = np.flatnonzero(scores > threshold)
+    out = []
+    for cell in cells.tolist():
+        y, x = divmod(cell, CELLS)
+        out.append(
+            np.ascontiguousarray(image[:, y * PATCH : (y + 1) * PATCH, x * PATCH : (x + 1) * PATCH])
+        )
+    return out
+
+
+class Crops:
+    """{"image", "scores"} -> the crops of the cells scoring above `threshold` (a fan-out)."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def process(self, item: dict[str, Any]) -> list[np.ndarray]:
+        return crops_of(item["image"], item["scores"], self.threshold)
+
+
+def summarise(logits: list[np.ndarray]) -> dict[str, Any]:
+    labels = [int(np.argmax(v)) for v in logits]
+    return {"objects": len(labels), "labels": labels}
+
+
+class Summarise:
+    """The classifier's logits for one image's crops -> {"objects", "labels"} (a fan-in)."""
+
+    def process(self, logits: list[np.ndarray]) -> dict[str, Any]:
+        return summarise(logits)
+
+
+class DetectAndClassify:
+    """Both models in one stage: decode, detect, crop and classify each batch in turn."""
+
+    def __init__(self, detector: str, classifier: str, threshold: float, threads: int = 1) -> None:
+        self.paths = (detector, classifier)
+        self.threshold = threshold
+        self.threads = threads
+
+    def setup(self) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        self.detector, self.classifier = (
+            ort.InferenceSession(p, sess_options=options, providers=["CPUExecutionProvider"])
+            for p in self.paths
+        )
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        images = np.stack([decode_full(r["image"]) for r in rows])
+        scores = self.detector.run(None, {"x": images})[0]
+        crops = [crops_of(img, s, self.threshold) for img, s in zip(images, scores, strict=True)]
+        flat = [c for cs in crops for c in cs]
+        logits = self.classifier.run(None, {"x": np.stack(flat)})[0] if flat else []
+        out, at = [], 0
+        for cs in crops:
+            out.append(summarise(list(logits[at : at + len(cs)])))
+            at += len(cs)
+        return out
+
+
+class Work:
+    """Simulated compute: `ms_per_row` of waiting per row, times EBB_BENCH_SLOWDOWN (a slow
+    machine). Waiting, not spinning, so that four workers on two cores do not compete."""
+
+    def __init__(self, ms_per_row: float) -> None:
+        self.seconds = ms_per_row / 1000 * float(os.environ.get("EBB_BENCH_SLOWDOWN", "1"))
+
+    def process_batch(self, rows: list[Any]) -> list[Any]:
+        time.sleep(self.seconds * len(rows))
+        return [r["id"] for r in rows]

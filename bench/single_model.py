@@ -1,0 +1,234 @@
+"""Benchmark 1: one model. Ebb against a sequential single-process loop, and against the bound.
+
+Workload: image tagging. Each row holds a compressed 64x64 image; preprocessing decompresses,
+crops and normalises it (a stand-in for JPEG decoding), a convolutional network scores 100
+classes, postprocessing keeps the best one. Every variant reads the same Parquet files and
+writes the same output columns.
+
+- sequential: one process, read -> decode -> model -> postprocess -> write, batch by batch,
+  as a data scientist would write it. ONNX Runtime's own threads (the default) use every core
+  for the model; "sequential, 1 thread" pins it to one core.
+- Ebb static: one worker, each stage in its own process (pipelining), one process per stage.
+- Ebb elastic: the same, with the elastic scheduler free to run 1-2 processes per stage
+  (intra-node scaling) and an adaptive model batch size.
+
+The bound is what the hardware allows: each stage's cost per item measured alone on one
+core, and the machine's cores shared out perfectly: bound = cores / sum(stage costs).
+Pipeline efficiency = Ebb / bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ebb.common.spec import parse_job
+
+from . import workloads
+from .common import BENCH_DIR, Context, Section, ebb_stack, median, run_job, spread, table
+
+
+def _session(model: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    return ort.InferenceSession(
+        str(model), sess_options=options, providers=["CPUExecutionProvider"]
+    )
+
+
+def _top(logits: np.ndarray) -> tuple[list[int], list[float]]:
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    best = p.argmax(axis=1)
+    return best.tolist(), p[np.arange(len(best)), best].tolist()
+
+
+def sequential(data: Path, model: Path, out: Path, *, threads: int, batch: int = 64) -> float:
+    """The baseline: everything in this one process, in order. Returns rows/s."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    started = time.perf_counter()
+    session = _session(model, threads)
+    rows = 0
+    for n, path in enumerate(sorted(data.glob("*.parquet"))):
+        parquet = pq.ParquetFile(path)
+        tables = []
+        for record_batch in parquet.iter_batches(batch_size=batch):
+            x = np.stack([workloads.decode(b) for b in record_batch.column("image").to_pylist()])
+            label, score = _top(session.run(None, {"x": x})[0])
+            tables.append(
+                pa.table({"id": record_batch.column("id"), "label": label, "score": score})
+            )
+            rows += record_batch.num_rows
+        buffer = io.BytesIO()
+        pq.write_table(pa.concat_tables(tables), buffer, compression="zstd")
+        (out / f"part-{n:05d}.parquet").write_bytes(buffer.getvalue())
+    return rows / (time.perf_counter() - started)
+
+
+def stage_costs(data: Path, model: Path, sample: int = 2_048) -> dict[str, float]:
+    """Seconds per item of each stage, alone, on one core."""
+    table_ = pq.read_table(next(iter(sorted(data.glob("*.parquet"))))).slice(0, sample)
+    blobs = table_.column("image").to_pylist()
+    started = time.perf_counter()
+    tensors = [workloads.decode(b) for b in blobs]
+    decode_s = (time.perf_counter() - started) / len(blobs)
+    session = _session(model, 1)
+    session.run(None, {"x": np.stack(tensors[:64])})  # warm up
+    started = time.perf_counter()
+    logits = [
+        session.run(None, {"x": np.stack(tensors[i : i + 64])})[0]
+        for i in range(0, len(tensors), 64)
+    ]
+    model_s = (time.perf_counter() - started) / len(tensors)
+    started = time.perf_counter()
+    for chunk in logits:
+        _top(chunk)
+    post_s = (time.perf_counter() - started) / len(tensors)
+    started = time.perf_counter()
+    for path in sorted(data.glob("*.parquet")):
+        pq.read_table(path)
+    rows = sum(pq.ParquetFile(p).metadata.num_rows for p in data.glob("*.parquet"))
+    io_s = (time.perf_counter() - started) / rows
+    return {"read": io_s, "decode": decode_s, "model": model_s, "postprocess": post_s}
+
+
+def job(
+    data: Path, model: Path, out: Path, *, elastic: bool, rows_per_shard: int
+) -> dict[str, Any]:
+    scale: dict[str, Any] = {"min_workers": 1, "max_workers": 2} if elastic else {}
+    return {
+        "name": "tagging",
+        "input": {
+            "uri": str(data),
+            "format": "parquet",
+            "columns": ["image"],
+            "rows_per_shard": rows_per_shard,
+        },
+        "pipeline": {
+            "code_paths": [str(BENCH_DIR.parent)],
+            "stages": [
+                {"name": "decode", "modelet": "bench.modelets:Decode", "batch_size": 64, **scale},
+                {
+                    "name": "model",
+                    "model": str(model),
+                    "threads": 1,
+                    "batch_size": 256 if elastic else 64,
+                    "adaptive_batch": elastic,
+                    **scale,
+                },
+                {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 256},
+            ],
+        },
+        "output": {"uri": str(out), "carryover": ["id"]},
+        "resources": {"min_workers": 1, "max_workers": 1},
+    }
+
+
+async def _ebb_once(
+    ctx: Context, data: Path, model: Path, *, elastic: bool, rows_per_shard: int
+) -> float:
+    out = ctx.dir("single-out") / f"ebb-{time.monotonic_ns()}"
+    spec = parse_job(job(data, model, out, elastic=elastic, rows_per_shard=rows_per_shard))
+    async with ebb_stack(ctx, "single", max_workers=1) as (_, client):
+        final, seconds = await run_job(client, spec)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"benchmark job failed: {final.reason}")
+    shutil.rmtree(out, ignore_errors=True)
+    return final.rows_done / seconds
+
+
+def run(ctx: Context) -> Section:
+    rows = ctx.size(40_000, 4_000)
+    data = workloads.write_images(ctx.dir("images"), rows=rows, files=4)
+    model = workloads.tagger(ctx.dir("models") / "tagger.onnx")
+    rows_per_shard = ctx.size(5_000, 1_000)
+    costs = stage_costs(data, model)
+    cores = os.cpu_count() or 1
+    bound = cores / sum(costs.values())
+    ctx.log("  stage costs (us/item): " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in costs.items()))
+    variants = {
+        "sequential": lambda: sequential(data, model, ctx.dir("single-out") / "seq", threads=0),
+        "sequential, 1 thread": lambda: sequential(
+            data, model, ctx.dir("single-out") / "seq1", threads=1
+        ),
+        "Ebb static": lambda: asyncio.run(
+            _ebb_once(ctx, data, model, elastic=False, rows_per_shard=rows_per_shard)
+        ),
+        "Ebb elastic": lambda: asyncio.run(
+            _ebb_once(ctx, data, model, elastic=True, rows_per_shard=rows_per_shard)
+        ),
+    }
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(ctx.repeats):
+        for name, measure in variants.items():
+            value = measure()
+            results[name].append(value)
+            ctx.log(f"  {name} run {r + 1}/{ctx.repeats}: {value:,.0f} rows/s")
+    base = median(results["sequential"])
+    base1 = median(results["sequential, 1 thread"])
+    rows_out = [
+        [
+            name,
+            spread(v),
+            f"{median(v) / base:.2f}x",
+            f"{median(v) / base1:.2f}x",
+            f"{median(v) / bound:.0%}",
+        ]
+        for name, v in results.items()
+    ]
+    rows_out.append(
+        [
+            "bound (hardware)",
+            f"{bound:,.0f}",
+            f"{bound / base:.2f}x",
+            f"{bound / base1:.2f}x",
+            "100%",
+        ]
+    )
+    cost_rows = [[k, f"{v * 1e6:,.0f}", f"{v / sum(costs.values()):.0%}"] for k, v in costs.items()]
+    section = Section(
+        title="1. One model: Ebb against a sequential loop and the hardware bound",
+        intro=__doc__ or "",
+        tables=[
+            table(
+                [
+                    "variant",
+                    "rows/s median (min-max)",
+                    "vs sequential",
+                    "vs sequential, 1 thread",
+                    "of bound",
+                ],
+                rows_out,
+            ),
+            table(["stage", "us per item, one core", "share"], cost_rows),
+        ],
+        summary={
+            "rows": rows,
+            "bound": bound,
+            "efficiency": median(results["Ebb elastic"]) / bound,
+            "speedup": median(results["Ebb elastic"]) / base,
+            "speedup_1_thread": median(results["Ebb elastic"]) / base1,
+            "ebb_rows_per_s": median(results["Ebb elastic"]),
+        },
+    )
+    section.notes.append(
+        f"{rows:,} rows in {rows // rows_per_shard} shards; one worker; the Ebb figures are whole "
+        "jobs from submission to the manifest, stage processes' start-up included, on "
+        f"{cores} cores. On CPU every stage shares the same cores, so no arrangement of them "
+        f"can beat {cores}x a single core: the bound says where that ceiling lies."
+    )
+    return section
