@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import os
 import platform
 import statistics
@@ -18,6 +18,7 @@ import psutil
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common.messages import JobStatus
+from ebb.common.output import COMMITS_DIR
 from ebb.common.spec import JobSpec
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -27,6 +28,7 @@ REPO = BENCH_DIR.parent
 @dataclass
 class Context:
     quick: bool
+    """Small sizes, for a look in a few minutes."""
     workdir: Path
     """Scratch space for datasets, models and outputs."""
     docs: Path
@@ -35,7 +37,12 @@ class Context:
     device: str = "cpu"
     log: Callable[[str], None] = print
 
+    smoke: bool = False
+    """Tiny sizes: proves the harness runs end to end (the test suite); measures nothing."""
+
     def size(self, full: int, quick: int) -> int:
+        if self.smoke:
+            return max(1, quick // 4)
         return quick if self.quick else full
 
     def dir(self, name: str) -> Path:
@@ -56,6 +63,10 @@ class Section:
     notes: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     """Headline numbers, for the smoke test and the console."""
+    plot: dict[str, Any] = field(default_factory=dict)
+    """What to draw: {"kind": "bars", "values": {label: [runs]}, "unit": ..., "line": ...}
+    or {"kind": "scale", "workers": [...], "ops": [...], "p50": [...], "p99": [...]}."""
+    slug: str = ""
 
 
 def median(values: Sequence[float]) -> float:
@@ -139,5 +150,20 @@ async def run_job(client: EbbClient, spec: JobSpec) -> tuple[JobStatus, float]:
     return final, time.perf_counter() - started
 
 
-def run_async(coro: Any) -> Any:
-    return asyncio.run(coro)
+def steady_rate(out: Path) -> float:
+    """Rows/s between the first and the last shard commit of a job (start-up excluded): the
+    rows of every shard but the first, over the time from the first commit to the last."""
+    records = [json.loads(p.read_text()) for p in (out / COMMITS_DIR).glob("*.json")]
+    records.sort(key=lambda r: r["committed_at"])
+    if len(records) < 2:
+        return float("nan")
+    rows = sum(int(f["rows"]) for r in records[1:] for f in r["files"])
+    return rows / float(records[-1]["committed_at"] - records[0]["committed_at"])
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A job's throughput: over the whole job, and in its steady state."""
+
+    whole: float
+    steady: float

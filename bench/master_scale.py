@@ -14,6 +14,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -160,8 +161,12 @@ def run(ctx: Context, *, rows_per_s_per_worker: float | None) -> Section:
     shard_s = ROWS_PER_SHARD / rows_per_s_per_worker if rows_per_s_per_worker else float("nan")
     rows = []
     summary: dict[str, float] = {}
+    plot: dict[str, Any] = {"kind": "scale", "workers": sizes, "ops": [], "p50": [], "p99": []}
     for workers in sizes:
         m = {k: median([r[k] for r in results[workers]]) for k in results[workers][0]}
+        plot["ops"].append(m["ops_per_s"])
+        plot["p50"].append(m["lease_p50_ms"])
+        plot["p99"].append(m["lease_p99_ms"])
         overhead = (
             m["protocol_ms_per_shard"] / 1000 / shard_s if shard_s == shard_s else float("nan")
         )
@@ -198,6 +203,8 @@ def run(ctx: Context, *, rows_per_s_per_worker: float | None) -> Section:
             )
         ],
         summary=summary,
+        slug="scale",
+        plot=plot,
     )
     section.notes.append(
         f"Coordination overhead = (lease + renew + commit median latency) / the time one worker "

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.workloads import CELLS, PATCH, decode, decode_full
+from bench.workloads import CELLS, PATCH, decode, normalise, pixels
 
 
 class Decode:
@@ -19,31 +19,35 @@ class Decode:
 
 
 class DecodeFull:
-    """Row -> {"image": full-size input tensor} (the detector reads it, the cropper too)."""
+    """Row -> {"image": the detector's input tensor, "pixels": the image itself}.
+
+    The detector consumes "image"; the cropper reads "pixels" (a quarter of the bytes)."""
 
     def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
-        return [{"image": decode_full(r["image"])} for r in rows]
+        out = []
+        for r in rows:
+            image = pixels(r["image"])
+            out.append({"image": normalise(image), "pixels": image})
+        return out
 
 
 def crops_of(image: np.ndarray, scores: np.ndarray, threshold: float) -> list[np.ndarray]:
-    cells = np.flatnonzero(scores > threshold)
+    """The normalised crops of the grid cells scoring above `threshold` (image: uint8 HWC)."""
     out = []
-    for cell in cells.tolist():
+    for cell in np.flatnonzero(scores > threshold).tolist():
         y, x = divmod(cell, CELLS)
-        out.append(
-            np.ascontiguousarray(image[:, y * PATCH : (y + 1) * PATCH, x * PATCH : (x + 1) * PATCH])
-        )
+        out.append(normalise(image[y * PATCH : (y + 1) * PATCH, x * PATCH : (x + 1) * PATCH]))
     return out
 
 
 class Crops:
-    """{"image", "scores"} -> the crops of the cells scoring above `threshold` (a fan-out)."""
+    """{"pixels", "scores"} -> the crops of the cells scoring above `threshold` (a fan-out)."""
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
     def process(self, item: dict[str, Any]) -> list[np.ndarray]:
-        return crops_of(item["image"], item["scores"], self.threshold)
+        return crops_of(item["pixels"], item["scores"], self.threshold)
 
 
 def summarise(logits: list[np.ndarray]) -> dict[str, Any]:
@@ -78,8 +82,8 @@ class DetectAndClassify:
         )
 
     def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
-        images = np.stack([decode_full(r["image"]) for r in rows])
-        scores = self.detector.run(None, {"x": images})[0]
+        images = [pixels(r["image"]) for r in rows]
+        scores = self.detector.run(None, {"x": np.stack([normalise(i) for i in images])})[0]
         crops = [crops_of(img, s, self.threshold) for img, s in zip(images, scores, strict=True)]
         flat = [c for cs in crops for c in cs]
         logits = self.classifier.run(None, {"x": np.stack(flat)})[0] if flat else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -51,7 +52,7 @@ def write_images(folder: Path, *, rows: int, files: int = 4, seed: int = 0) -> P
     return folder
 
 
-def decode(blob: bytes) -> np.ndarray:
+def decode(blob: Any) -> np.ndarray:
     """Compressed bytes -> normalised float32 CHW center crop: the preprocessing stage."""
     image = np.frombuffer(zlib.decompress(blob), dtype=np.uint8).reshape(SIDE, SIDE, CHANNELS)
     offset = (SIDE - CROP) // 2
@@ -60,12 +61,20 @@ def decode(blob: bytes) -> np.ndarray:
     return np.ascontiguousarray(crop.transpose(2, 0, 1))
 
 
-def decode_full(blob: bytes) -> np.ndarray:
+def pixels(blob: Any) -> np.ndarray:
+    """Compressed bytes -> uint8 HWC pixels."""
+    return np.frombuffer(zlib.decompress(blob), dtype=np.uint8).reshape(SIDE, SIDE, CHANNELS)
+
+
+def normalise(image: np.ndarray) -> np.ndarray:
+    """uint8 HWC -> normalised float32 CHW (the models' input)."""
+    scaled = (image.astype(np.float32) / 255.0 - 0.45) / 0.225
+    return np.ascontiguousarray(scaled.transpose(2, 0, 1))
+
+
+def decode_full(blob: Any) -> np.ndarray:
     """Compressed bytes -> normalised float32 CHW, whole image (for the detector)."""
-    image = np.frombuffer(zlib.decompress(blob), dtype=np.uint8).reshape(SIDE, SIDE, CHANNELS)
-    return np.ascontiguousarray(
-        ((image.astype(np.float32) / 255.0 - 0.45) / 0.225).transpose(2, 0, 1)
-    )
+    return normalise(pixels(blob))
 
 
 def _conv(name: str, cin: int, cout: int, rng: np.random.Generator) -> list[onnx.TensorProto]:

@@ -100,7 +100,8 @@ class StageSpec:
     """Model stages: feed this field of a map item to the model, instead of the item itself."""
     output: str | None = None
     """Model stages: put the model's output under this key of the (map) item, keeping the
-    item's other fields, instead of replacing the item with it."""
+    item's other fields (but the `input` field, which the model consumes), instead of
+    replacing the item with it."""
     fanout: bool = False
     """The stage returns a list per item; each element goes on through the next stages as an
     item of its own (a detector's crops, say). Their results come back together as a list,

@@ -46,6 +46,10 @@ RECYCLE = 7
 """Stage -> router: over my memory limit; send me nothing more, then STOP me."""
 RECLAIM = 8
 """Router -> stage: shared-memory segments of yours that nobody reads any more (payload)."""
+FANOUT = 9
+"""Fan-out stage -> router: the uids field holds the items' uids then their part counts;
+the payload is every item's parts, flattened. The router renames the parts (new uids) and
+forwards the same bytes: the parts are never unpickled on the way."""
 
 SOLO = 0x01
 """Flag: run these items one per batch (they were in a batch whose process died)."""
@@ -111,6 +115,14 @@ def header(buf: bytes) -> Header:
     uids = np.frombuffer(buf, dtype="<i8", count=count, offset=HEADER.size).tolist()
     start = HEADER.size + 8 * count
     return Header(kind, flags, uids, bytes(buf[start : start + seg_len]).decode())
+
+
+def splice(buf: bytes, kind: int, uids: Sequence[int]) -> bytes:
+    """The same frame (segment, buffers, body) under another kind and other uids."""
+    _, flags, count, seg_len, n_places = HEADER.unpack_from(buf)
+    ids = np.asarray(uids, dtype="<i8")
+    rest = memoryview(buf)[HEADER.size + 8 * count :]
+    return HEADER.pack(kind, flags, len(ids), seg_len, n_places) + ids.tobytes() + bytes(rest)
 
 
 def payload(buf: bytes, *, arena: Arena | None = None, copy: bool = False) -> Any:

@@ -392,6 +392,13 @@ class Router:
             for uid in uids:
                 p.held.pop(uid, None)
                 self._release(uid)
+        if kind == frames.FANOUT:
+            parents, counts = uids[: len(uids) // 2], uids[len(uids) // 2 :]
+            for uid in parents:
+                p.held.pop(uid, None)
+                self._release(uid)
+            metrics.BATCH_SIZE.labels(p.name).observe(len(parents))
+            self._fan_out_frame(p.stage, buf, parents, counts, h)
         if kind == frames.ITEMS:
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
             try:
@@ -500,6 +507,39 @@ class Router:
         if self.fanout_stage is None or stage < self.fanout_stage:
             return False
         return stage + 1 == (self.fanin_stage if self.fanin_stage is not None else len(self.specs))
+
+    def _fan_out_frame(
+        self, stage: int, buf: bytes, parents: list[int], counts: list[int], h: frames.Header
+    ) -> None:
+        """A fan-out stage's output: name each part (a new uid) and send the frame's bytes on
+        to the next stage as they are."""
+        if self._gathers_after(stage):  # nothing between the fan-out and the gathering
+            values = frames.payload(buf, arena=self.arena, copy=True)
+            if h.segment:
+                self._segment_done(h.segment)
+            at = 0
+            for parent, count in zip(parents, counts, strict=True):
+                self._complete(parent, list(values[at : at + count]), h.flags)
+                at += count
+            return
+        children: list[int] = []
+        for parent, count in zip(parents, counts, strict=True):
+            if count == 0:
+                self._complete(parent, [], h.flags)
+                continue
+            family = Family(parent=parent, results=[None] * count, flags=h.flags)
+            self.families[parent] = family
+            for index in range(count):
+                child = self._next_child
+                self._next_child -= 1
+                self.children[child] = (parent, index)
+                family.members.append(child)
+                children.append(child)
+        if children:
+            forwarded = frames.splice(buf, frames.ITEMS, children)
+            self.backlog[stage + 1].append(Frame(forwarded, children, h.flags, h.segment))
+        elif h.segment:
+            self._segment_done(h.segment)
 
     def _fan_out(self, stage: int, values: list[Any], uids: list[int], flags: int) -> None:
         children: list[int] = []

@@ -68,7 +68,11 @@ class _ModelStage(Modelet):
         key = self.spec.output
         if key is None:
             return outputs
-        return [{**item, key: out} for item, out in zip(items, outputs, strict=True)]
+        consumed = self.spec.input
+        return [
+            {**{k: v for k, v in item.items() if k != consumed}, key: out}
+            for item, out in zip(items, outputs, strict=True)
+        ]
 
     def infer(self, items: list[Any]) -> list[Any]:
         """One output per item."""

@@ -154,6 +154,8 @@ class StageLoop:
         self.reader = threading.Thread(target=self._read, args=(inbox,), daemon=True)
         self.stopping = False
         self.recycling = False
+        self.fanout = config.spec.fanout
+        self._counts: list[int] = []
 
     def _read(self, inbox: Connection) -> None:
         try:
@@ -229,12 +231,17 @@ class StageLoop:
             self.board.clear()
         if self.sizer is not None and not solo:
             self.batcher.max_size = self.sizer.observe(len(batch), time.perf_counter() - started)
+        if ok_uids and self.fanout:
+            ok_uids, ok_values, not_lists = self._fan_out(ok_uids, ok_values)
+            failed += not_lists
         if ok_uids:
             flags = frames.SOLO if solo else 0
             try:
                 message = frames.pack(
                     frames.ITEMS, ok_uids, ok_values, flags=flags, arena=self.arena
                 )
+                if self.fanout:
+                    message = frames.splice(message, frames.FANOUT, ok_uids + self._counts)
             except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
                 message, unsendable = self._pack_each(ok_uids, ok_values, flags)
                 failed += unsendable
@@ -244,6 +251,25 @@ class StageLoop:
             self.outbox.send_bytes(
                 frames.pack(frames.ERRORS, [u for u, _ in failed], [m for _, m in failed])
             )
+
+    def _fan_out(
+        self, uids: list[int], values: list[Any]
+    ) -> tuple[list[int], list[Any], list[tuple[int, str]]]:
+        """A fan-out stage's lists, flattened; the part counts go to `_counts`."""
+        kept: list[int] = []
+        parts: list[Any] = []
+        failed: list[tuple[int, str]] = []
+        self._counts = []
+        for uid, value in zip(uids, values, strict=True):
+            if isinstance(value, list | tuple):
+                kept.append(uid)
+                self._counts.append(len(value))
+                parts.extend(value)
+            else:
+                kind = type(value).__name__
+                problem = f"stage {self.name!r} fans out: it must return a list, not {kind}"
+                failed.append((uid, problem))
+        return kept, parts, failed
 
     def _pack_each(
         self, uids: list[int], values: list[Any], flags: int

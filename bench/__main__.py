@@ -1,0 +1,74 @@
+"""`python -m bench` (`make bench`): every benchmark, side by side, into docs/benchmarks.md.
+
+python -m bench            the full run (about 15 minutes on 2 cores)
+python -m bench --quick    small sizes, one repeat each (about 3 minutes)
+python -m bench --only single,stragglers
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import fanout, master_scale, report, single_model, startup, stragglers
+from .common import REPO, Context, Section
+
+ORDER = ["single", "fanout", "stragglers", "scale", "startup"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="small sizes, one repeat")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: the harness only")
+    p.add_argument("--only", default=",".join(ORDER), help=f"some of: {','.join(ORDER)}")
+    p.add_argument("--repeats", type=int, default=None, help="runs of each variant (median)")
+    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument("--workdir", default=None, help="scratch space (default: a temporary folder)")
+    args = p.parse_args(argv)
+    chosen = [name for name in ORDER if name in args.only.split(",")]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ebb-bench-"))
+    out = Path(args.out)
+    ctx = Context(
+        quick=args.quick or args.smoke,
+        smoke=args.smoke,
+        workdir=workdir,
+        docs=out.parent,
+        repeats=args.repeats or (1 if args.quick or args.smoke else 3),
+        log=lambda line: print(line, flush=True),
+    )
+    started = time.perf_counter()
+    sections: list[Section] = []
+    try:
+        rows_per_s: float | None = None
+        for name in chosen:
+            print(f"== {name}", flush=True)
+            t0 = time.perf_counter()
+            if name == "single":
+                section = single_model.run(ctx)
+                rows_per_s = float(section.summary["ebb_rows_per_s"])
+            elif name == "fanout":
+                section = fanout.run(ctx)
+            elif name == "stragglers":
+                section = stragglers.run(ctx)
+            elif name == "scale":
+                section = master_scale.run(ctx, rows_per_s_per_worker=rows_per_s)
+            else:
+                section = startup.run(ctx)
+            print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            for t in section.tables:
+                print(t, flush=True)
+            sections.append(section)
+        report.write(out, sections, ctx, seconds=time.perf_counter() - started)
+        print(f"wrote {out} in {time.perf_counter() - started:.0f} s", flush=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

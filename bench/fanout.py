@@ -1,0 +1,174 @@
+"""Benchmark 2: two models with a fan-out, as stages of their own or together in one stage.
+
+A detector scores a 4x4 grid over each 64x64 image; every cell above a threshold (set so that
+images hold about four objects, anywhere from none to a dozen) is cropped, and a classifier
+labels each crop. The results of an image's crops come back together into one row.
+
+- one stage: a single modelet decodes a batch, runs the detector on it, crops, runs the
+  classifier on all the crops of the batch, and assembles the rows, in one process.
+- multi-stage: decode -> detector -> crops (fan-out) -> classifier -> summary (fan-in), each a
+  stage of its own, with the elastic scheduler free to give any stage up to 2 processes.
+  The classifier batches crops across images, whatever images they came from.
+
+Both run as Ebb jobs over the same data, on one worker; only the pipeline differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pyarrow.parquet as pq
+
+from ebb.common.spec import parse_job
+
+from . import workloads
+from .common import (
+    BENCH_DIR,
+    Context,
+    Rate,
+    Section,
+    ebb_stack,
+    median,
+    run_job,
+    spread,
+    steady_rate,
+    table,
+)
+
+OBJECTS_PER_IMAGE = 4
+
+
+def threshold(data: Path, detector: Path, sample: int = 1_024) -> float:
+    """The score above which an image holds OBJECTS_PER_IMAGE cells on average."""
+    blobs = pq.read_table(sorted(data.glob("*.parquet"))[0]).column("image").to_pylist()[:sample]
+    session = ort.InferenceSession(str(detector), providers=["CPUExecutionProvider"])
+    scores = session.run(None, {"x": np.stack([workloads.decode_full(b) for b in blobs])})[0]
+    cells = workloads.CELLS * workloads.CELLS
+    return float(np.quantile(scores, 1 - OBJECTS_PER_IMAGE / cells))
+
+
+def pipeline(kind: str, detector: Path, classifier: Path, cut: float) -> dict[str, Any]:
+    if kind == "one stage":
+        stages: list[dict[str, Any]] = [
+            {
+                "name": "detect-and-classify",
+                "modelet": "bench.modelets:DetectAndClassify",
+                "params": {
+                    "detector": str(detector),
+                    "classifier": str(classifier),
+                    "threshold": cut,
+                },
+                "batch_size": 64,
+            }
+        ]
+    else:
+        scale = {"min_workers": 1, "max_workers": 2}
+        stages = [
+            {"name": "decode", "modelet": "bench.modelets:DecodeFull", "batch_size": 64, **scale},
+            {
+                "name": "detector",
+                "model": str(detector),
+                "input": "image",
+                "output": "scores",
+                "threads": 1,
+                "batch_size": 64,
+                **scale,
+            },
+            {
+                "name": "crops",
+                "modelet": "bench.modelets:Crops",
+                "params": {"threshold": cut},
+                "fanout": True,
+                "batch_size": 64,
+            },
+            {
+                "name": "classifier",
+                "model": str(classifier),
+                "threads": 1,
+                "batch_size": 256,
+                **scale,
+            },
+            {
+                "name": "summary",
+                "modelet": "bench.modelets:Summarise",
+                "fanin": True,
+                "batch_size": 64,
+            },
+        ]
+    return {"code_paths": [str(BENCH_DIR.parent)], "stages": stages}
+
+
+async def _once(
+    ctx: Context, data: Path, kind: str, stages: dict[str, Any], rows_per_shard: int
+) -> Rate:
+    out = ctx.dir("fanout-out") / f"{kind.replace(' ', '-')}-{time.monotonic_ns()}"
+    spec = parse_job(
+        {
+            "name": "detect-classify",
+            "input": {
+                "uri": str(data),
+                "format": "parquet",
+                "columns": ["image"],
+                "rows_per_shard": rows_per_shard,
+            },
+            "pipeline": stages,
+            "output": {"uri": str(out), "carryover": ["id"]},
+        }
+    )
+    async with ebb_stack(ctx, "fanout", max_workers=1) as (_, client):
+        final, seconds = await run_job(client, spec)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"benchmark job failed: {final.reason}")
+    rate = Rate(final.rows_done / seconds, steady_rate(out))
+    shutil.rmtree(out, ignore_errors=True)
+    return rate
+
+
+def run(ctx: Context) -> Section:
+    rows = ctx.size(24_000, 2_000)
+    data = workloads.write_images(ctx.dir("images-fanout"), rows=rows, files=4, seed=7)
+    detector = workloads.detector(ctx.dir("models") / "detector.onnx")
+    classifier = workloads.crop_classifier(ctx.dir("models") / "classifier.onnx")
+    cut = threshold(data, detector)
+    rows_per_shard = ctx.size(3_000, 500)
+    kinds = {k: pipeline(k, detector, classifier, cut) for k in ("one stage", "multi-stage")}
+    whole: dict[str, list[float]] = {k: [] for k in kinds}
+    steady: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(ctx.repeats):
+        for kind, stages in kinds.items():
+            rate = asyncio.run(_once(ctx, data, kind, stages, rows_per_shard))
+            whole[kind].append(rate.whole)
+            steady[kind].append(rate.steady)
+            ctx.log(
+                f"  {kind} run {r + 1}/{ctx.repeats}: {rate.whole:,.0f} images/s whole job, "
+                f"{rate.steady:,.0f} steady"
+            )
+    base = median(steady["one stage"])
+    speedup = median(steady["multi-stage"]) / base
+    section = Section(
+        title="2. Two models with a fan-out: one stage against a multi-stage pipeline",
+        intro=__doc__ or "",
+        tables=[
+            table(
+                ["pipeline", "images/s, whole job", "images/s, steady state", "vs one stage"],
+                [
+                    [k, spread(whole[k]), spread(steady[k]), f"{median(steady[k]) / base:.2f}x"]
+                    for k in kinds
+                ],
+            )
+        ],
+        slug="fanout",
+        plot={"kind": "bars", "values": dict(steady), "unit": "images/s (steady state)"},
+        summary={"rows": rows, "speedup": speedup},
+    )
+    section.notes.append(
+        f"{rows:,} images, about {OBJECTS_PER_IMAGE} crops each (threshold {cut:.3f}); whole "
+        "jobs, start-up included, on one worker."
+    )
+    return section

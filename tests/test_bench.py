@@ -1,0 +1,40 @@
+"""The benchmark harness runs end to end and writes its report (tiny sizes: no figure here
+means anything; `make bench` measures)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "docs" / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = out.read_text()
+    for heading in (
+        "## The claims of AntBatchInfer",
+        "## 1. One model",
+        "## 2. Two models with a fan-out",
+        "## 3. A straggler",
+        "## 4. Shard master at scale",
+        "## 5. Start-up",
+    ):
+        assert heading in report
+    assert "| bound (hardware) |" in report
+    for plot in ("single", "fanout", "stragglers", "scale"):
+        assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
