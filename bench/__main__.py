@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from . import fanout, master_scale, report, single_model, startup, stragglers
-from .common import REPO, Context, Section
+from .common import REPO, Context, Section, gpu
 
 ORDER = ["single", "fanout", "stragglers", "scale", "startup"]
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         docs=out.parent,
         repeats=args.repeats or (1 if args.quick or args.smoke else 3),
         log=lambda line: print(line, flush=True),
+        device=gpu() or "cpu",
     )
     started = time.perf_counter()
     sections: list[Section] = []

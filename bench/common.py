@@ -111,6 +111,13 @@ def stopwatch() -> Iterator[Callable[[], float]]:
     yield lambda: time.perf_counter() - start
 
 
+def gpu() -> str | None:
+    """ "cuda" when ONNX Runtime can use a GPU here (onnxruntime-gpu and a driver), else None."""
+    import onnxruntime as ort
+
+    return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else None
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     memory = psutil.virtual_memory().total / 2**30

@@ -53,8 +53,11 @@ def threshold(data: Path, detector: Path, sample: int = 1_024) -> float:
     return float(np.quantile(scores, 1 - OBJECTS_PER_IMAGE / cells))
 
 
-def pipeline(kind: str, detector: Path, classifier: Path, cut: float) -> dict[str, Any]:
-    if kind == "one stage":
+def pipeline(
+    kind: str, detector: Path, classifier: Path, cut: float, device: str = "cpu"
+) -> dict[str, Any]:
+    gpu = {"device": device, "threads": 0} if device == "cuda" else {"threads": 1}
+    if kind.startswith("one stage"):
         stages: list[dict[str, Any]] = [
             {
                 "name": "detect-and-classify",
@@ -63,6 +66,7 @@ def pipeline(kind: str, detector: Path, classifier: Path, cut: float) -> dict[st
                     "detector": str(detector),
                     "classifier": str(classifier),
                     "threshold": cut,
+                    "device": device,
                 },
                 "batch_size": 64,
             }
@@ -76,7 +80,7 @@ def pipeline(kind: str, detector: Path, classifier: Path, cut: float) -> dict[st
                 "model": str(detector),
                 "input": "image",
                 "output": "scores",
-                "threads": 1,
+                **gpu,
                 "batch_size": 64,
                 **scale,
             },
@@ -90,7 +94,7 @@ def pipeline(kind: str, detector: Path, classifier: Path, cut: float) -> dict[st
             {
                 "name": "classifier",
                 "model": str(classifier),
-                "threads": 1,
+                **gpu,
                 "batch_size": 256,
                 **scale,
             },
@@ -138,6 +142,9 @@ def run(ctx: Context) -> Section:
     cut = threshold(data, detector)
     rows_per_shard = ctx.size(3_000, 500)
     kinds = {k: pipeline(k, detector, classifier, cut) for k in ("one stage", "multi-stage")}
+    if ctx.device == "cuda":
+        kinds["one stage, GPU"] = pipeline("one stage", detector, classifier, cut, "cuda")
+        kinds["multi-stage, GPU"] = pipeline("multi-stage", detector, classifier, cut, "cuda")
     whole: dict[str, list[float]] = {k: [] for k in kinds}
     steady: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(ctx.repeats):

@@ -65,10 +65,20 @@ class Summarise:
 class DetectAndClassify:
     """Both models in one stage: decode, detect, crop and classify each batch in turn."""
 
-    def __init__(self, detector: str, classifier: str, threshold: float, threads: int = 1) -> None:
+    def __init__(
+        self,
+        detector: str,
+        classifier: str,
+        threshold: float,
+        threads: int = 1,
+        device: str = "cpu",
+    ) -> None:
         self.paths = (detector, classifier)
         self.threshold = threshold
         self.threads = threads
+        self.providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            self.providers.insert(0, "CUDAExecutionProvider")
 
     def setup(self) -> None:
         import onnxruntime as ort
@@ -77,7 +87,7 @@ class DetectAndClassify:
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
         self.detector, self.classifier = (
-            ort.InferenceSession(p, sess_options=options, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(p, sess_options=options, providers=self.providers)
             for p in self.paths
         )
 

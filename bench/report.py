@@ -103,7 +103,12 @@ def write(path: Path, sections: list[Section], ctx: Context, *, seconds: float) 
         "",
         f"- measured: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {mode}, "
         f"{seconds / 60:.1f} minutes",
-        f"- machine: {machine()}; no GPU, so the GPU variants of 1 and 2 did not run",
+        f"- machine: {machine()}; "
+        + (
+            "GPU variants of benchmarks 1 and 2 included"
+            if ctx.device == "cuda"
+            else "no GPU (for ONNX Runtime), so the GPU variants of 1 and 2 did not run"
+        ),
         "",
         "## The claims of AntBatchInfer, measured on Ebb here",
         "",
@@ -111,7 +116,9 @@ def write(path: Path, sections: list[Section], ctx: Context, *, seconds: float) 
         "",
     ]
     for section in sections:
-        lines += [f"## {section.title}", "", textwrap.dedent(section.intro).strip(), ""]
+        # A docstring's first line repeats the section's title.
+        intro = textwrap.dedent(section.intro).strip().split("\n", 1)[-1].strip()
+        lines += [f"## {section.title}", "", intro, ""]
         for t in section.tables:
             lines += [t, ""]
         if section.plot:

@@ -57,14 +57,15 @@ from .common import (
 )
 
 
-def _session(model: Path, threads: int) -> ort.InferenceSession:
+def _session(model: Path, threads: int, device: str = "cpu") -> ort.InferenceSession:
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-    return ort.InferenceSession(
-        str(model), sess_options=options, providers=["CPUExecutionProvider"]
-    )
+    providers = ["CPUExecutionProvider"]
+    if device == "cuda":
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(model), sess_options=options, providers=providers)
 
 
 def _top(logits: np.ndarray) -> tuple[list[int], list[float]]:
@@ -75,12 +76,14 @@ def _top(logits: np.ndarray) -> tuple[list[int], list[float]]:
     return best.tolist(), p[np.arange(len(best)), best].tolist()
 
 
-def sequential(data: Path, model: Path, out: Path, *, threads: int, batch: int = 64) -> float:
+def sequential(
+    data: Path, model: Path, out: Path, *, threads: int, batch: int = 64, device: str = "cpu"
+) -> float:
     """The baseline: everything in this one process, in order. Returns rows/s."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     started = time.perf_counter()
-    session = _session(model, threads)
+    session = _session(model, threads, device)
     rows = 0
     for n, path in enumerate(sorted(data.glob("*.parquet"))):
         parquet = pq.ParquetFile(path)
@@ -137,9 +140,16 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 """Pipelining alone; pipelining and intra-node scaling set by hand; and the elastic scheduler
 (with the adaptive batch size) finding them on its own, from one process per stage."""
 
+GPU_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "Ebb, GPU model": (
+        {"workers": 2},
+        {"device": "cuda", "threads": 0, "batch_size": 512, "adaptive_batch": True},
+    ),
+}
+
 
 def job(data: Path, model: Path, out: Path, *, variant: str, rows_per_shard: int) -> dict[str, Any]:
-    decode, scoring = VARIANTS[variant]
+    decode, scoring = {**VARIANTS, **GPU_VARIANTS}[variant]
     return {
         "name": "tagging",
         "input": {
@@ -182,8 +192,8 @@ def _measure_ebb(ctx: Context, data: Path, model: Path, variant: str, rows_per_s
     return rate
 
 
-def _sequential(data: Path, model: Path, out: Path, threads: int) -> Rate:
-    value = sequential(data, model, out, threads=threads)
+def _sequential(data: Path, model: Path, out: Path, threads: int, device: str = "cpu") -> Rate:
+    value = sequential(data, model, out, threads=threads, device=device)
     return Rate(value, value)  # nothing to start: the whole run is its steady state
 
 
@@ -207,6 +217,12 @@ def run(ctx: Context) -> Section:
     }
     for name in VARIANTS:
         variants[name] = functools.partial(_measure_ebb, ctx, data, model, name, rows_per_shard)
+    if ctx.device == "cuda":  # the model on the GPU; on a GPU it alone bounds the job
+        variants["sequential, GPU"] = functools.partial(
+            _sequential, data, model, out / "seqg", 0, "cuda"
+        )
+        for name in GPU_VARIANTS:
+            variants[name] = functools.partial(_measure_ebb, ctx, data, model, name, rows_per_shard)
     whole: dict[str, list[float]] = {name: [] for name in variants}
     steady: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(ctx.repeats):

@@ -16,7 +16,7 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
-from ebb.controller.backend import WorkerInfo
+from ebb.controller.backend import Capacity, WorkerInfo
 from ebb.controller.local import LocalBackend, LocalConfig
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig, plan, share
 from ebb.shard_master.service import MasterConfig
@@ -78,15 +78,26 @@ def test_plan_launches_the_missing_and_drains_the_surplus_youngest_first() -> No
         worker("b2", "b", started=2.0),
         worker("z1", "gone-job"),
     ]
-    decided = plan(jobs=jobs, workers=workers, capacity=8, now=10.0, not_before={})
+    decided = plan(jobs=jobs, workers=workers, capacity=Capacity.slots(8), now=10.0, not_before={})
     assert decided.launch == {"a": 1}
     assert sorted(decided.terminate) == ["b1", "b2", "z1"]
 
 
-def test_plan_counts_draining_workers_against_capacity_and_honours_backoff() -> None:
+async def test_local_capacity_counts_draining_workers_as_taken(nats_config: NatsConfig) -> None:
+    backend = LocalBackend(LocalConfig(nats=nats_config, max_workers=3))
+    capacity = await backend.capacity(
+        [], [worker("a1", "a"), worker("old", "x", phase="terminating")]
+    )
+    assert capacity.bins[0].free == {"workers": 2.0}
+    await backend.close(grace_s=1)
+
+
+def test_plan_honours_the_relaunch_backoff() -> None:
     jobs = [job("a", hi=4)]
-    workers = [worker("a1", "a"), worker("old", "x", phase="terminating")]
-    decided = plan(jobs=jobs, workers=workers, capacity=3, now=10.0, not_before={"a": 12.5})
+    workers = [worker("a1", "a")]
+    decided = plan(
+        jobs=jobs, workers=workers, capacity=Capacity.slots(2), now=10.0, not_before={"a": 12.5}
+    )
     assert decided.desired == {"a": 2}
     assert decided.launch == {}
     assert decided.held_back == {"a": 2.5}
@@ -199,7 +210,7 @@ async def test_nothing_is_launched_for_a_job_with_nothing_left(nats_config: Nats
     decided = plan(
         jobs=[job("a", todo=0, doing=0)],
         workers=await backend.observe(),
-        capacity=2,
+        capacity=Capacity.slots(2),
         now=0.0,
         not_before={},
     )

@@ -14,6 +14,7 @@ from .messages import (
     CancelRequest,
     CommitReply,
     CommitRequest,
+    FailRequest,
     JobStatus,
     LeaseReply,
     LeaseRequest,
@@ -93,6 +94,9 @@ class MasterClient:
 
     async def cancel(self, job: str, reason: str = "cancelled by user") -> CancelReply:
         return await self._call("cancel", CancelRequest(job=job, reason=reason), CancelReply)
+
+    async def fail(self, job: str, reason: str) -> CancelReply:
+        return await self._call("fail", FailRequest(job=job, reason=reason), CancelReply)
 
     async def _call(self, op: str, message: Message, reply_type: type[M]) -> M:
         return await request(

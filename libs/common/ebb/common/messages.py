@@ -188,6 +188,16 @@ class CancelRequest(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FailRequest(Message):
+    """The controller's verdict that a job cannot run (its image cannot be pulled, its code
+    crashes every time): the job ends FAILED with the reason."""
+
+    KIND: ClassVar[str] = "fail"
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class CancelReply(Message):
     KIND: ClassVar[str] = "cancel_reply"
     ok: bool = True

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from ebb.common.messages import JobStatus
+
+from .capacity import Bin, Resources
+from .failures import Kind
 
 Phase = Literal["starting", "running", "terminating", "succeeded", "failed"]
 
@@ -20,6 +24,8 @@ class WorkerInfo:
     exit_code: int | None = None
     reason: str = ""
     """Why it failed, in the backend's words (exit code, OOMKilled, Evicted...)."""
+    failure: Kind | None = None
+    """What kind of failure (see failures.py); None: not classified (a plain exit code)."""
 
     @property
     def alive(self) -> bool:
@@ -30,6 +36,25 @@ class WorkerInfo:
         return self.phase in ("succeeded", "failed")
 
 
+def _anywhere(_job: JobStatus) -> Callable[[Bin], bool]:
+    return lambda _bin: True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    """Where workers could run now, and what one worker of a job needs."""
+
+    bins: list[Bin]
+    """Free resources, counting those of live workers as free: they are placed anew."""
+    shape: Callable[[JobStatus], Resources] = field(default=lambda _job: {"workers": 1.0})
+    eligible: Callable[[JobStatus], Callable[[Bin], bool]] = field(default=_anywhere)
+
+    @staticmethod
+    def slots(n: int) -> Capacity:
+        """`n` identical slots in one place (this machine)."""
+        return Capacity(bins=[Bin("local", {"workers": float(max(0, n))})])
+
+
 class ClusterBackend(Protocol):
     """Where workers run. Every method is idempotent: the reconciler may repeat itself."""
 
@@ -37,8 +62,9 @@ class ClusterBackend(Protocol):
         """Every worker this backend knows of, ended ones included until `forget`."""
         ...
 
-    async def capacity(self) -> int:
-        """How many workers (of the usual size) may run at once now, counting those running."""
+    async def capacity(self, jobs: list[JobStatus], workers: list[WorkerInfo]) -> Capacity:
+        """Room for workers of these jobs, the live `workers` (of any phase but ended)
+        counted as free unless they are terminating."""
         ...
 
     async def launch(self, job: JobStatus, worker_id: str) -> None: ...
@@ -53,4 +79,12 @@ class ClusterBackend(Protocol):
 
     async def close(self, *, grace_s: float) -> None:
         """The controller stops: what becomes of the workers is the backend's to decide."""
+        ...
+
+    def agents(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """Long-lived tasks the backend needs (informers...), for the controller to own."""
+        ...
+
+    def grow_memory(self, job: str) -> None:
+        """Workers of `job` were OOMKilled: ask for more memory from now on (if it can)."""
         ...

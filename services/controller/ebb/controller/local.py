@@ -8,14 +8,15 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.messages import JobStatus
 
-from .backend import Phase, WorkerInfo
+from .backend import Capacity, Phase, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,10 @@ class LocalBackend:
             )
         return out
 
-    async def capacity(self) -> int:
-        return self.config.max_workers
+    async def capacity(self, jobs: list[JobStatus], workers: list[WorkerInfo]) -> Capacity:
+        del jobs
+        draining = sum(1 for w in workers if w.phase == "terminating")
+        return Capacity.slots(self.config.max_workers - draining)
 
     async def launch(self, job: JobStatus, worker_id: str) -> None:
         if worker_id in self._children:
@@ -122,6 +125,13 @@ class LocalBackend:
         child = self._children.get(worker_id)
         if child is not None and child.process.returncode is not None:
             del self._children[worker_id]
+
+    def agents(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {}
+
+    def grow_memory(self, job: str) -> None:
+        """Local workers have no memory request to grow."""
+        del job
 
     def pids(self) -> dict[str, int]:
         """Worker id -> pid of the live workers (for tests and `ebb up` diagnostics)."""

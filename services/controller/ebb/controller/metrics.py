@@ -10,3 +10,18 @@ WORKER_FAILURES = Counter(
     "ebb_worker_failures_total", "Workers that ended in failure", ["job", "reason"]
 )
 RECONCILES = Counter("ebb_reconciles_total", "Reconcile passes", ["result"])
+KUBE_ERRORS = Counter(
+    "ebb_kube_api_errors_total",
+    "Kubernetes API errors and interrupted watches",
+    ["informer", "error"],
+)
+NODE_STATES = Gauge("ebb_tidal_nodes", "Mixed-pool nodes per tidal state", ["state"])
+HARVESTED = Gauge("ebb_harvested_cpu_cores", "CPU cores of lent mixed nodes (tidal state offline)")
+BATCH_EVICTIONS = Counter(
+    "ebb_batch_evictions_total", "Batch worker pods drained because their node was reclaimed"
+)
+IDLE_CAPACITY = Gauge(
+    "ebb_idle_capacity",
+    "Capacity free for batch workers, per pool and resource",
+    ["pool", "resource"],
+)

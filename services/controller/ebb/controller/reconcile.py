@@ -20,7 +20,8 @@ from ebb.common.bus import Backoff
 from ebb.common.messages import JobStatus
 
 from . import metrics
-from .backend import ClusterBackend, WorkerInfo
+from .backend import Capacity, ClusterBackend, WorkerInfo
+from .capacity import Demand, allocate
 
 log = logging.getLogger(__name__)
 
@@ -33,29 +34,21 @@ def wanted(job: JobStatus) -> int:
     return min(job.max_workers, max(job.min_workers, remaining))
 
 
-def share(jobs: list[JobStatus], capacity: int) -> dict[str, int]:
-    """Split capacity between jobs: mins first, then one by one, higher priority first and
-    equally among jobs of the same priority."""
-    order = sorted(jobs, key=lambda j: (-j.priority, j.submitted_at, j.id))
-    want = {j.id: wanted(j) for j in order}
-    alloc = dict.fromkeys(want, 0)
-    left = max(0, capacity)
-    for job in order:
-        give = min(job.min_workers, want[job.id], left)
-        alloc[job.id] += give
-        left -= give
-    for priority in sorted({j.priority for j in order}, reverse=True):
-        group = [j.id for j in order if j.priority == priority]
-        while left > 0:
-            hungry = [j for j in group if alloc[j] < want[j]]
-            if not hungry:
-                break
-            for job_id in hungry:
-                if left == 0:
-                    break
-                alloc[job_id] += 1
-                left -= 1
-    return alloc
+def demand(job: JobStatus, capacity: Capacity) -> Demand:
+    return Demand(
+        job=job.id,
+        want=wanted(job),
+        min_workers=job.min_workers,
+        priority=job.priority,
+        submitted_at=job.submitted_at,
+        shape=capacity.shape(job),
+        eligible=capacity.eligible(job),
+    )
+
+
+def share(jobs: list[JobStatus], slots: int) -> dict[str, int]:
+    """Split `slots` identical worker slots between jobs (see capacity.allocate)."""
+    return allocate([demand(j, Capacity.slots(slots)) for j in jobs], Capacity.slots(slots).bins)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,14 +66,16 @@ def plan(
     *,
     jobs: list[JobStatus],
     workers: list[WorkerInfo],
-    capacity: int,
+    capacity: Capacity,
     now: float,
     not_before: dict[str, float],
 ) -> Plan:
-    """What to change, given what is. Pure: no I/O, no clock, no memory."""
+    """What to change, given what is. Pure: no I/O, no clock, no memory.
+
+    `capacity` counts the resources of the live workers of these jobs as free (they are
+    placed again, from scratch, by `allocate`) and those of draining workers as taken."""
     live = [w for w in workers if not w.ended]
-    terminating = sum(1 for w in live if w.phase == "terminating")
-    desired = share(jobs, capacity - terminating)
+    desired = allocate([demand(j, capacity) for j in jobs], capacity.bins)
     alive: dict[str, list[WorkerInfo]] = defaultdict(list)
     for w in live:
         if w.alive:
@@ -137,7 +132,7 @@ class Reconciler:
             if w.ended:
                 self._account(w, now)
                 await self.backend.forget(w.id)
-        capacity = await self.backend.capacity()
+        capacity = await self.backend.capacity(jobs, [w for w in workers if not w.ended])
         decided = plan(
             jobs=jobs,
             workers=[w for w in workers if not w.ended],

@@ -32,6 +32,7 @@ from ebb.common.errors import SchemaError, SpecError
 from ebb.common.messages import (
     CancelRequest,
     CommitRequest,
+    FailRequest,
     JobEvent,
     LeaseRequest,
     ReleaseRequest,
@@ -138,6 +139,9 @@ class ShardMaster:
         )
         await server.add(self.subjects.master("status"), self._handler(StatusRequest, self._status))
         await server.add(self.subjects.master("cancel"), self._handler(CancelRequest, self._cancel))
+        await server.add(self.subjects.master("fail"), self._handler(FailRequest, self._fail))
+        # Our subscriptions reach the server with the next flush: only then do we serve.
+        await nc.flush()
         self.ready.set()
         log.info("shard master %s serving (epoch %d)", self.config.id, epoch)
         try:
@@ -216,6 +220,9 @@ class ShardMaster:
 
     async def _cancel(self, r: CancelRequest) -> Message:
         return await self._table().cancel(r.job, r.reason)
+
+    async def _fail(self, r: FailRequest) -> Message:
+        return await self._table().cancel(r.job, r.reason, state="FAILED")
 
     # -- agents ----------------------------------------------------------------------------
 

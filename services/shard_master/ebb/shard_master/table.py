@@ -721,11 +721,15 @@ class LeaseTable:
         self._emit(self._event(job, "state"))
         job.release_shards()
 
-    async def cancel(self, job_id: str, reason: str) -> CancelReply:
+    async def cancel(
+        self, job_id: str, reason: str, *, state: JobState = "CANCELLED"
+    ) -> CancelReply:
+        """End a job that has not ended: CANCELLED (a user's wish) or FAILED (the controller
+        found it cannot run). Its leases are void from now on."""
         job = self._job(job_id)
         async with job.lock:
             if not job.ended:
-                await self._end(job, "CANCELLED", reason)
+                await self._end(job, state, reason)
         return CancelReply(state=job.record.state)
 
     # -- reading ---------------------------------------------------------------------------

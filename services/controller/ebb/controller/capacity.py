@@ -1,0 +1,115 @@
+"""Capacity: what resources are free where, and how many workers of each job fit in them.
+
+Resources are maps of name -> amount: "cpu" (cores), "memory" (bytes), "nvidia.com/gpu", or,
+for the local backend, "workers" (slots). A Bin is one place workers can go (a node, or this
+machine). `allocate` decides how many workers each job should have by placing them, one by
+one, in fair order: every job's minimum first (higher priority first), then one worker at a
+time to the highest-priority jobs that can use one, the least-served first among equals.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+Resources = dict[str, float]
+
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$")
+_SUFFIX = {
+    "": 1.0,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+    "Pi": 2.0**50,
+    "Ei": 2.0**60,
+}
+
+
+def parse_quantity(value: str | float) -> float:
+    """A Kubernetes quantity ("500m", "2Gi", "1.5", "1e3") as a number of base units."""
+    if isinstance(value, int | float):
+        return float(value)
+    m = _QUANTITY.match(value.strip())
+    if m is None or m.group(2) not in _SUFFIX:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
+
+
+def quantities(values: dict[str, str] | None) -> Resources:
+    return {k: parse_quantity(v) for k, v in (values or {}).items()}
+
+
+def add(a: Resources, b: Resources, sign: float = 1.0) -> Resources:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0.0) + sign * v
+    return out
+
+
+def fits(free: Resources, need: Resources) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+
+@dataclass
+class Bin:
+    """A place workers can go, and what it has free for them."""
+
+    name: str
+    free: Resources
+    rank: int = 0
+    """Lower ranks fill first (the offline pool before lent mixed nodes, say)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Demand:
+    """What a job asks of capacity."""
+
+    job: str
+    want: int
+    """Workers it could use now (its max, capped by the work it has left)."""
+    min_workers: int
+    priority: int
+    submitted_at: float
+    shape: Resources
+    """What one worker requests."""
+    eligible: Callable[[Bin], bool] = field(default=lambda _: True)
+
+
+def allocate(demands: Iterable[Demand], bins: list[Bin]) -> dict[str, int]:
+    """Desired workers per job: as many as fit, shared by priority, then equally."""
+    order = sorted(demands, key=lambda d: (-d.priority, d.submitted_at, d.job))
+    alloc = {d.job: 0 for d in order}
+    free = [Bin(b.name, dict(b.free), b.rank) for b in sorted(bins, key=lambda b: (b.rank, b.name))]
+
+    def place(d: Demand) -> bool:
+        for b in free:
+            if d.eligible(b) and fits(b.free, d.shape):
+                b.free = add(b.free, d.shape, -1.0)
+                alloc[d.job] += 1
+                return True
+        return False
+
+    for d in order:
+        while alloc[d.job] < min(d.min_workers, d.want) and place(d):
+            pass
+    for priority in sorted({d.priority for d in order}, reverse=True):
+        group = [d for d in order if d.priority == priority]
+        while True:
+            hungry = [d for d in group if alloc[d.job] < d.want]
+            placed = False
+            for d in sorted(hungry, key=lambda d: alloc[d.job]):
+                if place(d):
+                    placed = True
+                    break
+            if not placed:
+                break
+    return alloc

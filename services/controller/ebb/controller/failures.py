@@ -1,0 +1,96 @@
+"""Why a worker pod failed, read from its status, and what to do about it.
+
+- capacity: evicted, preempted, its node lost or reclaimed. Not the worker's fault: relaunch
+  (elsewhere), no penalty.
+- oom: killed for memory. Relaunch with more memory, up to a cap.
+- crash: exited non-zero, or keeps restarting. Relaunch after a backoff; too many in a row and
+  the job is failed; pods failing on the same node make it one to avoid.
+- fatal: the image cannot be pulled, the pod cannot be created, or the worker says its
+  configuration is wrong (its pipeline cannot start): relaunching cannot help; the job fails
+  with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["capacity", "oom", "crash", "fatal"]
+
+EXIT_CONFIG = 3
+"""The worker's exit code for "the job's configuration is wrong" (see ebb.common.runner)."""
+
+_FATAL_WAITING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "ErrImageNeverPull",
+    }
+)
+_CAPACITY_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "Shutdown", "Terminated"})
+_DISRUPTIONS = frozenset(
+    {
+        "PreemptionByScheduler",
+        "TerminationByKubelet",
+        "DeletionByTaintManager",
+        "EvictionByEvictionAPI",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: Kind
+    reason: str
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    status = pod.get("status") or {}
+    return list(status.get("containerStatuses") or [])
+
+
+def classify(pod: dict[str, Any], *, crashloop_restarts: int = 3) -> Failure | None:
+    """The failure a pod (as a JSON map) shows, or None while it has none."""
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    reason = status.get("reason") or ""
+    message = status.get("message") or ""
+    for container in _containers(pod):
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in _FATAL_WAITING:
+            return Failure("fatal", f"{waiting['reason']}: {waiting.get('message', '')}".strip())
+        restarts = int(container.get("restartCount") or 0)
+        if waiting.get("reason") == "CrashLoopBackOff" and restarts >= crashloop_restarts:
+            last = (container.get("lastState") or {}).get("terminated") or {}
+            if last.get("reason") == "OOMKilled":
+                return Failure("oom", "OOMKilled, again and again")
+            return Failure("crash", f"keeps crashing ({_exit(last)})")
+    if phase != "Failed":
+        return None
+    if reason in _CAPACITY_REASONS:
+        return Failure("capacity", f"{reason}: {message}".strip(": "))
+    for condition in status.get("conditions") or []:
+        disrupted = (
+            condition.get("type") == "DisruptionTarget" and condition.get("status") == "True"
+        )
+        if disrupted and condition.get("reason") in _DISRUPTIONS:
+            return Failure("capacity", f"{condition['reason']}: {condition.get('message', '')}")
+    for container in _containers(pod):
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("reason") == "OOMKilled":
+            return Failure("oom", "OOMKilled")
+        if terminated and int(terminated.get("exitCode") or 0) == EXIT_CONFIG:
+            return Failure("fatal", f"the worker's configuration is wrong ({_exit(terminated)})")
+        if terminated and int(terminated.get("exitCode") or 0) != 0:
+            return Failure("crash", _exit(terminated))
+    return Failure("crash", reason or message or "failed")
+
+
+def _exit(terminated: dict[str, Any]) -> str:
+    code = terminated.get("exitCode")
+    why = terminated.get("reason") or ""
+    detail = terminated.get("message") or ""
+    return f"exit code {code}" + (f", {why}" if why else "") + (f": {detail}" if detail else "")
