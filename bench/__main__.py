@@ -14,10 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import fanout, master_scale, report, single_model, startup, stragglers
+from . import fanout, master_scale, report, single_model, startup, stragglers, tidal_sim
 from .common import REPO, Context, Section, gpu
 
-ORDER = ["single", "fanout", "stragglers", "scale", "startup"]
+ORDER = ["single", "fanout", "stragglers", "scale", "startup", "tidal"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                 section = stragglers.run(ctx)
             elif name == "scale":
                 section = master_scale.run(ctx, rows_per_s_per_worker=rows_per_s)
-            else:
+            elif name == "startup":
                 section = startup.run(ctx)
+            else:
+                section = tidal_sim.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
             for t in section.tables:
                 print(t, flush=True)

@@ -53,6 +53,24 @@ def _scale(path: Path, title: str, plot: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def _timeline(path: Path, title: str, plot: dict[str, Any]) -> None:
+    runs: dict[str, dict[str, list[float]]] = plot["series"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3 * len(runs)), sharex=True)
+    for ax, (policy, series) in zip(axes, runs.items(), strict=True):
+        hours = [m / 60 for m in range(len(series["load"]))]
+        ax.plot(hours, series["load"], label="online load (nodes)", color="#c44e52")
+        ax.plot(hours, series["lent"], label="mixed nodes lent", color="#4878a8")
+        ax.plot(hours, [b / 4 for b in series["batch"]], label="batch pods / 4", color="#55a868")
+        ax.bar(hours, series["pending"], width=1 / 60, label="online pods pending", color="#8172b2")
+        ax.set_ylabel(policy)
+        ax.legend(loc="upper left", fontsize=7)
+    axes[-1].set_xlabel("hour of the simulated day")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _claims(sections: dict[str, Section]) -> list[str]:
     rows = ["| AntBatchInfer reports | measured here |", "|---|---|"]
     if "single" in sections:
@@ -125,6 +143,8 @@ def write(path: Path, sections: list[Section], ctx: Context, *, seconds: float) 
             name = f"{section.slug}.png"
             if section.plot["kind"] == "bars":
                 _bars(images / name, section.title, section.plot)
+            elif section.plot["kind"] == "timeline":
+                _timeline(images / name, section.title, section.plot)
             else:
                 _scale(images / name, section.title, section.plot)
             lines += [f"![{section.title}](img/{name})", ""]

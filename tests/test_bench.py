@@ -33,8 +33,9 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 3. A straggler",
         "## 4. Shard master at scale",
         "## 5. Start-up",
+        "## 6. Tidal harvesting",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
-    for plot in ("single", "fanout", "stragglers", "scale"):
+    for plot in ("single", "fanout", "stragglers", "scale", "tidal"):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000

@@ -1,17 +1,30 @@
-"""`python -m ebb.controller`: reconcile workers against running jobs until SIGTERM."""
+"""`python -m ebb.controller`: reconcile workers against running jobs until SIGTERM.
+
+--backend local        workers are child processes (the embedded stack)
+--backend kubernetes   workers are pods; settings from --config (YAML, the fields of
+                       KubeConfig: namespace, image, tidal thresholds...)
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
+from ebb.common import schema
 from ebb.common.bus import add_nats_arguments, nats_config_from_args
-from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
+from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
+from .backend import ClusterBackend
+from .lease import LeaseElector, LostLeadership
 from .local import LocalBackend, LocalConfig
 from .reconcile import ReconcilerConfig
 from .service import Controller, ControllerConfig
@@ -21,11 +34,20 @@ log = logging.getLogger("ebb.controller")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m ebb.controller", description=__doc__)
-    p.add_argument("--backend", choices=["local"], default=env("EBB_BACKEND", "local"))
+    p = argparse.ArgumentParser(
+        prog="python -m ebb.controller",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--backend", choices=["local", "kubernetes"], default=env("EBB_BACKEND", "local")
+    )
     add_nats_arguments(p)
     p.add_argument("--max-workers", type=int, default=int(env("EBB_MAX_WORKERS", "0")) or None)
     p.add_argument("--log-dir", default=env("EBB_WORKER_LOG_DIR"))
+    p.add_argument("--config", default=env("EBB_CONTROLLER_CONFIG"), help="KubeConfig YAML")
+    p.add_argument("--id", default=env("EBB_CONTROLLER_ID", socket.gethostname()))
+    p.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="outside a cluster")
     p.add_argument("--worker-grace", type=float, default=30.0)
     p.add_argument("--resync", type=float, default=2.0)
     p.add_argument("--metrics-port", type=int, default=None)
@@ -33,13 +55,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def read_settings(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a map of KubeConfig fields")
+    return data
+
+
+async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, LeaseElector, Any]:
+    from kubernetes_asyncio import config as kube_config
+    from kubernetes_asyncio.client import ApiClient
+
+    from .kube import KubeConfig, KubernetesBackend
+
+    if args.kubeconfig:
+        await kube_config.load_kube_config(config_file=args.kubeconfig)
+    else:
+        kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+    settings = read_settings(args.config)
+    nats = nats_config_from_args(args)
+    settings.setdefault("nats", {"url": nats.url, "prefix": nats.prefix})
+    config = schema.load(KubeConfig, settings)
+    api = ApiClient()
+    elector = LeaseElector(api, namespace=config.namespace, name="ebb-controller", identity=args.id)
+    return KubernetesBackend(config, api), elector, api
+
+
 async def amain(args: argparse.Namespace) -> int:
     nats = nats_config_from_args(args)
-    if args.backend != "local":  # pragma: no cover - argparse restricts the choices
-        return EXIT_USAGE
-    local = LocalConfig(nats=nats, log_dir=args.log_dir)
-    if args.max_workers:
-        local = LocalConfig(nats=nats, log_dir=args.log_dir, max_workers=args.max_workers)
+    backend: ClusterBackend
+    elector: LeaseElector | None = None
+    api: Any = None
+    if args.backend == "kubernetes":
+        backend, elector, api = await kubernetes_backend(args)
+    else:
+        local = LocalConfig(nats=nats, log_dir=args.log_dir)
+        if args.max_workers:
+            local = LocalConfig(nats=nats, log_dir=args.log_dir, max_workers=args.max_workers)
+        backend = LocalBackend(local)
     controller = Controller(
         ControllerConfig(
             nats=nats,
@@ -47,14 +102,18 @@ async def amain(args: argparse.Namespace) -> int:
             reconciler=ReconcilerConfig(worker_grace_s=args.worker_grace),
             shutdown_grace_s=args.worker_grace,
         ),
-        LocalBackend(local),
+        backend,
+        elector=elector,
     )
     install_stop_signals(controller.request_stop)
     try:
         await controller.run()
-    except AgentExited as e:
+    except (AgentExited, LostLeadership) as e:
         log.error("%s", e)
         return EXIT_FAILED
+    finally:
+        if api is not None:
+            await api.close()
     return EXIT_OK
 
 

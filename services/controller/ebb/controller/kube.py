@@ -435,8 +435,9 @@ class KubernetesBackend:
             out.append((node, mixed))
         return out
 
-    def pending_online(self) -> int:
-        count = 0
+    def pending_online(self) -> tuple[int, float]:
+        """Online pods that cannot be scheduled: how many, and their CPU requests."""
+        count, cpu = 0, 0.0
         for pod in self.pods.values():
             labels = (pod.get("metadata") or {}).get("labels") or {}
             status = pod.get("status") or {}
@@ -444,7 +445,8 @@ class KubernetesBackend:
             pending = unscheduled and status.get("phase") == "Pending"
             if pending and selector_matches(labels, self.config.online_selector):
                 count += 1
-        return count
+                cpu += requests_of(pod).get("cpu", 0.0)
+        return count, cpu
 
     async def tidal_step(self, now: float) -> None:
         """One sample of the tide: measure, decide, relabel, drain what is reclaimed."""
@@ -452,9 +454,20 @@ class KubernetesBackend:
         await self.synced()
         mixed = self.mixed_nodes()
         load = sum(m.online_use for _, m in mixed)
+        pending, pending_cpu = self.pending_online()
+        node_cpu = [
+            quantities((n.get("status") or {}).get("allocatable")).get("cpu", 1.0) for n, _ in mixed
+        ]
+        average = sum(node_cpu) / len(node_cpu) if node_cpu else 1.0
         moves = self.tide.decide(
-            now, online_load=load, pending_online=self.pending_online(), nodes=[m for _, m in mixed]
+            now,
+            online_load=load,
+            pending_online=pending,
+            pending_load=pending_cpu / max(average, 1e-9),
+            nodes=[m for _, m in mixed],
         )
+        if moves:
+            log.debug("tide: load %.2f nodes, %d online pods pending: %s", load, pending, moves)
         for move in moves:
             body = {"metadata": {"labels": {TIDAL: move.to}}}
             await self.api.patch_node(move.node, body, **_MERGE_PATCH)

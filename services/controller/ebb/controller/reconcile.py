@@ -108,6 +108,9 @@ class ReconcilerConfig:
     relaunch_backoff: Backoff = field(default_factory=lambda: Backoff(first_s=1.0, max_s=60.0))
     healthy_after_s: float = 60.0
     """A worker that ran this long before failing restarts the backoff from its first step."""
+    max_crashes: int = 5
+    """Workers of a job that crash in a row (none lived healthy_after_s) before the job fails:
+    its own code, not the cluster, is what fails."""
 
 
 class Reconciler:
@@ -118,27 +121,29 @@ class Reconciler:
         self.backend = backend
         self.config = config
         self.failures: dict[str, int] = defaultdict(int)
+        """Crashes in a row, per job."""
         self.not_before: dict[str, float] = {}
         self.last_plan: Plan | None = None
+        self.failed_jobs: dict[str, str] = {}
+        """Jobs this controller failed, and why (until the master confirms they ended)."""
 
     async def reconcile_once(self) -> Plan:
         """One pass: observe, decide, act. Safe to call at any time, any number of times."""
         loop = asyncio.get_running_loop()
-        status = await self.master.status(active_only=True)
+        status = await self.master.status(active_only=True, include_spec=True)
         jobs = [j for j in status.jobs if j.state == "RUNNING"]
         workers = await self.backend.observe()
         now = loop.time()
         for w in workers:
             if w.ended:
-                self._account(w, now)
+                await self._account(w, now)
                 await self.backend.forget(w.id)
-        capacity = await self.backend.capacity(jobs, [w for w in workers if not w.ended])
+        await self._fail_jobs(jobs)
+        jobs = [j for j in jobs if j.id not in self.failed_jobs]
+        live = [w for w in workers if not w.ended]
+        capacity = await self.backend.capacity(jobs, live)
         decided = plan(
-            jobs=jobs,
-            workers=[w for w in workers if not w.ended],
-            capacity=capacity,
-            now=now,
-            not_before=self.not_before,
+            jobs=jobs, workers=live, capacity=capacity, now=now, not_before=self.not_before
         )
         by_id = {j.id: j for j in jobs}
         for job_id, count in decided.launch.items():
@@ -150,24 +155,51 @@ class Reconciler:
         self.last_plan = decided
         return decided
 
-    def _account(self, worker: WorkerInfo, now: float) -> None:
+    async def _account(self, worker: WorkerInfo, now: float) -> None:
+        """Learn from a worker that ended: relaunch at once, later, with more memory, or not."""
+        job = worker.job
         if worker.phase == "succeeded":
-            self.failures.pop(worker.job, None)
+            self.failures.pop(job, None)
             return
+        kind = worker.failure or "crash"
+        metrics.WORKER_FAILURES.labels(job, kind).inc()
+        if kind == "capacity":  # evicted, preempted, its node reclaimed: nobody's fault
+            log.info("worker %s of job %s lost its place (%s)", worker.id, job, worker.reason)
+            return
+        if kind == "fatal":
+            self.failed_jobs.setdefault(job, f"workers cannot run: {worker.reason}")
+            return
+        if kind == "oom":
+            self.backend.grow_memory(job)
         if now - worker.started_at > self.config.healthy_after_s:
-            self.failures[worker.job] = 0
-        step = self.failures[worker.job]
-        self.failures[worker.job] = step + 1
+            self.failures[job] = 0
+        step = self.failures[job]
+        self.failures[job] = step + 1
+        if kind == "crash" and self.failures[job] >= self.config.max_crashes:
+            self.failed_jobs.setdefault(
+                job, f"{self.failures[job]} workers crashed in a row; last: {worker.reason}"
+            )
+            return
         delay = self.config.relaunch_backoff.delay(step)
-        self.not_before[worker.job] = now + delay
-        metrics.WORKER_FAILURES.labels(worker.job, worker.reason or "unknown").inc()
+        self.not_before[job] = now + delay
         log.warning(
-            "worker %s of job %s failed (%s); relaunching in %.1fs",
+            "worker %s of job %s failed (%s: %s); relaunching in %.1fs",
             worker.id,
-            worker.job,
+            job,
+            kind,
             worker.reason,
             delay,
         )
+
+    async def _fail_jobs(self, running: list[JobStatus]) -> None:
+        """Tell the master about jobs that cannot run. Until it has heard, ask again."""
+        active = {j.id for j in running}
+        for job, reason in list(self.failed_jobs.items()):
+            if job not in active:
+                del self.failed_jobs[job]  # ended (by us, or otherwise)
+                continue
+            log.error("job %s cannot run: %s", job, reason)
+            await self.master.fail(job, reason)
 
     def _publish(self, jobs: list[JobStatus], workers: list[WorkerInfo], decided: Plan) -> None:
         actual: dict[str, int] = defaultdict(int)

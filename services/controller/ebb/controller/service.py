@@ -1,8 +1,10 @@
-"""The controller service: a reconcile loop, woken by job events and by a periodic resync.
+"""The controller service: a reconcile loop, woken by job events, cluster changes and a
+periodic resync.
 
 Agents: `reconciler` (one pass at a time, level-triggered; a failed pass is logged and the
-next one tries again). Job events only make the next pass come sooner: missing one costs at
-most `resync_s`.
+next one tries again), the backend's own (informers, the tide), and, with a leader elector,
+`leadership`: only the replica holding the Lease runs the others. Events only make the next
+pass come sooner: missing one costs at most `resync_s`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ebb.common.supervisor import Supervisor
 
 from . import metrics
 from .backend import ClusterBackend
+from .lease import LeaseElector
 from .reconcile import Reconciler, ReconcilerConfig
 
 log = logging.getLogger(__name__)
@@ -40,12 +43,20 @@ class ControllerConfig:
 
 
 class Controller:
-    def __init__(self, config: ControllerConfig, backend: ClusterBackend) -> None:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        backend: ClusterBackend,
+        *,
+        elector: LeaseElector | None = None,
+    ) -> None:
         self.config = config
         self.backend = backend
+        self.elector = elector
         self.supervisor = Supervisor("controller")
         self._wake = asyncio.Event()
         self.reconciler: Reconciler | None = None
+        self.leading = asyncio.Event()
 
     def request_stop(self) -> None:
         self.supervisor.request_stop()
@@ -64,20 +75,45 @@ class Controller:
 
         subscription = await nc.subscribe(subjects.all_events, cb=on_event)
         try:
+            if self.elector is not None and not await self._lead(self.elector):
+                return  # asked to stop while standing by
+            self.leading.set()
             async with self.supervisor as sup:
+                if self.elector is not None:
+                    sup.spawn("leadership", self.elector.keep())
+                for name, agent in self.backend.agents().items():
+                    sup.spawn(name, agent)
                 sup.spawn("reconciler", self.reconcile_forever())
                 await sup.wait()
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await subscription.unsubscribe()
             await self.backend.close(grace_s=self.config.shutdown_grace_s)
+            if self.elector is not None and self.leading.is_set():
+                await self.elector.release()
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.drain()
 
+    async def _lead(self, elector: LeaseElector) -> bool:
+        """Wait to lead; False if a stop came first."""
+        acquire = asyncio.create_task(elector.acquire())
+        stop = asyncio.create_task(self.supervisor.stop_requested.wait())
+        await asyncio.wait([acquire, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if acquire.done():
+            acquire.result()
+            return True
+        acquire.cancel()
+        await asyncio.wait([acquire])
+        return False
+
     async def reconcile_forever(self) -> None:
         assert self.reconciler is not None
+        changed = getattr(self.backend, "changed", None)
+        wakers = [self._wake] + ([changed] if isinstance(changed, asyncio.Event) else [])
         while True:
-            self._wake.clear()
+            for event in wakers:
+                event.clear()  # before the pass: a change during it calls for another
             try:
                 await self.reconciler.reconcile_once()
                 metrics.RECONCILES.labels("ok").inc()
@@ -88,5 +124,9 @@ class Controller:
                 metrics.RECONCILES.labels("error").inc()
                 log.exception("reconcile pass failed")
             await asyncio.sleep(self.config.min_interval_s)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.resync_s)
+            waits = [asyncio.ensure_future(event.wait()) for event in wakers]
+            _, pending = await asyncio.wait(
+                waits, timeout=self.config.resync_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            for waiter in pending:
+                waiter.cancel()

@@ -74,10 +74,17 @@ class Tide:
         return float(statistics.median(self.samples)) if self.samples else 0.0
 
     def decide(
-        self, now: float, *, online_load: float, pending_online: int, nodes: list[MixedNode]
+        self,
+        now: float,
+        *,
+        online_load: float,
+        pending_online: int,
+        nodes: list[MixedNode],
+        pending_load: float = 0.0,
     ) -> list[Move]:
         """online_load: the online pods' requests on the mixed pool, in nodes (1.0 = one full
-        node). Returns the state changes to make now."""
+        node); pending_load: the same for the online pods that cannot be scheduled. Returns
+        the state changes to make now."""
         moves: list[Move] = []
         # Transitions that complete on their own.
         for node in nodes:
@@ -101,7 +108,7 @@ class Tide:
             # Urgent: the raw sample, not the median. Enough nodes back for the load, and at
             # least one for every pod that cannot be scheduled.
             need = max(
-                math.ceil(online_load / self.config.reclaim_above) - len(online),
+                math.ceil((online_load + pending_load) / self.config.reclaim_above) - len(online),
                 1 if pending_online else 0,
             )
             for node in [n for n in lent if n.state == "offline"][:need]:

@@ -1,0 +1,455 @@
+"""The controller's Kubernetes backend against the fake API server: the real
+kubernetes-asyncio client, a real shard master on a real nats-server, fake nodes and kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient
+from prometheus_client import REGISTRY
+
+from ebb.client.sdk import EbbClient
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.spec import parse_job
+from ebb.controller.kube import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
+from ebb.controller.lease import LeaseElector
+from ebb.controller.reconcile import Reconciler, ReconcilerConfig
+from ebb.controller.service import Controller, ControllerConfig
+from ebb.controller.tidal import LABEL as TIDAL
+from ebb.controller.tidal import TidalConfig
+from ebb.shard_master.service import MasterConfig
+from tests.helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
+from tests.k8s.fake_apiserver import FakeKubeAPI
+from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled
+from tests.test_master import Master
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "ebb"
+
+
+@pytest.fixture
+async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
+    m = Master(MasterConfig(nats=nats_config, id="m", data_roots=[str(tmp_path), str(ASSETS)]))
+    await m.start()
+    try:
+        yield m
+    finally:
+        await m.stop()
+
+
+@pytest.fixture
+async def ebb(nats_config: NatsConfig, master: Master) -> AsyncIterator[EbbClient]:
+    client = await EbbClient.connect(nats_config)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def submit(
+    ebb: EbbClient, folder: Path, *, workers: int, cpu: float = 2.0, memory_gb: float = 1.0
+) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_dataset(folder / "data", rows=40 * 100, row_group_size=100)
+    write_model(folder / "model.onnx")
+    spec = job_spec(folder, rows_per_shard=100, workers=(1, workers))
+    spec["resources"].update(cpu=cpu, memory_gb=memory_gb)
+    return await ebb.submit(parse_job(spec))
+
+
+class Harness:
+    """A backend with its informers running, and a reconciler to drive by hand."""
+
+    def __init__(self, kube: FakeKubeAPI, nats: NatsConfig, ebb: EbbClient, **config: Any) -> None:
+        kube.add_namespace(NS)
+        self.kube = kube
+        self.client: ApiClient = kube.api_client()
+        self.backend = KubernetesBackend(
+            KubeConfig(namespace=NS, nats=nats, priority_class="ebb-batch", **config), self.client
+        )
+        self.reconciler = Reconciler(
+            master=MasterClient(ebb.nc, nats, backoff=Backoff(attempts=1)),
+            backend=self.backend,
+            config=ReconcilerConfig(
+                relaunch_backoff=Backoff(first_s=0.01, max_s=0.02), max_crashes=3
+            ),
+        )
+        self.tasks = [asyncio.create_task(a) for a in self.backend.agents().values()]
+        self.errors: list[Exception] = []
+        """Reconcile passes that failed (API errors in tests that inject them)."""
+
+    async def converge(self, condition: Any, *, what: str, timeout: float = 30.0) -> Any:
+        """Reconcile until `condition()` holds (API errors included: the next pass retries)."""
+
+        async def step() -> Any:
+            try:
+                await self.reconciler.reconcile_once()
+            except Exception as e:
+                self.errors.append(e)
+            return condition()
+
+        return await wait_until(step, timeout=timeout, interval=0.05, what=what)
+
+    def pods(self, job: str | None = None, *, alive: bool = True) -> list[dict[str, Any]]:
+        selector = f"{APP_LABEL}=ebb-worker" + (f",{JOB_LABEL}={job}" if job else "")
+        pods = self.kube.list_pods(NS, label_selector=selector)
+        if alive:
+            pods = [
+                p
+                for p in pods
+                if p["status"].get("phase") in ("Pending", "Running")
+                and not p["metadata"].get("deletionTimestamp")
+            ]
+        return pods
+
+    async def close(self) -> None:
+        for e in self.errors[:3]:
+            logging.getLogger(__name__).info("a reconcile pass failed: %r", e)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.close()
+
+
+@pytest.fixture
+async def harness_factory(
+    kube: FakeKubeAPI, nats_config: NatsConfig, ebb: EbbClient
+) -> AsyncIterator[Any]:
+    made: list[Harness] = []
+
+    def make(**config: Any) -> Harness:
+        h = Harness(kube, nats_config, ebb, **config)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.close()
+
+
+def tidal_state(kube: FakeKubeAPI, node: str) -> str | None:
+    found = kube.get_node(node)
+    assert found is not None
+    labels: dict[str, str] = found["metadata"].get("labels") or {}
+    return labels.get(TIDAL)
+
+
+def offline(
+    kube: FakeKubeAPI, name: str, cpu: str = "8", labels: dict[str, str] | None = None
+) -> None:
+    kube.add_node(
+        name,
+        labels={"ebb.io/pool": "offline", **(labels or {})},
+        allocatable={"cpu": cpu, "memory": "32Gi", "nvidia.com/gpu": "0", "pods": "110"},
+    )
+
+
+async def test_scales_out_to_the_capacity_of_the_offline_pool(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    for n in range(3):
+        offline(kube, f"off-{n}")
+    kube.add_node("on-0", labels={"ebb.io/pool": "online"})
+    job = await submit(ebb, tmp_path / "job", workers=20, cpu=2)
+    h = harness_factory(tidal=None)
+    # 3 nodes x 8 cores, 2 cores a worker: 12 fit (the online node is not ours to use).
+    await h.converge(lambda: len(h.pods(job)) == 12, what="12 worker pods")
+    await kube.wait_for(
+        lambda: all(p["status"].get("phase") == "Running" for p in h.pods(job)), what="running"
+    )
+    pods = h.pods(job)
+    assert {p["spec"]["nodeName"] for p in pods} == {"off-0", "off-1", "off-2"}
+    pod = pods[0]
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EBB_JOB"]["value"] == job
+    assert env["EBB_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "ebb-nats-worker"
+    assert container["resources"]["requests"]["cpu"] == "2"
+    assert pod["spec"]["priorityClassName"] == "ebb-batch"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+    # Another node appears: the next pass uses it.
+    offline(kube, "off-3", cpu="4")
+    await h.converge(lambda: len(h.pods(job)) == 14, what="14 worker pods")
+
+
+async def test_jobs_share_capacity_by_priority_then_equally(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0", cpu="12")
+    first = await submit(ebb, tmp_path / "a", workers=10, cpu=2)
+    second = await submit(ebb, tmp_path / "b", workers=10, cpu=2)
+    h = harness_factory(tidal=None)
+    await h.converge(
+        lambda: (len(h.pods(first)), len(h.pods(second))) == (3, 3), what="an equal split"
+    )
+
+
+async def test_the_mixed_pool_is_lent_at_night_and_given_back_when_online_load_returns(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0", cpu="4")
+    for n in range(3):
+        kube.add_node(
+            f"mix-{n}",
+            labels={"ebb.io/pool": "mixed"},
+            allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
+        )
+    job = await submit(ebb, tmp_path / "job", workers=20, cpu=2)
+    tide = TidalConfig(sample_s=0.05, window=3, cooldown_s=60.0, lend_below=0.45, reclaim_above=0.7)
+    h = harness_factory(tidal=tide)
+    # Quiet online load: two mixed nodes lent (one always stays online), workers move in.
+    await h.converge(
+        lambda: len(h.pods(job)) == 2 + 4 + 4, what="workers on the offline pool and 2 lent nodes"
+    )
+    lent = {n for n in ("mix-0", "mix-1", "mix-2") if tidal_state(kube, n) == "offline"}
+    assert len(lent) == 2
+    evicted_before = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0
+    # Morning: online pods that need the mixed pool's room arrive, and cannot be scheduled.
+    for n in range(3):
+        kube.add_pod(
+            {
+                "metadata": {"name": f"web-{n}", "labels": {"ebb.io/workload": "online"}},
+                "spec": {
+                    "nodeSelector": {"ebb.io/pool": "mixed"},
+                    "containers": [
+                        {"name": "web", "image": "web", "resources": {"requests": {"cpu": "6"}}}
+                    ],
+                },
+            },
+            "default",
+        )
+    # The tide reclaims at once (Pending online pods), drains the batch pods there, and the
+    # online pods get scheduled; cool-down keeps the nodes online.
+    await h.converge(
+        lambda: all(
+            (kube.get_pod(f"web-{n}", "default") or {}).get("status", {}).get("phase") == "Running"
+            for n in range(3)
+        ),
+        what="the online pods running",
+    )
+    assert all(tidal_state(kube, n) in ("online", "offline2online") for n in lent)
+    # Both lent nodes came back in one sample: the pending pods needed them both.
+    assert (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0) - evicted_before == 8
+    await h.converge(
+        lambda: {p["spec"].get("nodeName") for p in h.pods(job)} <= {"off-0", None},
+        what="batch work back on the offline pool only",
+    )
+
+
+async def test_an_oom_killed_worker_comes_back_with_more_memory(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=1, memory_gb=1)
+    kube.add_pod_policy(OOMKilled(after=0.05), labels={JOB_LABEL: job}, count=1)
+    h = harness_factory(tidal=None)
+    first = await h.converge(lambda: h.pods(job), what="a first worker")
+    oom_killed = first[0]["metadata"]["name"]
+
+    def relaunched() -> Any:
+        return next((p for p in h.pods(job) if p["metadata"]["name"] != oom_killed), None)
+
+    pod = await h.converge(relaunched, what="a second worker")
+    assert h.kube.get_pod(oom_killed, NS) is None  # accounted for, then removed
+    memory = int(pod["spec"]["containers"][0]["resources"]["requests"]["memory"])
+    assert memory == int(1.5 * 2**30)
+
+
+async def test_an_evicted_worker_is_replaced_at_once_without_penalty(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    kube.add_pod_policy(Evicted(after=0.05), labels={JOB_LABEL: job}, count=1)
+    h = harness_factory(tidal=None)
+    first: list[str] = []
+
+    def replaced() -> bool:
+        names = [p["metadata"]["name"] for p in h.pods(job)]
+        if names and not first:
+            first.extend(names)
+        return bool(names) and names != first
+
+    await h.converge(replaced, what="a replacement")
+    assert h.reconciler.failures[job] == 0  # eviction is not the job's fault
+
+
+@pytest.mark.parametrize(
+    ("policy", "reason"),
+    [
+        (ImagePullError(), "ImagePullBackOff"),
+        (Exit(code=3, after=0.02, message="stage 'model' failed: no such file"), "no such file"),
+    ],
+)
+async def test_a_worker_that_cannot_run_fails_the_job_with_the_reason(
+    kube: FakeKubeAPI,
+    ebb: EbbClient,
+    harness_factory: Any,
+    tmp_path: Path,
+    policy: Any,
+    reason: str,
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=2)
+    kube.add_pod_policy(policy, labels={JOB_LABEL: job})
+    h = harness_factory(tidal=None)
+
+    async def failed() -> Any:
+        status = await ebb.job(job)
+        return status if status.state == "FAILED" else None
+
+    final = await wait_until(lambda: _pass_then(h, failed), timeout=30, what="the job to fail")
+    assert reason.lower() in final.reason.lower() or "ErrImagePull" in final.reason
+    await h.converge(lambda: not h.pods(job), what="its pods gone")
+
+
+async def _pass_then(h: Harness, probe: Any) -> Any:
+    with contextlib.suppress(Exception):
+        await h.reconciler.reconcile_once()
+    return await probe()
+
+
+async def test_workers_that_keep_crashing_fail_the_job(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    kube.add_pod_policy(Exit(code=1, after=0.02), labels={JOB_LABEL: job})
+    h = harness_factory(tidal=None)
+
+    async def failed() -> Any:
+        status = await ebb.job(job)
+        return status if status.state == "FAILED" else None
+
+    final = await wait_until(lambda: _pass_then(h, failed), timeout=30, what="the job to fail")
+    assert "3 workers crashed in a row" in final.reason and "exit code 1" in final.reason
+
+
+async def test_a_node_where_workers_keep_failing_is_avoided(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "bad-node")
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    kube.add_pod_policy(Exit(code=1, after=0.02), labels={JOB_LABEL: job}, count=2)
+    h = harness_factory(tidal=None, avoid_after=2)
+    await h.converge(lambda: "bad-node" in h.backend._avoid_until, what="the node avoided")
+    offline(kube, "good-node")
+    pod = await h.converge(
+        lambda: next((p for p in h.pods(job) if p["spec"].get("nodeName")), None),
+        what="a worker placed",
+    )
+    assert pod["spec"]["nodeName"] == "good-node"
+    terms = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert terms["nodeSelectorTerms"][0]["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": ["bad-node"]}
+    ]
+
+
+async def test_informers_survive_cut_watches_expired_history_and_api_errors(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0", cpu="4")
+    job = await submit(ebb, tmp_path / "job", workers=10, cpu=1)
+    h = harness_factory(tidal=None)
+    await h.converge(lambda: len(h.pods(job)) == 4, what="4 workers")
+    kube.cut_watches()
+    offline(kube, "off-1", cpu="2")  # a change made while the watches are down
+    await h.converge(lambda: len(h.pods(job)) == 6, what="6 workers after the cut")
+    relists = h.backend.workers.relists
+    kube.cut_watches()
+    kube.add_pod(
+        {"metadata": {"name": "noise"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    )
+    kube.compact()  # the history the informers would resume from is gone: 410, then a list
+    await wait_until(lambda: h.backend.workers.relists > relists, what="a fresh list after 410")
+    kube.fail_next(4, status=500, method="POST")
+    kube.fail_next(2, status=429, method="GET", path="/nodes")
+    offline(kube, "off-2", cpu="2")
+    await h.converge(lambda: len(h.pods(job)) == 8, what="8 workers despite 500s and 429s")
+    # ...and the cache agrees with the server, object for object.
+    await wait_until(
+        lambda: (
+            set(h.backend.workers.items)
+            == {f"{NS}/{p['metadata']['name']}" for p in h.pods(job, alive=False)}
+        ),
+        what="the informer's cache to match the server",
+    )
+
+
+async def test_one_replica_leads_and_the_standby_takes_over(
+    kube: FakeKubeAPI, ebb: EbbClient, nats_config: NatsConfig, tmp_path: Path
+) -> None:
+    kube.add_namespace(NS)
+    offline(kube, "off-0", cpu="4")
+    job = await submit(ebb, tmp_path / "job", workers=2, cpu=1)
+    clients = [kube.api_client(), kube.api_client()]
+    controllers = []
+    for n, client in enumerate(clients):
+        backend = KubernetesBackend(KubeConfig(namespace=NS, nats=nats_config, tidal=None), client)
+        elector = LeaseElector(
+            client, namespace=NS, name="ebb-controller", identity=f"c{n}", lease_s=1, renew_s=0.2
+        )
+        controllers.append(
+            Controller(ControllerConfig(nats=nats_config, resync_s=0.2), backend, elector=elector)
+        )
+    runs: list[asyncio.Task[None]] = [asyncio.create_task(controllers[0].run())]
+    try:
+        await wait_until(controllers[0].leading.is_set, what="the first to lead")
+        runs.append(asyncio.create_task(controllers[1].run()))
+        await kube.wait_for(lambda: len(_alive(kube, job)) == 2, timeout=20, what="2 workers")
+        assert not controllers[1].leading.is_set()
+        lease = kube.get("leases", "ebb-controller", NS)
+        assert lease is not None and lease["spec"]["holderIdentity"] == "c0"
+        controllers[0].request_stop()
+        await runs[0]
+        await wait_until(controllers[1].leading.is_set, timeout=20, what="the standby to lead")
+        # The new leader carries on from what is there: no worker is made twice.
+        kube.add_node(
+            "off-1",
+            labels={"ebb.io/pool": "offline"},
+            allocatable={"cpu": "1", "memory": "8Gi", "pods": "10"},
+        )
+        await kube.wait_for(lambda: len(_alive(kube, job)) == 2, timeout=5, what="still 2 workers")
+    finally:
+        for c in controllers:
+            c.request_stop()
+        await asyncio.gather(*runs, return_exceptions=True)
+        for client in clients:
+            await client.close()
+
+
+def _alive(kube: FakeKubeAPI, job: str) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in kube.list_pods(NS, label_selector=f"{JOB_LABEL}={job}")
+        if not p["metadata"].get("deletionTimestamp")
+        and p["status"].get("phase") in ("Pending", "Running")
+    ]
+
+
+async def test_a_dead_leaders_lease_expires_and_is_taken_over(kube: FakeKubeAPI) -> None:
+    kube.add_namespace(NS)
+    async with kube.api_client() as a, kube.api_client() as b:
+        first = LeaseElector(a, namespace=NS, name="lead", identity="a", lease_s=1, renew_s=0.1)
+        second = LeaseElector(b, namespace=NS, name="lead", identity="b", lease_s=1, renew_s=0.1)
+        assert await first.try_acquire()
+        assert not await second.try_acquire()
+        # `first` dies without a word: no renewals. Its lease runs out, then `second` leads.
+        assert await wait_until(second.try_acquire, timeout=10, interval=0.1, what="a takeover")
+        lease = kube.get("leases", "lead", NS)
+        assert lease is not None and lease["spec"]["holderIdentity"] == "b"
+        assert lease["spec"]["leaseTransitions"] == 1
+
+
+_ = Coroutine
