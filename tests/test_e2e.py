@@ -247,3 +247,6 @@ async def test_a_pipeline_that_cannot_start_fails_the_job_with_its_reason(
     final: JobStatus = await asyncio.wait_for(client.wait(await client.submit(spec)), 120)
     assert final.state == "FAILED"
     assert "weights not found" in final.reason
+    # The workers that met it said why they exit, as a pod's termination message.
+    said = list((tmp_path / "state" / "logs" / "workers").glob("*.termination"))
+    assert said and all("weights not found" in p.read_text() for p in said)

@@ -63,13 +63,20 @@ class Supervisor:
 
     async def cancel_all(self) -> None:
         """Cancel every task and wait for them, up to `cancel_timeout_s`."""
-        tasks = [t for t in self._tasks.values() if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.cancel_timeout_s)
+        pending = {t for t in self._tasks.values() if not t.done()}
+        deadline = asyncio.get_running_loop().time() + self.cancel_timeout_s
+        while pending:
+            # Again and again: on Python 3.11 asyncio.wait_for (nats-py's request uses it)
+            # loses a cancellation that lands as its inner future completes, and the task
+            # carries on as if never cancelled.
             for task in pending:
-                log.error("%s: %s ignored cancellation", self.name, task.get_name())
+                task.cancel()
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(left, 0.5))
+        for task in pending:
+            log.error("%s: %s ignored cancellation", self.name, task.get_name())
         for task in self._tasks.values():
             if task.done() and not task.cancelled() and task.exception() is not None:
                 # Retrieved here so that asyncio does not log it again as never retrieved.

@@ -17,6 +17,7 @@ from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.messages import JobStatus
 
 from .backend import Capacity, Phase, WorkerInfo
+from .failures import EXIT_CONFIG
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class _Child:
     process: asyncio.subprocess.Process
     started_at: float
     log_file: IO[bytes] | None
+    termination_log: Path | None
     terminate_at: float | None = None
     kill_at: float | None = None
 
@@ -67,6 +69,7 @@ class LocalBackend:
             if child.log_file is not None:
                 child.log_file.close()
                 child.log_file = None
+            said = _read_termination_message(child.termination_log)
             out.append(
                 WorkerInfo(
                     id=child.id,
@@ -74,7 +77,9 @@ class LocalBackend:
                     phase="succeeded" if code == 0 else "failed",
                     started_at=child.started_at,
                     exit_code=code,
-                    reason=_describe(code),
+                    reason=_describe(code) + (f": {said}" if said else ""),
+                    # As on Kubernetes: the worker says its job's configuration cannot work.
+                    failure="fatal" if code == EXIT_CONFIG else None,
                 )
             )
         return out
@@ -92,6 +97,11 @@ class LocalBackend:
         # command line (visible in ps).
         env = {**os.environ, **self.config.env, **nats_environment(self.config.nats)}
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
+        termination_log = None
+        if self.config.log_dir:
+            # The worker writes why it gave up there, as a pod's terminationMessagePath.
+            termination_log = Path(self.config.log_dir) / f"{worker_id}.termination"
+            env["EBB_TERMINATION_LOG"] = str(termination_log)
         process = await asyncio.create_subprocess_exec(
             *args,
             env=env,
@@ -108,6 +118,7 @@ class LocalBackend:
             process=process,
             started_at=asyncio.get_running_loop().time(),
             log_file=log_file,
+            termination_log=termination_log,
         )
         log.info("launched worker %s for job %s (pid %d)", worker_id, job.id, process.pid)
 
@@ -163,6 +174,15 @@ class LocalBackend:
 def _open_log(folder: str, worker_id: str) -> IO[bytes]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     return open(Path(folder) / f"{worker_id}.log", "ab")
+
+
+def _read_termination_message(path: Path | None) -> str:
+    if path is None:
+        return ""
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:  # it had nothing to say
+        return ""
 
 
 def _describe(code: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 
@@ -42,10 +43,21 @@ async def amain(args: argparse.Namespace) -> int:
     )
     install_stop_signals(worker.request_drain)
     try:
-        return await worker.run()
+        code = await worker.run()
     except AgentExited as e:
         log.error("%s", e)
         return EXIT_FAILED
+    if worker.fatal_reason:
+        write_termination_message(worker.fatal_reason)
+    return code
+
+
+def write_termination_message(reason: str) -> None:
+    """On Kubernetes the pod's status then says why (terminationMessagePath), so that the
+    controller can fail the job with the reason rather than with an exit code."""
+    path = os.environ.get("EBB_TERMINATION_LOG", "/dev/termination-log")
+    with contextlib.suppress(OSError), open(path, "w") as f:  # OSError: not on Kubernetes
+        f.write(reason[:4000])
 
 
 def main(argv: list[str] | None = None) -> int:

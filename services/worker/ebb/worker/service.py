@@ -88,6 +88,8 @@ class Worker:
         self.draining = asyncio.Event()
         self.leases: dict[str, ActiveLease] = {}
         self.exit_code = EXIT_OK
+        self.fatal_reason = ""
+        """Why the worker cannot work on this job at all (with EXIT_CONFIG)."""
         self.spec: JobSpec | None = None
         self.pipeline: Pipeline | None = None
         self._pipeline_started: asyncio.Task[None] | None = None
@@ -277,6 +279,7 @@ class Worker:
             metrics.SHARDS.labels("failed").inc()
             # Every shard would fail the same way here: stop, and say it is configuration.
             self.exit_code = EXIT_CONFIG
+            self.fatal_reason = str(e)
             self.request_drain()
         except Exception as e:
             log.exception("shard %d attempt %d failed", index, active.attempt)
