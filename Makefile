@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The source roots that together make the `ebb` namespace package.
 SRC_ROOTS := libs/common:libs/client:services/shard_master:services/controller:services/worker
 
-.PHONY: demo test lint format bench clean install dev
+.PHONY: demo test lint format bench clean install dev prometheus
 
 install: $(VENV)/.runtime
 dev: $(VENV)/.dev
@@ -30,8 +30,18 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/ebb demo ebb-demo
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The dashboard test runs every panel's query on a real Prometheus (Debian's package).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+				apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+		else \
+			echo "prometheus is not installed: the dashboard test will be skipped"; \
+		fi; }
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

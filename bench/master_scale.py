@@ -94,7 +94,7 @@ async def _measure(ctx: Context, workers: int) -> dict[str, float]:
     await stack.start()
     connections = []
     try:
-        config = stack.nats_config
+        config = stack.nats_config_for("worker")
         for _ in range(math.ceil(workers / WORKERS_PER_CONNECTION)):
             connections.append(await bus.connect(config, name="bench-sim"))
         clients = [
@@ -109,10 +109,10 @@ async def _measure(ctx: Context, workers: int) -> dict[str, float]:
                 "fault": {"lease_s": 30, "speculative": False},
             }
         ).with_id()
-        submitter = EbbClient(connections[0], config)
-        planned = time.perf_counter()
-        await submitter.submit(spec, accept_timeout_s=600)
-        planning_s = time.perf_counter() - planned
+        async with await EbbClient.connect(stack.nats_config) as submitter:
+            planned = time.perf_counter()
+            await submitter.submit(spec, accept_timeout_s=600)
+            planning_s = time.perf_counter() - planned
         store = OutputStore(spec.output.uri)
         stats = Latencies()
         started = time.perf_counter()

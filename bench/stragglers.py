@@ -90,7 +90,7 @@ async def _once(
             job_id = await client.submit(job)
             base_env = {
                 **os.environ,
-                **nats_environment(stack.nats_config),
+                **nats_environment(stack.nats_config_for("worker")),
                 "EBB_LOG_LEVEL": "WARNING",
             }
             for n in range(WORKERS):

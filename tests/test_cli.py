@@ -130,20 +130,27 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
         first = up.stdout.readline()  # blocks until the stack is up (or up died)
         assert "Ebb is up" in first, first + up.stdout.read()
 
-        submitted = ebb("submit", "job.yaml", "--nats", url, "--prefix", prefix, cwd=tmp_path)
+        # Without the stack's credentials: refused, at once and clearly.
+        stranger = ebb("status", "--nats", url, "--prefix", prefix, cwd=tmp_path)
+        assert stranger.returncode == 1 and "refused" in stranger.stderr
+
+        creds = ["--credentials", str(tmp_path / "state" / "client.env")]
+        how = up.stdout.readline()
+        assert "--credentials" in how and "client.env" in how, how
+        submitted = ebb("submit", "job.yaml", *creds, cwd=tmp_path)
         assert submitted.returncode == 0, submitted.stderr
         job_id = submitted.stdout.split()[1]
 
-        listing = ebb("status", "--nats", url, "--prefix", prefix, cwd=tmp_path)
+        listing = ebb("status", *creds, cwd=tmp_path)
         assert listing.returncode == 0 and job_id in listing.stdout
 
-        cancelled = ebb("cancel", job_id, "--nats", url, "--prefix", prefix, cwd=tmp_path)
+        cancelled = ebb("cancel", job_id, *creds, cwd=tmp_path)
         assert cancelled.returncode == 0 and "CANCELLED" in cancelled.stdout
 
-        detail = ebb("status", job_id, "--nats", url, "--prefix", prefix, cwd=tmp_path)
+        detail = ebb("status", job_id, *creds, cwd=tmp_path)
         assert "CANCELLED" in detail.stdout and "cancelled by user" in detail.stdout
 
-        missing = ebb("status", "no-such-job", "--nats", url, "--prefix", prefix, cwd=tmp_path)
+        missing = ebb("status", "no-such-job", *creds, cwd=tmp_path)
         assert missing.returncode == 1 and "no job 'no-such-job'" in missing.stderr
     finally:
         up.send_signal(signal.SIGINT)

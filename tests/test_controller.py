@@ -107,12 +107,9 @@ def test_plan_honours_the_relaunch_backoff() -> None:
 async def running_master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
     from .helpers import ASSETS
 
-    m = Master(MasterConfig(nats=nats_config, id="m", data_roots=[str(tmp_path), str(ASSETS)]))
-    await m.start()
-    try:
+    config = MasterConfig(nats=nats_config, id="m", data_roots=[str(tmp_path), str(ASSETS)])
+    async with Master(config) as m:
         yield m
-    finally:
-        await m.stop()
 
 
 async def test_local_backend_relaunches_a_worker_that_dies(
@@ -200,7 +197,7 @@ async def test_closing_drains_workers_and_they_hand_their_shards_back(
         status = (await client.master.status(job_id, include_leases=True)).jobs[0]
     assert status.leases == [] and status.shards["DOING"] == 0
     # Handed back, not left to expire.
-    assert not REGISTRY.get_sample_value("ebb_lease_expiries_total", {"job": job_id})
+    assert not REGISTRY.get_sample_value("ebb_lease_expiries_total", {"job_id": job_id})
     log = (tmp_path / "logs" / "w-1.log").read_text()
     assert "grace period over: releasing" in log
 

@@ -46,7 +46,6 @@ async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
             max_workers=3,
             worker_grace_s=10,
             prefix=prefix,
-            token=prefix,
         )
     )
     await s.start()
@@ -54,6 +53,8 @@ async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
         yield s
     finally:
         await s.stop()
+    # Every service, worker and client did its work within its role's NATS permissions.
+    assert s.nats.violations == []
 
 
 @pytest.fixture

@@ -55,6 +55,13 @@ class Master:
             await self.task
             self.service = self.task = None
 
+    async def __aenter__(self) -> Master:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
 
 @pytest.fixture
 async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
@@ -68,20 +75,14 @@ async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Maste
             reaper_interval_s=0.05,
         )
     )
-    await m.start()
-    try:
+    async with m:
         yield m
-    finally:
-        await m.stop()
 
 
 @pytest.fixture
 async def client(nats_config: NatsConfig, master: Master) -> AsyncIterator[EbbClient]:
-    c = await EbbClient.connect(nats_config)
-    try:
+    async with await EbbClient.connect(nats_config) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

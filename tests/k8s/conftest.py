@@ -1,4 +1,5 @@
-"""Fixtures: a started fake API server, and a real client pointed at it.
+"""Fixtures: a started fake API server, and a real client pointed at it; a real shard
+master, a client of it, and controller harnesses on the fake server.
 
 `@pytest.mark.kube(run_kubelet=False, history_limit=5, ...)` passes options to FakeKubeAPI.
 """
@@ -6,11 +7,19 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes_asyncio.client import ApiClient
 
+from ebb.client.sdk import EbbClient
+from ebb.common.bus import NatsConfig
+from ebb.shard_master.service import MasterConfig
+from tests.helpers import ASSETS
 from tests.k8s.fake_apiserver import FakeKubeAPI
+from tests.k8s.harness import Harness
+from tests.test_master import Master
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,3 +37,32 @@ async def kube(request: pytest.FixtureRequest) -> AsyncIterator[FakeKubeAPI]:
 async def client(kube: FakeKubeAPI) -> AsyncIterator[ApiClient]:
     async with kube.api_client() as api_client:
         yield api_client
+
+
+@pytest.fixture
+async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
+    config = MasterConfig(nats=nats_config, id="m", data_roots=[str(tmp_path), str(ASSETS)])
+    async with Master(config) as m:
+        yield m
+
+
+@pytest.fixture
+async def ebb(nats_config: NatsConfig, master: Master) -> AsyncIterator[EbbClient]:
+    async with await EbbClient.connect(nats_config) as client:
+        yield client
+
+
+@pytest.fixture
+async def harness_factory(
+    kube: FakeKubeAPI, nats_config: NatsConfig, ebb: EbbClient
+) -> AsyncIterator[Any]:
+    made: list[Harness] = []
+
+    def make(**config: Any) -> Harness:
+        h = Harness(kube, nats_config, ebb, **config)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.close()

@@ -348,6 +348,13 @@ class FakeKubeAPI:
         selector = Selector.parse(label_selector, field_selector, PODS.selectable_fields)
         return [pod for pod in self.store.objects(PODS, namespace) if selector.matches(pod)]
 
+    def add(self, resource: str, obj: Obj, namespace: str = "") -> Obj:
+        """Create any object by plural resource name, as the API would, without a client."""
+        rt = next((r for r in RESOURCES if r.plural == resource), None)
+        if rt is None:
+            raise KeyError(f"unknown resource {resource}")
+        return self.store.create(rt, namespace, obj)
+
     def get(self, resource: str, name: str, namespace: str = "") -> Obj | None:
         """Any stored object by plural resource name ("leases", "events", ...)."""
         rt = next((r for r in RESOURCES if r.plural == resource), None)

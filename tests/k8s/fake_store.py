@@ -201,7 +201,11 @@ LEASES = ResourceType(
     "coordination.k8s.io", "v1", "leases", "Lease", namespaced=True, create_on_update=True
 )
 
-RESOURCES: tuple[ResourceType, ...] = (PODS, NODES, NAMESPACES, EVENTS, LEASES)
+DEPLOYMENTS = ResourceType(
+    "apps", "v1", "deployments", "Deployment", namespaced=True, status_subresource=True
+)
+
+RESOURCES: tuple[ResourceType, ...] = (PODS, NODES, NAMESPACES, EVENTS, LEASES, DEPLOYMENTS)
 
 
 def lookup(group: str, version: str, plural: str) -> ResourceType | None:

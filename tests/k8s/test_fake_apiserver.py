@@ -682,7 +682,7 @@ async def test_bearer_token_is_required_when_set(kube: FakeKubeAPI, client: ApiC
 async def test_discovery_and_version(kube: FakeKubeAPI, client: ApiClient) -> None:
     assert (await k8s.CoreApi(client).get_api_versions()).versions == ["v1"]
     groups = await k8s.ApisApi(client).get_api_versions()
-    assert [g.name for g in groups.groups] == ["coordination.k8s.io"]
+    assert [g.name for g in groups.groups] == ["apps", "coordination.k8s.io"]
     resources = await k8s.CoordinationV1Api(client).get_api_resources()
     assert [r.name for r in resources.resources] == ["leases"]
     assert (await k8s.VersionApi(client).get_code()).major == "1"

@@ -5,151 +5,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
-from ebb.common.spec import parse_job
-from ebb.controller.kube import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
+from ebb.common.bus import NatsConfig
+from ebb.controller.kube import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
 from ebb.controller.lease import LeaseElector
-from ebb.controller.reconcile import Reconciler, ReconcilerConfig
 from ebb.controller.service import Controller, ControllerConfig
-from ebb.controller.tidal import LABEL as TIDAL
 from ebb.controller.tidal import TidalConfig
-from ebb.shard_master.service import MasterConfig
-from tests.helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
+from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled
-from tests.test_master import Master
+from tests.k8s.harness import NS, Harness, offline, submit, tidal_state
+from tests.k8s.manifests import access, allowed
 
 pytestmark = pytest.mark.timeout(120)
 
-NS = "ebb"
 
-
-@pytest.fixture
-async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Master]:
-    m = Master(MasterConfig(nats=nats_config, id="m", data_roots=[str(tmp_path), str(ASSETS)]))
-    await m.start()
-    try:
-        yield m
-    finally:
-        await m.stop()
-
-
-@pytest.fixture
-async def ebb(nats_config: NatsConfig, master: Master) -> AsyncIterator[EbbClient]:
-    client = await EbbClient.connect(nats_config)
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-async def submit(
-    ebb: EbbClient, folder: Path, *, workers: int, cpu: float = 2.0, memory_gb: float = 1.0
-) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    write_dataset(folder / "data", rows=40 * 100, row_group_size=100)
-    write_model(folder / "model.onnx")
-    spec = job_spec(folder, rows_per_shard=100, workers=(1, workers))
-    spec["resources"].update(cpu=cpu, memory_gb=memory_gb)
-    return await ebb.submit(parse_job(spec))
-
-
-class Harness:
-    """A backend with its informers running, and a reconciler to drive by hand."""
-
-    def __init__(self, kube: FakeKubeAPI, nats: NatsConfig, ebb: EbbClient, **config: Any) -> None:
-        kube.add_namespace(NS)
-        self.kube = kube
-        self.client: ApiClient = kube.api_client()
-        self.backend = KubernetesBackend(
-            KubeConfig(namespace=NS, nats=nats, priority_class="ebb-batch", **config), self.client
-        )
-        self.reconciler = Reconciler(
-            master=MasterClient(ebb.nc, nats, backoff=Backoff(attempts=1)),
-            backend=self.backend,
-            config=ReconcilerConfig(
-                relaunch_backoff=Backoff(first_s=0.01, max_s=0.02), max_crashes=3
-            ),
-        )
-        self.tasks = [asyncio.create_task(a) for a in self.backend.agents().values()]
-        self.errors: list[Exception] = []
-        """Reconcile passes that failed (API errors in tests that inject them)."""
-
-    async def converge(self, condition: Any, *, what: str, timeout: float = 30.0) -> Any:
-        """Reconcile until `condition()` holds (API errors included: the next pass retries)."""
-
-        async def step() -> Any:
-            try:
-                await self.reconciler.reconcile_once()
-            except Exception as e:
-                self.errors.append(e)
-            return condition()
-
-        return await wait_until(step, timeout=timeout, interval=0.05, what=what)
-
-    def pods(self, job: str | None = None, *, alive: bool = True) -> list[dict[str, Any]]:
-        selector = f"{APP_LABEL}=ebb-worker" + (f",{JOB_LABEL}={job}" if job else "")
-        pods = self.kube.list_pods(NS, label_selector=selector)
-        if alive:
-            pods = [
-                p
-                for p in pods
-                if p["status"].get("phase") in ("Pending", "Running")
-                and not p["metadata"].get("deletionTimestamp")
-            ]
-        return pods
-
-    async def close(self) -> None:
-        for e in self.errors[:3]:
-            logging.getLogger(__name__).info("a reconcile pass failed: %r", e)
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.client.close()
-
-
-@pytest.fixture
-async def harness_factory(
-    kube: FakeKubeAPI, nats_config: NatsConfig, ebb: EbbClient
-) -> AsyncIterator[Any]:
-    made: list[Harness] = []
-
-    def make(**config: Any) -> Harness:
-        h = Harness(kube, nats_config, ebb, **config)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        await h.close()
-
-
-def tidal_state(kube: FakeKubeAPI, node: str) -> str | None:
-    found = kube.get_node(node)
-    assert found is not None
-    labels: dict[str, str] = found["metadata"].get("labels") or {}
-    return labels.get(TIDAL)
-
-
-def offline(
-    kube: FakeKubeAPI, name: str, cpu: str = "8", labels: dict[str, str] | None = None
-) -> None:
-    kube.add_node(
-        name,
-        labels={"ebb.io/pool": "offline", **(labels or {})},
-        allocatable={"cpu": cpu, "memory": "32Gi", "nvidia.com/gpu": "0", "pods": "110"},
+@pytest.fixture(autouse=True)
+async def _within_the_controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]:
+    """Every request the controller made in a test, k8s/rbac.yaml lets it make."""
+    yield
+    denied = sorted(
+        {
+            str(a)
+            for r in kube.requests
+            if (a := access(r.method, r.path, r.query)) and not allowed("ebb-controller", NS, a)
+        }
     )
+    assert not denied, f"k8s/rbac.yaml does not let the controller do: {denied}"
 
 
 async def test_scales_out_to_the_capacity_of_the_offline_pool(
@@ -176,9 +65,69 @@ async def test_scales_out_to_the_capacity_of_the_offline_pool(
     assert pod["spec"]["priorityClassName"] == "ebb-batch"
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert container["envFrom"] == [{"secretRef": {"name": "ebb-storage", "optional": True}}]
+    # Prometheus finds each worker's /metrics through the pod's annotations.
+    assert env["EBB_METRICS_PORT"]["value"] == "9400"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
     # Another node appears: the next pass uses it.
     offline(kube, "off-3", cpu="4")
     await h.converge(lambda: len(h.pods(job)) == 14, what="14 worker pods")
+
+
+async def test_worker_pods_run_the_controllers_image_and_belong_to_its_deployment(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    kube.add_namespace(NS)
+    labels = {"app.kubernetes.io/name": "ebb-controller"}
+    async with kube.api_client() as api:
+        # Not there (yet): a warning, and pods without an owner; not a crash.
+        unknown = await from_cluster(
+            KubeConfig(namespace=NS, owner_deployment="ebb-controller"), api
+        )
+    deployment = kube.add(
+        "deployments",
+        {
+            "metadata": {"name": "ebb-controller", "labels": labels},
+            "spec": {
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "controller", "image": "ebb:latest"}]},
+                },
+            },
+        },
+        NS,
+    )
+    controller_pod = kube.add_pod(
+        {
+            "metadata": {"name": "ebb-controller-0", "labels": labels},
+            "spec": {"containers": [{"name": "controller", "image": "registry.example/ebb:1.2"}]},
+        },
+        NS,
+    )
+    async with kube.api_client() as api:
+        found = await from_cluster(
+            KubeConfig(namespace=NS, owner_deployment="ebb-controller"),
+            api,
+            pod_name=controller_pod["metadata"]["name"],
+        )
+    assert unknown.owner is None
+    assert found.image == "registry.example/ebb:1.2"  # workers run what the controller runs
+    assert found.owner == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "ebb-controller",
+        "uid": deployment["metadata"]["uid"],
+    }
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    h = harness_factory(tidal=None, owner=found.owner, image=found.image)
+    await h.converge(lambda: len(h.pods(job)) == 1, what="a worker pod")
+    (worker,) = h.pods(job)
+    assert worker["spec"]["containers"][0]["image"] == "registry.example/ebb:1.2"
+    (ref,) = worker["metadata"]["ownerReferences"]
+    assert ref["uid"] == deployment["metadata"]["uid"] and ref["controller"] is True
 
 
 async def test_jobs_share_capacity_by_priority_then_equally(

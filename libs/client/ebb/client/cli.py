@@ -3,7 +3,7 @@
 ebb run JOB.yaml              run a job on this machine, on an embedded stack, and wait
 ebb demo [DIR]                write a sample dataset, model and job into DIR, then run it
 ebb up                        the embedded stack in the foreground, for submit/status/cancel
-ebb submit JOB.yaml           submit to a running stack (--nats URL)
+ebb submit JOB.yaml           submit to a running stack (--nats URL, or --credentials FILE)
 ebb status [JOB]              jobs, or one job in detail
 ebb cancel JOB                cancel a job
 """
@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -135,8 +134,6 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             data_roots=roots,
             max_workers=args.max_workers or (os.cpu_count() or 1),
             prefix=args.prefix,
-            # Nobody else has any business on this one-job stack.
-            token=secrets.token_urlsafe(24),
             log_level=args.log_level,
         )
     )
@@ -237,8 +234,9 @@ async def cmd_up(args: argparse.Namespace) -> int:
     try:
         await stack.start()
         supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
+        credentials = write_credentials(stack.config.state_dir / "client.env", stack)
         out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
-        out.print(f"  ebb submit job.yaml --nats {stack.nats.url}")
+        out.print(f"  ebb submit job.yaml --credentials {credentials}")
         out.print("Ctrl-C stops it (unfinished jobs resume at the next `ebb up`).")
         await stop.wait()
         return EXIT_OK
@@ -256,14 +254,39 @@ async def cmd_up(args: argparse.Namespace) -> int:
 # -- talking to a running stack ------------------------------------------------------------
 
 
+def write_credentials(path: Path, stack: LocalStack) -> Path:
+    """The client's connection settings for this stack, readable by its owner only."""
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text("".join(f"{k}={v}\n" for k, v in stack.client_environment().items()))
+    return path
+
+
+def read_credentials(path: str) -> dict[str, str]:
+    """KEY=VALUE lines, as `ebb up` writes them (and as a shell or a .env file has them)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise EbbError(f"cannot read credentials {path}: {e.strerror}") from e
+    pairs = {}
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key and not key.startswith("#"):
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
 def _nats(args: argparse.Namespace) -> NatsConfig:
+    # Precedence: the command line, then the credentials file, then the environment.
+    env = {**os.environ, **(read_credentials(args.credentials) if args.credentials else {})}
     return NatsConfig(
-        url=args.nats,
-        prefix=args.prefix,
-        user=os.environ.get("EBB_NATS_USER"),
-        password=os.environ.get("EBB_NATS_PASSWORD"),
-        token=os.environ.get("EBB_NATS_TOKEN"),
-        creds_file=os.environ.get("EBB_NATS_CREDS"),
+        url=args.nats or env.get("EBB_NATS_URL", DEFAULT_NATS),
+        prefix=args.prefix or env.get("EBB_PREFIX", "ebb"),
+        user=env.get("EBB_NATS_USER"),
+        password=env.get("EBB_NATS_PASSWORD"),
+        token=env.get("EBB_NATS_TOKEN"),
+        creds_file=env.get("EBB_NATS_CREDS"),
+        first_connect_timeout_s=10.0,  # someone is waiting at a terminal
     )
 
 
@@ -350,8 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
 
     def remote_options(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--nats", default=env("EBB_NATS_URL", DEFAULT_NATS))
-        c.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
+        c.add_argument("--nats", default=None, help=f"NATS URL (default {DEFAULT_NATS})")
+        c.add_argument("--prefix", default=None, help="subject prefix (default ebb)")
+        c.add_argument(
+            "--credentials",
+            default=env("EBB_CREDENTIALS"),
+            help="a file of EBB_NATS_* settings (`ebb up` writes one)",
+        )
 
     c = sub.add_parser("run", help="run a job on an embedded stack and wait for it")
     c.add_argument("job", help="job spec (YAML or JSON)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from ebb.common import auth
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, connect, nats_environment
 from ebb.common.embedded import EmbeddedNats
@@ -38,8 +39,9 @@ class StackConfig:
     """NATS port on 127.0.0.1 (0: any free port)."""
     max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     prefix: str = "ebb"
-    token: str | None = None
-    """A secret every client must present to the embedded NATS (None: no authentication)."""
+    auth: bool = True
+    """Each service, the workers and clients connect as their own NATS user, with only the
+    permissions their role needs (ebb.common.auth); passwords are new at every start."""
     log_level: str = "INFO"
     worker_grace_s: float = 30.0
     start_timeout_s: float = 60.0
@@ -55,8 +57,13 @@ class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.logs = config.state_dir / "logs"
+        self.passwords = auth.new_passwords() if config.auth else None
         self.nats = EmbeddedNats(
-            state_dir=config.state_dir / "nats", port=config.port, token=config.token
+            state_dir=config.state_dir / "nats",
+            port=config.port,
+            authorization=(
+                auth.authorization_config(config.prefix, self.passwords) if self.passwords else None
+            ),
         )
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
@@ -65,7 +72,22 @@ class LocalStack:
 
     @property
     def nats_config(self) -> NatsConfig:
-        return NatsConfig(url=self.nats.url, prefix=self.config.prefix, token=self.config.token)
+        """How a client (the SDK, the CLI) connects."""
+        return self.nats_config_for("client")
+
+    def nats_config_for(self, role: auth.Role) -> NatsConfig:
+        if self.passwords is None:
+            return NatsConfig(url=self.nats.url, prefix=self.config.prefix)
+        return NatsConfig(
+            url=self.nats.url,
+            prefix=self.config.prefix,
+            user=auth.user_name(self.config.prefix, role),
+            password=self.passwords[role],
+        )
+
+    def client_environment(self) -> dict[str, str]:
+        """EBB_* variables with which `ebb submit/status/cancel` reach this stack."""
+        return nats_environment(self.nats_config)
 
     def _command(self, name: str) -> list[str]:
         common = ["--log-level", self.config.log_level]
@@ -103,8 +125,20 @@ class LocalStack:
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **nats_environment(self.nats_config)},
+            env=self._environment(name),
         )
+
+    def _environment(self, name: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
+        if name == "master":
+            return {**env, **nats_environment(self.nats_config_for("master"))}
+        env.update(nats_environment(self.nats_config_for("controller")))
+        worker = self.nats_config_for("worker")
+        if worker.user and worker.password:
+            # For the workers the controller launches: their own, lesser, credentials.
+            env["EBB_WORKER_NATS_USER"] = worker.user
+            env["EBB_WORKER_NATS_PASSWORD"] = worker.password
+        return env
 
     async def kill(self, name: str) -> None:
         """SIGKILL a service, as a node failure would (tests, chaos drills)."""
@@ -165,6 +199,11 @@ class LocalStack:
         for f in self._log_files:
             f.close()
         self._log_files.clear()
+
+
+_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT")
+"""Credentials of whoever started the stack are never handed down to its services (nor one
+metrics port to several processes)."""
 
 
 async def _terminate(process: asyncio.subprocess.Process | None, grace_s: float) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
@@ -72,7 +73,8 @@ class NatsConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 5.0
     """Time a request waits for its reply before it is retried."""
-    connect_backoff: Backoff = field(default_factory=lambda: Backoff(first_s=0.2, max_s=5.0))
+    first_connect_timeout_s: float | None = None
+    """How long the first connection may take (NATS starting up); None: as long as it takes."""
 
     @property
     def servers(self) -> list[str]:
@@ -101,18 +103,28 @@ class Subjects:
 
 
 async def connect(config: NatsConfig, *, name: str) -> NATS:
-    """Connect, retrying the first connection with backoff; later drops reconnect forever."""
+    """Connect; until the first connection, retry (nats-py does, every half second) for up to
+    `first_connect_timeout_s`; later drops reconnect forever. Credentials the server refuses
+    fail at once: waiting will not change a wrong password."""
 
     connected: list[NATS] = []
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[Exception] = loop.create_future()
 
     def closing() -> bool:
         return bool(connected) and (connected[0].is_closed or connected[0].is_draining)
 
     async def on_error(e: Exception) -> None:
-        log.log(logging.DEBUG if closing() else logging.WARNING, "nats error (%s): %s", name, e)
+        if not connected and _refused(e):
+            if not refused.done():
+                refused.set_result(e)
+            return
+        quiet = closing() or (not connected and isinstance(e, OSError | TimeoutError))
+        log.log(logging.DEBUG if quiet else logging.WARNING, "nats error (%s): %s", name, e)
 
     async def on_disconnect() -> None:
-        log.log(logging.DEBUG if closing() else logging.WARNING, "nats disconnected (%s)", name)
+        quiet = closing() or not connected  # not yet connected: a failed first attempt
+        log.log(logging.DEBUG if quiet else logging.WARNING, "nats disconnected (%s)", name)
 
     async def on_reconnect() -> None:
         log.info("nats reconnected (%s)", name)
@@ -131,6 +143,12 @@ async def connect(config: NatsConfig, *, name: str) -> NATS:
     if config.user is not None:
         options["user"] = config.user
         options["password"] = config.password
+        from .auth import inbox_for_user
+
+        # Ebb's roles may subscribe only to their own inboxes (see auth.py).
+        inbox = inbox_for_user(config.prefix, config.user)
+        if inbox is not None:
+            options["inbox_prefix"] = inbox
     if config.token is not None:
         options["token"] = config.token
     if config.creds_file is not None:
@@ -143,22 +161,43 @@ async def connect(config: NatsConfig, *, name: str) -> NATS:
             context.load_cert_chain(config.tls_cert, config.tls_key)
         options["tls"] = context
 
-    attempt = 0
-    while True:
-        try:
-            nc = await nats.connect(**options)
-            connected.append(nc)
-            return nc
-        except (OSError, nats.errors.Error, TimeoutError) as e:
-            limit = config.connect_backoff.attempts
-            if limit and attempt + 1 >= limit:
-                raise BusError(f"cannot connect to NATS at {config.url}: {e}") from e
-            delay = config.connect_backoff.delay(attempt)
-            log.warning(
-                "cannot connect to NATS at %s (%s); retrying in %.1fs", config.url, e, delay
-            )
-            attempt += 1
-            await asyncio.sleep(delay)
+    nc = NATS()
+    connecting = asyncio.ensure_future(nc.connect(**options))
+    log.debug("connecting to NATS at %s as %s", config.url, name)
+    try:
+        waits: list[asyncio.Future[Any]] = [connecting, refused]
+        await asyncio.wait(
+            waits,
+            timeout=config.first_connect_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.wait([connecting])
+            with contextlib.suppress(Exception):
+                await nc.close()
+    if refused.done():
+        who = f"user {config.user!r}" if config.user else "these credentials"
+        raise BusError(f"NATS at {config.url} refused {who}: {refused.result()}")
+    if not connecting.done() or connecting.cancelled():
+        raise BusError(
+            f"cannot connect to NATS at {config.url} "
+            f"(no answer in {config.first_connect_timeout_s:g}s)"
+        )
+    try:
+        connecting.result()
+    except (OSError, nats.errors.Error, TimeoutError) as e:
+        raise BusError(f"cannot connect to NATS at {config.url}: {e}") from e
+    connected.append(nc)
+    return nc
+
+
+def _refused(e: BaseException) -> bool:
+    if isinstance(e, nats.errors.AuthorizationError):
+        return True
+    # At the first connect nats-py raises the server's -ERR as a plain Error.
+    return isinstance(e, nats.errors.Error) and "authorization violation" in str(e).lower()
 
 
 _RETRYABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError)

@@ -63,21 +63,25 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         port: int = 0,
         config_file: str | None = None,
-        token: str | None = None,
+        authorization: str | None = None,
         binary: str | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
         self.port = port
         self.config_file = config_file
-        self.token = token
-        """Clients must present it: keeps out strays, e.g. a process left over from an earlier
-        run that reconnects to whichever new server took its old port."""
+        self.authorization = authorization
+        """An `authorization { ... }` block (see ebb.common.auth): who may connect, and to do
+        what. Also keeps out strays, e.g. a process left over from an earlier run that
+        reconnects to whichever new server took its old port."""
         self.binary = binary or find_nats_server()
         self._proc: subprocess.Popen[str] | None = None
         self._drain: threading.Thread | None = None
         self._ready = threading.Event()
         self._output: deque[str] = deque(maxlen=200)
+        self.violations: list[str] = []
+        """Every permissions violation the server reported: a client that tried to publish or
+        subscribe beyond its role (see ebb.common.auth)."""
 
     @property
     def url(self) -> str:
@@ -112,11 +116,11 @@ class EmbeddedNats:
         if self.config_file:
             args += ["--config", self.config_file]
         env = dict(os.environ)
-        if self.token:
+        if self.authorization:
             # Through a config file, not the command line: ps shows every process's argv.
             auth = self.state_dir / "auth.conf"
-            auth.write_text(f'authorization {{ token: "{self.token}" }}\n')
-            auth.chmod(0o600)
+            auth.touch(mode=0o600)
+            auth.write_text(self.authorization)
             args += ["--config", str(auth)]
         self._ready.clear()
         self._output.clear()
@@ -155,6 +159,8 @@ class EmbeddedNats:
                     self._ready.set()
             elif "[ERR]" in line or "[WRN]" in line:
                 log.debug("nats-server: %s", line)
+                if " Violation - " in line:  # "Publish Violation", "Subscription Violation"
+                    self.violations.append(line)
         self._ready.set()  # wake a waiter if the server died before it was ready
 
     def output(self) -> list[str]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 
 from prometheus_client import start_http_server
 
@@ -17,3 +19,14 @@ def serve(port: int | None, *, addr: str = "0.0.0.0") -> int | None:  # noqa: S1
     bound = int(server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", addr, bound)
     return bound
+
+
+def add_metrics_argument(parser: Any) -> None:
+    """`--metrics-port`, defaulting to EBB_METRICS_PORT (unset: no metrics endpoint)."""
+    default = os.environ.get("EBB_METRICS_PORT")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(default) if default else None,
+        help="serve /metrics on this port (default: EBB_METRICS_PORT, else none)",
+    )

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="outside a cluster")
     p.add_argument("--worker-grace", type=float, default=30.0)
     p.add_argument("--resync", type=float, default=2.0)
-    p.add_argument("--metrics-port", type=int, default=None)
+    metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -68,7 +69,7 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
     from kubernetes_asyncio import config as kube_config
     from kubernetes_asyncio.client import ApiClient
 
-    from .kube import KubeConfig, KubernetesBackend
+    from .kube import KubeConfig, KubernetesBackend, from_cluster
 
     if args.kubeconfig:
         await kube_config.load_kube_config(config_file=args.kubeconfig)
@@ -77,8 +78,13 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
     settings = read_settings(args.config)
     nats = nats_config_from_args(args)
     settings.setdefault("nats", {"url": nats.url, "prefix": nats.prefix})
-    config = schema.load(KubeConfig, settings)
+    # In a pod, the downward API tells us where we are and who we are.
+    if os.environ.get("EBB_NAMESPACE"):
+        settings.setdefault("namespace", os.environ["EBB_NAMESPACE"])
     api = ApiClient()
+    config = await from_cluster(
+        schema.load(KubeConfig, settings), api, pod_name=os.environ.get("EBB_POD_NAME")
+    )
     elector = LeaseElector(api, namespace=config.namespace, name="ebb-controller", identity=args.id)
     return KubernetesBackend(config, api), elector, api
 
@@ -91,9 +97,18 @@ async def amain(args: argparse.Namespace) -> int:
     if args.backend == "kubernetes":
         backend, elector, api = await kubernetes_backend(args)
     else:
-        local = LocalConfig(nats=nats, log_dir=args.log_dir)
+        worker_nats = None
+        if os.environ.get("EBB_WORKER_NATS_USER"):
+            # Workers run user code: they connect as the worker role, not as us.
+            worker_nats = dataclasses.replace(
+                nats,
+                user=os.environ["EBB_WORKER_NATS_USER"],
+                password=os.environ.get("EBB_WORKER_NATS_PASSWORD"),
+                token=None,
+            )
+        local = LocalConfig(nats=nats, log_dir=args.log_dir, worker_nats=worker_nats)
         if args.max_workers:
-            local = LocalConfig(nats=nats, log_dir=args.log_dir, max_workers=args.max_workers)
+            local = dataclasses.replace(local, max_workers=args.max_workers)
         backend = LocalBackend(local)
     controller = Controller(
         ControllerConfig(

@@ -14,6 +14,7 @@ offline pool preferred; never to nodes where our pods keep failing (for a while)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import re
@@ -23,7 +24,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient, CoreV1Api
+from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from ebb.common.bus import NatsConfig
@@ -51,7 +52,9 @@ _MERGE_PATCH = {"_content_type": "application/merge-patch+json"}
 @dataclass(frozen=True, kw_only=True)
 class KubeConfig:
     namespace: str = "ebb"
-    image: str = "ebb:latest"
+    image: str = ""
+    """Workers' image; empty: the controller's own (see `from_cluster`), so that a new
+    release rolls workers forward with the controller."""
     image_pull_policy: str = "IfNotPresent"
     service_account: str | None = "ebb-worker"
     priority_class: str | None = None
@@ -78,8 +81,52 @@ class KubeConfig:
     """...for this long."""
     owner: dict[str, str] | None = None
     """An ownerReference for worker pods (apiVersion, kind, name, uid)."""
+    owner_deployment: str | None = None
+    """Or: the Deployment (the controller's own) that owns worker pods, looked up at start,
+    so that deleting Ebb deletes its workers too."""
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage"])
+    """Secrets whose keys become workers' environment, if they exist: object-store
+    credentials (AWS_ACCESS_KEY_ID...), for fsspec to read inputs and write outputs."""
+    metrics_port: int | None = 9400
+    """Workers serve /metrics here (annotated for Prometheus' pod discovery); None: not."""
+
+
+async def from_cluster(
+    config: KubeConfig, api: ApiClient, *, pod_name: str | None = None
+) -> KubeConfig:
+    """`config` completed from the cluster: the image of our own pod `pod_name` if none is
+    set; the ownerReference of `owner_deployment`. What cannot be read stays unset, with a
+    warning: workers run without either, they only outlive an uninstall or lag a release."""
+    if not config.image and pod_name:
+        try:
+            pod = await CoreV1Api(api).read_namespaced_pod(pod_name, config.namespace)
+            config = dataclasses.replace(config, image=str(pod.spec.containers[0].image))
+        except ApiException as e:
+            log.warning("cannot read our pod %s (%s %s)", pod_name, e.status, e.reason)
+    if config.owner or not config.owner_deployment:
+        return config
+    try:
+        found = await AppsV1Api(api).read_namespaced_deployment(
+            config.owner_deployment, config.namespace
+        )
+    except ApiException as e:
+        log.warning(
+            "deployment %s/%s not readable (%s %s): worker pods get no owner",
+            config.namespace,
+            config.owner_deployment,
+            e.status,
+            e.reason,
+        )
+        return config
+    owner = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": str(found.metadata.name),
+        "uid": str(found.metadata.uid),
+    }
+    return dataclasses.replace(config, owner=owner)
 
 
 def parse_time(value: str | None) -> float:
@@ -303,6 +350,8 @@ class KubernetesBackend:
             {"name": "EBB_SHUTDOWN_GRACE_S", "value": str(max(1, c.grace_s - 10))},
             *({"name": k, "value": v} for k, v in c.env.items()),
         ]
+        if c.metrics_port is not None:
+            env.append({"name": "EBB_METRICS_PORT", "value": str(c.metrics_port)})
         if c.nats_secret:
             for key, var in (
                 ("user", "EBB_NATS_USER"),
@@ -340,6 +389,11 @@ class KubernetesBackend:
         }
         if c.owner:
             metadata["ownerReferences"] = [{**c.owner, "controller": True}]
+        if c.metrics_port is not None:
+            metadata["annotations"] = {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(c.metrics_port),
+            }
         spec: Obj = {
             "restartPolicy": "Never",  # we relaunch, knowing why it ended
             "terminationGracePeriodSeconds": c.grace_s,
@@ -362,11 +416,23 @@ class KubernetesBackend:
             "containers": [
                 {
                     "name": "worker",
-                    "image": c.image,
+                    "image": c.image or "ebb:latest",
                     "imagePullPolicy": c.image_pull_policy,
                     "command": ["python", "-m", "ebb.worker"],
                     "env": env,
+                    "envFrom": [
+                        {"secretRef": {"name": name, "optional": True}}
+                        for name in c.env_from_secrets
+                    ],
                     "resources": {"requests": requests, "limits": limits},
+                    # The worker writes why it gave up there; a crash without a word leaves
+                    # the tail of its log instead. Either way the controller can say why.
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                    **(
+                        {"ports": [{"name": "metrics", "containerPort": c.metrics_port}]}
+                        if c.metrics_port is not None
+                        else {}
+                    ),
                 }
             ],
         }

@@ -44,6 +44,8 @@ class LocalConfig:
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for workers."""
+    worker_nats: NatsConfig | None = None
+    """How workers connect, with their own credentials; None: as the controller does."""
 
 
 class LocalBackend:
@@ -95,7 +97,9 @@ class LocalBackend:
         args = [self.config.python, "-m", "ebb.worker", "--job", job.id, "--id", worker_id]
         # Connection settings, secrets included, travel in the environment, not on the
         # command line (visible in ps).
-        env = {**os.environ, **self.config.env, **nats_environment(self.config.nats)}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
+        nats = self.config.worker_nats or self.config.nats
+        env = {**inherited, **self.config.env, **nats_environment(nats)}
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:
@@ -169,6 +173,11 @@ class LocalBackend:
             if child.log_file is not None:
                 child.log_file.close()
         self._children.clear()
+
+
+_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT")
+"""Ours, not the workers': they get only what `worker_nats` says (and one metrics port
+cannot serve them all)."""
 
 
 def _open_log(folder: str, worker_id: str) -> IO[bytes]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-WORKERS_DESIRED = Gauge("ebb_workers_desired", "Workers the controller wants for a job", ["job"])
-WORKERS_ACTUAL = Gauge("ebb_workers_actual", "Workers running for a job", ["job"])
+WORKERS_DESIRED = Gauge("ebb_workers_desired", "Workers the controller wants for a job", ["job_id"])
+WORKERS_ACTUAL = Gauge("ebb_workers_actual", "Workers running for a job", ["job_id"])
 WORKER_FAILURES = Counter(
-    "ebb_worker_failures_total", "Workers that ended in failure", ["job", "reason"]
+    "ebb_worker_failures_total", "Workers that ended in failure", ["job_id", "reason"]
 )
 RECONCILES = Counter("ebb_reconciles_total", "Reconcile passes", ["result"])
 KUBE_ERRORS = Counter(

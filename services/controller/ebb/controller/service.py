@@ -125,8 +125,10 @@ class Controller:
                 log.exception("reconcile pass failed")
             await asyncio.sleep(self.config.min_interval_s)
             waits = [asyncio.ensure_future(event.wait()) for event in wakers]
-            _, pending = await asyncio.wait(
-                waits, timeout=self.config.resync_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            for waiter in pending:
-                waiter.cancel()
+            try:
+                await asyncio.wait(
+                    waits, timeout=self.config.resync_s, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:  # cancelled too: no waiter outlives the loop
+                for waiter in waits:
+                    waiter.cancel()

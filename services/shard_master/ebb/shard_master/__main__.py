@@ -32,13 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--leader-ttl", type=float, default=float(env("EBB_LEADER_TTL_S", "10")))
     p.add_argument("--speculate-after", type=float, default=5.0)
-    p.add_argument("--metrics-port", type=int, default=_int_or_none(env("EBB_METRICS_PORT")))
+    metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 async def amain(args: argparse.Namespace) -> int:

@@ -11,13 +11,13 @@ OP_SECONDS = Histogram(
     ["op"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
-LEASE_EXPIRIES = Counter("ebb_lease_expiries_total", "Leases that expired unrenewed", ["job"])
-LEASE_RENEWALS = Counter("ebb_lease_renewals_total", "Leases renewed", ["job"])
-RETRIES = Counter("ebb_shard_retries_total", "Shards sent back to the queue", ["job", "reason"])
-SHARDS = Gauge("ebb_shards", "Shards per state", ["job", "state"])
-SHARDS_DONE = Counter("ebb_shards_done_total", "Shards committed", ["job"])
-ROWS_DONE = Counter("ebb_rows_done_total", "Rows committed (error rows included)", ["job"])
-ERROR_ROWS = Counter("ebb_error_rows_total", "Rows committed with an error", ["job"])
+LEASE_EXPIRIES = Counter("ebb_lease_expiries_total", "Leases that expired unrenewed", ["job_id"])
+LEASE_RENEWALS = Counter("ebb_lease_renewals_total", "Leases renewed", ["job_id"])
+RETRIES = Counter("ebb_shard_retries_total", "Shards sent back to the queue", ["job_id", "reason"])
+SHARDS = Gauge("ebb_shards", "Shards per state", ["job_id", "state"])
+SHARDS_DONE = Counter("ebb_shards_done_total", "Shards committed", ["job_id"])
+ROWS_DONE = Counter("ebb_rows_done_total", "Rows committed (error rows included)", ["job_id"])
+ERROR_ROWS = Counter("ebb_error_rows_total", "Rows committed with an error", ["job_id"])
 JOBS = Gauge("ebb_jobs", "Jobs per state, as this master knows them", ["state"])
 INVALID_MESSAGES = Counter(
     "ebb_invalid_messages_total", "Messages refused by validation", ["source"]

@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_nats_arguments(p)
     p.add_argument("--shards-in-flight", type=int, default=2)
     p.add_argument("--grace", type=float, default=float(env("EBB_SHUTDOWN_GRACE_S", "30")))
-    p.add_argument("--metrics-port", type=int, default=None)
+    metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 

@@ -28,3 +28,8 @@ STAGE_WORKERS = Gauge("ebb_stage_workers", "Processes running a stage", ["stage"
 STAGE_UTILIZATION = Gauge(
     "ebb_stage_utilization", "Busy fraction of a stage's processes (elastic stages)", ["stage"]
 )
+DEVICE_UTILIZATION = Gauge(
+    "ebb_device_utilization",
+    "Busy fraction of a device the pipeline uses (cpu: the machine's; cuda:N: NVML's)",
+    ["device"],
+)

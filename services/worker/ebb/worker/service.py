@@ -37,6 +37,7 @@ from ebb.common.spec import JobSpec, parse_job
 from ebb.common.supervisor import Supervisor
 
 from . import metrics
+from .elastic import DeviceMonitor
 from .pipeline import Pipeline, PipelineConfig, PipelineSetupError
 from .reader import read_shard
 from .writer import build_output, write_attempt
@@ -443,11 +444,16 @@ class Worker:
             active.task.cancel()
 
     async def gauges(self) -> None:
-        """Publish the pipeline's queue depths (sampled)."""
+        """Publish the pipeline's queue depths and its devices' utilisation (sampled)."""
         assert self.spec is not None and self.pipeline is not None
-        names = [s.name for s in self.spec.pipeline.stages]
+        stages = self.spec.pipeline.stages
+        names = [s.name for s in stages]
+        devices = sorted({"cpu", *(s.device for s in stages)})
+        monitor = await asyncio.to_thread(DeviceMonitor)  # NVML's start-up can take a while
         while True:
             for name, depth in zip(names, self.pipeline.depths(), strict=False):
                 metrics.QUEUE_DEPTH.labels(name).set(depth)
             metrics.LEASES_HELD.set(len(self.leases))
+            for device in devices:
+                metrics.DEVICE_UTILIZATION.labels(device).set(monitor.busy(device))
             await asyncio.sleep(1.0)

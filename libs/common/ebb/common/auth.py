@@ -1,0 +1,151 @@
+"""Who may do what on NATS: one user per role, each allowed only the subjects it needs.
+
+- master: owns the JetStream state (the jobs stream, the job, shard and leader buckets) and
+  answers requests on `<prefix>.master.>`; publishes job events.
+- controller: reads job status, fails jobs its workers cannot run; hears job events.
+- worker: the lease protocol only (lease, renew, commit, release, status). Workers run user
+  code, so they get the least: no job submission, no JetStream API, no KV.
+- client: submits jobs, reads their status, cancels them; hears job events.
+
+Each role also gets its own inbox prefix, so that one role cannot read the replies meant for
+another (a worker cannot see the master's KV reads, nor a client's job listings); a
+connection as `<prefix>-<role>` uses its role's prefix without being told.
+
+The same rules render to the `authorization` block of a nats-server configuration, for the
+embedded server and for the one `k8s/` deploys (`python -m ebb.common.auth`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from .bus import Subjects
+
+Role = Literal["master", "controller", "worker", "client"]
+ROLES: tuple[Role, ...] = get_args(Role)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+    """May reply to the requests it receives (the master serves requests)."""
+
+
+def user_name(prefix: str, role: Role) -> str:
+    return f"{prefix}-{role}"
+
+
+def inbox_prefix(prefix: str, role: Role) -> str:
+    return f"_INBOX.{prefix}.{role}"
+
+
+def inbox_for_user(prefix: str, user: str) -> str | None:
+    """The inbox prefix a connection as `user` must use: its role's, if it is one of Ebb's
+    users; None (the NATS default) for anyone else's."""
+    for role in ROLES:
+        if user == user_name(prefix, role):
+            return inbox_prefix(prefix, role)
+    return None
+
+
+def _jetstream_api(stream: str) -> list[str]:
+    """The JetStream API subjects that act on one stream (and its consumers) and on no other."""
+    return [
+        f"$JS.API.STREAM.*.{stream}",  # INFO, CREATE, UPDATE, PURGE
+        f"$JS.API.STREAM.MSG.*.{stream}",  # GET, DELETE
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.CONSUMER.*.{stream}",  # CREATE (ephemeral, ordered)
+        f"$JS.API.CONSUMER.*.{stream}.>",  # CREATE <name>, INFO, DELETE
+        f"$JS.API.CONSUMER.*.*.{stream}.>",  # DURABLE.CREATE, MSG.NEXT
+        f"$JS.ACK.{stream}.>",
+    ]
+
+
+def permissions(prefix: str, role: Role) -> Permissions:
+    s = Subjects(prefix)
+    inbox = f"{inbox_prefix(prefix, role)}.>"
+    if role == "master":
+        streams = [s.jobs_stream] + [f"KV_{b}" for b in (s.jobs_bucket, s.shards_bucket)]
+        streams.append(f"KV_{s.leader_bucket}")
+        publish = ["$JS.API.INFO", f"{prefix}.jobs.*.events"]
+        for stream in streams:
+            publish += _jetstream_api(stream)
+        publish += [f"$KV.{b}.>" for b in (s.jobs_bucket, s.shards_bucket, s.leader_bucket)]
+        return Permissions(
+            publish=tuple(publish),
+            subscribe=(f"{prefix}.master.>", inbox),
+            allow_responses=True,
+        )
+    if role == "controller":
+        return Permissions(
+            publish=(s.master("status"), s.master("fail")),
+            subscribe=(s.all_events, inbox),
+        )
+    if role == "worker":
+        ops = ("lease", "renew", "commit", "release", "status")
+        return Permissions(publish=tuple(s.master(op) for op in ops), subscribe=(inbox,))
+    return Permissions(
+        publish=(s.submit, s.master("status"), s.master("cancel")),
+        subscribe=(s.all_events, inbox),
+    )
+
+
+def new_passwords() -> dict[Role, str]:
+    return {role: secrets.token_urlsafe(24) for role in ROLES}
+
+
+def authorization_config(prefix: str, passwords: Mapping[Role, str]) -> str:
+    """The nats-server `authorization` block for every role.
+
+    A password that starts with `$` is written bare: nats-server reads it from that
+    environment variable (how `k8s/` passes in the Secret's passwords).
+    """
+    users = []
+    for role in ROLES:
+        p = permissions(prefix, role)
+        password = passwords[role]
+        password_value = password if password.startswith("$") else json.dumps(password)
+        lines = [
+            f"user: {json.dumps(user_name(prefix, role))}",
+            f"password: {password_value}",
+            "permissions: {",
+            *_allow("publish", p.publish),
+            *_allow("subscribe", p.subscribe),
+        ]
+        if p.allow_responses:
+            lines.append("  allow_responses: true")
+        lines.append("}")
+        body = "\n".join(f"      {line}" for line in lines)
+        users.append(f"    {{\n{body}\n    }}")
+    return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
+
+
+def _allow(what: str, subjects: tuple[str, ...]) -> list[str]:
+    if len(subjects) <= 2:
+        return [f"  {what}: {{ allow: {json.dumps(list(subjects))} }}"]
+    items = ",\n".join(f"      {json.dumps(subject)}" for subject in subjects)
+    return [f"  {what}: {{", "    allow: [", *items.split("\n"), "    ]", "  }"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m ebb.common.auth",
+        description="Print the nats-server authorization block for Ebb's roles; passwords are "
+        "read from environment variables EBB_<ROLE>_PASSWORD.",
+    )
+    p.add_argument("--prefix", default="ebb")
+    args = p.parse_args(argv)
+    env_refs: dict[Role, str] = {role: f"$EBB_{role.upper()}_PASSWORD" for role in ROLES}
+    print(authorization_config(args.prefix, env_refs), end="")
+
+
+if __name__ == "__main__":
+    main()

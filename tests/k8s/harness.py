@@ -1,0 +1,106 @@
+"""A Kubernetes backend wired to the fake API server and a real shard master, for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from kubernetes_asyncio.client import ApiClient
+
+from ebb.client.sdk import EbbClient
+from ebb.common.api import MasterClient
+from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.spec import parse_job
+from ebb.controller.kube import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
+from ebb.controller.reconcile import Reconciler, ReconcilerConfig
+from ebb.controller.tidal import LABEL as TIDAL
+from tests.helpers import job_spec, wait_until, write_dataset, write_model
+from tests.k8s.fake_apiserver import FakeKubeAPI
+
+NS = "ebb"
+"""The namespace k8s/ deploys into: the RBAC checks read its bindings."""
+
+
+async def submit(
+    ebb: EbbClient, folder: Path, *, workers: int, cpu: float = 2.0, memory_gb: float = 1.0
+) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_dataset(folder / "data", rows=40 * 100, row_group_size=100)
+    write_model(folder / "model.onnx")
+    spec = job_spec(folder, rows_per_shard=100, workers=(1, workers))
+    spec["resources"].update(cpu=cpu, memory_gb=memory_gb)
+    return await ebb.submit(parse_job(spec))
+
+
+class Harness:
+    """A backend with its informers running, and a reconciler to drive by hand."""
+
+    def __init__(self, kube: FakeKubeAPI, nats: NatsConfig, ebb: EbbClient, **config: Any) -> None:
+        if kube.get("namespaces", NS) is None:
+            kube.add_namespace(NS)
+        self.kube = kube
+        self.client: ApiClient = kube.api_client()
+        self.backend = KubernetesBackend(
+            KubeConfig(namespace=NS, nats=nats, priority_class="ebb-batch", **config), self.client
+        )
+        self.reconciler = Reconciler(
+            master=MasterClient(ebb.nc, nats, backoff=Backoff(attempts=1)),
+            backend=self.backend,
+            config=ReconcilerConfig(
+                relaunch_backoff=Backoff(first_s=0.01, max_s=0.02), max_crashes=3
+            ),
+        )
+        self.tasks = [asyncio.create_task(a) for a in self.backend.agents().values()]
+        self.errors: list[Exception] = []
+        """Reconcile passes that failed (API errors in tests that inject them)."""
+
+    async def converge(self, condition: Any, *, what: str, timeout: float = 30.0) -> Any:
+        """Reconcile until `condition()` holds (API errors included: the next pass retries)."""
+
+        async def step() -> Any:
+            try:
+                await self.reconciler.reconcile_once()
+            except Exception as e:
+                self.errors.append(e)
+            return condition()
+
+        return await wait_until(step, timeout=timeout, interval=0.05, what=what)
+
+    def pods(self, job: str | None = None, *, alive: bool = True) -> list[dict[str, Any]]:
+        selector = f"{APP_LABEL}=ebb-worker" + (f",{JOB_LABEL}={job}" if job else "")
+        pods = self.kube.list_pods(NS, label_selector=selector)
+        if alive:
+            pods = [
+                p
+                for p in pods
+                if p["status"].get("phase") in ("Pending", "Running")
+                and not p["metadata"].get("deletionTimestamp")
+            ]
+        return pods
+
+    async def close(self) -> None:
+        for e in self.errors[:3]:
+            logging.getLogger(__name__).info("a reconcile pass failed: %r", e)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.close()
+
+
+def tidal_state(kube: FakeKubeAPI, node: str) -> str | None:
+    found = kube.get_node(node)
+    assert found is not None
+    labels: dict[str, str] = found["metadata"].get("labels") or {}
+    return labels.get(TIDAL)
+
+
+def offline(
+    kube: FakeKubeAPI, name: str, cpu: str = "8", labels: dict[str, str] | None = None
+) -> None:
+    kube.add_node(
+        name,
+        labels={"ebb.io/pool": "offline", **(labels or {})},
+        allocatable={"cpu": cpu, "memory": "32Gi", "nvidia.com/gpu": "0", "pods": "110"},
+    )

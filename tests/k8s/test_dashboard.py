@@ -1,0 +1,241 @@
+"""The Grafana dashboard in k8s/, every query of it run by a real Prometheus that scrapes a
+real shard master, a controller on the Kubernetes backend (fake API server) and a real worker
+in the middle of a job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import start_http_server
+
+from ebb.client.sdk import EbbClient
+from ebb.common.bus import NatsConfig, nats_environment
+from ebb.common.spec import parse_job
+from ebb.controller.kube import KubeConfig, KubernetesBackend
+from ebb.controller.service import Controller, ControllerConfig
+from ebb.controller.tidal import TidalConfig
+from tests.helpers import job_spec, wait_until, write_dataset, write_model
+from tests.k8s.fake_apiserver import FakeKubeAPI
+from tests.k8s.harness import NS, offline
+from tests.k8s.manifests import K8S
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = [
+    pytest.mark.skipif(PROMETHEUS is None, reason="needs prometheus (`make test` installs it)"),
+    pytest.mark.timeout(180),
+]
+
+DASHBOARD = K8S / "grafana" / "ebb-dashboard.json"
+
+MAY_BE_EMPTY = {
+    # Series that only exist once something goes wrong (or a GPU is there).
+    "Shards sent back to the queue",
+    "Refused messages",
+    "Worker failures, by kind",
+    "Stage processes replaced",
+    "Kubernetes API errors",
+    "Idle GPUs, by pool",
+    "Lease renewals and expiries per second",  # no renewal is due in a short run
+}
+
+
+def panels() -> list[dict[str, Any]]:
+    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+def as_prometheus(expr: str) -> str:
+    """A panel's query as Grafana sends it: its variables filled in."""
+    return expr.replace("$__rate_interval", "20s").replace("$job_id", ".*")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as e:  # a refused query: Prometheus says why, in JSON
+        with e:
+            return json.load(e)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
+    """A Prometheus scraping this process (master, controller) and one worker, every second."""
+    ours, _ = start_http_server(0, addr="127.0.0.1")
+    worker_port = _free_port()
+    targets = [f"127.0.0.1:{ours.server_address[1]}", f"127.0.0.1:{worker_port}"]
+    web = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: ebb\n    static_configs: [{{targets: {json.dumps(targets)}}}]\n"
+    )
+    assert PROMETHEUS is not None
+    log = (tmp_path / "prometheus.log").open("w")
+    process = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    try:
+        yield f"http://127.0.0.1:{web}", [str(worker_port)]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+        ours.shutdown()
+        ours.server_close()
+
+
+@pytest.fixture
+async def worker_process(
+    nats_config: NatsConfig, prometheus: tuple[str, list[str]]
+) -> AsyncIterator[Any]:
+    """Starts `python -m ebb.worker` for a job, serving metrics where Prometheus looks."""
+    started: list[asyncio.subprocess.Process] = []
+    (port,) = prometheus[1]
+
+    async def start(job: str) -> asyncio.subprocess.Process:
+        env = {
+            **os.environ,
+            **nats_environment(nats_config),
+            "EBB_METRICS_PORT": port,
+            "EBB_LOG_LEVEL": "WARNING",
+        }
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ebb.worker", "--job", job, "--id", "dash-w", env=env
+        )
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        await process.wait()
+
+
+async def test_every_panel_queries_metrics_ebb_exports(
+    kube: FakeKubeAPI,
+    ebb: EbbClient,
+    nats_config: NatsConfig,
+    tmp_path: Path,
+    prometheus: tuple[str, list[str]],
+    worker_process: Any,
+) -> None:
+    url, _ = prometheus
+    # A cluster with an offline node and a quiet mixed pool: the tide lends, capacity shows.
+    kube.add_namespace(NS)
+    offline(kube, "off-0", cpu="4")
+    for n in range(2):
+        kube.add_node(
+            f"mix-{n}",
+            labels={"ebb.io/pool": "mixed"},
+            allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
+        )
+    # A job slow enough to be running while Prometheus looks; its model stage elastic.
+    write_dataset(tmp_path / "data", rows=20_000, row_group_size=500)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {
+            "name": "slow",
+            "modelet": "ebbtest_modelets:Slow",
+            "params": {"seconds_per_batch": 0.05},
+            "batch_size": 50,
+        },
+        {
+            "name": "model",
+            "model": str(tmp_path / "model.onnx"),
+            "batch_size": 100,
+            "min_workers": 1,
+            "max_workers": 2,
+        },
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 100},
+    ]
+    job = await ebb.submit(parse_job(job_spec(tmp_path, rows_per_shard=500, stages=stages)))
+    client = kube.api_client()
+    backend = KubernetesBackend(
+        KubeConfig(namespace=NS, nats=nats_config, tidal=TidalConfig(sample_s=0.2)), client
+    )
+    controller = Controller(ControllerConfig(nats=nats_config, resync_s=0.2), backend)
+    running = asyncio.create_task(controller.run())
+    worker = await worker_process(job)
+    try:
+        queries = {
+            (p["title"], t["refId"]): as_prometheus(t["expr"])
+            for p in panels()
+            for t in p["targets"]
+        }
+
+        async def answers() -> dict[tuple[str, str], Any]:
+            out = {}
+            for key, expr in queries.items():
+                query = urllib.parse.urlencode({"query": expr})
+                out[key] = await asyncio.to_thread(_get, f"{url}/api/v1/query?{query}")
+            return out
+
+        last: dict[tuple[str, str], Any] = {}
+
+        async def probe() -> dict[tuple[str, str], Any] | None:
+            try:
+                found = await answers()
+            except OSError:  # Prometheus still starting
+                return None
+            last.update(found)
+            refused = {k: a.get("error") for k, a in found.items() if a["status"] != "success"}
+            assert not refused, f"queries Prometheus refused: {refused}"
+            empty = [k for k, a in found.items() if not a["data"]["result"]]
+            return None if any(title not in MAY_BE_EMPTY for title, _ in empty) else found
+
+        try:
+            found = await wait_until(probe, timeout=90, interval=1.0, what="data in every panel")
+        except AssertionError as e:
+            empty = sorted(
+                title
+                for (title, _), a in last.items()
+                if a.get("data", {}).get("result") == [] and title not in MAY_BE_EMPTY
+            )
+            raise AssertionError(f"{e}; panels without data: {empty}") from None
+        # Every query is valid PromQL that Prometheus evaluated...
+        assert all(a["status"] == "success" for a in found.values())
+        # ...and every metric it names is one Ebb exports (the empty ones included).
+        metadata = await asyncio.to_thread(_get, f"{url}/api/v1/metadata")
+        exported = set(metadata["data"])
+        named = {
+            re.sub(r"_(total|bucket|sum|count)$", "", m)
+            for expr in queries.values()
+            for m in re.findall(r"\bebb_[a-z_]+", expr)
+        }
+        assert named <= exported, named - exported
+        assert worker.returncode is None  # it was the live worker that Prometheus scraped
+    finally:
+        controller.request_stop()
+        await running
+        await client.close()
