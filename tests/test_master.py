@@ -493,3 +493,17 @@ async def test_two_jobs_cannot_share_an_output_folder(
     second = replace(first, id="second-job")
     with pytest.raises(SubmitError, match=f"holds the output of job {first.id}"):
         await client.submit(second)
+
+
+async def test_submit_returns_once_the_job_is_planned_even_when_planning_is_slow(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    # Thousands of shards take the master longer to plan and persist than the client waits
+    # for the acceptance event before it asks for the status instead.
+    spec = make_job(tmp_path, rows=20_000, rows_per_shard=2)
+    # The second submission is a duplicate that arrives while the first is being planned.
+    first, second = await asyncio.gather(client.submit(spec), client.submit(spec))
+    assert first == second == spec.id
+    status = await api.job(spec.id)
+    assert status.state == "RUNNING"
+    assert status.shards["TODO"] == 10_000

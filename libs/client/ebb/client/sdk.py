@@ -78,8 +78,8 @@ class EbbClient:
             if ack.duplicate:
                 # Submitted before: no new event is coming, but the status answers at once.
                 with contextlib.suppress(RemoteError):
-                    await self.master.job(spec.id)
-                    return spec.id
+                    if (await self.master.job(spec.id)).state != "SUBMITTED":
+                        return spec.id
             return await self._await_acceptance(spec.id, events, accept_timeout_s)
         finally:
             with contextlib.suppress(nats.errors.Error):
@@ -98,10 +98,11 @@ class EbbClient:
                     return job_id
             except (nats.errors.TimeoutError, SchemaError):
                 pass
-            # Events are hints: the status is the truth (and covers a resubmitted job).
+            # Events are hints: the status is the truth (and covers a resubmitted job). A job
+            # still SUBMITTED is being planned: not accepted yet.
             try:
-                await self.master.job(job_id)
-                return job_id
+                if (await self.master.job(job_id)).state != "SUBMITTED":
+                    return job_id
             except RemoteError as e:
                 if e.code == "rejected":
                     raise SubmitError(f"job {job_id} rejected: {e.message}") from None
