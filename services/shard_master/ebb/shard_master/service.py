@@ -119,8 +119,10 @@ class ShardMaster:
         epoch = acquire.result()
 
         store = Store(
+            js,
             jobs=await js.key_value(self.subjects.jobs_bucket),
             shards=await js.key_value(self.subjects.shards_bucket),
+            buckets=(self.subjects.jobs_bucket, self.subjects.shards_bucket),
         )
         self.table = table = LeaseTable(
             store=store,

@@ -7,11 +7,15 @@ we raise `Deposed` rather than overwrite it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 import nats.js.errors
-from nats.js.kv import KeyValue
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from ebb.common import schema
 from ebb.common.messages import JobState, ShardSpec, ShardState
@@ -72,9 +76,13 @@ def shard_key(job: str, index: int) -> str:
 
 
 class Store:
-    def __init__(self, *, jobs: KeyValue, shards: KeyValue) -> None:
+    def __init__(
+        self, js: JetStreamContext, *, jobs: KeyValue, shards: KeyValue, buckets: tuple[str, str]
+    ) -> None:
+        self._js = js
         self._jobs = jobs
         self._shards = shards
+        self._jobs_bucket, self._shards_bucket = buckets
 
     async def create_job(self, record: JobRecord) -> int | None:
         """Create the job's record; None if it exists already."""
@@ -114,26 +122,49 @@ class Store:
             raise Deposed(f"shard {key} was written by someone else") from e
 
     async def load_jobs(self) -> list[tuple[JobRecord, int]]:
-        return [(schema.decode(JobRecord, v), rev) for v, rev in await _snapshot(self._jobs, ">")]
+        entries = await _snapshot(self._js, self._jobs_bucket, ">")
+        return [(schema.decode(JobRecord, v), rev) for v, rev in entries]
 
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
-        entries = await _snapshot(self._shards, f"{job}.*")
+        entries = await _snapshot(self._js, self._shards_bucket, f"{job}.*")
         return [(schema.decode(ShardRecord, v), rev) for v, rev in entries]
 
 
 async def _snapshot(
-    kv: KeyValue, pattern: str, *, timeout_s: float = 30.0
+    js: JetStreamContext, bucket: str, pattern: str, *, timeout_s: float = 30.0
 ) -> list[tuple[bytes, int]]:
-    """Current value of every key matching `pattern`, read as one ordered stream (fast)."""
-    watcher = await kv.watch(pattern, ignore_deletes=True)
+    """(value, revision) of every live key of `bucket` matching `pattern`.
+
+    Read through an ephemeral pull consumer that delivers the last message of each key. A pull
+    consumer sends nothing until asked, so the count of messages it reports when created is
+    exact, and we read exactly that many. (nats-py's KV watcher instead decides that the
+    initial values are over from counters that race with messages already in flight, and can
+    end a snapshot early: nats-io/nats.py#842. A job would then lose shards.)
+    """
+    stream = f"KV_{bucket}"
+    info = await js.add_consumer(
+        stream,
+        ConsumerConfig(
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=AckPolicy.NONE,
+            filter_subject=f"$KV.{bucket}.{pattern}",
+            inactive_threshold=timeout_s,  # the server removes it if we vanish mid-read
+            mem_storage=True,
+            num_replicas=1,
+        ),
+    )
+    subscription = await js.pull_subscribe_bind(consumer=info.name, stream=stream)
     out: list[tuple[bytes, int]] = []
+    remaining = info.num_pending or 0
     try:
-        while True:
-            entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
-            if entry is None:  # end of the initial values
-                break
-            if entry.value is not None and entry.revision is not None:
-                out.append((entry.value, entry.revision))
+        while remaining > 0:
+            for msg in await subscription.fetch(min(remaining, 1_000), timeout=timeout_s):
+                remaining -= 1
+                if msg.headers and msg.headers.get(KV_OP) in (KV_DEL, KV_PURGE):
+                    continue  # a deleted key
+                out.append((msg.data, msg.metadata.sequence.stream))
     finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
+        await subscription.unsubscribe()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_consumer(stream, info.name)
     return out
