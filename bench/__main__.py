@@ -1,6 +1,6 @@
 """`python -m bench` (`make bench`): every benchmark, side by side, into docs/benchmarks.md.
 
-python -m bench            the full run (about 15 minutes on 2 cores)
+python -m bench            the full run (about 12 minutes on 2 cores)
 python -m bench --quick    small sizes, one repeat each (about 3 minutes)
 python -m bench --only single,stragglers
 """
@@ -14,10 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import fanout, master_scale, report, single_model, startup, stragglers, tidal_sim
+from . import fanout, master_scale, mlp, report, single_model, startup, stragglers, tidal_sim
 from .common import REPO, Context, Section, gpu
 
-ORDER = ["single", "fanout", "stragglers", "scale", "startup", "tidal"]
+ORDER = ["single", "fanout", "stragglers", "scale", "startup", "tidal", "mlp"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                 section = master_scale.run(ctx, rows_per_s_per_worker=rows_per_s)
             elif name == "startup":
                 section = startup.run(ctx)
-            else:
+            elif name == "tidal":
                 section = tidal_sim.run(ctx)
+            else:
+                section = mlp.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
             for t in section.tables:
                 print(t, flush=True)

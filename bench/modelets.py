@@ -114,3 +114,15 @@ class Work:
     def process_batch(self, rows: list[Any]) -> list[Any]:
         time.sleep(self.seconds * len(rows))
         return [r["id"] for r in rows]
+
+
+class Standardize:
+    """Row -> its `features` vector, standardised: the MLP benchmark's preprocessing."""
+
+    def __init__(self, mean: float, std: float) -> None:
+        self.mean = np.float32(mean)
+        self.std = np.float32(std)
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        x = np.asarray([r["features"] for r in rows], dtype=np.float32)
+        return list((x - self.mean) / self.std)
