@@ -6,9 +6,10 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,17 @@ async def run_job(client: EbbClient, spec: JobSpec) -> tuple[JobStatus, float]:
     return final, time.perf_counter() - started
 
 
+async def job_rate(ctx: Context, name: str, spec: JobSpec, out: Path, *, max_workers: int) -> Rate:
+    """Run `spec` on a fresh embedded stack; its rates. The output is removed afterwards."""
+    async with ebb_stack(ctx, name, max_workers=max_workers) as (_, client):
+        final, seconds = await run_job(client, spec)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"benchmark job failed: {final.reason}")
+    rate = Rate(final.rows_done / seconds, steady_rate(out))
+    shutil.rmtree(out, ignore_errors=True)
+    return rate
+
+
 def steady_rate(out: Path) -> float:
     """Rows/s between the first and the last shard commit of a job (start-up excluded): the
     rows of every shard but the first, over the time from the first commit to the last."""
@@ -174,3 +186,22 @@ class Rate:
 
     whole: float
     steady: float
+
+
+def interleaved_rates(
+    variants: Mapping[str, Callable[[], Rate]], ctx: Context, unit: str = "rows/s"
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each variant's Rate `ctx.repeats` times, interleaved like `interleaved`:
+    (whole-job rates, steady-state rates) by variant."""
+    whole: dict[str, list[float]] = {name: [] for name in variants}
+    steady: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(ctx.repeats):
+        for name, measure in variants.items():
+            rate = measure()
+            whole[name].append(rate.whole)
+            steady[name].append(rate.steady)
+            ctx.log(
+                f"  {name} run {r + 1}/{ctx.repeats}: {rate.whole:,.0f} {unit} whole job, "
+                f"{rate.steady:,.0f} steady"
+            )
+    return whole, steady

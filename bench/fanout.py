@@ -16,8 +16,8 @@ Both run as Ebb jobs over the same data, on one worker; only the pipeline differ
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,10 @@ from .common import (
     Context,
     Rate,
     Section,
-    ebb_stack,
+    interleaved_rates,
+    job_rate,
     median,
-    run_job,
     spread,
-    steady_rate,
     table,
 )
 
@@ -125,13 +124,7 @@ async def _once(
             "output": {"uri": str(out), "carryover": ["id"]},
         }
     )
-    async with ebb_stack(ctx, "fanout", max_workers=1) as (_, client):
-        final, seconds = await run_job(client, spec)
-    if final.state != "SUCCEEDED":
-        raise RuntimeError(f"benchmark job failed: {final.reason}")
-    rate = Rate(final.rows_done / seconds, steady_rate(out))
-    shutil.rmtree(out, ignore_errors=True)
-    return rate
+    return await job_rate(ctx, "fanout", spec, out, max_workers=1)
 
 
 def run(ctx: Context) -> Section:
@@ -145,17 +138,12 @@ def run(ctx: Context) -> Section:
     if ctx.device == "cuda":
         kinds["one stage, GPU"] = pipeline("one stage", detector, classifier, cut, "cuda")
         kinds["multi-stage, GPU"] = pipeline("multi-stage", detector, classifier, cut, "cuda")
-    whole: dict[str, list[float]] = {k: [] for k in kinds}
-    steady: dict[str, list[float]] = {k: [] for k in kinds}
-    for r in range(ctx.repeats):
-        for kind, stages in kinds.items():
-            rate = asyncio.run(_once(ctx, data, kind, stages, rows_per_shard))
-            whole[kind].append(rate.whole)
-            steady[kind].append(rate.steady)
-            ctx.log(
-                f"  {kind} run {r + 1}/{ctx.repeats}: {rate.whole:,.0f} images/s whole job, "
-                f"{rate.steady:,.0f} steady"
-            )
+
+    def measure(kind: str, stages: dict[str, Any]) -> Callable[[], Rate]:
+        return lambda: asyncio.run(_once(ctx, data, kind, stages, rows_per_shard))
+
+    variants = {kind: measure(kind, stages) for kind, stages in kinds.items()}
+    whole, steady = interleaved_rates(variants, ctx, unit="images/s")
     base = median(steady["one stage"])
     speedup = median(steady["multi-stage"]) / base
     section = Section(

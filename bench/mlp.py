@@ -38,11 +38,10 @@ from .common import (
     Context,
     Rate,
     Section,
-    ebb_stack,
+    interleaved_rates,
+    job_rate,
     median,
-    run_job,
     spread,
-    steady_rate,
     table,
 )
 
@@ -144,13 +143,7 @@ def job(data: Path, model: Path, out: Path, *, rows_per_shard: int) -> dict[str,
 async def _ebb_once(ctx: Context, data: Path, model: Path, rows_per_shard: int) -> Rate:
     out = ctx.dir("mlp-out") / f"ebb-{time.monotonic_ns()}"
     spec = parse_job(job(data, model, out, rows_per_shard=rows_per_shard))
-    async with ebb_stack(ctx, "mlp", max_workers=WORKERS) as (_, client):
-        final, seconds = await run_job(client, spec)
-    if final.state != "SUCCEEDED":
-        raise RuntimeError(f"benchmark job failed: {final.reason}")
-    rate = Rate(final.rows_done / seconds, steady_rate(out))
-    shutil.rmtree(out, ignore_errors=True)
-    return rate
+    return await job_rate(ctx, "mlp", spec, out, max_workers=WORKERS)
 
 
 def _ebb(ctx: Context, data: Path, model: Path, rows_per_shard: int) -> Rate:
@@ -172,17 +165,7 @@ def run(ctx: Context) -> Section:
         "plain loop": functools.partial(_plain, data, model, ctx.dir("mlp-out") / "plain"),
         f"Ebb, {WORKERS} workers": functools.partial(_ebb, ctx, data, model, rows_per_shard),
     }
-    whole: dict[str, list[float]] = {name: [] for name in variants}
-    steady: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(ctx.repeats):
-        for name, measure in variants.items():
-            rate = measure()
-            whole[name].append(rate.whole)
-            steady[name].append(rate.steady)
-            ctx.log(
-                f"  {name} run {r + 1}/{ctx.repeats}: {rate.whole:,.0f} rows/s whole job, "
-                f"{rate.steady:,.0f} steady"
-            )
+    whole, steady = interleaved_rates(variants, ctx)
     base_whole = median(whole["plain loop"])
     base_steady = median(steady["plain loop"])
     rows_out = [

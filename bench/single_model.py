@@ -48,11 +48,10 @@ from .common import (
     Context,
     Rate,
     Section,
-    ebb_stack,
+    interleaved_rates,
+    job_rate,
     median,
-    run_job,
     spread,
-    steady_rate,
     table,
 )
 
@@ -176,13 +175,7 @@ async def _ebb_once(
 ) -> Rate:
     out = ctx.dir("single-out") / f"ebb-{time.monotonic_ns()}"
     spec = parse_job(job(data, model, out, variant=variant, rows_per_shard=rows_per_shard))
-    async with ebb_stack(ctx, "single", max_workers=1) as (_, client):
-        final, seconds = await run_job(client, spec)
-    if final.state != "SUCCEEDED":
-        raise RuntimeError(f"benchmark job failed: {final.reason}")
-    rate = Rate(final.rows_done / seconds, steady_rate(out))
-    shutil.rmtree(out, ignore_errors=True)
-    return rate
+    return await job_rate(ctx, "single", spec, out, max_workers=1)
 
 
 def _measure_ebb(ctx: Context, data: Path, model: Path, variant: str, rows_per_shard: int) -> Rate:
@@ -223,17 +216,7 @@ def run(ctx: Context) -> Section:
         )
         for name in GPU_VARIANTS:
             variants[name] = functools.partial(_measure_ebb, ctx, data, model, name, rows_per_shard)
-    whole: dict[str, list[float]] = {name: [] for name in variants}
-    steady: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(ctx.repeats):
-        for name, measure in variants.items():
-            rate = measure()
-            whole[name].append(rate.whole)
-            steady[name].append(rate.steady)
-            ctx.log(
-                f"  {name} run {r + 1}/{ctx.repeats}: {rate.whole:,.0f} rows/s whole job, "
-                f"{rate.steady:,.0f} steady"
-            )
+    whole, steady = interleaved_rates(variants, ctx)
     base = median(steady["sequential"])
     base1 = median(steady["sequential, 1 thread"])
     rows_out = [
