@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -72,6 +72,14 @@ def status_body(e: ApiException) -> Any:
     return body
 
 
+async def refused(call: Awaitable[Any], status: int) -> pytest.ExceptionInfo[ApiException]:
+    """`call` fails with an API error of HTTP `status`."""
+    with pytest.raises(ApiException) as exc:
+        await call
+    assert exc.value.status == status
+    return exc
+
+
 async def next_event(stream: Any, timeout: float = 5.0) -> Any:
     async with asyncio.timeout(timeout):
         return await stream.__anext__()
@@ -132,25 +140,19 @@ async def test_create_with_generate_name_fills_server_fields(
 async def test_create_conflicts_and_validation(kube: FakeKubeAPI, client: ApiClient) -> None:
     core = k8s.CoreV1Api(client)
     await core.create_namespaced_pod(NS, pod_body("w-0"))
-    with pytest.raises(ApiException) as exc:
-        await core.create_namespaced_pod(NS, pod_body("w-0"))
-    assert exc.value.status == 409
+    exc = await refused(core.create_namespaced_pod(NS, pod_body("w-0")), 409)
     body = status_body(exc.value)
     assert body["reason"] == "AlreadyExists"
     assert body["message"] == 'pods "w-0" already exists'
     assert body["details"] == {"name": "w-0", "kind": "pods"}
 
-    with pytest.raises(ApiException) as exc:
-        await core.create_namespaced_pod(NS, pod_body("Not_A_Name"))
-    assert exc.value.status == 422
+    exc = await refused(core.create_namespaced_pod(NS, pod_body("Not_A_Name")), 422)
     body = status_body(exc.value)
     assert body["reason"] == "Invalid"
     assert body["details"]["causes"][0]["field"] == "metadata.name"
 
     no_image: Any = {"metadata": {"name": "w-1"}, "spec": {"containers": [{"name": "c"}]}}
-    with pytest.raises(ApiException) as exc:
-        await core.create_namespaced_pod(NS, no_image)
-    assert exc.value.status == 422
+    exc = await refused(core.create_namespaced_pod(NS, no_image), 422)
     assert status_body(exc.value)["details"]["causes"] == [
         {
             "reason": "FieldValueRequired",
@@ -159,17 +161,13 @@ async def test_create_conflicts_and_validation(kube: FakeKubeAPI, client: ApiCli
         }
     ]
 
-    with pytest.raises(ApiException) as exc:
-        await core.create_namespaced_pod("no-such-namespace", pod_body("w-2"))
-    assert exc.value.status == 404
+    exc = await refused(core.create_namespaced_pod("no-such-namespace", pod_body("w-2")), 404)
     assert status_body(exc.value)["message"] == 'namespaces "no-such-namespace" not found'
 
 
 @quiet
 async def test_get_missing_object_is_404_with_status(kube: FakeKubeAPI, client: ApiClient) -> None:
-    with pytest.raises(ApiException) as exc:
-        await k8s.CoreV1Api(client).read_namespaced_pod("nope", NS)
-    assert exc.value.status == 404
+    exc = await refused(k8s.CoreV1Api(client).read_namespaced_pod("nope", NS), 404)
     assert status_body(exc.value) == {
         "kind": "Status",
         "apiVersion": "v1",
@@ -211,9 +209,7 @@ async def test_list_with_label_selectors(kube: FakeKubeAPI, client: ApiClient) -
     assert await names("!tier") == ["a2", "n1"]
     assert await names("app=a,!tier") == ["a2"]
     assert await names("app in (a),tier in (gpu,cpu)") == ["a1"]
-    with pytest.raises(ApiException) as exc:
-        await names("app in ()")
-    assert exc.value.status == 400
+    await refused(names("app in ()"), 400)
 
 
 async def test_list_with_field_selectors(kube: FakeKubeAPI, client: ApiClient) -> None:
@@ -245,9 +241,7 @@ async def test_list_with_field_selectors(kube: FakeKubeAPI, client: ApiClient) -
     assert await names("metadata.name=waits") == ["waits"]
     assert await names("metadata.namespace=other", None) == ["elsewhere"]
     assert await names("metadata.namespace=default,status.phase=Pending", None) == ["waits"]
-    with pytest.raises(ApiException) as exc:
-        await names("spec.schedulerName==default-scheduler,metadata.labels=x")
-    assert exc.value.status == 400
+    exc = await refused(names("spec.schedulerName==default-scheduler,metadata.labels=x"), 400)
     assert '"metadata.labels" is not a known field selector' in status_body(exc.value)["message"]
 
 
@@ -320,9 +314,9 @@ async def test_patch_content_types_sent_by_the_client(kube: FakeKubeAPI, client:
         )
     assert exc.value.status == 409
     assert status_body(exc.value)["reason"] == "Conflict"
-    with pytest.raises(ApiException) as exc:
-        await core.patch_namespaced_pod("missing", NS, {"metadata": {"labels": {"x": "1"}}})
-    assert exc.value.status == 404
+    exc = await refused(
+        core.patch_namespaced_pod("missing", NS, {"metadata": {"labels": {"x": "1"}}}), 404
+    )
 
 
 @quiet
@@ -337,9 +331,9 @@ async def test_status_is_a_subresource_and_pod_spec_is_immutable(
     # ...and through /status it is taken.
     taken = await core.patch_namespaced_pod_status("w", NS, {"status": {"phase": "Running"}})
     assert taken.status.phase == "Running"
-    with pytest.raises(ApiException) as exc:
-        await core.patch_namespaced_pod("w", NS, {"spec": {"restartPolicy": "Never"}})
-    assert exc.value.status == 422
+    exc = await refused(
+        core.patch_namespaced_pod("w", NS, {"spec": {"restartPolicy": "Never"}}), 422
+    )
     assert "pod updates may not change fields" in status_body(exc.value)["message"]
 
 
@@ -356,9 +350,7 @@ async def test_replace_with_stale_resource_version_conflicts(
     assert int(replaced.metadata.resource_version) > int(read.metadata.resource_version)
 
     read.metadata.labels = {"gen": "2"}  # still carries the old resourceVersion
-    with pytest.raises(ApiException) as exc:
-        await core.replace_namespaced_pod("w", NS, read)
-    assert exc.value.status == 409
+    exc = await refused(core.replace_namespaced_pod("w", NS, read), 409)
     assert status_body(exc.value)["message"] == (
         'Operation cannot be fulfilled on pods "w": the object has been modified; please apply '
         "your changes to the latest version and try again"
@@ -405,9 +397,7 @@ async def test_delete_with_grace_period_goes_through_terminating(
     assert stopped["type"] == "MODIFIED" and stopped["object"].status.phase == "Failed"
     assert stopped["object"].status.container_statuses[0].state.terminated.exit_code == 143
     assert gone["type"] == "DELETED"
-    with pytest.raises(ApiException) as exc:
-        await core.read_namespaced_pod("w", NS)
-    assert exc.value.status == 404
+    await refused(core.read_namespaced_pod("w", NS), 404)
 
 
 async def test_delete_with_zero_grace_or_unscheduled_is_immediate(
@@ -605,9 +595,9 @@ async def test_compaction_expires_old_resource_versions(
             )
     assert exc.value.status == 410 and str(exc.value.reason).startswith("Expired")
 
-    with pytest.raises(ApiException) as exc:
-        await core.list_namespaced_pod(NS, resource_version=old, resource_version_match="Exact")
-    assert exc.value.status == 410
+    exc = await refused(
+        core.list_namespaced_pod(NS, resource_version=old, resource_version_match="Exact"), 410
+    )
     assert status_body(exc.value)["reason"] == "Expired"
     # Without "Exact" the server serves its latest state, which is newer than asked: fine.
     assert len((await core.list_namespaced_pod(NS, resource_version=old)).items) == 1
@@ -643,18 +633,14 @@ async def test_history_overflow_expires_old_resource_versions(
 async def test_injected_500_and_429_reach_the_client(kube: FakeKubeAPI, client: ApiClient) -> None:
     core = k8s.CoreV1Api(client)
     fault = kube.fail_next(status=500)
-    with pytest.raises(ApiException) as exc:
-        await core.list_namespaced_pod(NS)
-    assert exc.value.status == 500
+    exc = await refused(core.list_namespaced_pod(NS), 500)
     assert status_body(exc.value)["reason"] == "InternalError"
     assert fault.remaining == 0 and [h.method for h in fault.hits] == ["GET"]
     await core.list_namespaced_pod(NS)  # spent: the next request goes through
 
     throttle = kube.fail_next(2, status=429, retry_after=7, method="POST", path=r"/pods$")
     for _ in range(2):
-        with pytest.raises(ApiException) as exc:
-            await core.create_namespaced_pod(NS, pod_body("w"))
-        assert exc.value.status == 429
+        exc = await refused(core.create_namespaced_pod(NS, pod_body("w")), 429)
         assert exc.value.headers is not None and exc.value.headers["Retry-After"] == "7"
         assert status_body(exc.value)["details"] == {"retryAfterSeconds": 7}
         await core.list_namespaced_pod(NS)  # not a POST: unaffected
@@ -1058,9 +1044,7 @@ async def test_lease_create_get_replace_with_conflicts(
 
     lease.metadata.name = "bad"
     lease.spec.lease_duration_seconds = 0
-    with pytest.raises(ApiException) as exc:
-        await coordination.create_namespaced_lease(NS, lease)
-    assert exc.value.status == 422
+    exc = await refused(coordination.create_namespaced_lease(NS, lease), 422)
 
 
 @quiet
@@ -1134,18 +1118,14 @@ async def test_cluster_scoped_nodes_and_namespaces(kube: FakeKubeAPI, client: Ap
     assert not nodes.items[0].metadata.namespace  # cluster-scoped
     by_name = await core.list_node(field_selector="metadata.name=n2")
     assert [n.metadata.name for n in by_name.items] == ["n2"]
-    with pytest.raises(ApiException) as exc:
-        await core.list_node(field_selector="metadata.namespace=default")
-    assert exc.value.status == 400
+    await refused(core.list_node(field_selector="metadata.namespace=default"), 400)
 
     await core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name="ebb")))
     assert (await core.read_namespace("ebb")).status.phase == "Active"
     await core.create_namespaced_pod("ebb", pod_body("w"))
     await core.delete_namespace("ebb")
     assert kube.get_pod("w", "ebb") is None  # the contents go with it
-    with pytest.raises(ApiException) as exc:
-        await core.create_namespaced_pod("ebb", pod_body("w"))
-    assert exc.value.status == 404
+    await refused(core.create_namespaced_pod("ebb", pod_body("w")), 404)
 
 
 @quiet
