@@ -4,6 +4,7 @@ processes, exactly as `ebb run` starts them. Faults are real too: SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from ebb.client.sdk import EbbClient
@@ -251,3 +253,54 @@ async def test_a_pipeline_that_cannot_start_fails_the_job_with_its_reason(
     # The workers that met it said why they exit, as a pod's termination message.
     said = list((tmp_path / "state" / "logs" / "workers").glob("*.termination"))
     assert said and all("weights not found" in p.read_text() for p in said)
+
+
+async def test_a_csv_job_types_every_shard_alike_and_keeps_line_breaks_in_values(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    rows, oops = 3_000, 2_500
+    notes = [f'said "hi"\non two lines ({i})' if i % 5 == 0 else f"note {i}" for i in range(rows)]
+    (tmp_path / "data").mkdir()
+    with (tmp_path / "data" / "rows.csv").open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["id", "weight", "score", "note"])
+        for i in range(rows):
+            # weight: whole numbers in the first shards, fractions in the last ones.
+            weight = i if i < 2_000 else i / 4
+            writer.writerow([i, weight, "oops" if i == oops else i / 10, notes[i]])
+    spec = job_spec(
+        tmp_path,
+        rows_per_shard=500,
+        stages=[{"modelet": "ebb.worker.modelets:Features", "params": {"columns": ["id"]}}],
+        workers=(2, 2),
+        carryover=["id", "weight", "score", "note"],
+    )
+    spec["input"] = {
+        "uri": str(tmp_path / "data"),
+        "format": "csv",
+        "rows_per_shard": 500,
+        "newlines_in_values": True,
+        "column_types": {"score": "double"},
+    }
+    job_id = await client.submit(parse_job(spec))
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert (final.rows_done, final.error_rows, final.shards["DONE"]) == (rows, 1, 6)
+    # The job as the workers read it: every column typed at planning.
+    planned = await client.master.job(job_id, include_spec=True)
+    assert planned.spec is not None
+    assert planned.spec["input"]["column_types"] == {
+        "id": "int64",
+        "weight": "double",
+        "score": "double",
+        "note": "string",
+    }
+    _, manifest = read_output(tmp_path / "out")
+    schemas = {str(pq.read_schema(tmp_path / "out" / f["path"])) for f in manifest["files"]}
+    assert len(schemas) == 1  # every part file alike: the output reads as one table
+    table = assert_exactly_once(tmp_path, rows)
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert [by_id[i]["note"] for i in range(rows)] == notes
+    assert by_id[1_999]["weight"] == 1_999.0 and by_id[2_001]["weight"] == 2_001 / 4
+    assert "column 'score': 'oops' is not double" in by_id[oops]["_error"]
+    assert by_id[oops]["prediction"] is None and by_id[oops + 1]["prediction"] == [oops + 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from ebb.common.spec import InputSpec
 from ebb.shard_master.errors import PlanningError
-from ebb.shard_master.planner import list_input_files, plan_shards
+from ebb.shard_master.planner import list_input_files, plan_input, plan_shards
 from ebb.worker.reader import read_shard
 
 
@@ -55,6 +56,61 @@ def test_text_formats_split_on_line_boundaries(tmp_path: Path, fmt: str) -> None
         assert before.byte_end == after.byte_start  # no gap, no overlap
     assert shards[-1].byte_end == path.stat().st_size
     assert _ids_of_all_shards(spec) == list(range(5_003))
+
+
+def _read_all(spec: InputSpec) -> tuple[list[pa.Schema], list[dict[str, object]]]:
+    plan = plan_input(spec)
+    schemas, rows = [], []
+    for shard in plan.shards:
+        data = read_shard(
+            shard,
+            None,
+            column_types=plan.column_types,
+            newlines_in_values=spec.newlines_in_values,
+        )
+        assert not data.bad_rows
+        schemas.append(data.table.schema)
+        rows += data.table.to_pylist()
+    return schemas, rows
+
+
+def test_csv_columns_are_typed_once_for_every_shard(tmp_path: Path) -> None:
+    # The score turns fractional two thirds of the way in, past the first 256 KiB: a shard
+    # typing itself would read the first shards' scores as int64 and the last ones' as double.
+    path = tmp_path / "rows.csv"
+    n, fractional = 60_000, 40_000
+    lines = [
+        f"{i},{i if i < fractional else i + 0.5},{'' if i < 50_000 else 't'}\n" for i in range(n)
+    ]
+    path.write_text("id,score,tag\n" + "".join(lines))
+    assert len("".join(lines[:fractional])) > 256 * 1024  # past the sample at the start
+    spec = InputSpec(uri=str(path), rows_per_shard=1_000)
+    assert plan_input(spec).column_types == {"id": "int64", "score": "double", "tag": "string"}
+    schemas, rows = _read_all(spec)
+    assert len(schemas) >= 20 and all(s == schemas[0] for s in schemas)
+    assert [r["id"] for r in rows] == list(range(n))
+    assert rows[0]["score"] == 0.0 and rows[-1]["score"] == n - 0.5
+
+
+def test_quoted_line_breaks_split_only_between_rows(tmp_path: Path) -> None:
+    n = 2_000
+    notes = [
+        f'first line of {i}\nsecond, "quoted" line\n\n' if i % 3 == 0 else f"note {i}"
+        for i in range(n)
+    ]
+    path = tmp_path / "notes.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["id", "note"])
+        writer.writerows(enumerate(notes))
+    spec = InputSpec(uri=str(path), rows_per_shard=150, newlines_in_values=True)
+    shards = plan_input(spec).shards
+    assert [s.rows for s in shards] == [150] * (n // 150) + [n % 150]  # counted, not estimated
+    for before, after in itertools.pairwise(shards):
+        assert before.byte_end == after.byte_start
+    _, rows = _read_all(spec)
+    assert [r["id"] for r in rows] == list(range(n))
+    assert [r["note"] for r in rows] == notes
 
 
 def test_a_file_without_a_final_newline_keeps_its_last_row(tmp_path: Path) -> None:

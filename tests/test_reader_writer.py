@@ -38,6 +38,17 @@ def test_a_value_that_breaks_type_inference_does_not_lose_the_shard(tmp_path: Pa
     assert data.table.column("v").to_pylist() == ["2.5", "3.5", "oops"]
 
 
+def test_a_value_not_of_its_columns_type_fails_only_its_row(tmp_path: Path) -> None:
+    path = tmp_path / "x.csv"
+    path.write_text("id,v,when\n1,2.5,2026-01-01\n2,oops,2026-01-02\n3,NA,\n4,4,2026-01-04\n")
+    types = {"id": "int64", "v": "double", "when": "date32"}
+    data = read_shard(_text_shard(path, "csv"), None, column_types=types)
+    assert data.table.schema.types == [pa.int64(), pa.float64(), pa.date32()]
+    assert data.table.column("id").to_pylist() == [1, 2, 3, 4]  # the row keeps its id
+    assert data.table.column("v").to_pylist() == [2.5, None, None, 4.0]  # NA is a null
+    assert data.bad_rows == {1: "column 'v': 'oops' is not double"}
+
+
 def test_malformed_jsonl_lines_become_error_rows(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
     path.write_text('{"id": 1}\n{"id": 2\n[1, 2]\n{"id": 4}\n')

@@ -76,6 +76,21 @@ def test_with_id_is_stable_once_set() -> None:
         ),
         ({"resources": {"min_workers": 3, "max_workers": 2}}, "resources.min_workers", "exceeds"),
         ({"fault": {"max_error_fraction": 2}}, "fault.max_error_fraction", "[0, 1]"),
+        (
+            {"input": {"uri": "/d/x.parquet", "column_types": {"id": "int64"}}},
+            "input.column_types",
+            "CSV input only",
+        ),
+        (
+            {"input": {"uri": "/d/x.jsonl", "newlines_in_values": True}},
+            "input.newlines_in_values",
+            "CSV input only",
+        ),
+        (
+            {"input": {"uri": "/d/x.csv", "column_types": {"v": "number"}}},
+            "input.column_types.v",
+            "not an Arrow type name",
+        ),
         ({"id": "bad id!"}, "id", "must match"),
         ({"name": 7}, "name", "expected str"),
     ],

@@ -43,6 +43,25 @@ FORMAT_SUFFIXES: dict[str, InputFormat] = {
 }
 
 
+_TIMESTAMP_RE = re.compile(r"^timestamp\[(s|ms|us|ns)(?:, tz=([^\]]+))?\]$")
+
+
+def arrow_type(name: str) -> Any:
+    """The pyarrow DataType a type name stands for: an alias ("int64", "string", "date32") or
+    the name pyarrow prints ("double", "timestamp[s, tz=UTC]"). ValueError if none."""
+    import pyarrow as pa
+
+    match = _TIMESTAMP_RE.match(name.strip())
+    if match:
+        return pa.timestamp(match.group(1), tz=match.group(2))
+    try:
+        return pa.type_for_alias(name.strip())  # type: ignore[call-overload]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"{name!r} is not an Arrow type name (int64, double, string, ...)"
+        ) from None
+
+
 def _bad(name: str, problem: str) -> SpecError:
     return SpecError(name, problem)
 
@@ -64,6 +83,14 @@ class InputSpec:
     """Columns handed to the pipeline, per row. None: every column."""
     rows_per_shard: int = 10_000
     """Target rows in one shard, the unit of leasing, retry and commit."""
+    column_types: dict[str, str] = field(default_factory=dict)
+    """CSV: Arrow types of columns by name ("int64", "double", "string", "bool",
+    "timestamp[s]", "date32", ...). The shard master types the other columns from samples
+    taken across the files when it plans, and stores the result here: every shard reads each
+    column as the same type, and a value that is not of its column's type makes an error row."""
+    newlines_in_values: bool = False
+    """CSV: quoted values may hold line breaks. Planning then reads every file once, to cut
+    shards where rows end."""
 
     def __post_init__(self) -> None:
         if not self.uri:
@@ -75,6 +102,16 @@ class InputSpec:
             if inferred is None:
                 raise _bad("format", f"cannot infer from {self.uri!r}; say parquet, csv or jsonl")
             object.__setattr__(self, "format", inferred)
+        if self.format != "csv":
+            if self.column_types:
+                raise _bad("column_types", f"applies to CSV input only, not {self.format}")
+            if self.newlines_in_values:
+                raise _bad("newlines_in_values", f"applies to CSV input only, not {self.format}")
+        for name, type_name in self.column_types.items():
+            try:
+                arrow_type(type_name)
+            except ValueError as e:
+                raise _bad(f"column_types.{name}", str(e)) from None
 
     @property
     def fmt(self) -> InputFormat:

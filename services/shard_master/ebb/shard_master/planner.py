@@ -4,18 +4,28 @@
   larger than a shard is split into row ranges.
 - CSV / JSONL: by byte ranges aligned to line starts, sized from the average line length of a
   sample at the start of the file (as Hadoop and Spark split text). Only a few bytes around each
-  cut are read. CSV fields must not contain line breaks (Spark's default, multiLine=false).
+  cut are read. With `newlines_in_values` (quoted CSV values holding line breaks, Spark's
+  multiLine) a line start need not be a row start: each file is then read once, tracking
+  quotes, and cut where rows end.
+
+CSV columns get their types here, once for the whole job, from the rows at the start of every
+file and just after every cut: a worker typing its own shard would type an all-integer shard of
+a column int64 and the next shard of it double, and the output files would disagree.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import posixpath
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from ebb.common.messages import ShardSpec
@@ -25,6 +35,11 @@ from .errors import PlanningError
 
 _SAMPLE_BYTES = 256 * 1024
 _WINDOW_BYTES = 64 * 1024
+_SCAN_BYTES = 4 * 1024 * 1024
+_CUT_SAMPLE_BYTES = 16 * 1024
+"""Rows sampled just after each cut, for typing CSV columns."""
+_SAMPLE_BUDGET = 8 * 1024 * 1024
+"""All the sampled rows of a job together, at most."""
 _GLOB_CHARS = set("*?[")
 
 
@@ -56,22 +71,87 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def plan_shards(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> list[ShardSpec]:
-    """Every shard of the input, numbered from 0 in file order.
+@dataclass
+class Plan:
+    shards: list[ShardSpec]
+    column_types: dict[str, str] = field(default_factory=dict)
+    """CSV: every column's Arrow type (the spec's own, and those typed from samples)."""
+
+
+def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> Plan:
+    """Every shard of the input, numbered from 0 in file order, and the CSV column types.
 
     required_columns: columns every Parquet file must have (checked in each footer), so that a
     misspelt column is refused at submission rather than failing every shard later.
     """
     shards: list[ShardSpec] = []
+    samples = _Samples()
     for path in list_input_files(spec.uri, spec.fmt):
         if spec.fmt == "parquet":
-            pieces = _plan_parquet(path, spec.rows_per_shard, required_columns)
+            pieces: Iterator[ShardSpec] = _plan_parquet(path, spec.rows_per_shard, required_columns)
+        elif spec.newlines_in_values:
+            pieces = _plan_csv_rows(path, spec.rows_per_shard, samples)
         else:
-            pieces = _plan_text(path, spec.fmt, spec.rows_per_shard)
+            pieces = _plan_text(path, spec.fmt, spec.rows_per_shard, samples)
         shards += [replace(piece, index=len(shards) + i) for i, piece in enumerate(pieces)]
     if not shards:
         raise PlanningError(f"input {spec.uri!r} holds no rows")
-    return shards
+    types = samples.column_types(spec) if spec.fmt == "csv" else {}
+    return Plan(shards, types)
+
+
+def plan_shards(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> list[ShardSpec]:
+    return plan_input(spec, required_columns=required_columns).shards
+
+
+class _Samples:
+    """Whole CSV rows from across the input, under the first file's header."""
+
+    def __init__(self) -> None:
+        self.header: bytes | None = None
+        self.rows: list[bytes] = []
+        self.size = 0
+
+    def start_file(self, header: bytes) -> bool:
+        """Take samples from a file with this header? (Only from files shaped like the first.)"""
+        if self.header is None:
+            self.header = header
+        return header == self.header
+
+    def add(self, rows: bytes) -> None:
+        if rows and self.size < _SAMPLE_BUDGET:
+            self.rows.append(rows if rows.endswith(b"\n") else rows + b"\n")
+            self.size += len(rows)
+
+    def column_types(self, spec: InputSpec) -> dict[str, str]:
+        if self.header is None:
+            return dict(spec.column_types)
+        data = self.header + b"".join(self.rows)
+        # A column whose type the spec gives is not typed here: a value in it that does not
+        # fit becomes an error row when its shard is read, it does not refuse the job.
+        given = dict.fromkeys(spec.column_types, pa.string())
+        try:
+            table = pacsv.read_csv(
+                io.BytesIO(data),
+                # One block: the types must fit every sampled row, not the first block's.
+                read_options=pacsv.ReadOptions(use_threads=False, block_size=len(data) + 1),
+                parse_options=pacsv.ParseOptions(
+                    newlines_in_values=spec.newlines_in_values,
+                    invalid_row_handler=lambda row: "skip",  # its shard will say so
+                ),
+                convert_options=pacsv.ConvertOptions(column_types=given),
+            )
+        except pa.ArrowInvalid as e:
+            raise PlanningError(f"cannot read the CSV header and sampled rows: {e}") from e
+        types = {}
+        for column in table.schema:
+            if column.name in spec.column_types:
+                types[column.name] = spec.column_types[column.name]
+            elif pa.types.is_null(column.type):  # empty in every sample: text is the safe guess
+                types[column.name] = "string"
+            else:
+                types[column.name] = str(column.type)
+        return types
 
 
 def _plan_parquet(
@@ -123,7 +203,9 @@ def _plan_parquet(
         yield flush()
 
 
-def _plan_text(path: str, fmt: InputFormat, rows_per_shard: int) -> Iterator[ShardSpec]:
+def _plan_text(
+    path: str, fmt: InputFormat, rows_per_shard: int, samples: _Samples
+) -> Iterator[ShardSpec]:
     fs, fpath = fsspec.core.url_to_fs(path)
     size = int(fs.size(fpath))
     if size == 0:
@@ -131,18 +213,28 @@ def _plan_text(path: str, fmt: InputFormat, rows_per_shard: int) -> Iterator[Sha
     with fs.open(fpath, "rb") as f:
         sample = f.read(min(size, _SAMPLE_BYTES))
         start = 0
+        sampling = False
         if fmt == "csv":
             header_end = sample.find(b"\n")
             if header_end < 0:
                 return  # a header and no rows
             start = header_end + 1
+            sampling = samples.start_file(sample[:start])
         body = sample[start:]
+        if sampling:
+            samples.add(body[: body.rfind(b"\n") + 1] if len(sample) < size else body)
         lines = body.count(b"\n") or 1
         avg_line = max(1.0, len(body) / lines)
         target = max(1, int(avg_line * rows_per_shard))
         while start < size:
             cut = start + target
-            end = size if cut >= size else _next_line_start(f, cut, size)
+            if cut >= size:
+                end = size
+            else:
+                end, after = _next_line_start(f, cut, size)
+                if sampling:
+                    after = after[:_CUT_SAMPLE_BYTES]
+                    samples.add(after[: after.rfind(b"\n") + 1])
             yield ShardSpec(
                 index=0,
                 path=path,
@@ -154,8 +246,9 @@ def _plan_text(path: str, fmt: InputFormat, rows_per_shard: int) -> Iterator[Sha
             start = end
 
 
-def _next_line_start(f: Any, offset: int, size: int) -> int:
-    """The offset just after the first newline at or after `offset` (or the file's end)."""
+def _next_line_start(f: Any, offset: int, size: int) -> tuple[int, bytes]:
+    """The offset just after the first newline at or after `offset` (or the file's end), and
+    what was read after it."""
     position = offset
     while position < size:
         f.seek(position)
@@ -164,6 +257,69 @@ def _next_line_start(f: Any, offset: int, size: int) -> int:
             break
         newline = window.find(b"\n")
         if newline >= 0:
-            return position + newline + 1
+            return position + newline + 1, window[newline + 1 :]
         position += len(window)
-    return size
+    return size, b""
+
+
+def _row_ends(f: Any) -> Iterator[np.ndarray]:
+    """The offsets just after the line breaks that end CSV rows (those outside quotes), a
+    block of the file at a time. A doubled quote inside a quoted value ("") flips the state
+    twice, so counting quotes holds."""
+    in_quotes = 0
+    offset = 0
+    while block := f.read(_SCAN_BYTES):
+        data = np.frombuffer(block, dtype=np.uint8)
+        quotes = data == ord('"')
+        # Parity of the quotes so far at every byte (uint8 wraps, parity survives).
+        parity = (np.cumsum(quotes, dtype=np.uint8) + in_quotes) & 1
+        yield np.flatnonzero((data == ord("\n")) & (parity == 0)) + (offset + 1)
+        in_quotes = (in_quotes + int(np.count_nonzero(quotes))) & 1
+        offset += len(block)
+
+
+def _whole_rows(data: bytes, *, complete: bool) -> bytes:
+    """`data` (which starts at a row start) up to its last row end; all of it if `complete`."""
+    if complete:
+        return data
+    ends = np.concatenate([np.zeros(1, np.int64), *_row_ends(io.BytesIO(data))])
+    return data[: int(ends[-1])]
+
+
+def _plan_csv_rows(path: str, rows_per_shard: int, samples: _Samples) -> Iterator[ShardSpec]:
+    """A CSV file whose quoted values may hold line breaks: read once, cut after every
+    `rows_per_shard` rows (exact counts, blank lines included)."""
+    fs, fpath = fsspec.core.url_to_fs(path)
+    size = int(fs.size(fpath))
+    if size == 0:
+        return
+    cuts: list[tuple[int, int, int]] = []
+    with fs.open(fpath, "rb") as f:
+        start = last = -1  # the header's end, once found
+        rows = 0  # whole rows since `start`
+        for block_ends in _row_ends(f):
+            ends = block_ends
+            if start < 0 and len(ends):
+                start = last = int(ends[0])
+                ends = ends[1:]
+            while rows + len(ends) >= rows_per_shard:
+                end = int(ends[rows_per_shard - rows - 1])
+                cuts.append((start, end, rows_per_shard))
+                ends = ends[rows_per_shard - rows :]
+                start, rows = end, 0
+            if len(ends):
+                rows, last = rows + len(ends), int(ends[-1])
+        if 0 <= start < size:  # the rest, and a last row without a final line break
+            cuts.append((start, size, rows + (last < size)))
+        if not cuts:
+            return
+        f.seek(0)
+        if samples.start_file(f.read(cuts[0][0])):
+            # The first rows of the file and of every shard.
+            for first, end, _ in cuts:
+                f.seek(first)
+                limit = _CUT_SAMPLE_BYTES if first > cuts[0][0] else _SAMPLE_BYTES
+                complete = end - first <= limit
+                samples.add(_whole_rows(f.read(min(end - first, limit)), complete=complete))
+    for start, end, rows in cuts:
+        yield ShardSpec(index=0, path=path, format="csv", rows=rows, byte_start=start, byte_end=end)

@@ -53,7 +53,7 @@ from .errors import (
     OutputTaken,
     StaleToken,
 )
-from .planner import plan_shards
+from .planner import plan_input
 from .store import JobRecord, LeaseRecord, ShardRecord, Store
 
 log = logging.getLogger(__name__)
@@ -250,9 +250,13 @@ class LeaseTable:
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
         required = [*(spec.input.columns or []), *spec.output.carryover]
-        shard_specs = await asyncio.to_thread(
-            plan_shards, spec.input, required_columns=list(dict.fromkeys(required))
+        plan = await asyncio.to_thread(
+            plan_input, spec.input, required_columns=list(dict.fromkeys(required))
         )
+        shard_specs = plan.shards
+        if plan.column_types != spec.input.column_types:
+            # The spec workers get says how to type each column: every shard alike.
+            spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
         # The output root becomes this job's, atomically: no other job can write into it.
         try:
             owner = await asyncio.to_thread(self._open_output(spec.output.uri).claim, spec.id)

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from ebb.common.messages import ShardSpec
+from ebb.common.spec import arrow_type
 
 
 class ShardReadError(Exception):
@@ -34,20 +37,48 @@ class ShardData:
     """Rows that failed to decode: their index in `table` (where they are null) and why."""
 
 
-def read_shard(shard: ShardSpec, columns: list[str] | None) -> ShardData:
-    """Read a shard's rows; `columns` restricts Parquet reads (None: every column)."""
+def read_shard(
+    shard: ShardSpec,
+    columns: list[str] | None,
+    *,
+    column_types: Mapping[str, str] | None = None,
+    newlines_in_values: bool = False,
+) -> ShardData:
+    """Read a shard's rows; `columns` restricts Parquet reads (None: every column).
+
+    CSV: `column_types` types the columns it names (the job's, fixed when it was planned);
+    `newlines_in_values` lets quoted values hold line breaks."""
     try:
         if shard.format == "parquet":
             return ShardData(_read_parquet(shard, columns))
         with fsspec.open(shard.path, "rb") as f:
-            header = f.readline() if shard.format == "csv" else b""
+            header = _read_header(f, newlines_in_values) if shard.format == "csv" else b""
             f.seek(shard.byte_start)
             chunk = f.read(shard.byte_end - shard.byte_start)
     except (OSError, pa.ArrowException) as e:
         raise ShardReadError(f"cannot read shard {shard.index} of {shard.path}: {e}") from e
     if shard.format == "csv":
-        return _parse_csv(header, chunk)
+        return _parse_csv(header, chunk, column_types or {}, newlines_in_values)
     return _parse_jsonl(chunk)
+
+
+def _read_header(f: Any, newlines_in_values: bool) -> bytes:
+    """The file's first row (its header), line break included."""
+    data = b""
+    in_quotes = False
+    while block := bytes(f.read(64 * 1024)):
+        if not newlines_in_values:
+            newline = block.find(b"\n")
+            if newline >= 0:
+                return data + block[: newline + 1]
+        else:
+            for i, byte in enumerate(block):
+                if byte == 0x22:
+                    in_quotes = not in_quotes
+                elif byte == 0x0A and not in_quotes:
+                    return data + block[: i + 1]
+        data += block
+    return data
 
 
 def _read_parquet(shard: ShardSpec, columns: list[str] | None) -> pa.Table:
@@ -79,22 +110,32 @@ def _with_nulls(good: pa.Table, total: int, bad: dict[int, str]) -> pa.Table:
     return good.take(pa.array(indices, type=pa.int64()))
 
 
-def _parse_csv(header: bytes, chunk: bytes) -> ShardData:
+def _parse_csv(
+    header: bytes, chunk: bytes, column_types: Mapping[str, str], newlines_in_values: bool
+) -> ShardData:
     rejected: list[tuple[int | None, str]] = []
 
     def on_invalid(row: pacsv.InvalidRow) -> Literal["skip", "error"]:
         rejected.append((row.number, f"malformed CSV row: {row.text[:200]!r}"))
         return "skip"
 
-    lines = sum(1 for line in chunk.split(b"\n") if line.strip())
-    parse = pacsv.ParseOptions(invalid_row_handler=on_invalid)
+    types = {name: arrow_type(t) for name, t in column_types.items()}
+    parse = pacsv.ParseOptions(
+        newlines_in_values=newlines_in_values, invalid_row_handler=on_invalid
+    )
     read = pacsv.ReadOptions(use_threads=False)
     try:
-        good = pacsv.read_csv(io.BytesIO(header + chunk), read_options=read, parse_options=parse)
+        good = pacsv.read_csv(
+            io.BytesIO(header + chunk),
+            read_options=read,
+            parse_options=parse,
+            convert_options=pacsv.ConvertOptions(column_types=types),
+        )
+        text = False
     except pa.ArrowInvalid:
-        # A value that breaks its column's inferred type: read this shard's columns as text
-        # and let the pipeline fail only the rows it cannot convert.
-        names = pacsv.read_csv(io.BytesIO(header)).column_names
+        # A value that is not of its column's type: read every column as text, then type
+        # each column value by value, so that only the rows holding such values fail.
+        names = pacsv.read_csv(io.BytesIO(header), parse_options=parse).column_names
         rejected.clear()
         good = pacsv.read_csv(
             io.BytesIO(header + chunk),
@@ -102,9 +143,48 @@ def _parse_csv(header: bytes, chunk: bytes) -> ShardData:
             parse_options=parse,
             convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string())),
         )
-    # Row numbers count the header as row 1; positions count data lines from 0.
-    bad = {number - 2: why for number, why in rejected if number is not None}
-    return ShardData(_with_nulls(good, lines, bad), bad)
+        text = True
+    # Row numbers count the header as row 1; positions count rows from 0.
+    malformed = {number - 2: why for number, why in rejected if number is not None}
+    total = good.num_rows + len(malformed)
+    bad = dict(malformed)
+    if text and types:
+        good, unfit = _typed(good, types)
+        if unfit:
+            positions = [p for p in range(total) if p not in malformed]
+            bad.update((positions[i], why) for i, why in unfit.items())
+    return ShardData(_with_nulls(good, total, malformed), bad)
+
+
+_NULL_VALUES = pa.array(list(pacsv.ConvertOptions().null_values or []), pa.string())
+
+
+def _typed(table: pa.Table, types: Mapping[str, pa.DataType]) -> tuple[pa.Table, dict[int, str]]:
+    """A table of text columns cast to `types`, a value that does not fit its type made null,
+    and the indices of the rows that held one, with the reason. (Such a row keeps its other
+    values, carryover columns included: it stays findable in the output.)"""
+    unfit: dict[int, str] = {}
+    columns: list[pa.Array[Any] | pa.ChunkedArray[Any]] = []
+    for name in table.column_names:
+        column: Any = table.column(name)
+        target = types.get(name)
+        if target is not None and target != pa.string():
+            # What the CSV reader takes for null in a typed column ("", "NA", "null", ...).
+            missing = pc.is_in(column, value_set=_NULL_VALUES)
+            column = pc.if_else(missing, pa.scalar(None, pa.string()), column)
+            try:
+                column = pc.cast(column, target)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                values = column.to_pylist()
+                for i, value in enumerate(values):
+                    try:
+                        pc.cast(pa.array([value], pa.string()), target)
+                    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                        unfit.setdefault(i, f"column {name!r}: {value!r} is not {target}")
+                        values[i] = None
+                column = pc.cast(pa.array(values, pa.string()), target)
+        columns.append(column)
+    return pa.table(columns, names=table.column_names), unfit
 
 
 def _parse_jsonl(chunk: bytes) -> ShardData:

@@ -307,7 +307,13 @@ class Worker:
         columns = None
         if spec.input.columns is not None:
             columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
-        data = await asyncio.to_thread(read_shard, shard, columns)
+        data = await asyncio.to_thread(
+            read_shard,
+            shard,
+            columns,
+            column_types=spec.input.column_types,
+            newlines_in_values=spec.input.newlines_in_values,
+        )
         n = data.table.num_rows
         inputs = data.table
         if spec.input.columns is not None:
