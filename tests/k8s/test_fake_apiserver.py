@@ -96,6 +96,13 @@ async def events_until(stream: Any, stop: Any, timeout: float = 5.0) -> list[Any
     raise AssertionError(f"the watch ended before the expected event; got {events}")
 
 
+async def pod_events_until(core: Any, stop: Any, **query: Any) -> list[Any]:
+    """Watch the namespace's pods (with these list parameters) until `stop(event)`."""
+    async with Watch() as watch:
+        stream = watch.stream(core.list_namespaced_pod, NS, timeout_seconds=10, **query)
+        return await events_until(stream, stop)
+
+
 def container(pod: Any) -> Any:
     """The first container's status in a stored pod, or {} before the kubelet reports one."""
     return (pod["status"].get("containerStatuses") or [{}])[0]
@@ -446,15 +453,9 @@ async def test_watch_from_resource_version_sees_changes_in_order(
     await core.create_namespaced_pod(NS, pod_body("other"))
     await core.delete_namespaced_pod("w", NS)
 
-    async with Watch() as watch:
-        stream = watch.stream(
-            core.list_namespaced_pod,
-            NS,
-            label_selector="app=ebb",
-            resource_version=start,
-            timeout_seconds=10,
-        )
-        events = await events_until(stream, lambda e: e["type"] == "DELETED")
+    events = await pod_events_until(
+        core, lambda e: e["type"] == "DELETED", label_selector="app=ebb", resource_version=start
+    )
     assert summary(events) == [("ADDED", "w"), ("MODIFIED", "w"), ("DELETED", "w")]
     versions = [int(e["object"].metadata.resource_version) for e in events]
     assert versions == sorted(versions) and len(set(versions)) == 3
@@ -471,15 +472,9 @@ async def test_watch_reports_objects_entering_and_leaving_the_selector(
     start = str(kube.resource_version)
     await core.patch_namespaced_pod("w", NS, {"metadata": {"labels": {"job": "j2"}}})
     await core.patch_namespaced_pod("w", NS, {"metadata": {"labels": {"job": "j1"}}})
-    async with Watch() as watch:
-        stream = watch.stream(
-            core.list_namespaced_pod,
-            NS,
-            label_selector="job=j1",
-            resource_version=start,
-            timeout_seconds=10,
-        )
-        events = await events_until(stream, lambda e: e["type"] == "ADDED")
+    events = await pod_events_until(
+        core, lambda e: e["type"] == "ADDED", label_selector="job=j1", resource_version=start
+    )
     assert summary(events) == [("DELETED", "w"), ("ADDED", "w")]
 
 
@@ -515,11 +510,9 @@ async def test_watch_resumes_from_last_resource_version_after_abrupt_cut(
     await kube.wait_for(lambda: kube.open_watches == 0)
     await core.create_namespaced_pod(NS, pod_body("c"))
 
-    async with Watch() as watch:
-        stream = watch.stream(
-            core.list_namespaced_pod, NS, resource_version=resume_from, timeout_seconds=10
-        )
-        events = await events_until(stream, lambda e: e["object"].metadata.name == "c")
+    events = await pod_events_until(
+        core, lambda e: e["object"].metadata.name == "c", resource_version=resume_from
+    )
     assert summary(events) == [("ADDED", "b"), ("ADDED", "c")]  # nothing lost, nothing twice
 
 
@@ -903,11 +896,9 @@ async def test_preemption_by_scheduler_and_by_kubelet(kube: FakeKubeAPI, client:
     kube.add_pod_policy(Preempted(after=0.05, by="kubelet"), name_prefix="kube")
     await started_pod(kube, core, "sched-1", restart_policy="Always")
     await started_pod(kube, core, "kube-1", restart_policy="Always")
-    async with Watch() as watch:
-        stream = watch.stream(
-            core.list_namespaced_pod, NS, field_selector="metadata.name=sched-1", timeout_seconds=10
-        )
-        events = await events_until(stream, lambda e: e["type"] == "DELETED")
+    events = await pod_events_until(
+        core, lambda e: e["type"] == "DELETED", field_selector="metadata.name=sched-1"
+    )
     marked = next(
         e["object"] for e in events if e["object"].metadata.deletion_timestamp is not None
     )

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from ebb.common.csvrows import row_ends
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import FORMAT_SUFFIXES, InputFormat, InputSpec
 
@@ -35,7 +36,6 @@ from .errors import PlanningError
 
 _SAMPLE_BYTES = 256 * 1024
 _WINDOW_BYTES = 64 * 1024
-_SCAN_BYTES = 4 * 1024 * 1024
 _CUT_SAMPLE_BYTES = 16 * 1024
 """Rows sampled just after each cut, for typing CSV columns."""
 _SAMPLE_BUDGET = 8 * 1024 * 1024
@@ -262,27 +262,11 @@ def _next_line_start(f: Any, offset: int, size: int) -> tuple[int, bytes]:
     return size, b""
 
 
-def _row_ends(f: Any) -> Iterator[np.ndarray]:
-    """The offsets just after the line breaks that end CSV rows (those outside quotes), a
-    block of the file at a time. A doubled quote inside a quoted value ("") flips the state
-    twice, so counting quotes holds."""
-    in_quotes = 0
-    offset = 0
-    while block := f.read(_SCAN_BYTES):
-        data = np.frombuffer(block, dtype=np.uint8)
-        quotes = data == ord('"')
-        # Parity of the quotes so far at every byte (uint8 wraps, parity survives).
-        parity = (np.cumsum(quotes, dtype=np.uint8) + in_quotes) & 1
-        yield np.flatnonzero((data == ord("\n")) & (parity == 0)) + (offset + 1)
-        in_quotes = (in_quotes + int(np.count_nonzero(quotes))) & 1
-        offset += len(block)
-
-
 def _whole_rows(data: bytes, *, complete: bool) -> bytes:
     """`data` (which starts at a row start) up to its last row end; all of it if `complete`."""
     if complete:
         return data
-    ends = np.concatenate([np.zeros(1, np.int64), *_row_ends(io.BytesIO(data))])
+    ends = np.concatenate([np.zeros(1, np.int64), *row_ends(io.BytesIO(data))])
     return data[: int(ends[-1])]
 
 
@@ -297,7 +281,7 @@ def _plan_csv_rows(path: str, rows_per_shard: int, samples: _Samples) -> Iterato
     with fs.open(fpath, "rb") as f:
         start = last = -1  # the header's end, once found
         rows = 0  # whole rows since `start`
-        for block_ends in _row_ends(f):
+        for block_ends in row_ends(f):
             ends = block_ends
             if start < 0 and len(ends):
                 start = last = int(ends[0])

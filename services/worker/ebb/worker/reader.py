@@ -21,6 +21,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from ebb.common.csvrows import first_row_end
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import arrow_type
 
@@ -64,21 +65,11 @@ def read_shard(
 
 def _read_header(f: Any, newlines_in_values: bool) -> bytes:
     """The file's first row (its header), line break included."""
-    data = b""
-    in_quotes = False
-    while block := bytes(f.read(64 * 1024)):
-        if not newlines_in_values:
-            newline = block.find(b"\n")
-            if newline >= 0:
-                return data + block[: newline + 1]
-        else:
-            for i, byte in enumerate(block):
-                if byte == 0x22:
-                    in_quotes = not in_quotes
-                elif byte == 0x0A and not in_quotes:
-                    return data + block[: i + 1]
-        data += block
-    return data
+    if not newlines_in_values:
+        return bytes(f.readline())
+    end = first_row_end(f)
+    f.seek(0)
+    return bytes(f.read() if end is None else f.read(end))
 
 
 def _read_parquet(shard: ShardSpec, columns: list[str] | None) -> pa.Table:
