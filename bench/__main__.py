@@ -14,10 +14,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import fanout, master_scale, mlp, report, single_model, startup, stragglers, tidal_sim
+from . import (
+    fanout,
+    master_scale,
+    mlp,
+    overhead,
+    report,
+    single_model,
+    startup,
+    stragglers,
+    tidal_sim,
+)
 from .common import REPO, Context, Section, gpu
 
-ORDER = ["single", "fanout", "stragglers", "scale", "startup", "tidal", "mlp"]
+ORDER = ["single", "fanout", "stragglers", "scale", "startup", "tidal", "mlp", "overhead"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                 section = startup.run(ctx)
             elif name == "tidal":
                 section = tidal_sim.run(ctx)
-            else:
+            elif name == "mlp":
                 section = mlp.run(ctx)
+            else:
+                section = overhead.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
             for t in section.tables:
                 print(t, flush=True)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from bench.workloads import CELLS, PATCH, decode, normalise, pixels
+from ebb.worker.columns import VALUE
 
 
 class Decode:
@@ -126,3 +127,13 @@ class Standardize:
     def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
         x = np.asarray([r["features"] for r in rows], dtype=np.float32)
         return list((x - self.mean) / self.std)
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {VALUE: (batch["features"] - self.mean) / self.std}
+
+
+class PassRows:
+    """Rows through unchanged, one Python object per row: the per-row form's own cost."""
+
+    def process_batch(self, rows: list[Any]) -> list[Any]:
+        return rows

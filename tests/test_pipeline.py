@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import pyarrow as pa
 import pytest
 import torch
 from prometheus_client import REGISTRY
@@ -301,3 +302,92 @@ def test_segments_of_dead_processes_are_swept(tmp_path: Path) -> None:
     assert name in _segments()  # ours: this process is alive
     shm.unlink(name)
     mine.close()
+
+
+async def test_a_columnar_and_a_per_row_modelet_give_the_same_output() -> None:
+    items = rows(1_000)
+    columnar = await run_pipeline(
+        [StageSpec(name="score", modelet="ebbtest_modelets:ScoreColumns", batch_size=128)], items
+    )
+    per_row = await run_pipeline(
+        [StageSpec(name="score", modelet="ebbtest_modelets:ScoreRows", batch_size=128)], items
+    )
+    assert all(ok for ok, _ in columnar) and all(ok for ok, _ in per_row)
+    assert [v["id"] for _, v in columnar] == list(range(1_000))
+    np.testing.assert_allclose(
+        [v["score"] for _, v in columnar], [v["score"] for _, v in per_row], rtol=1e-6
+    )
+
+
+async def test_a_chunk_with_one_poison_row_yields_exactly_one_error_row() -> None:
+    table = pa.table(
+        {
+            "id": np.arange(2_000),
+            "features": pa.FixedSizeListArray.from_arrays(
+                pa.array(np.ones(2_000 * FEATURES, dtype=np.float32)), FEATURES
+            ),
+        }
+    )
+    pipeline = Pipeline(
+        PipelineConfig(
+            stages=[
+                StageSpec(
+                    name="score",
+                    modelet="ebbtest_modelets:ScoreColumns",
+                    params={"poison": [777]},
+                    batch_size=256,
+                )
+            ],
+            code_paths=[str(ASSETS)],
+        )
+    )
+    try:
+        await pipeline.start()
+        result = await pipeline.run_columns(table)
+    finally:
+        await pipeline.stop()
+    assert list(result.errors) == [777]
+    assert "cannot score rows [777]" in result.errors[777]
+    assert result.columns["id"].tolist()[:777] == list(range(777))
+    ok = np.ones(2_000, dtype=bool)
+    ok[777] = False
+    np.testing.assert_array_equal(result.columns["id"][ok], np.arange(2_000)[ok])
+    np.testing.assert_allclose(result.columns["score"][ok], 2.0 * FEATURES)
+
+
+async def test_a_part_that_cannot_be_sent_fails_its_item_not_the_stage() -> None:
+    stages = [
+        StageSpec(
+            name="split",
+            modelet="ebbtest_modelets:SplitUnsendable",
+            params={"ids": [5]},
+            fanout=True,
+        ),
+        StageSpec(name="pid", modelet="ebbtest_modelets:Pid"),
+    ]
+    outcomes = await run_pipeline(stages, rows(20))
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [5]
+    assert "cannot be sent" in outcomes[5][1]
+    assert all(len(v) == 2 for ok, v in outcomes if ok)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_torchscript_stage_on_the_gpu_in_half_precision(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU()).eval()
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(model), str(path))
+    items = rows(5_000)
+    outcomes = await run_pipeline(
+        [
+            features_stage(batch_size=512),
+            StageSpec(name="m", model=str(path), device="cuda", dtype="float16", batch_size=512),
+        ],
+        items,
+    )
+    assert all(ok for ok, _ in outcomes)
+    with torch.inference_mode():
+        expected = model(torch.from_numpy(np.stack([r["features"] for r in items]))).numpy()
+    got = np.stack([v for _, v in outcomes])
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

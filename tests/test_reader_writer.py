@@ -10,8 +10,9 @@ import pytest
 
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import OutputSpec
-from ebb.worker.reader import ShardReadError, read_shard, table_rows
-from ebb.worker.writer import ERROR_COLUMN, OutputError, build_output, to_arrow
+from ebb.worker.columns import VALUE, from_arrow, to_arrow
+from ebb.worker.reader import ShardReadError, read_shard
+from ebb.worker.writer import ERROR_COLUMN, OutputError, build_output
 
 
 def _text_shard(path: Path, fmt: str) -> ShardSpec:
@@ -67,7 +68,7 @@ def test_unreadable_shard_raises(tmp_path: Path) -> None:
         read_shard(shard, None)
 
 
-def test_rows_turn_vector_columns_into_arrays() -> None:
+def test_arrow_columns_become_arrays_tensors_included() -> None:
     table = pa.table(
         {
             "id": [1, 2],
@@ -75,22 +76,19 @@ def test_rows_turn_vector_columns_into_arrays() -> None:
             "s": ["a", "b"],
         }
     )
-    rows = table_rows(table, ["id", "v"])
-    assert rows[1]["id"] == 2
-    np.testing.assert_array_equal(rows[1]["v"], np.array([3.0, 4.0], dtype=np.float32))
-    assert "s" not in rows[0]
+    chunk = from_arrow(table, ["id", "v"])
+    assert set(chunk) == {"id", "v"}
+    assert chunk["id"].tolist() == [1, 2]
+    assert chunk["v"].shape == (2, 2) and chunk["v"].dtype == np.float32
+    np.testing.assert_array_equal(chunk["v"][1], np.array([3.0, 4.0], dtype=np.float32))
+    assert from_arrow(table, ["s"])["s"].tolist() == ["a", "b"]
 
 
 def test_output_has_one_row_per_input_with_errors_in_place() -> None:
     table = pa.table({"id": [10, 11, 12, 13], "extra": ["a", "b", "c", "d"]})
-    outcomes = [
-        (True, {"label": 1, "score": 0.5}),
-        (False, "boom"),
-        None,
-        (True, {"label": 2, "score": 0.9}),
-    ]
+    results = {"label": np.array([1, 0, 0, 2]), "score": np.array([0.5, 0.0, 0.0, 0.9])}
     out, errors = build_output(
-        table, outcomes, OutputSpec(uri="/o", carryover=["id"]), {2: "bad row"}
+        table, results, {1: "boom", 2: "bad row"}, OutputSpec(uri="/o", carryover=["id"])
     )
     assert errors == 2
     assert out.column_names == ["id", "label", "score", ERROR_COLUMN]
@@ -99,15 +97,30 @@ def test_output_has_one_row_per_input_with_errors_in_place() -> None:
     assert out.column(ERROR_COLUMN).to_pylist() == [None, "boom", "bad row", None]
 
 
+def test_plain_results_fill_the_prediction_column() -> None:
+    table = pa.table({"id": [1, 2]})
+    out, errors = build_output(
+        table, {VALUE: np.array(["x", "y"], dtype=object)}, {}, OutputSpec(uri="/o")
+    )
+    assert errors == 0
+    assert out.column(OutputSpec(uri="/o").prediction_column).to_pylist() == ["x", "y"]
+    assert out.column(ERROR_COLUMN).null_count == 2
+
+
 def test_array_results_become_fixed_size_lists_with_nulls() -> None:
-    values = [np.array([1.0, 2.0], dtype=np.float32), None, np.array([3.0, 4.0], dtype=np.float32)]
-    column = to_arrow(values)
+    column = to_arrow(
+        np.array([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]], dtype=np.float32),
+        np.array([False, True, False]),
+    )
     assert column.type == pa.list_(pa.float32(), 2)
     assert column.to_pylist() == [[1.0, 2.0], None, [3.0, 4.0]]
-    assert to_arrow([np.float32(1.5), None]).to_pylist() == [1.5, None]
+    objects = np.array([np.float32(1.5), None], dtype=object)
+    assert to_arrow(objects).to_pylist() == [1.5, None]
+    images = to_arrow(np.zeros((2, 3, 4), dtype=np.uint8))
+    assert images.type == pa.list_(pa.list_(pa.uint8(), 4), 3)
 
 
 def test_result_clashing_with_carryover_is_an_error() -> None:
     table = pa.table({"label": [1]})
     with pytest.raises(OutputError, match="clashes"):
-        build_output(table, [(True, {"label": 2})], OutputSpec(uri="/o", carryover=["label"]), {})
+        build_output(table, {"label": np.array([2])}, {}, OutputSpec(uri="/o", carryover=["label"]))

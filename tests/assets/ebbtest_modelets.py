@@ -150,3 +150,35 @@ class Double:
             if item[0] == self.crash_on:
                 os._exit(29)
         return [item * 2 for item in items]
+
+
+class ScoreColumns:
+    """The columnar form: {"id", "features"} -> {"id", "score"}, a batch at a time. Raises for
+    a batch holding a row whose id is in `poison` (one bad row spoils a vectorised call)."""
+
+    def __init__(self, poison: list[int] | None = None) -> None:
+        self.poison = set(poison or [])
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        bad = self.poison.intersection(batch["id"].tolist())
+        if bad:
+            raise ValueError(f"cannot score rows {sorted(bad)}")
+        return {"id": batch["id"], "score": batch["features"].sum(axis=1) * 2.0}
+
+
+class ScoreRows:
+    """The same as ScoreColumns, one row at a time (the per-row form)."""
+
+    def process(self, row: dict[str, Any]) -> Any:
+        return {"id": row["id"], "score": np.float32(row["features"].sum() * 2.0)}
+
+
+class SplitUnsendable:
+    """Row -> two parts; for ids in `ids` the second part cannot be pickled."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = set(ids)
+
+    def process(self, row: Any) -> Any:
+        second: Any = (lambda: None) if row["id"] in self.ids else row["id"]
+        return [row["id"], second]

@@ -85,8 +85,9 @@ class Standardize:
         self.mean = np.float32(mean)
         self.std = np.float32(std)
 
-    def process_batch(self, rows):
-        return [(np.asarray(r["features"], dtype=np.float32) - self.mean) / self.std for r in rows]
+    def process_columns(self, batch):
+        # A batch of rows as columns: "features" is one float32 array of [rows, 16].
+        return {"features": (batch["features"] - self.mean) / self.std}
 '''
 
 

@@ -26,6 +26,7 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MODELET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 InputFormat = Literal["parquet", "csv", "jsonl"]
 Runtime = Literal["onnx", "torchscript"]
+ModelDtype = Literal["float32", "float16", "bfloat16"]
 
 MODEL_SUFFIXES: dict[str, Runtime] = {
     ".onnx": "onnx",
@@ -161,6 +162,17 @@ class StageSpec:
     """Intra-op threads per process for model runtimes (0: the runtime's default)."""
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
+    dtype: ModelDtype | None = None
+    """Model stages: the precision to run in. TorchScript converts the model and its floating
+    inputs at load time (outputs come back as float32); an ONNX model must have been exported
+    in this precision (its inputs are checked against it)."""
+    batch_tokens: int | None = None
+    """Cut batches by padded size: rows x the longest row's length stays within this budget.
+    Rows waiting are sorted by length (bucketed) before they are cut, so that short rows are
+    not padded to long ones. Needs `length_column`."""
+    length_column: str | None = None
+    """With batch_tokens: the column that gives each row's length: a column of sequences
+    (token ids), or a column of lengths."""
 
     def __post_init__(self) -> None:
         if (self.modelet is None) == (self.model is None):
@@ -196,6 +208,14 @@ class StageSpec:
             raise _bad("workers", "need 1 <= min_workers <= workers <= max_workers")
         if self.threads < 0:
             raise _bad("threads", f"must be >= 0, got {self.threads}")
+        if self.dtype is not None and self.model is None:
+            raise _bad("dtype", "only a model stage has a dtype")
+        if self.batch_tokens is not None:
+            _positive("batch_tokens", self.batch_tokens)
+            if self.length_column is None:
+                raise _bad("length_column", "batch_tokens needs the column that gives lengths")
+        elif self.length_column is not None:
+            raise _bad("length_column", "applies only with batch_tokens")
         if not re.match(r"^(cpu|cuda(:\d+)?)$", self.device):
             raise _bad("device", f"expected cpu, cuda or cuda:N, got {self.device!r}")
 

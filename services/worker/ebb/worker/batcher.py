@@ -1,87 +1,206 @@
-"""Batch assembly: by size, and by a wait measured from the FIRST item's arrival.
+"""Batch assembly: by size (or padded tokens), and by a wait measured from the FIRST row's
+arrival.
 
-A batch is ready when it is full, when its oldest item has waited `max_wait_s`, or when the
+A batch is ready when it is full, when its oldest row has waited `max_wait_s`, or when the
 input is known to be drained (flush) - never later. The wait is not reset by new arrivals, so
-a trickle of items cannot hold a batch back forever. Items flagged solo run alone.
+a trickle of rows cannot hold a batch back forever. Rows flagged solo run alone.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .columns import Columns, concat, take
 
 
 @dataclass(slots=True)
-class Item:
-    uid: int
-    value: Any
+class Chunk:
+    """Rows that arrived together (one frame), not yet batched."""
+
+    uids: np.ndarray
+    columns: Columns
     arrived: float
     solo: bool = False
     segment: str = ""
-    """Shared-memory segment its value lives in ("" when inline)."""
+    """Shared-memory segment its columns live in ("" when inline)."""
+    lengths: np.ndarray | None = None
+    """Each row's length, when batches are cut by a token budget."""
+
+
+@dataclass(slots=True)
+class Batch:
+    uids: np.ndarray
+    columns: Columns
+    solo: bool = False
+    segments: Counter[str] = field(default_factory=Counter)
+    """Rows of the batch per shared-memory segment they came in (to unmap after the run)."""
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+
+Lengths = Callable[[Columns], np.ndarray]
 
 
 class Batcher:
-    def __init__(self, *, max_size: int, max_wait_s: float) -> None:
+    """Rows in, batches out; rows stay in their columnar chunks, cut where a batch ends.
+
+    With `max_tokens`, a batch is cut by padded size: rows are bucketed by length (those
+    waiting are sorted, longest first, and cut into batches whose rows x longest row stays
+    within the budget), so that short rows are not padded to the length of long ones. A row
+    longer than the whole budget runs alone rather than never."""
+
+    def __init__(
+        self,
+        *,
+        max_size: int,
+        max_wait_s: float,
+        max_tokens: int | None = None,
+        lengths: Lengths | None = None,
+    ) -> None:
         if max_size < 1:
             raise ValueError("max_size must be >= 1")
+        if max_tokens is not None and (max_tokens < 1 or lengths is None):
+            raise ValueError("max_tokens needs a positive budget and a way to measure rows")
         self.max_size = max_size
         self.max_wait_s = max_wait_s
-        self._items: deque[Item] = deque()
+        self.max_tokens = max_tokens
+        self.lengths = lengths
+        self._chunks: deque[Chunk] = deque()
+        self._rows = 0
+        self._tokens = 0
+        self._cut: deque[Batch] = deque()
+        """Batches already cut from sorted rows, to be taken before anything else."""
         self._flush = False
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._rows + sum(len(b) for b in self._cut)
 
     def add(
         self,
-        uids: list[int],
-        values: list[Any],
+        uids: np.ndarray,
+        columns: Columns,
         now: float,
         *,
         solo: bool = False,
         segment: str = "",
     ) -> None:
-        self._items.extend(
-            Item(u, v, now, solo, segment) for u, v in zip(uids, values, strict=True)
-        )
+        n = len(uids)
+        if not n:
+            return
+        lengths = None
+        if self.lengths is not None:
+            lengths = np.asarray(self.lengths(columns), dtype=np.int64).reshape(n)
+            self._tokens += int(lengths.sum())
+        self._chunks.append(Chunk(uids, columns, now, solo, segment, lengths))
+        self._rows += n
 
     def flush(self) -> None:
         """The upstream has nothing more for now: stop waiting for batches to fill."""
-        if self._items:
+        if len(self):
             self._flush = True
 
     def ready(self, now: float) -> bool:
-        if not self._items:
+        if self._cut:
+            return True
+        if not self._chunks:
             return False
-        head = self._items[0]
+        head = self._chunks[0]
         return (
             head.solo
             or self._flush
-            or len(self._items) >= self.max_size
+            or self._rows >= self.max_size
+            or (self.max_tokens is not None and self._tokens >= self.max_tokens)
             or now - head.arrived >= self.max_wait_s
         )
 
     def time_left(self, now: float) -> float | None:
-        """Seconds until the oldest item's wait runs out; None when empty."""
-        if not self._items:
+        """Seconds until the oldest row's wait runs out; None when empty."""
+        if self._cut:
+            return 0.0
+        if not self._chunks:
             return None
-        return max(0.0, self._items[0].arrived + self.max_wait_s - now)
+        return max(0.0, self._chunks[0].arrived + self.max_wait_s - now)
 
-    def take(self) -> list[Item]:
-        """The next batch: a solo item alone, else up to max_size items in arrival order."""
-        if not self._items:
-            return []
-        if self._items[0].solo:
-            batch = [self._items.popleft()]
-        else:
-            batch = []
-            while self._items and len(batch) < self.max_size and not self._items[0].solo:
-                batch.append(self._items.popleft())
-        if not self._items:
+    def take(self) -> Batch:
+        """The next batch: a solo row alone, else up to max_size rows in arrival order (or,
+        with a token budget, the next of the batches cut from the rows sorted by length)."""
+        if not self._cut and self._chunks:
+            if self._chunks[0].solo:
+                self._cut.append(self._take_rows(1, solo=True))
+            elif self.max_tokens is None:
+                self._cut.append(self._take_rows(self.max_size))
+            else:
+                self._cut.extend(self._cut_by_tokens())
+        batch = self._cut.popleft() if self._cut else Batch(np.empty(0, np.int64), {})
+        if not len(self):
             self._flush = False
         return batch
+
+    def _take_rows(self, limit: int, *, solo: bool = False) -> Batch:
+        """Up to `limit` rows from the head, stopping before a solo chunk."""
+        uids: list[np.ndarray] = []
+        parts: list[Columns] = []
+        segments: Counter[str] = Counter()
+        taken = 0
+        while self._chunks and taken < limit:
+            chunk = self._chunks[0]
+            if chunk.solo != solo and taken:
+                break
+            n = len(chunk.uids)
+            k = min(n, limit - taken)
+            if k == n:
+                self._chunks.popleft()
+                uids.append(chunk.uids)
+                parts.append(chunk.columns)
+            else:
+                uids.append(chunk.uids[:k])
+                parts.append(take(chunk.columns, slice(0, k)))
+                chunk.uids = chunk.uids[k:]
+                chunk.columns = take(chunk.columns, slice(k, None))
+                if chunk.lengths is not None:
+                    chunk.lengths = chunk.lengths[k:]
+            if chunk.segment:
+                segments[chunk.segment] += k
+            taken += k
+            if solo:
+                break
+        self._rows -= taken
+        joined = uids[0] if len(uids) == 1 else np.concatenate(uids)
+        return Batch(joined, concat(parts), solo, segments)
+
+    def _cut_by_tokens(self) -> list[Batch]:
+        """Every waiting row up to the first solo chunk, sorted by length and cut into
+        batches within the budget. The rows are copied out of their chunks (sorting
+        gathers them), so their shared memory is free with the first batch."""
+        assert self.max_tokens is not None
+        chunks: list[Chunk] = []
+        while self._chunks and not self._chunks[0].solo:
+            chunks.append(self._chunks.popleft())
+        uids = np.concatenate([c.uids for c in chunks])
+        lengths = np.concatenate([c.lengths for c in chunks if c.lengths is not None])
+        columns = concat([c.columns for c in chunks])
+        segments = Counter({c.segment: 0 for c in chunks if c.segment})
+        for c in chunks:
+            if c.segment:
+                segments[c.segment] += len(c.uids)
+        self._rows -= len(uids)
+        self._tokens -= int(lengths.sum())
+        order = np.argsort(-lengths, kind="stable")
+        batches: list[Batch] = []
+        start = 0
+        while start < len(order):
+            longest = max(int(lengths[order[start]]), 1)
+            fits = max(1, min(self.max_size, self.max_tokens // longest))
+            index = order[start : start + fits]
+            batches.append(Batch(uids[index], take(columns, index)))
+            start += fits
+        batches[0].segments = segments
+        return batches
 
 
 class AdaptiveBatchSize:

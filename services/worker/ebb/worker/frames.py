@@ -18,7 +18,7 @@ import io
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pickle import PickleBuffer, Pickler, loads
+from pickle import PickleBuffer, Pickler, dumps, loads
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ _MIN_OUT_OF_BAND = 2048
 """Smaller buffers stay inline in the pickle."""
 
 ITEMS = 1
-"""Items, in either direction: values keyed by uid."""
+"""Rows, in either direction: a chunk (see columns.py) with one row per uid, in order."""
 ERRORS = 2
 """Stage -> router: items that failed, one message per uid."""
 FLUSH = 3
@@ -46,9 +46,11 @@ RECYCLE = 7
 """Stage -> router: over my memory limit; send me nothing more, then STOP me."""
 RECLAIM = 8
 """Router -> stage: shared-memory segments of yours that nobody reads any more (payload)."""
+UNMAPPED = 10
+"""Stage -> router: segments (payload) whose rows this stage has all consumed."""
 FANOUT = 9
 """Fan-out stage -> router: the uids field holds the items' uids then their part counts;
-the payload is every item's parts, flattened. The router renames the parts (new uids) and
+the payload is a chunk of every item's parts, flattened. The router renames the parts (new uids) and
 forwards the same bytes: the parts are never unpickled on the way."""
 
 SOLO = 0x01
@@ -61,46 +63,14 @@ ARROW = 0x02
 class Header:
     kind: int
     flags: int
-    uids: list[int]
+    uids: np.ndarray
+    """int64, a view of the frame's bytes."""
     segment: str
     """The shared-memory segment of the frame's large buffers; "" when there is none."""
 
 
-class _Rows:
-    """A list of arrays of one shape and dtype (a batch of per-row tensors), pickled as one
-    stacked array: one buffer instead of a pickle record and a buffer per row, which is most
-    of the cost of handing small rows from stage to stage. It loads as a list of views."""
-
-    __slots__ = ("stacked",)
-
-    def __init__(self, stacked: np.ndarray) -> None:
-        self.stacked = stacked
-
-    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:
-        return _unstack, (self.stacked,)
-
-
-def _unstack(stacked: np.ndarray) -> list[np.ndarray]:
-    return list(stacked)
-
-
-def _compact(payload: Any) -> Any:
-    """`payload`, with a list of same-shaped arrays as _Rows."""
-    if type(payload) is not list or len(payload) < 2:
-        return payload
-    first = payload[0]
-    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.hasobject:
-        return payload
-    shape, dtype = first.shape, first.dtype
-    for value in payload:
-        if type(value) is not np.ndarray or value.shape != shape or value.dtype != dtype:
-            return payload
-    return _Rows(np.stack(payload))
-
-
 def _pickle(payload: Any, out_of_band: list[PickleBuffer] | None) -> bytes:
     stream = io.BytesIO()
-    payload = _compact(payload)
 
     def keep_large(buffer: PickleBuffer) -> bool:
         assert out_of_band is not None
@@ -116,7 +86,7 @@ def _pickle(payload: Any, out_of_band: list[PickleBuffer] | None) -> bytes:
 
 def pack(
     kind: int,
-    uids: Sequence[int] = (),
+    uids: Sequence[int] | np.ndarray = (),
     payload: Any = None,
     *,
     flags: int = 0,
@@ -145,12 +115,12 @@ def pack(
 def header(buf: bytes) -> Header:
     """Kind, flags, uids and segment, without touching the payload."""
     kind, flags, count, seg_len, _ = HEADER.unpack_from(buf)
-    uids = np.frombuffer(buf, dtype="<i8", count=count, offset=HEADER.size).tolist()
+    uids = np.frombuffer(buf, dtype="<i8", count=count, offset=HEADER.size)
     start = HEADER.size + 8 * count
     return Header(kind, flags, uids, bytes(buf[start : start + seg_len]).decode())
 
 
-def splice(buf: bytes, kind: int, uids: Sequence[int]) -> bytes:
+def splice(buf: bytes, kind: int, uids: Sequence[int] | np.ndarray) -> bytes:
     """The same frame (segment, buffers, body) under another kind and other uids."""
     _, flags, count, seg_len, n_places = HEADER.unpack_from(buf)
     ids = np.asarray(uids, dtype="<i8")
@@ -183,3 +153,13 @@ def payload(buf: bytes, *, arena: Arena | None = None, copy: bool = False) -> An
             buffers = views
     # Frames come only from this worker's own stage processes and router (see above).
     return loads(memoryview(buf)[start:], buffers=buffers)  # noqa: S301
+
+
+def unsendable(values: Sequence[Any]) -> str:
+    """Why the first of `values` that cannot go into a frame cannot; "" when all can."""
+    for value in values:
+        try:
+            dumps(value, protocol=5)
+        except Exception as e:  # noqa: BLE001 - any pickling failure is this value's
+            return f"{type(e).__name__}: {e}"[:2000]
+    return ""

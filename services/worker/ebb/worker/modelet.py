@@ -2,12 +2,19 @@
 
     def __init__(self, **params)           # the stage's `params` from the job spec
     def setup(self) -> None                # optional: once per process, before any item
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]
+        or
     def process_batch(self, items: list) -> list    # one output per input, same order
         or
     def process(self, item) -> object      # one item at a time
 
+`process_columns` is the fast path: the batch is a map of column -> array with one entry per
+row (tensor columns as one contiguous array, see columns.py), and it returns the same, every
+column as long as the batch. The per-row forms are adapters over it: each batch is turned into
+a Python object per row and back, which costs far more than a small model.
+
 Subclassing `Modelet` is a convenience, not a requirement. A modelet runs in its own process;
-an exception fails only the items of its batch, and bisection finds which ones.
+an exception fails only the rows of its batch, and bisection finds which ones.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ebb.common.spec import StageSpec
+
+from .columns import Columns, checked, from_rows, num_rows, to_rows
 
 
 class StageError(Exception):
@@ -30,7 +39,8 @@ class BatchModelet(Protocol):
 
 
 class Modelet:
-    """Optional base class. Override `process` (one item) or `process_batch` (a list)."""
+    """Optional base class. Override `process_columns` (a columnar batch), `process_batch`
+    (a list) or `process` (one item)."""
 
     def setup(self) -> None:
         """Load models and open resources: runs once, in the stage's own process."""
@@ -40,6 +50,9 @@ class Modelet:
 
     def process_batch(self, items: list[Any]) -> list[Any]:
         return [self.process(item) for item in items]
+
+    def process_columns(self, batch: Columns) -> Columns:
+        return from_rows(self.process_batch(to_rows(batch)))
 
 
 def resolve_class(name: str) -> type:
@@ -58,15 +71,60 @@ def resolve_class(name: str) -> type:
     return target
 
 
-def batch_callable(obj: Any, name: str) -> Callable[[list[Any]], list[Any]]:
-    """The batch function of a modelet instance, whichever of the two methods it defines."""
+@runtime_checkable
+class ColumnsModelet(Protocol):
+    def process_columns(self, batch: Columns) -> Columns: ...
+
+
+def _per_row(obj: Any, name: str) -> Callable[[list[Any]], list[Any]]:
     if isinstance(obj, Modelet | BatchModelet):
         fn: Callable[[list[Any]], list[Any]] = obj.process_batch
         return fn
     single = getattr(obj, "process", None)
     if callable(single):
         return lambda items: [single(item) for item in items]
-    raise StageError(f"{name} defines neither process_batch(items) nor process(item)")
+    raise StageError(
+        f"{name} defines none of process_columns(batch), process_batch(items), process(item)"
+    )
+
+
+def rows_callable(obj: Any, name: str) -> Callable[[list[Any]], list[Any]]:
+    """A modelet's per-row batch function (a fan-out stage's: one list of parts per row)."""
+    batch = _per_row(obj, name)
+
+    def run(items: list[Any]) -> list[Any]:
+        out = batch(items)
+        if not isinstance(out, list) or len(out) != len(items):
+            got = len(out) if isinstance(out, list) else type(out).__name__
+            raise TypeError(f"returned {got} outputs for {len(items)} inputs")
+        return out
+
+    return run
+
+
+def columns_callable(obj: Any, name: str) -> Callable[[Columns], Columns]:
+    """The columnar batch function of a modelet instance: its own `process_columns`, or its
+    per-row method behind the adapter (the slow path)."""
+    if isinstance(obj, ColumnsModelet) and not _overrides_rows_only(obj):
+        columnar = obj.process_columns
+
+        def run_columns(batch: Columns) -> Columns:
+            return checked(columnar(batch), num_rows(batch), f"{name}.process_columns")
+
+        return run_columns
+    per_row = rows_callable(obj, name)
+
+    def adapter(batch: Columns) -> Columns:
+        return from_rows(per_row(to_rows(batch)))
+
+    return adapter
+
+
+def _overrides_rows_only(obj: Any) -> bool:
+    """A `Modelet` subclass that overrides only the per-row methods: the base class's
+    process_columns adapter is not its own."""
+    own = getattr(type(obj), "process_columns", None)
+    return own is Modelet.process_columns
 
 
 def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:

@@ -6,7 +6,15 @@ from typing import Any
 
 import numpy as np
 
+from .columns import VALUE, Columns, is_plain
 from .modelet import Modelet
+
+
+def _matrix(column: np.ndarray, dtype: np.dtype[Any] | None = None) -> np.ndarray:
+    """A column as a 2-D array [rows, values] (a column of per-row arrays is stacked)."""
+    if column.dtype == object:
+        column = np.stack([np.atleast_1d(np.asarray(v, dtype=dtype)) for v in column])
+    return column.reshape(len(column), -1).astype(dtype or column.dtype, copy=False)
 
 
 class Features(Modelet):
@@ -24,6 +32,10 @@ class Features(Modelet):
 
     def process_batch(self, items: list[Any]) -> list[Any]:
         return [self.process(item) for item in items]
+
+    def process_columns(self, batch: Columns) -> Columns:
+        parts = [_matrix(batch[c], self.dtype) for c in self.columns]
+        return {VALUE: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)}
 
 
 class TopClass(Modelet):
@@ -54,9 +66,28 @@ class TopClass(Modelet):
             out.append({"label": label, "score": float(scores[i, k])})
         return out
 
+    def process_columns(self, batch: Columns) -> Columns:
+        if self.field is not None:
+            column = batch[self.field]
+        elif is_plain(batch):
+            column = batch[VALUE]
+        else:
+            raise TypeError(f"rows are maps of {list(batch)}: name the scores' `field`")
+        scores = _matrix(column).astype(np.float64)
+        if self.softmax:
+            scores = np.exp(scores - scores.max(axis=1, keepdims=True))
+            scores /= scores.sum(axis=1, keepdims=True)
+        best = scores.argmax(axis=1)
+        score = scores[np.arange(len(best)), best]
+        labels = np.asarray(self.labels, dtype=object)[best] if self.labels else best
+        return {"label": labels, "score": score}
+
 
 class Identity(Modelet):
     """Passes items through unchanged."""
 
     def process_batch(self, items: list[Any]) -> list[Any]:
         return items
+
+    def process_columns(self, batch: Columns) -> Columns:
+        return batch

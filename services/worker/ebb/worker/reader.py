@@ -1,4 +1,4 @@
-"""Reading one shard into an Arrow table, and turning its rows into pipeline items.
+"""Reading one shard into an Arrow table.
 
 A row that cannot be decoded (a malformed CSV line, a JSONL line that is not JSON) is not
 dropped: it stays in the table as a null row and is reported in `bad_rows`, so that it reaches
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
@@ -201,31 +200,3 @@ def _parse_jsonl(chunk: bytes) -> ShardData:
         records.append(value)
     good = pa.Table.from_pylist(records)
     return ShardData(_with_nulls(good, len(lines), bad), bad)
-
-
-def table_rows(table: pa.Table | pa.RecordBatch, columns: list[str] | None) -> list[dict[str, Any]]:
-    """Rows as maps of column -> value; numeric list columns become numpy arrays."""
-    names = columns if columns is not None else table.schema.names
-    values = [_column_values(table.column(name)) for name in names]
-    return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
-
-
-def _column_values(column: pa.ChunkedArray[Any] | pa.Array[Any]) -> list[Any]:
-    array: Any = column
-    if isinstance(column, pa.ChunkedArray):
-        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    kind = array.type
-    if (
-        pa.types.is_fixed_size_list(kind)
-        and array.null_count == 0
-        and (pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type))
-    ):
-        flat = array.flatten().to_numpy(zero_copy_only=False)
-        matrix = flat.reshape(len(array), kind.list_size)
-        return list(matrix)
-    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and (
-        pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)
-    ):
-        return [None if v is None else np.asarray(v) for v in array.to_pylist()]
-    values: list[Any] = array.to_pylist()
-    return values

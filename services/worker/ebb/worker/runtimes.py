@@ -1,8 +1,9 @@
-"""Model stages: ONNX Runtime and TorchScript, each a modelet that batches numpy inputs.
+"""Model stages: ONNX Runtime and TorchScript, each a columnar modelet.
 
-An item is an array (one row of the model's input) or a map of arrays keyed by the model's
-input names; with `input: field` in the stage spec, that field of a map item is the input.
-Outputs are split back per item: one output gives an array per item, several give a map.
+A row is an array (one row of the model's input) or a map of arrays keyed by the model's
+input names; with `input: field` in the stage spec, that field of a map row is the input.
+The batch's column goes to the runtime as one array (no per-row stacking when it arrives as a
+tensor column); one output comes back as the rows' value, several as a map per row.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from ebb.common.spec import StageSpec
 
+from .columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
 from .modelet import Modelet, StageError
 
 _ONNX_DTYPES = {
@@ -45,18 +47,26 @@ def _local_copy(uri: str) -> str:
     return path
 
 
-def _split(outputs: dict[str, np.ndarray], n: int) -> list[Any]:
-    names = list(outputs)
-    for name in names:
-        if outputs[name].shape[:1] != (n,):
-            raise ValueError(f"model output {name!r} has shape {outputs[name].shape}, batch is {n}")
-    if len(names) == 1:
-        only = outputs[names[0]]
-        return [only[i] for i in range(n)]
-    return [{name: outputs[name][i] for name in names} for i in range(n)]
+_TORCH_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _tensor(column: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """A column as one contiguous array (a column of per-row arrays is stacked)."""
+    if column.dtype == object:
+        column = np.stack([np.asarray(v) for v in column])
+    return np.ascontiguousarray(column, dtype=dtype)
+
+
+def _check_rows(outputs: dict[str, np.ndarray], n: int) -> None:
+    for name, value in outputs.items():
+        if value.shape[:1] != (n,):
+            raise ValueError(f"model output {name!r} has shape {value.shape}, batch is {n}")
 
 
 class _ModelStage(Modelet):
+    """A model file as a columnar modelet: the input columns go to the runtime as they are
+    (one contiguous array each), its outputs come back as columns."""
+
     def __init__(self, spec: StageSpec) -> None:
         assert spec.model is not None
         self.spec = spec
@@ -64,30 +74,60 @@ class _ModelStage(Modelet):
         self.input_names: list[str] = []
 
     def process_batch(self, items: list[Any]) -> list[Any]:
-        outputs = self.infer(items)
+        return to_rows(self.process_columns(from_rows(items)))
+
+    def process_columns(self, batch: Columns) -> Columns:
+        n = num_rows(batch)
+        outputs = self.infer(self._feeds(batch))
+        _check_rows(outputs, n)
+        only = next(iter(outputs.values())) if len(outputs) == 1 else None
         key = self.spec.output
         if key is None:
-            return outputs
-        consumed = self.spec.input
-        return [
-            {**{k: v for k, v in item.items() if k != consumed}, key: out}
-            for item, out in zip(items, outputs, strict=True)
-        ]
+            return {VALUE: only} if only is not None else outputs
+        if is_plain(batch):
+            raise TypeError(f"rows must be maps to take the model's output as {key!r}")
+        out = {k: v for k, v in batch.items() if k != self.spec.input}
+        if only is not None:
+            out[key] = only
+        else:  # several outputs under one key: a map per row
+            names = list(outputs)
+            per_row = np.empty(n, dtype=object)
+            for i in range(n):
+                per_row[i] = {name: outputs[name][i] for name in names}
+            out[key] = per_row
+        return out
 
-    def infer(self, items: list[Any]) -> list[Any]:
-        """One output per item."""
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model's outputs, by name, for a batch of inputs, by name."""
         raise TypeError(f"{type(self).__name__} does not implement infer")
 
-    def _inputs(self, items: list[Any]) -> dict[str, list[Any]]:
+    def _feeds(self, batch: Columns) -> dict[str, np.ndarray]:
+        """The model's inputs from the batch: the `input` column, the one column of plain
+        rows, or the columns named like the model's inputs."""
         if self.spec.input is not None:
-            items = [item[self.spec.input] for item in items]
-        if len(self.input_names) == 1 and not isinstance(items[0], dict):
-            return {self.input_names[0]: items}
-        if not isinstance(items[0], dict):
+            if is_plain(batch) or self.spec.input not in batch:
+                raise TypeError(f"rows have no field {self.spec.input!r}")
+            column: np.ndarray | None = batch[self.spec.input]
+        elif is_plain(batch) or (len(batch) == 1 and len(self.input_names) == 1):
+            column = next(iter(batch.values()))  # the rows' one value feeds the one input
+        else:
+            column = None
+        if column is not None:
+            if column.dtype == object and len(column) and isinstance(column[0], dict):
+                batch = from_rows(list(column))  # rows that are maps of the model's inputs
+            elif len(self.input_names) == 1:
+                return {self.input_names[0]: column}
+            else:
+                raise TypeError(
+                    f"model takes inputs {self.input_names}: rows must be maps of those names"
+                )
+        missing = [name for name in self.input_names if name not in batch]
+        if missing:
             raise TypeError(
-                f"model takes inputs {self.input_names}: items must be maps of those names"
+                f"model takes inputs {self.input_names}: rows must be maps of those names "
+                f"(they lack {missing})"
             )
-        return {name: [item[name] for item in items] for name in self.input_names}
+        return {name: batch[name] for name in self.input_names}
 
 
 class OnnxStage(_ModelStage):
@@ -111,24 +151,37 @@ class OnnxStage(_ModelStage):
         inputs = self.session.get_inputs()
         self.input_names = [i.name for i in inputs]
         self.dtypes = {i.name: _ONNX_DTYPES.get(i.type, np.float32) for i in inputs}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        wanted = self.spec.dtype
+        if wanted is not None:
+            # ONNX Runtime runs the graph in the types it was exported with: a float16 model
+            # is an export of its own, not a switch at load time.
+            floats = {np.dtype(t).name for t in self.dtypes.values() if np.dtype(t).kind == "f"}
+            if floats and floats != {wanted}:
+                raise StageError(
+                    f"{self.uri} takes {sorted(floats)} inputs, not {wanted}: export the model "
+                    f"in {wanted} (onnxruntime cannot convert it at load time)"
+                )
 
-    def infer(self, items: list[Any]) -> list[Any]:
-        feed: dict[str, np.ndarray] = {
-            name: np.stack([np.asarray(v) for v in values]).astype(self.dtypes[name], copy=False)
-            for name, values in self._inputs(items).items()
-        }
-        names = [o.name for o in self.session.get_outputs()]
-        results = self.session.run(names, feed)
-        return _split(dict(zip(names, results, strict=True)), len(items))
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed = {name: _tensor(column, self.dtypes[name]) for name, column in feeds.items()}
+        results = self.session.run(self.output_names, feed)
+        return dict(zip(self.output_names, results, strict=True))
 
 
 class TorchScriptStage(_ModelStage):
+    """A TorchScript model. On a GPU the batch goes through pinned host memory and a copy
+    stream of its own, so that the copy to the device does not wait behind (or hold up) the
+    kernels of the previous batch; `dtype` runs the model in half or bfloat16 precision."""
+
     def setup(self) -> None:
         import torch
 
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
         self.device = torch.device(self.spec.device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = getattr(torch, self.spec.dtype or "float32")
         with warnings.catch_warnings():
             # TorchScript is deprecated upstream, yet it is what many model zoos ship.
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -139,21 +192,48 @@ class TorchScriptStage(_ModelStage):
             except Exception as e:
                 raise StageError(f"cannot load TorchScript model {self.uri}: {e}") from e
         self.model.eval()
+        if self.dtype != torch.float32:
+            self.model.to(self.dtype)
         forward = self.model.forward
         try:
             arguments = forward.schema.arguments[1:]  # the first is `self`
             self.input_names = [a.name for a in arguments] or ["input"]
         except AttributeError:
             self.input_names = ["input"]
+        self.pinned: dict[str, Any] = {}
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
 
-    def infer(self, items: list[Any]) -> list[Any]:
+    def _to_device(self, name: str, array: np.ndarray) -> Any:
         import torch
 
-        inputs = self._inputs(items)
+        host = torch.from_numpy(array)
+        if host.is_floating_point():
+            host = host.to(self.dtype)
+        if not self.cuda:
+            return host
+        # Pinned (page-locked) staging memory, kept between batches: the copy to the GPU
+        # then runs asynchronously, by DMA, instead of through a pageable bounce buffer.
+        buffer = self.pinned.get(name)
+        if buffer is None or buffer.dtype != host.dtype or buffer.numel() < host.numel():
+            buffer = torch.empty(host.numel(), dtype=host.dtype).pin_memory()
+            self.pinned[name] = buffer
+        staged = buffer[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        assert self.copy_stream is not None
+        with torch.cuda.stream(self.copy_stream):
+            on_device = staged.to(self.device, non_blocking=True)
+        # The forward pass (on the default stream) starts once this copy is complete.
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        on_device.record_stream(torch.cuda.current_stream(self.device))
+        return on_device
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
         tensors = [
-            torch.from_numpy(np.stack([np.asarray(v) for v in inputs[name]])).to(self.device)
+            self._to_device(name, _tensor(feeds[name]))
             for name in self.input_names
-            if name in inputs
+            if name in feeds
         ]
         with torch.inference_mode():
             out = self.model(*tensors)
@@ -165,8 +245,17 @@ class TorchScriptStage(_ModelStage):
             outputs = {f"output{i}": t for i, t in enumerate(out)}
         else:
             raise TypeError(f"TorchScript model returned {type(out).__name__}, not tensors")
-        arrays = {k: v.detach().to("cpu").numpy() for k, v in outputs.items()}
-        return _split(arrays, len(items))
+        return {k: _host(v) for k, v in outputs.items()}
+
+
+def _host(tensor: Any) -> np.ndarray:
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        tensor = tensor.float()  # numpy has no bfloat16; output columns are float32
+    array: np.ndarray = tensor.to("cpu").numpy()
+    return array
 
 
 def load_runtime(spec: StageSpec) -> Modelet:

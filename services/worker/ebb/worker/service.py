@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+import numpy as np
 import pyarrow as pa
 from nats.aio.client import Client as NATS
 
@@ -37,9 +38,10 @@ from ebb.common.spec import JobSpec, parse_job
 from ebb.common.supervisor import Supervisor
 
 from . import metrics
+from .columns import scatter
 from .elastic import DeviceMonitor
-from .pipeline import Pipeline, PipelineConfig, PipelineSetupError
-from .reader import read_shard
+from .pipeline import Pipeline, PipelineConfig, PipelineSetupError, RunResult
+from .reader import ShardData, read_shard
 from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,20 @@ _LOST_CODES = frozenset({"stale_token", "job_ended", "not_found"})
 _RETRY_CODES = frozenset({"unavailable", "not_leader", "internal", "bad_reply", "no_commit_record"})
 """Answers that say "not now": the master is restarting, its store timed out, or (on an
 eventually consistent object store) it cannot see our commit record yet."""
+
+
+def _output(
+    data: ShardData, good: np.ndarray, result: RunResult, spec: JobSpec
+) -> tuple[pa.Table, int]:
+    """The shard's output table: the pipeline's results (for the rows that went in, `good`)
+    put back among the shard's rows, and the rows that could not be read as errors."""
+    n = data.table.num_rows
+    results, errors = result.columns, dict(result.errors)
+    if len(good) != n:
+        errors = {int(good[i]): why for i, why in errors.items()}
+        errors.update(data.bad_rows)
+        results, _ = scatter([(good, results)], n) if results else ({}, None)
+    return build_output(data.table, results, errors, spec.output)
 
 
 def default_worker_id() -> str:
@@ -318,18 +334,14 @@ class Worker:
         inputs = data.table
         if spec.input.columns is not None:
             inputs = inputs.select(spec.input.columns)
-        good = [i for i in range(n) if i not in data.bad_rows]
+        good = np.arange(n, dtype=np.int64)
         if data.bad_rows:
+            good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
             inputs = inputs.take(pa.array(good, type=pa.int64()))
         await asyncio.shield(self._pipeline_started)
-        # The rows travel as Arrow and become Python values in the first stage's processes.
-        results = await self.pipeline.run(inputs)
-        outcomes: list[tuple[bool, Any] | None] = [None] * n
-        for i, outcome in zip(good, results, strict=True):
-            outcomes[i] = outcome
-        table, error_rows = await asyncio.to_thread(
-            build_output, data.table, outcomes, spec.output, data.bad_rows
-        )
+        # The rows travel as Arrow and become columns in the first stage's processes.
+        result = await self.pipeline.run_columns(inputs)
+        table, error_rows = await asyncio.to_thread(_output, data, good, result, spec)
         files = await asyncio.to_thread(
             write_attempt,
             store,

@@ -7,9 +7,9 @@ and sends only the segment's name and the buffers' places in it. The consumer ma
 segment and unpickles arrays that are views of it: no copy until the model stacks its batch.
 
 Who frees what:
-- the consumer unmaps a segment when every item of its frame has been processed;
-- the router, which knows when the consumer is done with a frame's items (they come back, or
-  its process dies), hands the segment back to its producer (`reclaim`), which keeps it,
+- the consumer unmaps a segment when every row of its frame has been processed, and tells the
+  router so (or dies, which tells the router as much);
+- the router then hands the segment back to its producer (`reclaim`), which keeps it,
   mapped and with its pages already in memory, for a later frame: creating and faulting in
   fresh shared memory for every frame costs more than the copy into it. Segments whose
   producer is gone are unlinked. Segments of a worker that died are swept by the next worker
@@ -127,17 +127,19 @@ class Arena:
         whole = memoryview(memory)
         return [whole[offset : offset + length] for offset, length in places]
 
-    def done(self, name: str, items: int) -> None:
-        """`items` items of segment `name` are processed; unmap it once all of them are."""
+    def done(self, name: str, items: int) -> bool:
+        """`items` rows of segment `name` are processed; unmap it once all of them are.
+        True when that happened (nobody here reads the segment any more)."""
         if name not in self._mapped:
-            return
+            return False
         memory, pending = self._mapped[name]
         if pending - items > 0:
             self._mapped[name] = (memory, pending - items)
-            return
+            return False
         del self._mapped[name]
         self._closing.append(memory)
         self.sweep()
+        return True
 
     def sweep(self) -> None:
         """Unmap what can be: a mapping with views still alive (an array a user modelet kept,

@@ -1,8 +1,10 @@
-"""The body of one stage process: receive items, batch them, run the modelet, send results.
+"""The body of one stage process: receive chunks of rows, batch them, run the modelet, send
+results.
 
 One thread reads the inbox pipe without pause (so the router never blocks on a busy stage);
-the main thread assembles batches and runs them. A failing batch is bisected until each
-failing item stands alone: only those items become errors. The batch board (shared memory)
+the main thread cuts batches from the chunks and runs them, a batch at a time, as columns.
+A failing batch is bisected until each failing row stands alone: only those rows become
+errors. The batch board (shared memory)
 tells the router what runs now and since when, so that it can kill a stage that hangs.
 """
 
@@ -17,19 +19,20 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from ebb.common.spec import StageSpec
 
 from . import frames
-from .batcher import AdaptiveBatchSize, Batcher, Item
-from .modelet import batch_callable, build_stage
-from .reader import table_rows
+from .batcher import AdaptiveBatchSize, Batch, Batcher
+from .columns import VALUE, Columns, concat, from_arrow, from_rows, is_plain, take, to_rows
+from .modelet import build_stage, columns_callable, rows_callable
 from .shm import Arena
 
 EXIT_SETUP_FAILED = 3
@@ -47,9 +50,9 @@ class BatchBoard:
         self._uids = ctx.Array("q", capacity, lock=False)
         self._busy = ctx.Value("d", 0.0, lock=False)
 
-    def post(self, uids: list[int]) -> None:
+    def post(self, uids: np.ndarray) -> None:
         n = min(len(uids), len(self._uids))
-        self._uids[:n] = uids[:n]
+        np.frombuffer(self._uids, dtype=np.int64)[:n] = uids[:n]
         self._count.value = n
         self._started.value = time.monotonic()  # last: a reader seeing it sees the uids
 
@@ -69,11 +72,11 @@ class BatchBoard:
         """When the running batch started (monotonic, system-wide); 0.0 when idle."""
         return float(self._started.value)
 
-    def running(self) -> list[int]:
+    def running(self) -> np.ndarray:
         """The uids of the running batch; empty when idle."""
         if not self._started.value:
-            return []
-        return list(self._uids[: self._count.value])
+            return np.empty(0, dtype=np.int64)
+        return np.frombuffer(self._uids, dtype=np.int64)[: self._count.value].copy()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,13 +100,6 @@ def _describe(e: BaseException) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
 
 
-def _checked(out: Any, expected: int) -> list[Any]:
-    if not isinstance(out, list) or len(out) != expected:
-        got = len(out) if isinstance(out, list) else type(out).__name__
-        raise TypeError(f"returned {got} outputs for {expected} inputs")
-    return out
-
-
 def stage_main(
     config: StageConfig, inbox: Connection, outbox: Connection, board: BatchBoard
 ) -> None:
@@ -117,36 +113,65 @@ def stage_main(
         setup = getattr(modelet, "setup", None)
         if callable(setup):
             setup()
-        run = batch_callable(modelet, config.spec.modelet or config.spec.model or name)
+        label = config.spec.modelet or config.spec.model or name
+        # A fan-out stage returns a list of parts per row: it runs on rows, not columns.
+        run_rows = rows_callable(modelet, label) if config.spec.fanout else None
+        run = None if config.spec.fanout else columns_callable(modelet, label)
     except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         outbox.send_bytes(frames.pack(frames.SETUP_FAILED, payload=f"stage {name!r}: {detail}"))
         outbox.close()
         sys.exit(EXIT_SETUP_FAILED)
     outbox.send_bytes(frames.pack(frames.READY, payload=os.getpid()))
-    StageLoop(config, run, inbox, outbox, board).run()
+    StageLoop(config, run, inbox, outbox, board, run_rows=run_rows).run()
+
+
+def row_lengths(column_name: str) -> Callable[[Columns], np.ndarray]:
+    """How long each row is, for a token budget: the length of its sequence in a column of
+    sequences, or the value of a column of lengths."""
+
+    def lengths(batch: Columns) -> np.ndarray:
+        if column_name in batch:
+            column = batch[column_name]
+        elif is_plain(batch):
+            column = batch[VALUE]
+        else:
+            raise KeyError(f"rows have no column {column_name!r} to measure their length")
+        if column.dtype == object:
+            return np.fromiter((len(v) for v in column), dtype=np.int64, count=len(column))
+        if column.ndim == 1:
+            return column.astype(np.int64)
+        return np.full(len(column), column.shape[1], dtype=np.int64)
+
+    return lengths
 
 
 class StageLoop:
     def __init__(
         self,
         config: StageConfig,
-        run: Any,
+        run: Callable[[Columns], Columns] | None,
         inbox: Connection,
         outbox: Connection,
         board: BatchBoard,
+        *,
+        run_rows: Callable[[list[Any]], list[Any]] | None = None,
     ) -> None:
-        self.name = config.spec.name
+        spec = config.spec
+        self.name = spec.name
         self.run_batch = run
+        self.run_rows = run_rows
+        """A fan-out stage's per-row function (one list of parts per row)."""
         self.memory_limit = config.memory_limit_bytes
         self.outbox = outbox
         self.board = board
-        self.batcher = Batcher(max_size=config.spec.batch_size, max_wait_s=config.spec.batch_wait_s)
-        self.sizer = (
-            AdaptiveBatchSize(max_size=config.spec.batch_size)
-            if config.spec.adaptive_batch
-            else None
+        self.batcher = Batcher(
+            max_size=spec.batch_size,
+            max_wait_s=spec.batch_wait_s,
+            max_tokens=spec.batch_tokens,
+            lengths=row_lengths(spec.length_column) if spec.length_column else None,
         )
+        self.sizer = AdaptiveBatchSize(max_size=spec.batch_size) if spec.adaptive_batch else None
         if self.sizer is not None:
             self.batcher.max_size = self.sizer.size
         self.messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -154,8 +179,7 @@ class StageLoop:
         self.reader = threading.Thread(target=self._read, args=(inbox,), daemon=True)
         self.stopping = False
         self.recycling = False
-        self.fanout = config.spec.fanout
-        self._counts: list[int] = []
+        self.fanout = spec.fanout
 
     def _read(self, inbox: Connection) -> None:
         try:
@@ -190,25 +214,42 @@ class StageLoop:
             while self.batcher.ready(time.monotonic()):
                 batch = self.batcher.take()
                 self._run(batch)
-                segments = Counter(i.segment for i in batch if i.segment)
+                segments = batch.segments
                 del batch  # the last references to views of shared memory, before unmapping
-                for segment, n in segments.items():
-                    self.arena.done(segment, n)
+                unmapped = [name for name, n in segments.items() if self.arena.done(name, n)]
+                if unmapped:
+                    self._send(frames.pack(frames.UNMAPPED, payload=unmapped))
                 self._check_memory()
             if self.stopping and not len(self.batcher):
                 self.arena.close()
                 self.outbox.close()
                 return
 
+    def _send(self, message: bytes) -> None:
+        self.outbox.send_bytes(message)
+
     def _handle(self, message: bytes) -> None:
         h = frames.header(message)
         if h.kind == frames.ITEMS:
-            values = frames.payload(message, arena=self.arena)
+            payload = frames.payload(message, arena=self.arena)
             if h.flags & frames.ARROW:
-                schema, data = values
-                values = table_rows(pa.ipc.read_record_batch(pa.py_buffer(data), schema), None)
-            solo = bool(h.flags & frames.SOLO)
-            self.batcher.add(h.uids, values, time.monotonic(), solo=solo, segment=h.segment)
+                schema, data = payload
+                payload = from_arrow(pa.ipc.read_record_batch(pa.py_buffer(data), schema))
+            # A copy of the uids: the view would keep the whole message alive.
+            uids = h.uids.copy()
+            try:
+                self.batcher.add(
+                    uids,
+                    payload,
+                    time.monotonic(),
+                    solo=bool(h.flags & frames.SOLO),
+                    segment=h.segment,
+                )
+            except Exception as e:  # noqa: BLE001 - rows we cannot measure fail, not the stage
+                if h.segment and self.arena.done(h.segment, len(uids)):
+                    self._send(frames.pack(frames.UNMAPPED, payload=[h.segment]))
+                problem = f"stage {self.name!r}: {_describe(e)}"
+                self._send(frames.pack(frames.ERRORS, uids, [problem] * len(uids)))
         elif h.kind == frames.RECLAIM:
             for name in frames.payload(message):
                 self.arena.reclaim(name)
@@ -217,97 +258,106 @@ class StageLoop:
         elif h.kind == frames.STOP:
             self.stopping = True
 
-    def _run(self, batch: list[Item]) -> None:
-        if not batch:
+    def _run(self, batch: Batch) -> None:
+        if not len(batch):
             return
-        solo = len(batch) == 1 and batch[0].solo
-        self.board.post([i.uid for i in batch])
+        self.board.post(batch.uids)
         started = time.perf_counter()
         try:
-            ok_uids, ok_values, failed = self._isolate(
-                [i.uid for i in batch], [i.value for i in batch]
-            )
+            pieces, failed = self._isolate(batch.uids, batch.columns)
         finally:
             self.board.clear()
-        if self.sizer is not None and not solo:
+        if self.sizer is not None and not batch.solo:
             self.batcher.max_size = self.sizer.observe(len(batch), time.perf_counter() - started)
-        if ok_uids and self.fanout:
-            ok_uids, ok_values, not_lists = self._fan_out(ok_uids, ok_values)
-            failed += not_lists
-        if ok_uids:
-            flags = frames.SOLO if solo else 0
-            try:
-                message = frames.pack(
-                    frames.ITEMS, ok_uids, ok_values, flags=flags, arena=self.arena
-                )
-                if self.fanout:
-                    message = frames.splice(message, frames.FANOUT, ok_uids + self._counts)
-            except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
-                message, unsendable = self._pack_each(ok_uids, ok_values, flags)
-                failed += unsendable
+        flags = frames.SOLO if batch.solo else 0
+        if pieces:
+            uids = np.concatenate([u for u, _ in pieces])
+            if self.fanout:
+                message = self._fan_out_message(uids, [v for _, v in pieces], failed, flags)
+            else:
+                message = self._items_message(uids, concat([c for _, c in pieces]), failed, flags)
             if message:
-                self.outbox.send_bytes(message)
+                self._send(message)
         if failed:
-            self.outbox.send_bytes(
-                frames.pack(frames.ERRORS, [u for u, _ in failed], [m for _, m in failed])
+            self._send(frames.pack(frames.ERRORS, [u for u, _ in failed], [m for _, m in failed]))
+
+    def _items_message(
+        self, uids: np.ndarray, chunk: Columns, failed: list[tuple[int, str]], flags: int
+    ) -> bytes:
+        try:
+            return frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
+        except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
+            bad = self._unsendable_rows(chunk)
+            failed += [(int(uids[i]), why) for i, why in bad.items()]
+            keep = np.array([i not in bad for i in range(len(uids))], dtype=bool)
+            if not keep.any():
+                return b""
+            return frames.pack(
+                frames.ITEMS, uids[keep], take(chunk, keep), flags=flags, arena=self.arena
             )
 
-    def _fan_out(
-        self, uids: list[int], values: list[Any]
-    ) -> tuple[list[int], list[Any], list[tuple[int, str]]]:
-        """A fan-out stage's lists, flattened; the part counts go to `_counts`."""
+    def _fan_out_message(
+        self, uids: np.ndarray, outputs: list[Any], failed: list[tuple[int, str]], flags: int
+    ) -> bytes:
+        """A fan-out stage's lists, flattened into one chunk of parts, with each row's count
+        of parts. A row whose output is not a list, or has a part that cannot be sent, fails
+        alone (with its parts)."""
+        values = [v for out in outputs for v in out]
         kept: list[int] = []
+        counts: list[int] = []
         parts: list[Any] = []
-        failed: list[tuple[int, str]] = []
-        self._counts = []
-        for uid, value in zip(uids, values, strict=True):
-            if isinstance(value, list | tuple):
-                kept.append(uid)
-                self._counts.append(len(value))
-                parts.extend(value)
-            else:
+        for uid, value in zip(uids.tolist(), values, strict=True):
+            if not isinstance(value, list | tuple):
                 kind = type(value).__name__
-                problem = f"stage {self.name!r} fans out: it must return a list, not {kind}"
-                failed.append((uid, problem))
-        return kept, parts, failed
+                failed.append(
+                    (uid, f"stage {self.name!r} fans out: it must return a list, not {kind}")
+                )
+                continue
+            problem = frames.unsendable(value)
+            if problem:
+                failed.append((uid, f"stage {self.name!r}: output cannot be sent: {problem}"))
+                continue
+            kept.append(uid)
+            counts.append(len(value))
+            parts.extend(value)
+        if not kept:
+            return b""
+        chunk = from_rows(parts) if parts else {VALUE: np.empty(0, dtype=object)}
+        message = frames.pack(frames.ITEMS, [], chunk, flags=flags, arena=self.arena)
+        return frames.splice(message, frames.FANOUT, kept + counts)
 
-    def _pack_each(
-        self, uids: list[int], values: list[Any], flags: int
-    ) -> tuple[bytes, list[tuple[int, str]]]:
-        """Pack the outputs that can be sent; the others fail their own items."""
-        good_uids: list[int] = []
-        good_values: list[Any] = []
-        failed: list[tuple[int, str]] = []
-        for uid, value in zip(uids, values, strict=True):
-            try:
-                frames.pack(frames.ITEMS, [uid], [value])
-            except Exception as e:  # noqa: BLE001 - any pickling failure is this item's
-                failed.append((uid, f"stage {self.name!r}: output cannot be sent: {_describe(e)}"))
-            else:
-                good_uids.append(uid)
-                good_values.append(value)
-        packed = (
-            frames.pack(frames.ITEMS, good_uids, good_values, flags=flags, arena=self.arena)
-            if good_uids
-            else b""
-        )
-        return packed, failed
+    def _unsendable_rows(self, chunk: Columns) -> dict[int, str]:
+        """The rows (by index) whose values cannot be pickled, and why."""
+        bad: dict[int, str] = {}
+        for column in chunk.values():
+            if column.dtype != object:
+                continue
+            for i, value in enumerate(column):
+                problem = frames.unsendable([value])
+                if problem and i not in bad:
+                    bad[i] = f"stage {self.name!r}: output cannot be sent: {problem}"
+        return bad
 
     def _isolate(
-        self, uids: list[int], values: list[Any]
-    ) -> tuple[list[int], list[Any], list[tuple[int, str]]]:
-        """Run a batch; if it raises, bisect it so that only the failing items fail."""
+        self, uids: np.ndarray, batch: Columns
+    ) -> tuple[list[tuple[np.ndarray, Any]], list[tuple[int, str]]]:
+        """Run a batch; if it raises, bisect it so that only the failing rows fail. Returns
+        the outputs of the parts that went through, and the rows that did not."""
         try:
-            out = _checked(self.run_batch(values), len(values))
-        except Exception as e:  # noqa: BLE001 - user code: any failure fails only its items
-            if len(values) == 1:
-                return [], [], [(uids[0], f"stage {self.name!r}: {_describe(e)}")]
+            if self.run_rows is not None:
+                out: Any = self.run_rows(to_rows(batch))
+            else:
+                assert self.run_batch is not None
+                out = self.run_batch(batch)
+        except Exception as e:  # noqa: BLE001 - user code: any failure fails only its rows
+            if len(uids) == 1:
+                return [], [(int(uids[0]), f"stage {self.name!r}: {_describe(e)}")]
         else:
-            return uids, out, []
-        mid = len(values) // 2
-        left = self._isolate(uids[:mid], values[:mid])
-        right = self._isolate(uids[mid:], values[mid:])
-        return left[0] + right[0], left[1] + right[1], left[2] + right[2]
+            return [(uids, out)], []
+        mid = len(uids) // 2
+        left = self._isolate(uids[:mid], take(batch, slice(0, mid)))
+        right = self._isolate(uids[mid:], take(batch, slice(mid, None)))
+        return left[0] + right[0], left[1] + right[1]
 
     def _check_memory(self) -> None:
         if self.memory_limit is None or self.recycling:
@@ -318,4 +368,4 @@ class StageLoop:
             # Between batches, nothing half done: ask the router to stop feeding us, finish
             # what we hold, and exit; the router starts a fresh process in our place.
             self.recycling = True
-            self.outbox.send_bytes(frames.pack(frames.RECYCLE))
+            self._send(frames.pack(frames.RECYCLE))

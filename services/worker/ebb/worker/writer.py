@@ -8,7 +8,7 @@ went through, the reason for rows that did not; their result columns are null).
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,8 @@ import pyarrow.parquet as pq
 from ebb.common.output import OutputFile, OutputStore, attempt_dir
 from ebb.common.spec import OutputSpec
 
+from .columns import VALUE, Columns, is_plain, num_rows, to_arrow
+
 ERROR_COLUMN = "_error"
 
 
@@ -25,77 +27,43 @@ class OutputError(Exception):
     """The results cannot be turned into a table (clashing names, unconvertible values)."""
 
 
-def to_arrow(values: Sequence[Any]) -> pa.Array[Any]:
-    """One column from per-row values (None for missing). Equal-shape arrays become a
-    fixed-size list column; numpy scalars become their Arrow type."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return pa.nulls(len(values))
-    first = present[0]
-    if isinstance(first, np.ndarray):
-        shape, dtype = first.shape, first.dtype
-        if first.ndim == 1 and all(
-            isinstance(v, np.ndarray) and v.shape == shape and v.dtype == dtype for v in present
-        ):
-            mask = np.array([v is None for v in values])
-            filler = np.zeros(shape, dtype=dtype)
-            flat = np.stack([filler if v is None else v for v in values]).reshape(-1)
-            fixed: pa.Array[Any] = pa.FixedSizeListArray.from_arrays(
-                pa.array(flat), shape[0], mask=pa.array(mask) if mask.any() else None
-            )
-            return fixed
-        nested: pa.Array[Any] = pa.array(
-            [None if v is None else np.asarray(v).tolist() for v in values]
-        )
-        return nested
-    if isinstance(first, np.generic):
-        values = [None if v is None else v.item() for v in values]
-    array: pa.Array[Any] = pa.array(list(values))
-    return array
-
-
 def build_output(
-    input_table: pa.Table,
-    outcomes: Sequence[tuple[bool, Any] | None],
-    output: OutputSpec,
-    bad_rows: dict[int, str],
+    input_table: pa.Table, results: Columns, errors: Mapping[int, str], output: OutputSpec
 ) -> tuple[pa.Table, int]:
-    """(output table, number of error rows). `outcomes[i]` is None for a row that never
-    entered the pipeline (it failed to decode; its reason is in `bad_rows`)."""
+    """(output table, number of error rows). `results` has a row per input row (those in
+    `errors` failed, and are null in the result columns)."""
     n = input_table.num_rows
-    if len(outcomes) != n:
-        raise OutputError(f"{len(outcomes)} outcomes for {n} rows")
-    results: list[Any] = [None] * n
-    errors: list[str | None] = [None] * n
-    for i, outcome in enumerate(outcomes):
-        if outcome is None:
-            errors[i] = bad_rows.get(i, "row was not processed")
-        elif outcome[0]:
-            results[i] = outcome[1]
-        else:
-            errors[i] = str(outcome[1])
     columns: dict[str, pa.Array[Any] | pa.ChunkedArray[Any]] = {
         name: input_table.column(name) for name in output.carryover
     }
-    ok = [r for r in results if r is not None]
-    if ok and all(isinstance(r, dict) for r in ok):
-        keys = list(dict.fromkeys(k for r in ok for k in r))
-        for key in keys:
+    missing = np.zeros(n, dtype=bool)
+    if errors:
+        missing[np.fromiter(errors, dtype=np.int64, count=len(errors))] = True
+    if results and num_rows(results) != n:
+        raise OutputError(f"{num_rows(results)} results for {n} rows")
+    if results and not is_plain(results):
+        for key, column in results.items():
             if key in columns or key == ERROR_COLUMN:
                 raise OutputError(f"result field {key!r} clashes with a carryover column")
-            columns[key] = _column(key, [None if r is None else r.get(key) for r in results])
+            columns[key] = _column(key, column, missing)
     else:
         name = output.prediction_column
         if name in columns:
             raise OutputError(f"prediction column {name!r} clashes with a carryover column")
-        columns[name] = _column(name, results)
-    columns[ERROR_COLUMN] = pa.array(errors, type=pa.string())
-    return pa.table(columns), sum(e is not None for e in errors)
+        columns[name] = _column(name, results[VALUE], missing) if results else pa.nulls(n)
+    if errors:
+        reasons = np.full(n, None, dtype=object)
+        for i, why in errors.items():
+            reasons[i] = str(why)
+        columns[ERROR_COLUMN] = pa.array(reasons, type=pa.string())
+    else:
+        columns[ERROR_COLUMN] = pa.nulls(n, type=pa.string())
+    return pa.table(columns), len(errors)
 
 
-def _column(name: str, values: list[Any]) -> pa.Array[Any]:
+def _column(name: str, values: np.ndarray, missing: np.ndarray) -> pa.Array[Any]:
     try:
-        return to_arrow(values)
+        return to_arrow(values, missing)
     except (pa.ArrowException, ValueError, TypeError) as e:
         raise OutputError(f"result {name!r} cannot be stored as a column: {e}") from e
 

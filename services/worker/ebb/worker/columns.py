@@ -1,0 +1,281 @@
+"""Columnar chunks: how rows travel through the pipeline.
+
+A chunk is a map of column name -> numpy array, every array holding one entry per row along
+its first axis: `{"features": float32[n, 16], "id": int64[n]}`. A tensor column is one
+contiguous array (a batch of images is uint8[n, H, W, C]), so a model stage feeds it to the
+runtime as it is, and a stage hand-off pickles a few buffers, whatever the number of rows.
+Values that are not numbers (strings, lists of uneven length, maps) live in object arrays.
+
+Rows that are maps (the input's rows, or a modelet's dicts) are chunks of their keys. Rows
+that are plain values (a model's output array, a label) are a chunk of one column named
+`VALUE`; at the end of the pipeline that column becomes the job's prediction column.
+
+The per-row forms of the modelet API meet chunks through `to_rows` and `from_rows`: the slow
+path, a Python object per row, kept for modelets written one item at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+Columns = dict[str, np.ndarray]
+"""A chunk of rows: column name -> an array with one entry per row (first axis)."""
+
+VALUE = "__value__"
+"""The one column of a chunk whose rows are plain values rather than maps."""
+
+
+class ChunkError(ValueError):
+    """Columns that do not make a chunk (different lengths, not arrays)."""
+
+
+def num_rows(chunk: Mapping[str, np.ndarray]) -> int:
+    for column in chunk.values():
+        return len(column)
+    return 0
+
+
+def is_plain(chunk: Mapping[str, np.ndarray]) -> bool:
+    """Are the chunk's rows plain values (one VALUE column) rather than maps?"""
+    return len(chunk) == 1 and VALUE in chunk
+
+
+def checked(out: Any, rows: int, where: str) -> Columns:
+    """A modelet's columnar output, checked: a map of arrays of `rows` entries each."""
+    if isinstance(out, pa.RecordBatch | pa.Table):
+        out = from_arrow(out)
+    if not isinstance(out, Mapping) or not out:
+        raise ChunkError(f"{where} returned {type(out).__name__}, not a map of columns")
+    chunk: Columns = {}
+    for name, column in out.items():
+        array = column if isinstance(column, np.ndarray) else _as_column(column)
+        if array.ndim == 0 or len(array) != rows:
+            got = "a scalar" if array.ndim == 0 else f"{len(array)} rows"
+            raise ChunkError(f"{where}: column {name!r} has {got}, the batch has {rows}")
+        chunk[str(name)] = array
+    return chunk
+
+
+def _as_column(values: Any) -> np.ndarray:
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return arrow_column(values)
+    if hasattr(values, "__array__") and not isinstance(values, list | tuple):
+        return np.asarray(values)  # a tensor of another library (torch on the CPU, say)
+    if isinstance(values, list | tuple):
+        return stack(list(values))
+    raise ChunkError(f"a column must be an array or a list, not {type(values).__name__}")
+
+
+# -- rows <-> columns ------------------------------------------------------------------------
+
+
+def stack(values: Sequence[Any]) -> np.ndarray:
+    """One column from per-row values: arrays of one shape and dtype become one array with a
+    row axis, numbers a numeric array; anything else an object array."""
+    n = len(values)
+    if n == 0:
+        return np.empty(0, dtype=object)
+    first = values[0]
+    if isinstance(first, np.ndarray) and first.dtype != object:
+        shape, dtype = first.shape, first.dtype
+        if all(isinstance(v, np.ndarray) and v.shape == shape and v.dtype == dtype for v in values):
+            return np.stack(values)
+    elif isinstance(first, bool | int | float | np.number | np.bool_) and all(
+        isinstance(v, bool | int | float | np.number | np.bool_) for v in values
+    ):
+        try:
+            array = np.asarray(values)
+        except OverflowError:  # an int beyond 64 bits
+            array = np.empty(0)
+        if array.dtype.kind in "biuf":
+            return array
+    column = np.empty(n, dtype=object)
+    for i, v in enumerate(values):
+        column[i] = v
+    return column
+
+
+def from_rows(rows: Sequence[Any]) -> Columns:
+    """A chunk from per-row values: maps become columns of their keys, anything else one
+    VALUE column. A key missing from some maps is None in those rows."""
+    if rows and all(type(r) is dict for r in rows):
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        if all(type(k) is str and k != VALUE for k in keys):
+            return {k: stack([r.get(k) for r in rows]) for k in keys}
+    return {VALUE: stack(list(rows))}
+
+
+def to_rows(chunk: Mapping[str, np.ndarray]) -> list[Any]:
+    """Per-row values: maps of the chunk's columns, or the VALUE column's values. Numbers
+    come out as Python numbers, tensor rows as views of the column."""
+    if is_plain(chunk):
+        return _entries(chunk[VALUE])
+    names = list(chunk)
+    columns = [_entries(chunk[name]) for name in names]
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
+
+
+def _entries(column: np.ndarray) -> list[Any]:
+    if column.ndim == 1:
+        values: list[Any] = column.tolist()  # Python numbers (and the objects themselves)
+        return values
+    return list(column)
+
+
+# -- slicing and joining -----------------------------------------------------------------------
+
+
+def take(chunk: Mapping[str, np.ndarray], index: np.ndarray | slice) -> Columns:
+    return {name: column[index] for name, column in chunk.items()}
+
+
+def concat(chunks: Sequence[Mapping[str, np.ndarray]]) -> Columns:
+    """One chunk of the rows of several, in order. Chunks of other columns, shapes or dtypes
+    join too: a column that differs becomes an object array (a missing one is None)."""
+    chunks = [c for c in chunks if num_rows(c)] or list(chunks[:1])
+    if len(chunks) == 1:
+        return dict(chunks[0])
+    names = list(chunks[0])
+    if any(list(c) != names for c in chunks[1:]):
+        plain = [is_plain(c) for c in chunks]
+        if any(plain) and not all(plain):
+            return from_rows([r for c in chunks for r in to_rows(c)])
+        names = list(dict.fromkeys(n for c in chunks for n in c))
+    out: Columns = {}
+    for name in names:
+        parts = [c.get(name) for c in chunks]
+        out[name] = _join(parts, [num_rows(c) for c in chunks])
+    return out
+
+
+def _join(parts: list[np.ndarray | None], lengths: list[int]) -> np.ndarray:
+    present = [p for p in parts if p is not None]
+    first = present[0]
+    if len(present) == len(parts) and all(
+        p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in present
+    ):
+        return np.concatenate(present)
+    column = np.empty(sum(lengths), dtype=object)
+    at = 0
+    for part, n in zip(parts, lengths, strict=True):
+        if part is not None:
+            for i, v in enumerate(_entries(part)):
+                column[at + i] = v
+        at += n
+    return column
+
+
+def scatter(
+    pieces: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]], n: int
+) -> tuple[Columns, np.ndarray]:
+    """The rows of several chunks put at their places among n rows. Returns the columns and
+    a mask of the places that no chunk filled (their entries are zeros or None)."""
+    filled = np.zeros(n, dtype=bool)
+    if not pieces:
+        return {}, ~filled
+    at = np.concatenate([where for where, _ in pieces])
+    joined = concat([chunk for _, chunk in pieces])
+    filled[at] = True
+    out: Columns = {}
+    for name, column in joined.items():
+        full = (
+            np.full(n, None, dtype=object)
+            if column.dtype == object
+            else np.zeros((n, *column.shape[1:]), dtype=column.dtype)
+        )
+        full[at] = column
+        out[name] = full
+    return out, ~filled
+
+
+# -- Arrow -----------------------------------------------------------------------------------
+
+
+def from_arrow(data: pa.RecordBatch | pa.Table, columns: Iterable[str] | None = None) -> Columns:
+    """A chunk from Arrow columns, without a copy where the layout allows: numbers as they
+    are, fixed-size lists of numbers (tensors) as one array with a row axis."""
+    names = list(columns) if columns is not None else data.schema.names
+    return {name: arrow_column(data.column(name)) for name in names}
+
+
+def arrow_column(column: pa.Array[Any] | pa.ChunkedArray[Any]) -> np.ndarray:
+    array: Any = column
+    if isinstance(column, pa.ChunkedArray):
+        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    kind = array.type
+    if isinstance(kind, pa.FixedShapeTensorType) and array.null_count == 0:
+        return np.asarray(array.to_numpy_ndarray())
+    if array.null_count == 0:
+        shape = [len(array)]
+        inner = array
+        while pa.types.is_fixed_size_list(inner.type) and inner.null_count == 0:
+            shape.append(inner.type.list_size)
+            inner = inner.flatten()
+        if len(shape) > 1 and _numeric(inner.type) and inner.null_count == 0:
+            tensor: np.ndarray = inner.to_numpy(zero_copy_only=False).reshape(shape)
+            return tensor
+        if _numeric(kind):
+            return np.asarray(array.to_numpy(zero_copy_only=False))
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _numeric(kind.value_type):
+        # Rows of varying length (token ids, say): an array per row.
+        return stack([None if v is None else np.asarray(v) for v in array.to_pylist()])
+    out = np.empty(len(array), dtype=object)
+    for i, v in enumerate(array.to_pylist()):
+        out[i] = v
+    return out
+
+
+def _numeric(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    )
+
+
+def to_arrow(column: np.ndarray, missing: np.ndarray | None = None) -> pa.Array[Any]:
+    """An Arrow column from a chunk's column; rows where `missing` is True are null. A tensor
+    column becomes (nested) fixed-size lists."""
+    if column.dtype == object:
+        return _objects_to_arrow(column, missing)
+    mask = missing if missing is not None and missing.any() else None
+    if column.ndim == 1:
+        if column.dtype.kind == "f" and column.dtype.itemsize == 2:
+            column = column.astype(np.float32)  # Parquet stores no half floats
+        plain: pa.Array[Any] = pa.array(column, mask=mask)
+        return plain
+    flat: pa.Array[Any] = to_arrow(np.ascontiguousarray(column).reshape(-1))
+    for size in reversed(column.shape[2:]):
+        flat = pa.FixedSizeListArray.from_arrays(flat, size)
+    tensors: pa.Array[Any] = pa.FixedSizeListArray.from_arrays(
+        flat, column.shape[1], mask=pa.array(mask) if mask is not None else None
+    )
+    return tensors
+
+
+def _objects_to_arrow(column: np.ndarray, missing: np.ndarray | None) -> pa.Array[Any]:
+    values: list[Any] = list(column)
+    if missing is not None:
+        values = [None if m else v for v, m in zip(values, missing.tolist(), strict=True)]
+    present = [v for v in values if v is not None]
+    if not present:
+        return pa.nulls(len(values))
+    first = present[0]
+    if isinstance(first, np.ndarray):
+        shape, dtype = first.shape, first.dtype
+        if dtype.kind != "O" and all(
+            isinstance(v, np.ndarray) and v.shape == shape and v.dtype == dtype for v in present
+        ):
+            filler = np.zeros(shape, dtype=dtype)
+            stacked = np.stack([filler if v is None else v for v in values])
+            return to_arrow(stacked, np.array([v is None for v in values]))
+        nested: pa.Array[Any] = pa.array(
+            [None if v is None else np.asarray(v).tolist() for v in values]
+        )
+        return nested
+    if isinstance(first, np.generic):
+        values = [v.item() if isinstance(v, np.generic) else v for v in values]
+    array: pa.Array[Any] = pa.array(values)
+    return array

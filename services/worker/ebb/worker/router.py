@@ -1,0 +1,685 @@
+"""The router: the thread that owns every stage process and moves frames between them.
+
+    coordinator (asyncio)  --submit-->  router thread  --pipe-->  stage 0 process(es)
+                                             ^  |                        |
+                                             |  +------pipe-->  stage 1 process(es)  ...
+                                             +----- results / errors ----+
+
+Every process has a private inbox pipe and a private outbox pipe; the router moves frames
+between them (as bytes, without unpickling) and hands each frame to the least-loaded process of
+the next stage. Private pipes, not queues shared by several processes, because a process
+killed while holding a shared queue's lock, or halfway through writing to it, wedges or
+corrupts it for everyone; a private pipe dies with its process.
+
+A frame is a chunk of rows with their uids (see frames.py, columns.py): the router's
+bookkeeping is per frame, never per row. Only when a process dies does it work out which rows
+that process held (processes.Holding): those are sent again from their source chunk, the
+batch that was running when it died one row at a time; a row whose batch dies twice becomes
+an error row.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import frames, metrics
+from .columns import Columns, from_rows, take, to_rows
+from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
+from .families import Families
+from .processes import StageProcess
+from .settings import PipelineConfig
+from .shm import Arena, remove_all_of, sweep_orphans, unlink
+
+log = logging.getLogger(__name__)
+
+_STARTUP_FAILURES_FATAL = 3
+
+ResultsCallback = Callable[[np.ndarray, Columns], None]
+ErrorsCallback = Callable[[np.ndarray, list[str]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """Rows on their way to a stage, as the bytes that will be sent."""
+
+    buf: bytes
+    uids: np.ndarray
+    flags: int
+    segment: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class Source:
+    """Rows as they were submitted, kept until each is out, to send them again if needed."""
+
+    start: int
+    data: pa.RecordBatch | Columns
+    rows: int
+    left: int
+
+
+class Router:
+    """The thread that owns every stage process. Only its own thread touches its state;
+    other threads talk to it through `submit`, `flush` and `stop`."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        on_results: ResultsCallback,
+        on_errors: ErrorsCallback,
+        on_ready: Callable[[], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.specs = config.stages
+        self.on_results = on_results
+        self.on_errors = on_errors
+        self.on_ready = on_ready
+        self.on_fatal = on_fatal
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[list[StageProcess]] = [[] for _ in self.specs]
+        self.backlog: list[deque[Frame]] = [deque() for _ in self.specs]
+        self.arena = Arena()
+        swept = sweep_orphans()
+        if swept:
+            log.info("removed %d shared-memory segments left by dead workers", swept)
+        self.sources: dict[int, Source] = {}
+        self.source_starts: list[int] = []
+        fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
+        fanins = [k for k, s in enumerate(self.specs) if s.fanin]
+        self.fanout_stage: int | None = fanouts[0] if fanouts else None
+        self.fanin_stage: int | None = fanins[0] if fanins else None
+        self.families = Families()
+        self.crashes: Counter[int] = Counter()
+        self.startup_failures: Counter[int] = Counter()
+        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        scalable = any(s.min_workers != s.max_workers for s in self.specs)
+        self.elastic = ElasticScheduler(config.elastic) if scalable else None
+        self.monitor = DeviceMonitor() if scalable else None
+        self._next_tick = time.monotonic() + config.elastic.tick_s
+        self._wake_lock = threading.Lock()
+        self.draining = False
+        self.announced_ready = False
+        self.fatal = ""
+        self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
+        self._watchdog_stop = threading.Event()
+        self._kill_all_after = 0.0
+        self.watchdog = threading.Thread(
+            target=self._watchdog, name="ebb-pipeline-watchdog", daemon=True
+        )
+
+    # -- called from other threads ---------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+        self.watchdog.start()
+
+    def submit(self, start: int, data: pa.RecordBatch | Columns, rows: int) -> None:
+        """Rows for the first stage, under uids start..start+rows-1: the rows of an Arrow
+        record batch (which travels as Arrow and becomes columns inside the stage process),
+        or a chunk of columns."""
+        self.requests.put(("submit", start, data, rows))
+        self._wake()
+
+    def flush(self) -> None:
+        self.requests.put(("flush",))
+        self._wake()
+
+    def stop(self, grace_s: float) -> None:
+        """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
+        if self.thread.is_alive():
+            self._kill_all_after = time.monotonic() + grace_s + 1.0
+            self.requests.put(("stop", grace_s))
+            self._wake()
+            self.thread.join()
+        self._watchdog_stop.set()
+        if self.watchdog.is_alive():
+            self.watchdog.join()
+
+    def depths(self) -> list[int]:
+        """Rows waiting for or inside each stage (approximate: read without locking)."""
+        return [
+            sum(len(f.uids) for f in list(self.backlog[k])) + sum(p.load for p in self.procs[k])
+            for k in range(len(self.specs))
+        ]
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_w.send_bytes(b"")
+
+    # -- the router thread -----------------------------------------------------------------
+
+    def _main(self) -> None:
+        grace_s = 0.0
+        try:
+            for k, spec in enumerate(self.specs):
+                for slot in range(spec.workers):
+                    self._spawn(k, slot)
+            while True:
+                stop = self._take_requests()
+                if stop is not None:
+                    grace_s = stop
+                    break
+                self._dispatch()
+                self._flush_drained()
+                self._wait_and_receive(0.1)
+                if self.elastic is not None and time.monotonic() >= self._next_tick:
+                    self._rebalance()
+        except Exception as e:
+            log.exception("pipeline router failed")
+            self._fail(f"pipeline router failed: {type(e).__name__}: {e}")
+        finally:
+            self._shutdown(grace_s)
+
+    def _spawn(self, stage: int, slot: int) -> None:
+        self.procs[stage].append(
+            StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
+        )
+
+    def _take_requests(self) -> float | None:
+        while True:
+            try:
+                request = self.requests.get_nowait()
+            except queue.Empty:
+                return None
+            if request[0] == "submit":
+                _, start, data, rows = request
+                self.draining = False
+                self.sources[start] = Source(start, data, rows, rows)
+                bisect.insort(self.source_starts, start)
+                self._enqueue_source(np.arange(start, start + rows, dtype=np.int64), data, 0)
+            elif request[0] == "flush":
+                self.draining = True
+            elif request[0] == "stop":
+                return float(request[1])
+
+    def _dispatch(self) -> None:
+        # Downstream first: what it frees is what lets upstream results move on.
+        for k in reversed(range(len(self.specs))):
+            spec = self.specs[k]
+            cap = 2 * spec.batch_size
+            backlog = self.backlog[k]
+            while backlog:
+                candidates = [
+                    p
+                    for p in self.procs[k]
+                    if p.ready and not (p.recycling or p.stopping or p.dead) and p.load < cap
+                ]
+                if not candidates:
+                    break
+                target = min(candidates, key=lambda p: p.load)
+                frame = backlog.popleft()
+                if not target.send(frame.buf):
+                    backlog.appendleft(frame)
+                    target.dead = True
+                    break
+                target.holding.add(frame.uids)
+                target.flushed = False
+                if frame.segment:
+                    target.mapped.add(frame.segment)
+
+    def _flush_drained(self) -> None:
+        """When the input is drained, tell each stage whose upstream is empty not to wait."""
+        if not self.draining:
+            return
+        for k in range(len(self.specs)):
+            for p in self.procs[k]:
+                if p.load and not p.flushed and p.ready and not p.dead:
+                    p.flushed = p.send(frames.pack(frames.FLUSH))
+            if self.backlog[k] or any(p.load for p in self.procs[k]):
+                break
+
+    def _wait_and_receive(self, timeout: float) -> None:
+        by_conn: dict[Any, StageProcess] = {}
+        by_sentinel: dict[int, StageProcess] = {}
+        for stage in self.procs:
+            for p in stage:
+                by_conn[p.outbox] = p
+                by_sentinel[p.process.sentinel] = p
+        ready = wait([self._wake_r, *by_conn, *by_sentinel], timeout=timeout)
+        dead: list[StageProcess] = []
+        for obj in ready:
+            if obj is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            elif isinstance(obj, int):
+                dead.append(by_sentinel[obj])
+            else:
+                p = by_conn[obj]
+                if not self._receive(p):
+                    dead.append(p)
+        for p in dict.fromkeys(dead):
+            self._bury(p)
+
+    def _receive(self, p: StageProcess) -> bool:
+        """Read every message a process has sent. False once its outbox reports EOF."""
+        conn: Connection = p.outbox
+        try:
+            while conn.poll():
+                self._handle(p, conn.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _handle(self, p: StageProcess, buf: bytes) -> None:
+        h = frames.header(buf)
+        kind, uids = h.kind, h.uids
+        if kind == frames.ITEMS:
+            p.holding.remove(uids)
+            metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
+            try:
+                self._route(p.stage, Frame(buf, uids, h.flags, h.segment))
+            except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
+                message = f"stage {p.name!r}: its result could not be read: {e!r}"
+                self._fail_items(uids, [message] * len(uids))
+        elif kind == frames.ERRORS:
+            p.holding.remove(uids)
+            self._fail_items(uids, frames.payload(buf))
+        elif kind == frames.FANOUT:
+            parents, counts = uids[: len(uids) // 2], uids[len(uids) // 2 :]
+            p.holding.remove(parents)
+            metrics.BATCH_SIZE.labels(p.name).observe(len(parents))
+            self._fan_out(p.stage, buf, parents, counts, h)
+        elif kind == frames.UNMAPPED:
+            for segment in frames.payload(buf):
+                p.mapped.discard(segment)
+                self._segment_done(segment)
+        elif kind == frames.READY:
+            p.ready = True
+            self.startup_failures[p.stage] = 0
+            if not self.announced_ready and all(q.ready for s in self.procs for q in s):
+                self.announced_ready = True
+                self.on_ready()
+        elif kind == frames.SETUP_FAILED:
+            message = str(frames.payload(buf))
+            if not self.announced_ready:
+                self._fail(message)  # the configuration is wrong: fail fast
+            else:
+                # A replacement that cannot start (the GPU still holds the old process's
+                # memory, say): its exit counts as a failed start, retried a few times.
+                log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
+        elif kind == frames.RECYCLE:
+            log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
+            metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
+            p.recycling = True
+            p.stopping = p.send(frames.pack(frames.STOP))
+            self._spawn(p.stage, p.slot)
+
+    # -- where rows go next ------------------------------------------------------------------
+
+    def _route(self, stage: int, frame: Frame) -> None:
+        """Rows that came out of `stage`: on to the next stage, back to their family, or out
+        of the pipeline."""
+        after = stage + 1
+        if after < len(self.specs) and not self._gathers_after(stage):
+            self.backlog[after].append(frame)  # as it came: no unpickling here
+            return
+        chunk = self._read(frame.buf, frame.segment)
+        if self._gathers_after(stage):
+            self._gather(frame.uids, chunk)
+        else:
+            self._finish(frame.uids)
+            self.on_results(frame.uids.copy(), chunk)
+
+    def _read(self, buf: bytes, segment: str) -> Any:
+        """A frame's payload, copied out of its shared memory (which goes back at once)."""
+        try:
+            return frames.payload(buf, arena=self.arena, copy=True)
+        finally:
+            if segment:
+                self._segment_done(segment)
+
+    def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
+        """Pack rows for `stage` (large buffers into shared memory) and queue them."""
+        buf = frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
+        self.backlog[stage].append(Frame(buf, uids, flags, frames.header(buf).segment))
+
+    def _enqueue_source(self, uids: np.ndarray, data: pa.RecordBatch | Columns, flags: int) -> None:
+        if not isinstance(data, pa.RecordBatch):
+            self._enqueue(0, uids, data, flags)
+            return
+        # Arrow IPC: one copy into shared memory, no pickling of values; the stage process
+        # turns it into columns (zero-copy for numbers and tensors), in parallel with us.
+        payload = (data.schema, data.serialize())
+        buf = frames.pack(frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena)
+        self.backlog[0].append(Frame(buf, uids, flags, frames.header(buf).segment))
+
+    def _segments_in_flight(self) -> set[str]:
+        in_backlog = {f.segment for b in self.backlog for f in b if f.segment}
+        return in_backlog.union(*(p.mapped for stage in self.procs for p in stage))
+
+    def _segment_done(self, segment: str) -> None:
+        """Nobody reads `segment` any more: back to the process that made it, for reuse."""
+        if self.arena.owns(segment):
+            self.arena.reclaim(segment)
+            return
+        producer = int(segment.split("-")[1])
+        for stage in self.procs:
+            for p in stage:
+                if (
+                    p.process.pid == producer
+                    and not p.dead
+                    and p.send(frames.pack(frames.RECLAIM, payload=[segment]))
+                ):
+                    return
+        unlink(segment)  # its maker is gone
+
+    def _gathers_after(self, stage: int) -> bool:
+        """Is the end of `stage` where the items of a fan-out come back together?"""
+        if self.fanout_stage is None or stage < self.fanout_stage:
+            return False
+        return stage + 1 == (self.fanin_stage if self.fanin_stage is not None else len(self.specs))
+
+    def _fan_out(
+        self, stage: int, buf: bytes, parents: np.ndarray, counts: np.ndarray, h: frames.Header
+    ) -> None:
+        """A fan-out stage's output: name each part (a new uid) and send the frame's bytes on
+        to the next stage as they are."""
+        if self._gathers_after(stage):  # nothing between the fan-out and the gathering
+            parts = to_rows(self._read(buf, h.segment))
+            at = 0
+            for parent, count in zip(parents.tolist(), counts.tolist(), strict=True):
+                self._complete(parent, parts[at : at + count], h.flags)
+                at += count
+            return
+        children: list[int] = []
+        for parent, count in zip(parents.tolist(), counts.tolist(), strict=True):
+            if count == 0:
+                self._complete(parent, [], h.flags)
+            else:
+                children += self.families.split(parent, count, h.flags)
+        if children:
+            ids = np.asarray(children, dtype=np.int64)
+            forwarded = frames.splice(buf, frames.ITEMS, ids)
+            self.backlog[stage + 1].append(Frame(forwarded, ids, h.flags, h.segment))
+        elif h.segment:
+            self._segment_done(h.segment)
+
+    def _gather(self, uids: np.ndarray, chunk: Columns) -> None:
+        for uid, value in zip(uids.tolist(), to_rows(chunk), strict=True):
+            family = self.families.gather(uid, value)
+            if family is not None:
+                self._complete(family.parent, family.results, family.flags)
+
+    def _complete(self, parent: int, results: list[Any], flags: int) -> None:
+        """A fanned-out item has all its parts: on to the fan-in stage, or out."""
+        uids = np.asarray([parent], dtype=np.int64)
+        chunk = from_rows([results])
+        if self.fanin_stage is not None:
+            self._enqueue(self.fanin_stage, uids, chunk, flags)
+        else:
+            self._finish(uids)
+            self.on_results(uids, chunk)
+
+    def _fail_items(self, uids: np.ndarray, messages: list[str]) -> None:
+        """Errors: a row fails; a fanned-out part fails its whole item, once."""
+        out_uids: list[int] = []
+        out_messages: list[str] = []
+        for uid, message in zip(uids.tolist(), messages, strict=True):
+            if uid < 0:
+                found = self.families.place(uid)
+                if found is None:
+                    continue
+                parent, index = found
+                self.families.disband(parent)
+                out_uids.append(parent)
+                out_messages.append(f"part {index} of its fan-out: {message}")
+            else:
+                out_uids.append(uid)
+                out_messages.append(message)
+        if out_uids:
+            failed = np.asarray(out_uids, dtype=np.int64)
+            self._finish(failed)
+            self.on_errors(failed, out_messages)
+
+    def _finish(self, uids: np.ndarray) -> None:
+        """Rows that are out of the pipeline: their sources need not be kept for them."""
+        uids = uids[uids >= 0]
+        if not len(uids) or not self.source_starts:
+            return
+        starts = np.asarray(self.source_starts, dtype=np.int64)
+        at = np.searchsorted(starts, uids, side="right") - 1
+        for i, n in enumerate(np.bincount(at[at >= 0], minlength=len(starts)).tolist()):
+            if n:
+                source = self.sources[int(starts[i])]
+                source.left -= n
+                if source.left <= 0:
+                    del self.sources[source.start]
+                    self.source_starts.remove(source.start)
+        if self.crashes:
+            for uid in uids.tolist():
+                self.crashes.pop(uid, None)
+
+    def _resubmit(self, uids: list[int], *, solo: bool) -> None:
+        """Send rows through the pipeline again, from the first stage: grouped by source, or
+        one per frame when they run alone."""
+        by_source: dict[int, list[int]] = {}
+        for uid in sorted(uids):
+            start = self.source_starts[bisect.bisect_right(self.source_starts, uid) - 1]
+            by_source.setdefault(start, []).append(uid)
+        for start, members in by_source.items():
+            source = self.sources[start]
+            groups = [[u] for u in members] if solo else [members]
+            for group in groups:
+                index = np.asarray(group, dtype=np.int64) - start
+                data: Any = source.data
+                part = (
+                    data.take(pa.array(index, type=pa.int64()))
+                    if isinstance(data, pa.RecordBatch)
+                    else take(data, index)
+                )
+                flags = frames.SOLO if solo else 0
+                self._enqueue_source(np.asarray(group, dtype=np.int64), part, flags)
+
+    def _bury(self, p: StageProcess) -> None:
+        """A process exited: collect its last words, then retry or fail what it held."""
+        self._receive(p)
+        p.process.join(timeout=5)
+        if p.process.is_alive():  # its pipe closed but it lingers: make sure it is gone
+            p.process.kill()
+            p.process.join(timeout=5)
+        p.dead = True
+        p.close()
+        self.procs[p.stage].remove(p)
+        # What it was reading goes back to the makers; its own free segments die with it,
+        # those still on their way to a reader stay until read.
+        for segment in p.mapped:
+            self._segment_done(segment)
+        p.mapped.clear()
+        remove_all_of(p.process.pid, keep=self._segments_in_flight())
+        code = p.process.exitcode
+        held = p.holding.uids()
+        if p.stopping and not len(held):
+            return  # recycled or stopped, cleanly
+        if self.fatal:
+            return
+        if not p.ready:
+            self.startup_failures[p.stage] += 1
+            if self.startup_failures[p.stage] >= _STARTUP_FAILURES_FATAL:
+                self._fail(
+                    f"stage {p.name!r} died {_STARTUP_FAILURES_FATAL} times while starting "
+                    f"(exit code {code})"
+                )
+                return
+        how = p.kill_reason or _exit_description(code)
+        metrics.STAGE_RESTARTS.labels(p.name, "timeout" if p.kill_reason else "died").inc()
+        # Blame the batch that was running when it died; the rest of what it held is
+        # innocent and simply goes round again. Died between batches: blame everything.
+        running = set(np.intersect1d(p.board.running(), held).tolist()) or set(held.tolist())
+        if len(held):
+            log.warning(
+                "stage %s process %d %s; %d rows in its batch, %d more queued",
+                p.name,
+                p.slot,
+                how,
+                len(running),
+                len(held) - len(running),
+            )
+        blamed: dict[int, bool] = {}
+        for uid in held.tolist():
+            # A fanned-out part cannot be sent again on its own: its whole item starts over.
+            owner = self.families.owner(uid) if uid < 0 else uid
+            if owner is None:
+                continue  # a part of a family that already failed or started over
+            blamed[owner] = blamed.get(owner, False) or uid in running
+        innocent: list[int] = []
+        failed: list[int] = []
+        for uid, guilty in blamed.items():
+            self.families.disband(uid)
+            if not guilty:
+                innocent.append(uid)
+                continue
+            self.crashes[uid] += 1
+            if self.crashes[uid] >= self.config.max_item_crashes:
+                failed.append(uid)
+            else:
+                # Alone this time: whatever killed the batch may have been a batch-mate.
+                self._resubmit([uid], solo=True)
+        if innocent:
+            self._resubmit(innocent, solo=False)
+        if failed:
+            ids = np.asarray(failed, dtype=np.int64)
+            self._finish(ids)
+            message = f"stage {p.name!r}: its process {how} while running this row, every time"
+            self.on_errors(ids, [message] * len(failed))
+        if not (p.recycling or p.retired):  # those were replaced already, or not wanted
+            self._spawn(p.stage, p.slot)
+
+    def _rebalance(self) -> None:
+        """One tick of the elastic scheduler: measure each stage, maybe add or retire one."""
+        assert self.elastic is not None and self.monitor is not None
+        now = time.monotonic()
+        self._next_tick = now + self.config.elastic.tick_s
+        loads: list[StageLoad] = []
+        for k, spec in enumerate(self.specs):
+            live = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
+            shares = []
+            for p in live:
+                busy = p.board.busy_seconds(now)
+                elapsed = now - p.mark_time
+                if elapsed > 0.5 * self.config.elastic.tick_s:
+                    shares.append(min(1.0, (busy - p.busy_mark) / elapsed))
+                p.busy_mark, p.mark_time = busy, now
+            utilization = sum(shares) / len(shares) if shares else 0.0
+            running = sum(len(p.board.running()) for p in live)
+            waiting = (
+                sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in live) - running
+            )
+            assert spec.min_workers is not None and spec.max_workers is not None
+            loads.append(
+                StageLoad(
+                    stage=k,
+                    workers=len([p for p in self.procs[k] if not (p.stopping or p.dead)]),
+                    min_workers=spec.min_workers,
+                    max_workers=spec.max_workers,
+                    utilization=utilization,
+                    waiting=waiting,
+                    device_busy=self.monitor.busy(spec.device),
+                )
+            )
+            metrics.STAGE_UTILIZATION.labels(spec.name).set(utilization)
+        decision = self.elastic.decide(now, loads)
+        if decision is not None:
+            action, k = decision
+            name = self.specs[k].name
+            if action == "add":
+                slot = max((p.slot for p in self.procs[k]), default=-1) + 1
+                log.info("elastic: stage %s gets a process (%d)", name, loads[k].workers + 1)
+                self._spawn(k, slot)
+            else:
+                candidates = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
+                if candidates:
+                    p = min(candidates, key=lambda q: q.load)
+                    log.info(
+                        "elastic: stage %s gives a process back (%d)", name, loads[k].workers - 1
+                    )
+                    p.retired = True
+                    p.stopping = p.send(frames.pack(frames.STOP))
+        for k, spec in enumerate(self.specs):
+            alive = [p for p in self.procs[k] if not (p.stopping or p.dead)]
+            metrics.STAGE_WORKERS.labels(spec.name).set(len(alive))
+
+    def _watchdog(self) -> None:
+        """Kill stage processes whose batch overran its timeout; at shutdown, past the grace
+        period, kill every one. A thread of its own: the router may be blocked writing to
+        the very process that hangs (a full pipe), and only the kill frees it."""
+        timeout = self.config.batch_timeout_s
+        while not self._watchdog_stop.wait(0.2):
+            now = time.monotonic()
+            for stage in list(self.procs):
+                for p in list(stage):
+                    if p.dead or p.kill_reason:
+                        continue
+                    started = p.board.started
+                    if self._kill_all_after and now > self._kill_all_after:
+                        p.kill_reason = "was killed at shutdown"
+                    elif started and now - started > timeout:
+                        p.kill_reason = f"was killed after a batch ran over {timeout:g}s"
+                        log.warning(
+                            "stage %s process %d: batch over %gs, killing it",
+                            p.name,
+                            p.slot,
+                            timeout,
+                        )
+                    else:
+                        continue
+                    with contextlib.suppress(OSError, ValueError, AttributeError):
+                        p.process.kill()
+
+    def _fail(self, message: str) -> None:
+        if not self.fatal:
+            self.fatal = message
+            log.error("pipeline failed: %s", message)
+            self.on_fatal(message)
+
+    def _shutdown(self, grace_s: float) -> None:
+        everyone = [p for stage in self.procs for p in stage]
+        for p in everyone:
+            if not p.stopping:
+                p.stopping = p.send(frames.pack(frames.STOP))
+        deadline = time.monotonic() + grace_s
+        for p in everyone:
+            # Keep reading, or a stage blocked writing its last results would never exit.
+            while p.process.is_alive() and time.monotonic() < deadline:
+                if not self._receive(p):
+                    p.process.join(timeout=0.5)
+                    break
+                p.process.join(timeout=0.05)
+        for p in everyone:
+            if p.process.is_alive():
+                p.process.kill()
+            p.process.join(timeout=5)
+            p.close()
+        in_flight = self._segments_in_flight()
+        self.procs = [[] for _ in self.specs]
+        for segment in in_flight:
+            unlink(segment)
+        for p in everyone:
+            remove_all_of(p.process.pid, keep=set())
+        self.arena.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "vanished"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"

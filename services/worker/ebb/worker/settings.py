@@ -1,0 +1,45 @@
+"""The pipeline's configuration and errors (shared by the router and its asyncio front)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ebb.common.spec import StageSpec
+
+from .elastic import ElasticSettings
+
+
+class PipelineError(Exception):
+    pass
+
+
+class PipelineSetupError(PipelineError):
+    """A stage cannot start (bad modelet, model file, import error): no retry will help."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    stages: list[StageSpec]
+    code_paths: list[str] = field(default_factory=list)
+    batch_timeout_s: float = 300.0
+    """A batch running longer gets its process killed; its rows are retried once, alone."""
+    memory_limit_bytes: int | None = None
+    """A stage process above this RSS is recycled between batches."""
+    max_inflight: int = 0
+    """Rows inside the pipeline at most (0: enough to keep every stage process busy)."""
+    max_item_crashes: int = 2
+    """A row whose batch's process dies this many times becomes an error."""
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
+    """How the elastic scheduler decides (used when any stage has min_workers < max_workers)."""
+    start_timeout_s: float = 300.0
+
+    def inflight_limit(self) -> int:
+        if self.max_inflight:
+            return self.max_inflight
+        busy = sum(2 * (s.max_workers or s.workers) * s.batch_size for s in self.stages)
+        return max(busy + 2 * self.frame_size(), 4 * self.frame_size())
+
+    def frame_size(self) -> int:
+        """Rows per chunk handed to the first stage: its batch, so that a chunk is a batch
+        (no re-cutting), within bounds that keep a chunk's memory modest."""
+        return max(16, min(4096, self.stages[0].batch_size))
