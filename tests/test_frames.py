@@ -55,3 +55,25 @@ def test_a_large_batch_of_rows_goes_through_shared_memory() -> None:
     arena.reclaim(segment)  # what the router does once the frame's items are through
     arena.close()
     assert not (Path(shm.SHM_DIR) / segment).exists()
+
+
+@pytest.mark.parametrize(
+    "uids",
+    [
+        np.arange(5, 1_029),  # a chunk's consecutive rows: sent as a run
+        np.arange(-7, -40, -1),  # a fan-out's parts
+        np.array([3, 4, 9]),  # rows after some failed
+        np.array([1, 2]),
+        np.array([], dtype=np.int64),
+    ],
+)
+def test_uids_survive_the_header_and_a_splice(uids: np.ndarray) -> None:
+    buf = frames.pack(frames.ITEMS, uids, {"v": np.arange(len(uids))}, flags=frames.SOLO)
+    h = frames.header(buf)
+    assert h.uids.tolist() == uids.tolist() and h.flags == frames.SOLO
+    assert frames.payload(buf)["v"].tolist() == list(range(len(uids)))
+    other = frames.splice(buf, frames.FANOUT, np.arange(100, 100 + len(uids)))
+    assert frames.header(other).uids.tolist() == list(range(100, 100 + len(uids)))
+    assert frames.payload(other)["v"].tolist() == list(range(len(uids)))
+    if len(uids) > 100:
+        assert len(frames.pack(frames.ITEMS, uids)) < 100  # a run, not 8 bytes a row

@@ -1,8 +1,11 @@
 """The byte format of messages between the pipeline router and its stage processes.
 
     header    <kind:u8><flags:u8><count:u32><segment:u16><buffers:u16>
-    uids      count x int64 (little-endian)
+    uids      count x int64 (little-endian), or, with the RUN flag, (first, step) as two
+              int64: the uids first, first+step, ... (a chunk of consecutive rows)
     segment   the name of a shared-memory segment holding the large buffers (or nothing)
+    released  with the RELEASED flag: <length:u16> and the comma-separated names of segments
+              the sender has finished reading
     buffers   buffers x (offset:u64, length:u64), their places in the segment
     body      pickle (protocol 5) of the payload; its large buffers are out of band
 
@@ -27,6 +30,7 @@ from .shm import Arena
 
 HEADER = struct.Struct("<BBIHH")
 PLACE = struct.Struct("<QQ")
+RELEASED_LEN = struct.Struct("<H")
 _MIN_OUT_OF_BAND = 2048
 """Smaller buffers stay inline in the pickle."""
 
@@ -56,7 +60,15 @@ forwards the same bytes: the parts are never unpickled on the way."""
 SOLO = 0x01
 """Flag: run these items one per batch (they were in a batch whose process died)."""
 ARROW = 0x02
-"""Flag: the payload is (schema, Arrow IPC record batch) of rows, not a list of values."""
+"""Flag: the payload is (schema, Arrow IPC record batch) of rows, not a chunk of columns."""
+RELEASED = 0x08
+"""Flag (set by `pack`/`splice`): after the segment come the names of segments that the
+sending stage has finished reading (see shm.py): told with its output, not in a message of
+their own."""
+RUN = 0x04
+"""Flag: the uids are a run (first, step) rather than a list. A chunk's rows mostly are: the
+frame stays a few hundred bytes whatever its rows, so a pipe holds many of them and the
+router seldom waits to write to a busy stage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +79,8 @@ class Header:
     """int64, a view of the frame's bytes."""
     segment: str
     """The shared-memory segment of the frame's large buffers; "" when there is none."""
+    released: list[str]
+    """Segments the sender has finished reading."""
 
 
 def _pickle(payload: Any, out_of_band: list[PickleBuffer] | None) -> bytes:
@@ -91,6 +105,7 @@ def pack(
     *,
     flags: int = 0,
     arena: Arena | None = None,
+    released: Sequence[str] = (),
 ) -> bytes:
     ids = np.asarray(uids, dtype="<i8")
     segment = b""
@@ -106,38 +121,127 @@ def pack(
                 segment = name.encode()
             else:  # too little to be worth a segment: everything inline after all
                 body = _pickle(payload, None)
-    parts = [HEADER.pack(kind, flags, len(ids), len(segment), len(places)), ids.tobytes(), segment]
+    uid_flag, uid_bytes = _encode_uids(ids)
+    flags |= uid_flag | (RELEASED if released else 0)
+    parts = [
+        HEADER.pack(kind, flags, len(ids), len(segment), len(places)),
+        uid_bytes,
+        segment,
+        _released_bytes(released),
+    ]
     parts += [PLACE.pack(offset, length) for offset, length in places]
     parts.append(body)
     return b"".join(parts)
 
 
+def _encode_uids(ids: np.ndarray) -> tuple[int, bytes]:
+    """The uids' bytes, as a run when they are one."""
+    if len(ids) > 2:
+        step = int(ids[1] - ids[0])
+        if (
+            step in (1, -1)
+            and int(ids[-1] - ids[0]) == step * (len(ids) - 1)
+            and (np.diff(ids) == step).all()
+        ):
+            return RUN, np.array([ids[0], step], dtype="<i8").tobytes()
+    return 0, ids.tobytes()
+
+
+def _released_bytes(names: Sequence[str]) -> bytes:
+    if not names:
+        return b""
+    joined = ",".join(names).encode()
+    return RELEASED_LEN.pack(len(joined)) + joined
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    kind: int
+    flags: int
+    """As sent (RUN and RELEASED included)."""
+    count: int
+    segment: str
+    released: list[str]
+    places_at: int
+    """Where the places of the large buffers start; the body follows them."""
+    n_places: int
+
+    @property
+    def body_at(self) -> int:
+        return self.places_at + self.n_places * PLACE.size
+
+
+def _layout(buf: bytes) -> _Layout:
+    kind, flags, count, seg_len, n_places = HEADER.unpack_from(buf)
+    at = HEADER.size + (16 if flags & RUN else 8 * count)
+    segment = bytes(buf[at : at + seg_len]).decode()
+    at += seg_len
+    released: list[str] = []
+    if flags & RELEASED:
+        (length,) = RELEASED_LEN.unpack_from(buf, at)
+        at += RELEASED_LEN.size
+        released = bytes(buf[at : at + length]).decode().split(",")
+        at += length
+    return _Layout(kind, flags, count, segment, released, at, n_places)
+
+
 def header(buf: bytes) -> Header:
-    """Kind, flags, uids and segment, without touching the payload."""
-    kind, flags, count, seg_len, _ = HEADER.unpack_from(buf)
-    uids = np.frombuffer(buf, dtype="<i8", count=count, offset=HEADER.size)
-    start = HEADER.size + 8 * count
-    return Header(kind, flags, uids, bytes(buf[start : start + seg_len]).decode())
+    """Kind, flags, uids and segments, without touching the payload."""
+    layout = _layout(buf)
+    uids: np.ndarray
+    if layout.flags & RUN:
+        first, step = np.frombuffer(buf, dtype="<i8", count=2, offset=HEADER.size).tolist()
+        uids = np.arange(first, first + step * layout.count, step, dtype=np.int64)
+    else:
+        uids = np.frombuffer(buf, dtype="<i8", count=layout.count, offset=HEADER.size)
+    return Header(
+        layout.kind, layout.flags & ~(RUN | RELEASED), uids, layout.segment, layout.released
+    )
 
 
-def splice(buf: bytes, kind: int, uids: Sequence[int] | np.ndarray) -> bytes:
-    """The same frame (segment, buffers, body) under another kind and other uids."""
-    _, flags, count, seg_len, n_places = HEADER.unpack_from(buf)
+def splice(
+    buf: bytes, kind: int, uids: Sequence[int] | np.ndarray, *, released: Sequence[str] = ()
+) -> bytes:
+    """The same frame (segment, buffers, body) under another kind, other uids and other
+    released segments (none unless given)."""
+    layout = _layout(buf)
     ids = np.asarray(uids, dtype="<i8")
-    rest = memoryview(buf)[HEADER.size + 8 * count :]
-    return HEADER.pack(kind, flags, len(ids), seg_len, n_places) + ids.tobytes() + bytes(rest)
+    uid_flag, uid_bytes = _encode_uids(ids)
+    flags = (layout.flags & ~(RUN | RELEASED)) | uid_flag | (RELEASED if released else 0)
+    head = HEADER.pack(kind, flags, len(ids), len(layout.segment), layout.n_places)
+    rest = memoryview(buf)[layout.places_at :]
+    return b"".join(
+        [head, uid_bytes, layout.segment.encode(), _released_bytes(released), bytes(rest)]
+    )
+
+
+def with_released(buf: bytes, names: Sequence[str]) -> bytes:
+    """The same frame, also telling that the sender has finished reading `names`."""
+    layout = _layout(buf)
+    head = HEADER.pack(
+        layout.kind, layout.flags | RELEASED, layout.count, len(layout.segment), layout.n_places
+    )
+    uid_end = HEADER.size + (16 if layout.flags & RUN else 8 * layout.count)
+    names = [*layout.released, *names]
+    return b"".join(
+        [
+            head,
+            bytes(buf[HEADER.size : uid_end]),
+            layout.segment.encode(),
+            _released_bytes(names),
+            bytes(memoryview(buf)[layout.places_at :]),
+        ]
+    )
 
 
 def payload(buf: bytes, *, arena: Arena | None = None, copy: bool = False) -> Any:
     """The frame's payload. Its large buffers are views of shared memory, which stays mapped
     (in `arena`) until `arena.done(segment, ...)`; with copy=True they are copied out instead
     and the caller owes the segment nothing."""
-    _, _, count, seg_len, n_places = HEADER.unpack_from(buf)
-    start = HEADER.size + 8 * count
-    segment = bytes(buf[start : start + seg_len]).decode()
-    start += seg_len
-    places = [PLACE.unpack_from(buf, start + i * PLACE.size) for i in range(n_places)]
-    start += n_places * PLACE.size
+    layout = _layout(buf)
+    segment, count, start = layout.segment, layout.count, layout.places_at
+    places = [PLACE.unpack_from(buf, start + i * PLACE.size) for i in range(layout.n_places)]
+    start = layout.body_at
     if start >= len(buf):
         return None
     buffers: list[Any] = []

@@ -25,12 +25,13 @@ import contextlib
 import logging
 import multiprocessing as mp
 import queue
+import selectors
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,8 @@ class Router:
         swept = sweep_orphans()
         if swept:
             log.info("removed %d shared-memory segments left by dead workers", swept)
+        self.reclaims: dict[int, list[str]] = {}
+        """Segments to hand back to their makers, by the maker's pid."""
         self.sources: dict[int, Source] = {}
         self.source_starts: list[int] = []
         fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
@@ -109,6 +112,10 @@ class Router:
         self.startup_failures: Counter[int] = Counter()
         self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        # One selector for the router's life (not one per wait): stage pipes and process
+        # sentinels are registered as processes come and go.
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
         scalable = any(s.min_workers != s.max_workers for s in self.specs)
         self.elastic = ElasticScheduler(config.elastic) if scalable else None
         self.monitor = DeviceMonitor() if scalable else None
@@ -188,9 +195,10 @@ class Router:
             self._shutdown(grace_s)
 
     def _spawn(self, stage: int, slot: int) -> None:
-        self.procs[stage].append(
-            StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
-        )
+        p = StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
+        self.procs[stage].append(p)
+        self.selector.register(p.outbox, selectors.EVENT_READ, (p, False))
+        self.selector.register(p.process.sentinel, selectors.EVENT_READ, (p, True))
 
     def _take_requests(self) -> float | None:
         while True:
@@ -246,26 +254,20 @@ class Router:
                 break
 
     def _wait_and_receive(self, timeout: float) -> None:
-        by_conn: dict[Any, StageProcess] = {}
-        by_sentinel: dict[int, StageProcess] = {}
-        for stage in self.procs:
-            for p in stage:
-                by_conn[p.outbox] = p
-                by_sentinel[p.process.sentinel] = p
-        ready = wait([self._wake_r, *by_conn, *by_sentinel], timeout=timeout)
         dead: list[StageProcess] = []
-        for obj in ready:
-            if obj is self._wake_r:
+        for key, _ in self.selector.select(timeout):
+            if key.data is None:
                 while self._wake_r.poll():
                     self._wake_r.recv_bytes()
-            elif isinstance(obj, int):
-                dead.append(by_sentinel[obj])
-            else:
-                p = by_conn[obj]
-                if not self._receive(p):
-                    dead.append(p)
+                continue
+            p, exited = key.data
+            if p not in self.procs[p.stage]:
+                continue  # buried earlier in this turn
+            if exited or not self._receive_one(p):
+                dead.append(p)
         for p in dict.fromkeys(dead):
             self._bury(p)
+        self._send_reclaims()
 
     def _receive(self, p: StageProcess) -> bool:
         """Read every message a process has sent. False once its outbox reports EOF."""
@@ -277,9 +279,21 @@ class Router:
             return False
         return True
 
+    def _receive_one(self, p: StageProcess) -> bool:
+        """Read one message of a process whose outbox is readable (the selector reports it
+        again while more wait: no poll, which costs a selector of its own, per message)."""
+        try:
+            self._handle(p, p.outbox.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        return True
+
     def _handle(self, p: StageProcess, buf: bytes) -> None:
         h = frames.header(buf)
         kind, uids = h.kind, h.uids
+        for segment in h.released:
+            p.mapped.discard(segment)
+            self._segment_done(segment)
         if kind == frames.ITEMS:
             p.holding.remove(uids)
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
@@ -369,16 +383,22 @@ class Router:
         if self.arena.owns(segment):
             self.arena.reclaim(segment)
             return
-        producer = int(segment.split("-")[1])
-        for stage in self.procs:
-            for p in stage:
-                if (
-                    p.process.pid == producer
-                    and not p.dead
-                    and p.send(frames.pack(frames.RECLAIM, payload=[segment]))
-                ):
-                    return
-        unlink(segment)  # its maker is gone
+        # Told to its maker once per turn of the loop, with the others for it.
+        self.reclaims.setdefault(int(segment.split("-")[1]), []).append(segment)
+
+    def _send_reclaims(self) -> None:
+        reclaims, self.reclaims = self.reclaims, {}
+        for producer, segments in reclaims.items():
+            maker = next(
+                (p for stage in self.procs for p in stage if p.process.pid == producer), None
+            )
+            if (
+                maker is None
+                or maker.dead
+                or not maker.send(frames.pack(frames.RECLAIM, payload=segments))
+            ):
+                for segment in segments:
+                    unlink(segment)  # its maker is gone
 
     def _gathers_after(self, stage: int) -> bool:
         """Is the end of `stage` where the items of a fan-out come back together?"""
@@ -495,6 +515,8 @@ class Router:
             p.process.kill()
             p.process.join(timeout=5)
         p.dead = True
+        self.selector.unregister(p.outbox)
+        self.selector.unregister(p.process.sentinel)
         p.close()
         self.procs[p.stage].remove(p)
         # What it was reading goes back to the makers; its own free segments die with it,
@@ -672,6 +694,8 @@ class Router:
             unlink(segment)
         for p in everyone:
             remove_all_of(p.process.pid, keep=set())
+        self.reclaims.clear()
+        self.selector.close()
         self.arena.close()
         self._wake_r.close()
         self._wake_w.close()

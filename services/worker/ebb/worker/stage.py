@@ -213,12 +213,18 @@ class StageLoop:
                 self.batcher.flush()
             while self.batcher.ready(time.monotonic()):
                 batch = self.batcher.take()
-                self._run(batch)
+                messages = self._run(batch)
                 segments = batch.segments
                 del batch  # the last references to views of shared memory, before unmapping
                 unmapped = [name for name, n in segments.items() if self.arena.done(name, n)]
                 if unmapped:
-                    self._send(frames.pack(frames.UNMAPPED, payload=unmapped))
+                    # Told with the batch's output: one message fewer for the router.
+                    if messages:
+                        messages[0] = frames.with_released(messages[0], unmapped)
+                    else:
+                        messages.append(frames.pack(frames.UNMAPPED, payload=unmapped))
+                for message in messages:
+                    self._send(message)
                 self._check_memory()
             if self.stopping and not len(self.batcher):
                 self.arena.close()
@@ -258,9 +264,11 @@ class StageLoop:
         elif h.kind == frames.STOP:
             self.stopping = True
 
-    def _run(self, batch: Batch) -> None:
+    def _run(self, batch: Batch) -> list[bytes]:
+        """Run a batch; the messages that tell its outcome."""
+        messages: list[bytes] = []
         if not len(batch):
-            return
+            return messages
         self.board.post(batch.uids)
         started = time.perf_counter()
         try:
@@ -277,9 +285,11 @@ class StageLoop:
             else:
                 message = self._items_message(uids, concat([c for _, c in pieces]), failed, flags)
             if message:
-                self._send(message)
+                messages.append(message)
         if failed:
-            self._send(frames.pack(frames.ERRORS, [u for u, _ in failed], [m for _, m in failed]))
+            failed_uids = [u for u, _ in failed]
+            messages.append(frames.pack(frames.ERRORS, failed_uids, [m for _, m in failed]))
+        return messages
 
     def _items_message(
         self, uids: np.ndarray, chunk: Columns, failed: list[tuple[int, str]], flags: int
