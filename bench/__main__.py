@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from . import (
+    embedding,
     fanout,
     master_scale,
     mlp,
@@ -27,7 +28,17 @@ from . import (
 )
 from .common import REPO, Context, Section, gpu
 
-ORDER = ["single", "fanout", "stragglers", "scale", "startup", "tidal", "mlp", "overhead"]
+ORDER = [
+    "single",
+    "fanout",
+    "stragglers",
+    "scale",
+    "startup",
+    "tidal",
+    "mlp",
+    "overhead",
+    "embedding",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                 section = tidal_sim.run(ctx)
             elif name == "mlp":
                 section = mlp.run(ctx)
-            else:
+            elif name == "overhead":
                 section = overhead.run(ctx)
+            else:
+                section = embedding.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
             for t in section.tables:
                 print(t, flush=True)

@@ -137,3 +137,30 @@ class PassRows:
 
     def process_batch(self, rows: list[Any]) -> list[Any]:
         return rows
+
+
+class HashTokenize:
+    """Text -> token ids of its words (a hashing tokenizer: deterministic, no vocabulary file),
+    with [CLS] first and at most `max_tokens` ids: the embedding benchmark's CPU stage."""
+
+    def __init__(self, vocab: int = 30_522, max_tokens: int = 128) -> None:
+        self.vocab = vocab
+        self.max_tokens = max_tokens
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = np.empty(len(batch["text"]), dtype=object)
+        for i, text in enumerate(batch["text"]):
+            words = text.split()[: self.max_tokens - 1]
+            ids[i] = np.fromiter(
+                (101, *(1000 + (hash_word(w) % (self.vocab - 1000)) for w in words)),
+                dtype=np.int64,
+            )
+        return {"input_ids": ids}
+
+
+def hash_word(word: str) -> int:
+    """A stable hash of a word (Python's own is salted per process)."""
+    h = 2166136261
+    for byte in word.encode():
+        h = ((h ^ byte) * 16777619) & 0xFFFFFFFF
+    return h

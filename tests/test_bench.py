@@ -34,8 +34,20 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 4. Shard master at scale",
         "## 5. Start-up",
         "## 6. Tidal harvesting",
+        "## 7. A million rows through a small MLP",
+        "## 8. The pipeline's own cost per row",
+        "## 9. Text embedding",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
-    for plot in ("single", "fanout", "stragglers", "scale", "tidal"):
+    for plot in (
+        "single",
+        "fanout",
+        "stragglers",
+        "scale",
+        "tidal",
+        "mlp",
+        "overhead",
+        "embedding",
+    ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000

@@ -391,3 +391,42 @@ async def test_a_torchscript_stage_on_the_gpu_in_half_precision(tmp_path: Path) 
     got = np.stack([v for _, v in outcomes])
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+async def test_uneven_sequences_are_padded_and_masked_within_a_token_budget(
+    tmp_path: Path,
+) -> None:
+    class MeanEmbedding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 8)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            mask = attention_mask.unsqueeze(-1).float()
+            out: torch.Tensor = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+            return out
+
+    torch.manual_seed(0)
+    model = MeanEmbedding().eval()
+    path = tmp_path / "embed.pt"
+    torch.jit.save(torch.jit.script(model), str(path))
+    items = rows(500)
+    outcomes = await run_pipeline(
+        [
+            StageSpec(name="tokens", modelet="ebbtest_modelets:Tokens", batch_size=64),
+            StageSpec(
+                name="embed",
+                model=str(path),
+                batch_size=64,
+                batch_tokens=200,
+                length_column="input_ids",
+            ),
+        ],
+        items,
+    )
+    assert all(ok for ok, _ in outcomes)
+    with torch.inference_mode():
+        for i in (0, 16, 17, 333, 499):  # each row alone: no padding at all
+            ids = torch.full((1, 1 + i % 17), i % 50 + 1, dtype=torch.int64)
+            expected = model(ids, torch.ones_like(ids))[0].numpy()
+            np.testing.assert_allclose(outcomes[i][1], expected, rtol=1e-5, atol=1e-6)

@@ -182,3 +182,11 @@ class SplitUnsendable:
     def process(self, row: Any) -> Any:
         second: Any = (lambda: None) if row["id"] in self.ids else row["id"]
         return [row["id"], second]
+
+
+class Tokens:
+    """Row -> {"input_ids": its id repeated to a length of 1 + id % 17}: sequences of uneven
+    length, as a tokenizer makes them."""
+
+    def process(self, row: dict[str, Any]) -> Any:
+        return {"input_ids": np.full(1 + row["id"] % 17, row["id"] % 50 + 1, dtype=np.int64)}

@@ -8,6 +8,7 @@ tensor column); one output comes back as the rows' value, several as a map per r
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import warnings
@@ -19,6 +20,8 @@ from ebb.common.spec import StageSpec
 
 from .columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
 from .modelet import Modelet, StageError
+
+log = logging.getLogger(__name__)
 
 _ONNX_DTYPES = {
     "tensor(float)": np.float32,
@@ -103,31 +106,65 @@ class _ModelStage(Modelet):
 
     def _feeds(self, batch: Columns) -> dict[str, np.ndarray]:
         """The model's inputs from the batch: the `input` column, the one column of plain
-        rows, or the columns named like the model's inputs."""
+        rows, or the columns named like the model's inputs. Sequences of uneven length
+        (token ids) are padded to the batch's longest, and a model that takes an attention
+        mask the rows do not carry gets one (1 for a token, 0 for padding)."""
+        wanted = [n for n in self.input_names if n not in MASK_NAMES] or self.input_names
         if self.spec.input is not None:
             if is_plain(batch) or self.spec.input not in batch:
                 raise TypeError(f"rows have no field {self.spec.input!r}")
             column: np.ndarray | None = batch[self.spec.input]
-        elif is_plain(batch) or (len(batch) == 1 and len(self.input_names) == 1):
+        elif is_plain(batch) or (len(batch) == 1 and len(wanted) == 1):
             column = next(iter(batch.values()))  # the rows' one value feeds the one input
         else:
             column = None
         if column is not None:
             if column.dtype == object and len(column) and isinstance(column[0], dict):
                 batch = from_rows(list(column))  # rows that are maps of the model's inputs
-            elif len(self.input_names) == 1:
-                return {self.input_names[0]: column}
+            elif len(wanted) == 1:
+                batch = {wanted[0]: column}
             else:
                 raise TypeError(
                     f"model takes inputs {self.input_names}: rows must be maps of those names"
                 )
-        missing = [name for name in self.input_names if name not in batch]
+        feeds: dict[str, np.ndarray] = {}
+        lengths: np.ndarray | None = None
+        for name in self.input_names:
+            if name in batch:
+                feeds[name], found = _padded(batch[name])
+                lengths = found if lengths is None else lengths
+        missing = [n for n in self.input_names if n not in feeds]
+        masks = [n for n in missing if n in MASK_NAMES]
+        if masks and lengths is not None:
+            longest = max(f.shape[1] for f in feeds.values() if f.ndim > 1)
+            mask = (np.arange(longest)[None, :] < lengths[:, None]).astype(np.int64)
+            feeds.update(dict.fromkeys(masks, mask))
+            missing = [n for n in missing if n not in masks]
         if missing:
             raise TypeError(
                 f"model takes inputs {self.input_names}: rows must be maps of those names "
                 f"(they lack {missing})"
             )
-        return {name: batch[name] for name in self.input_names}
+        return feeds
+
+
+MASK_NAMES = frozenset({"attention_mask", "mask"})
+"""Model inputs that Ebb fills in from the padding of a batch of uneven sequences."""
+
+
+def _padded(column: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """A column of sequences of uneven length, padded with zeros at the end into one array,
+    and each row's length (None when the column needed no padding)."""
+    if column.dtype != object or not len(column):
+        return column, None
+    rows = [np.asarray(v) for v in column]
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    if rows[0].ndim != 1 or (lengths == lengths[0]).all():
+        return column, None
+    out = np.zeros((len(rows), int(lengths.max())), dtype=np.result_type(*rows))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out, lengths
 
 
 class OnnxStage(_ModelStage):
@@ -152,6 +189,7 @@ class OnnxStage(_ModelStage):
         self.input_names = [i.name for i in inputs]
         self.dtypes = {i.name: _ONNX_DTYPES.get(i.type, np.float32) for i in inputs}
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self._warm_up(inputs)
         wanted = self.spec.dtype
         if wanted is not None:
             # ONNX Runtime runs the graph in the types it was exported with: a float16 model
@@ -162,6 +200,22 @@ class OnnxStage(_ModelStage):
                     f"{self.uri} takes {sorted(floats)} inputs, not {wanted}: export the model "
                     f"in {wanted} (onnxruntime cannot convert it at load time)"
                 )
+
+    def _warm_up(self, inputs: list[Any]) -> None:
+        """One batch of zeros through the model, while the worker reads its first shard: the
+        runtime's first run (allocations, kernel choice; on a GPU, far slower than the next)
+        is then not the first batch's. Only when every input's shape is known but the batch."""
+        shapes = [[1, *i.shape[1:]] for i in inputs]
+        if not all(isinstance(d, int) and d > 0 for shape in shapes for d in shape):
+            return
+        feed: dict[str, np.ndarray] = {
+            i.name: np.zeros(shape, dtype=self.dtypes[i.name])
+            for i, shape in zip(inputs, shapes, strict=True)
+        }
+        try:
+            self.session.run(self.output_names, feed)
+        except Exception as e:  # noqa: BLE001 - a model that rejects zeros still serves rows
+            log.info("%s: no warm-up (%s)", self.uri, e)
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {name: _tensor(column, self.dtypes[name]) for name, column in feeds.items()}
