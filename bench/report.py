@@ -59,12 +59,12 @@ def _timeline(path: Path, title: str, plot: dict[str, Any]) -> None:
     for ax, (policy, series) in zip(axes, runs.items(), strict=True):
         hours = [m / 60 for m in range(len(series["load"]))]
         ax.plot(hours, series["load"], label="online load (nodes)", color="#c44e52")
-        ax.plot(hours, series["lent"], label="mixed nodes lent", color="#4878a8")
+        ax.plot(hours, series["harvested"], label="batch on mixed (nodes)", color="#4878a8")
         ax.plot(hours, [b / 4 for b in series["batch"]], label="batch pods / 4", color="#55a868")
         ax.bar(hours, series["pending"], width=1 / 60, label="online pods pending", color="#8172b2")
         ax.set_ylabel(policy)
         ax.legend(loc="upper left", fontsize=7)
-    axes[-1].set_xlabel("hour of the simulated day")
+    axes[-1].set_xlabel("hour of the simulated trace")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
