@@ -84,7 +84,9 @@ BATCH_CLASS = find("PriorityClass", "ebb-batch")
 # --------------------------------------------------------------------------------------------
 
 
-def diurnal(minute: int, rng: random.Random, *, amplitude: float = 1.0, peak: float = 16.0) -> float:
+def diurnal(
+    minute: int, rng: random.Random, *, amplitude: float = 1.0, peak: float = 16.0
+) -> float:
     """A night trough (~10%), an afternoon peak (~85% times `amplitude`) at hour `peak`, and a
     2% chance of a one-minute spike of +30%."""
     phase = 2 * math.pi * (minute - (peak - 12) * 60) / DAY_MINUTES

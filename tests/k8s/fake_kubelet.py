@@ -208,9 +208,9 @@ def node_matches(pod: Obj, node: Obj) -> bool:
 
 def preferred_weight(pod: Obj, node: Obj) -> int:
     """The summed weights of the pod's preferred node affinity terms that `node` matches."""
-    preferred = (
-        ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
-    ).get("preferredDuringSchedulingIgnoredDuringExecution") or []
+    preferred = (((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ) or []
     labels = node["metadata"].get("labels") or {}
     return sum(
         int(term.get("weight", 0))
@@ -544,9 +544,7 @@ class FakeKubelet:
             if not victims:
                 continue  # it fits without preemption: not this pass's business
             top = max(_priority(v) for v in victims)
-            latest_top = max(
-                self._run_of(v).seq for v in victims if _priority(v) == top
-            )
+            latest_top = max(self._run_of(v).seq for v in victims if _priority(v) == top)
             rank = (
                 top,  # the lowest highest-priority victim
                 sum(_priority(v) - _MIN_PRIORITY for v in victims),

@@ -462,9 +462,13 @@ def _validate(rt: ResourceType, obj: Obj, old: Obj | None) -> None:
         if not isinstance(value, int) or isinstance(value, bool):
             causes.required("value")
         elif value > 1_000_000_000 and not meta["name"].startswith("system-"):
-            causes.forbidden("value", "maximum allowed value of a user defined priority is 1000000000")
+            causes.forbidden(
+                "value", "maximum allowed value of a user defined priority is 1000000000"
+            )
         if obj.get("preemptionPolicy") not in _PREEMPTION_POLICIES:
-            causes.unsupported("preemptionPolicy", obj.get("preemptionPolicy"), _PREEMPTION_POLICIES)
+            causes.unsupported(
+                "preemptionPolicy", obj.get("preemptionPolicy"), _PREEMPTION_POLICIES
+            )
         if old is not None and old.get("value") != value:
             causes.invalid("value", value, "field is immutable")
     elif rt is LEASES:

@@ -924,7 +924,8 @@ def prioritised(
     name: str, priority_class: str | None, *, cpu: str = "2", node_selector: Any = None
 ) -> k8s.V1Pod:
     body = pod_body(name, requests={"cpu": cpu}, node_selector=node_selector)
-    body.spec.priority_class_name = priority_class
+    spec: Any = body.spec  # its stubs type the field as str; the API takes it unset
+    spec.priority_class_name = priority_class
     return body
 
 
@@ -954,10 +955,10 @@ async def test_priority_class_admission(kube: FakeKubeAPI, client: ApiClient) ->
     await core.create_namespaced_pod(NS, prioritised("b", "batch"))
     await core.create_namespaced_pod(NS, prioritised("w", "web"))
     await core.create_namespaced_pod(NS, prioritised("plain", None))
-    b, w, plain = [await core.read_namespaced_pod(n, NS) for n in ("b", "w", "plain")]
-    assert (b.spec.priority, b.spec.preemption_policy) == (-10, "Never")
-    assert (w.spec.priority, w.spec.preemption_policy) == (1000, "PreemptLowerPriority")
-    assert (plain.spec.priority, plain.spec.priority_class_name) == (0, None)
+    b, w, plain = [(await core.read_namespaced_pod(n, NS)).to_dict() for n in ("b", "w", "plain")]
+    assert (b["spec"]["priority"], b["spec"]["preemption_policy"]) == (-10, "Never")
+    assert (w["spec"]["priority"], w["spec"]["preemption_policy"]) == (1000, "PreemptLowerPriority")
+    assert (plain["spec"]["priority"], plain["spec"]["priority_class_name"]) == (0, None)
 
     # A class that does not exist is refused, and so is a priority the pod sets itself.
     exc = await refused(core.create_namespaced_pod(NS, prioritised("x", "missing")), 403)
@@ -967,8 +968,9 @@ async def test_priority_class_admission(kube: FakeKubeAPI, client: ApiClient) ->
     forged = prioritised("y", "batch")
     forged.spec.priority = 5
     exc = await refused(core.create_namespaced_pod(NS, forged), 403)
-    assert "the integer value of priority (5) must not be provided in pod spec" in (
-        status_body(exc.value)["message"]
+    assert (
+        "the integer value of priority (5) must not be provided in pod spec"
+        in (status_body(exc.value)["message"])
     )
     assert kube.get_pod("x") is None and kube.get_pod("y") is None
 
@@ -1019,8 +1021,8 @@ async def test_scheduler_preempts_the_lowest_priority_pods_gracefully(
     assert "n1" in nominated  # nominated while its victims terminate
     order = [e["object"].metadata.name for e in events if e["type"] == "DELETED"]
     assert set(order) == {"low-a", "low-b"}  # gone before web-1 runs
-    web = await core.read_namespaced_pod("web-1", NS)
-    assert web.spec.node_name == "n1" and web.status.nominated_node_name is None
+    web = (await core.read_namespaced_pod("web-1", NS)).to_dict()
+    assert web["spec"]["node_name"] == "n1" and web["status"]["nominated_node_name"] is None
     assert (await core.read_namespaced_pod("mid", NS)).status.phase == "Running"
 
 

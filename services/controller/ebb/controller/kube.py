@@ -300,8 +300,21 @@ class KubernetesBackend:
             free = add({k: v for k, v in allocatable.items() if k in _RESOURCES}, used[name], -1.0)
             bins.append(Bin(name, free, rank=0 if pool == "offline" else 1))
         if self._budget_cpu is not None:
-            # The tide's budget caps what batch pods may take on the mixed pool as a whole.
-            left = self._budget_cpu
+            # The tide's budget caps what new batch pods may take on the mixed pool; the pods
+            # there already keep their place (draining them is the tide's call, not ours).
+            offline_nodes = {
+                n["metadata"]["name"]
+                for n in self.nodes.values()
+                if (n["metadata"].get("labels") or {}).get(self.config.pool_label, "offline")
+                == "offline"
+            }
+            held = sum(
+                requests_of(p).get("cpu", 0.0)
+                for p in self.workers.values()
+                if (p.get("metadata") or {}).get("name") in live
+                and (p.get("spec") or {}).get("nodeName") not in offline_nodes
+            )
+            left = max(self._budget_cpu, held)
             for b in sorted((b for b in bins if b.rank == 1), key=lambda b: b.name):
                 b.free["cpu"] = min(b.free.get("cpu", 0.0), max(0.0, left))
                 left -= b.free["cpu"]
@@ -557,7 +570,7 @@ class KubernetesBackend:
             log.info("tide: node %s -> %s", move.node, move.to)
         if isinstance(self.tide, ForecastTide):
             self._budget_cpu = self.tide.budget * average
-            await self._drain_over_budget(mixed, self._budget_cpu)
+            await self._drain_over_budget(mixed, self.tide.drain_above * average)
         reclaiming = {m.node for m in moves if m.to == "offline2online"}
         reclaiming |= {m.name for _, m in mixed if m.state == "offline2online"}
         for pod in self.pods.values():
@@ -586,8 +599,8 @@ class KubernetesBackend:
             self.changed.set()
 
     async def _drain_over_budget(self, mixed: list[tuple[Obj, MixedNode]], budget: float) -> None:
-        """Drain batch pods on lent nodes beyond the budget: the youngest first, whose shards
-        have the least done."""
+        """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first,
+        whose shards have the least done."""
         lent = {m.name for _, m in mixed if m.state in ("offline", "online2offline")}
         pods = [
             p

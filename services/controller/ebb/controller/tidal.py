@@ -15,7 +15,8 @@ every `sample_s` and smoothed as the median of the last `window` samples, so tha
 one sample changes nothing. Nodes are lent while the smoothed utilisation of the nodes that
 would stay online remains under `lend_below`; they are reclaimed, fewest batch pods first, as
 soon as it rises over `reclaim_above` or an online pod cannot be scheduled (Pending), without
-waiting for smoothing. After a reclaim, nothing is lent for `cooldown_s`. That is the `threshold` policy.
+waiting for smoothing. After a reclaim, nothing is lent for `cooldown_s`. That is the
+`threshold` policy.
 
 The `forecast` policy (the default) lends by the core rather than by the node. Batch pods run at
 a lower priority than online pods, so a scheduler that finds no room for an online pod preempts
@@ -30,8 +31,9 @@ online demand (running and Pending) `lead_s` ahead as the largest of
 and gives batch work the mixed pool's capacity minus that forecast minus `headroom`: the
 batch budget. Every mixed node beyond `min_online` is lent while there is a budget; the
 controller places no more batch pods on lent nodes than the budget allows, and drains the
-surplus, one pod at a time, when the forecast rises: the youngest pods first, the ones with
-the least work of their shards done. A lent node goes back online only once it has no batch
+surplus, one pod at a time, once the forecast eats into half the headroom (`drain_below`), so
+that noise moves the budget and not the pods: the youngest pods first, the ones with the
+least work of their shards done. A lent node goes back online only once it has no batch
 pods left, so nodes are never drained whole.
 """
 
@@ -54,8 +56,11 @@ class TidalConfig:
     policy: Policy = "forecast"
     """forecast: lend by the core against a forecast, preemption takes the spikes; threshold:
     lend and reclaim whole nodes at utilisation thresholds."""
-    headroom: float = 0.2
+    headroom: float = 0.25
     """forecast: free online capacity kept on the mixed pool, as a share of it."""
+    drain_below: float = 0.0
+    """forecast: batch pods are drained only once the free capacity forecast falls under this
+    share of the headroom: noise in the load moves the budget, not the pods."""
     lead_s: float = 180.0
     """forecast: how far ahead the forecast looks (a drain and a pod start, with a margin)."""
     trend_samples: int = 10
@@ -201,7 +206,7 @@ class Forecast:
     def seasonal(self, now: float) -> float | None:
         """The highest load earlier periods had between now and `lead_s` ahead, moved by how
         far today runs above or below them now; None before a period has been seen."""
-        period, slot = self._slot(now)
+        period, _ = self._slot(now)
 
         def earlier(at: float) -> float | None:
             values = [v for p, v in self.season.get(self._slot(at)[1], ()) if p < period]
@@ -236,6 +241,8 @@ class ForecastTide:
         self.forecast = Forecast(config)
         self.budget = 0.0
         """Capacity batch pods may take on the mixed pool, in nodes (as of the last sample)."""
+        self.drain_above = 0.0
+        """Batch pods on the mixed pool beyond this capacity (in nodes) are drained."""
 
     def decide(
         self,
@@ -251,11 +258,14 @@ class ForecastTide:
         total = len(nodes)
         self.forecast.observe(now, online_load + pending_load)
         expected = self.forecast.ahead(now)
-        self.budget = max(0.0, total - expected - self.config.headroom * total)
+        headroom = self.config.headroom * total
+        self.budget = max(0.0, total - expected - headroom)
+        self.drain_above = max(0.0, total - expected - headroom * self.config.drain_below)
         # The nodes kept online: those online already, the busiest with online pods first.
         keep = min(total, self.config.min_online)
         ranked = sorted(
-            nodes, key=lambda n: (n.state not in ("online", "offline2online"), -n.online_use, n.name)
+            nodes,
+            key=lambda n: (n.state not in ("online", "offline2online"), -n.online_use, n.name),
         )
         staying = {n.name for n in ranked[:keep]}
         for node in nodes:
