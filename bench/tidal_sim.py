@@ -14,7 +14,7 @@ shard every 10 minutes it runs; a worker drained or preempted loses the shard it
 
 - tidal: the `forecast` policy (TidalConfig's defaults, in simulated time): lend by the core
   against a forecast of online demand 3 minutes ahead (level, trend, same time on earlier
-  days), 20% of the pool kept free for online pods, preemption for the rest;
+  days), 25% of the pool kept free for online pods, preemption for the rest;
 - naive: the `threshold` policy on the last sample alone, no cool-down (whole nodes lent below
   45% utilisation and reclaimed over 70% or when an online pod is Pending);
 - never lend: the mixed pool is left to online pods.

@@ -30,11 +30,11 @@ online demand (running and Pending) `lead_s` ahead as the largest of
 
 and gives batch work the mixed pool's capacity minus that forecast minus `headroom`: the
 batch budget. Every mixed node beyond `min_online` is lent while there is a budget; the
-controller places no more batch pods on lent nodes than the budget allows, and drains the
-surplus, one pod at a time, once the forecast eats into half the headroom (`drain_below`), so
-that noise moves the budget and not the pods: the youngest pods first, the ones with the
-least work of their shards done. A lent node goes back online only once it has no batch
-pods left, so nodes are never drained whole.
+controller places no more batch pods on lent nodes than the budget allows. It drains batch
+pods only when the forecast needs capacity they hold (not the headroom: noise moves the
+budget, not the pods), one pod at a time, the youngest first: the ones with the least work of
+their shards done. A lent node goes back online only once it has no batch pods left, so nodes
+are never drained whole.
 """
 
 from __future__ import annotations
@@ -58,9 +58,6 @@ class TidalConfig:
     lend and reclaim whole nodes at utilisation thresholds."""
     headroom: float = 0.25
     """forecast: free online capacity kept on the mixed pool, as a share of it."""
-    drain_below: float = 0.0
-    """forecast: batch pods are drained only once the free capacity forecast falls under this
-    share of the headroom: noise in the load moves the budget, not the pods."""
     lead_s: float = 180.0
     """forecast: how far ahead the forecast looks (a drain and a pod start, with a margin)."""
     trend_samples: int = 10
@@ -242,7 +239,8 @@ class ForecastTide:
         self.budget = 0.0
         """Capacity batch pods may take on the mixed pool, in nodes (as of the last sample)."""
         self.drain_above = 0.0
-        """Batch pods on the mixed pool beyond this capacity (in nodes) are drained."""
+        """Batch pods on the mixed pool beyond this capacity (in nodes) are drained: all but
+        what the forecast needs."""
 
     def decide(
         self,
@@ -260,7 +258,7 @@ class ForecastTide:
         expected = self.forecast.ahead(now)
         headroom = self.config.headroom * total
         self.budget = max(0.0, total - expected - headroom)
-        self.drain_above = max(0.0, total - expected - headroom * self.config.drain_below)
+        self.drain_above = max(0.0, total - expected)
         # The nodes kept online: those online already, the busiest with online pods first.
         keep = min(total, self.config.min_online)
         ranked = sorted(
