@@ -9,6 +9,14 @@ What a pod's containers do is a `Policy`, chosen when the kubelet first sees the
 rule whose predicate matches (`FakeKubelet.add_policy`), else the default. A policy describes the
 *container*; the pod's restartPolicy decides the rest, as on a real node: a container that exits
 1 fails a `Never` pod but puts an `Always` pod into CrashLoopBackOff.
+
+The scheduler places pods by priority (spec.priority, which admission resolved from the pod's
+PriorityClass), honours node selectors, required and preferred node affinity, taints and
+capacity, and, when a pod fits nowhere, preempts as kube-scheduler's default PostFilter does:
+on the node where the fewest and least important lower-priority pods must go, it marks them
+(DisruptionTarget) and deletes them gracefully, and nominates the node to the pod
+(status.nominatedNodeName), whose room no pod of lower priority may take meanwhile. A pod
+whose preemptionPolicy is Never waits instead.
 """
 
 from __future__ import annotations
