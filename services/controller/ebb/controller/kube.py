@@ -570,6 +570,8 @@ class KubernetesBackend:
             log.info("tide: node %s -> %s", move.node, move.to)
         if isinstance(self.tide, ForecastTide):
             self._budget_cpu = self.tide.budget * average
+            metrics.TIDAL_BUDGET.set(self._budget_cpu)
+            metrics.TIDAL_FORECAST.set(self.tide.expected * average)
             await self._drain_over_budget(mixed, self.tide.drain_above * average)
         reclaiming = {m.node for m in moves if m.to == "offline2online"}
         reclaiming |= {m.name for _, m in mixed if m.state == "offline2online"}

@@ -238,6 +238,8 @@ class ForecastTide:
         self.forecast = Forecast(config)
         self.budget = 0.0
         """Capacity batch pods may take on the mixed pool, in nodes (as of the last sample)."""
+        self.expected = 0.0
+        """The online demand forecast at the last sample, in nodes."""
         self.drain_above = 0.0
         """Batch pods on the mixed pool beyond this capacity (in nodes) are drained: all but
         what the forecast needs."""
@@ -255,7 +257,7 @@ class ForecastTide:
         moves: list[Move] = []
         total = len(nodes)
         self.forecast.observe(now, online_load + pending_load)
-        expected = self.forecast.ahead(now)
+        expected = self.expected = self.forecast.ahead(now)
         headroom = self.config.headroom * total
         self.budget = max(0.0, total - expected - headroom)
         self.drain_above = max(0.0, total - expected)
