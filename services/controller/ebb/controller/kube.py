@@ -601,8 +601,8 @@ class KubernetesBackend:
             self.changed.set()
 
     async def _drain_over_budget(self, mixed: list[tuple[Obj, MixedNode]], budget: float) -> None:
-        """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first,
-        whose shards have the least done."""
+        """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first
+        (their age stands in for their shards' progress, which we do not see)."""
         lent = {m.name for _, m in mixed if m.state in ("offline", "online2offline")}
         pods = [
             p

@@ -32,9 +32,11 @@ and gives batch work the mixed pool's capacity minus that forecast minus `headro
 batch budget. Every mixed node beyond `min_online` is lent while there is a budget; the
 controller places no more batch pods on lent nodes than the budget allows. It drains batch
 pods only when the forecast needs capacity they hold (not the headroom: noise moves the
-budget, not the pods), one pod at a time, the youngest first: the ones with the least work of
-their shards done. A lent node goes back online only once it has no batch pods left, so nodes
-are never drained whole.
+budget, not the pods), one pod at a time, the youngest first: a pod younger than a shard has
+less of it done than any older one (the pod's age stands in for shard progress, which the
+controller does not see). A lent node goes back online only once it has no batch pods left,
+so nodes are never drained whole. The seasonal memory lives in the process: a restarted or
+newly elected controller starts it afresh.
 """
 
 from __future__ import annotations
