@@ -2,7 +2,7 @@
 
 python -m bench            the full run (about 12 minutes on 2 cores)
 python -m bench --quick    small sizes, one repeat each (about 3 minutes)
-python -m bench --only single,stragglers
+python -m bench --only single,stragglers   (only these sections of the report are replaced)
 """
 
 from __future__ import annotations
@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             for t in section.tables:
                 print(t, flush=True)
             sections.append(section)
-        report.write(out, sections, ctx, seconds=time.perf_counter() - started)
+        if set(chosen) != set(ORDER) and out.exists():
+            report.update(out, sections)  # the other sections' figures stay as they were
+        else:
+            report.write(out, sections, ctx, seconds=time.perf_counter() - started)
         print(f"wrote {out} in {time.perf_counter() - started:.0f} s", flush=True)
     finally:
         if args.workdir is None:

@@ -59,12 +59,12 @@ def _timeline(path: Path, title: str, plot: dict[str, Any]) -> None:
     for ax, (policy, series) in zip(axes, runs.items(), strict=True):
         hours = [m / 60 for m in range(len(series["load"]))]
         ax.plot(hours, series["load"], label="online load (nodes)", color="#c44e52")
-        ax.plot(hours, series["lent"], label="mixed nodes lent", color="#4878a8")
+        ax.plot(hours, series["harvested"], label="batch on mixed (nodes)", color="#4878a8")
         ax.plot(hours, [b / 4 for b in series["batch"]], label="batch pods / 4", color="#55a868")
         ax.bar(hours, series["pending"], width=1 / 60, label="online pods pending", color="#8172b2")
         ax.set_ylabel(policy)
         ax.legend(loc="upper left", fontsize=7)
-    axes[-1].set_xlabel("hour of the simulated day")
+    axes[-1].set_xlabel("hour of the simulated trace")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -134,20 +134,46 @@ def write(path: Path, sections: list[Section], ctx: Context, *, seconds: float) 
         "",
     ]
     for section in sections:
-        # A docstring's first line repeats the section's title.
-        intro = textwrap.dedent(section.intro).strip().split("\n", 1)[-1].strip()
-        lines += [f"## {section.title}", "", intro, ""]
-        for t in section.tables:
-            lines += [t, ""]
-        if section.plot:
-            name = f"{section.slug}.png"
-            if section.plot["kind"] == "bars":
-                _bars(images / name, section.title, section.plot)
-            elif section.plot["kind"] == "timeline":
-                _timeline(images / name, section.title, section.plot)
-            else:
-                _scale(images / name, section.title, section.plot)
-            lines += [f"![{section.title}](img/{name})", ""]
-        for note in section.notes:
-            lines += [note, ""]
+        lines += _render(section, images)
     path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def update(path: Path, sections: list[Section]) -> None:
+    """Replace these sections in an existing report (matched by their number, "## 6."), and
+    leave every other line of it as it is: one benchmark rerun does not erase the others."""
+    images = path.parent / "img"
+    images.mkdir(parents=True, exist_ok=True)
+    blocks: list[list[str]] = [[]]
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            blocks.append([])
+        blocks[-1].append(line)
+    for section in sections:
+        number = section.title.split(" ", 1)[0]
+        rendered = _render(section, images)
+        at = next((i for i, b in enumerate(blocks) if b and b[0].startswith(f"## {number} ")), None)
+        if at is None:
+            blocks.append(rendered)
+        else:
+            blocks[at] = rendered
+    path.write_text("\n\n".join("\n".join(b).strip("\n") for b in blocks if b) + "\n")
+
+
+def _render(section: Section, images: Path) -> list[str]:
+    # A docstring's first line repeats the section's title.
+    intro = textwrap.dedent(section.intro).strip().split("\n", 1)[-1].strip()
+    lines = [f"## {section.title}", "", intro, ""]
+    for t in section.tables:
+        lines += [t, ""]
+    if section.plot:
+        name = f"{section.slug}.png"
+        if section.plot["kind"] == "bars":
+            _bars(images / name, section.title, section.plot)
+        elif section.plot["kind"] == "timeline":
+            _timeline(images / name, section.title, section.plot)
+        else:
+            _scale(images / name, section.title, section.plot)
+        lines += [f"![{section.title}](img/{name})", ""]
+    for note in section.notes:
+        lines += [note, ""]
+    return lines

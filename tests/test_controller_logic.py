@@ -8,7 +8,7 @@ import pytest
 
 from ebb.controller.capacity import Bin, Demand, allocate, parse_quantity
 from ebb.controller.failures import classify
-from ebb.controller.tidal import MixedNode, TidalConfig, Tide
+from ebb.controller.tidal import ForecastTide, MixedNode, TidalConfig, Tide
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,9 @@ def nodes(*states: str, batch: int = 0) -> list[MixedNode]:
 
 
 def test_the_tide_lends_when_quiet_and_smooths_out_a_spike() -> None:
-    tide = Tide(TidalConfig(lend_below=0.5, reclaim_above=0.8, window=3, cooldown_s=0))
+    tide = Tide(
+        TidalConfig(policy="threshold", lend_below=0.5, reclaim_above=0.8, window=3, cooldown_s=0)
+    )
     # Quiet: 1 node's worth of online load on 4 nodes -> keep 2 (50%), lend 2.
     moves = tide.decide(
         0, online_load=1.0, pending_online=0, nodes=nodes("online", "online", "online", "online")
@@ -155,7 +157,9 @@ def test_the_tide_lends_when_quiet_and_smooths_out_a_spike() -> None:
 
 
 def test_the_tide_reclaims_at_once_fewest_batch_pods_first() -> None:
-    tide = Tide(TidalConfig(lend_below=0.5, reclaim_above=0.8, window=3, cooldown_s=100))
+    tide = Tide(
+        TidalConfig(policy="threshold", lend_below=0.5, reclaim_above=0.8, window=3, cooldown_s=100)
+    )
     state = [
         MixedNode(name="busy", state="offline", batch_pods=4),
         MixedNode(name="light", state="offline", batch_pods=1),
@@ -174,14 +178,14 @@ def test_the_tide_reclaims_at_once_fewest_batch_pods_first() -> None:
 
 
 def test_pending_online_pods_reclaim_enough_nodes_for_them() -> None:
-    tide = Tide(TidalConfig(reclaim_above=0.8))
+    tide = Tide(TidalConfig(policy="threshold", reclaim_above=0.8))
     state = nodes("online", "offline", "offline", "offline", batch=2)
     moves = tide.decide(0, online_load=0.5, pending_online=3, nodes=state, pending_load=1.5)
     assert len([m for m in moves if m.to == "offline2online"]) == 2  # ceil(2.0/0.8) - 1 online
 
 
 def test_a_reclaimed_node_is_online_again_once_its_batch_pods_are_gone() -> None:
-    tide = Tide(TidalConfig())
+    tide = Tide(TidalConfig(policy="threshold"))
     draining = [MixedNode(name="m0", state="offline2online", batch_pods=1)]
     assert all(
         m.to != "online" for m in tide.decide(0, online_load=0.0, pending_online=0, nodes=draining)
@@ -190,3 +194,62 @@ def test_a_reclaimed_node_is_online_again_once_its_batch_pods_are_gone() -> None
     assert [
         (m.node, m.to) for m in tide.decide(1, online_load=0.0, pending_online=0, nodes=drained)
     ][:1] == [("m0", "online")]
+
+
+def forecast_tide(**config: Any) -> ForecastTide:
+    defaults: dict[str, Any] = {"sample_s": 1.0, "lead_s": 3.0, "headroom": 0.0, "window": 3}
+    return ForecastTide(TidalConfig(**{**defaults, **config}))
+
+
+def budget_after(
+    tide: ForecastTide, loads: list[float], *, start: int = 0, total: int = 8
+) -> float:
+    for t, load in enumerate(loads, start=start):
+        tide.decide(t, online_load=load, pending_online=0, nodes=nodes(*["online"] * total))
+    return tide.budget
+
+
+def test_the_forecast_budget_ignores_a_spike_and_reclaims_ahead_of_a_rise() -> None:
+    tide = forecast_tide(headroom=0.25)
+    # Flat at 2 nodes of 8, a quarter kept free: 4 nodes' worth for batch pods.
+    assert budget_after(tide, [2.0] * 12) == pytest.approx(4.0)
+    # One sample of a spike: preemption's business, the budget does not move.
+    assert budget_after(tide, [6.0], start=12) == pytest.approx(4.0)
+    # A steady rise of 0.2 a sample: the budget leaves room for where it will be 3 samples on.
+    tide = forecast_tide()
+    ramp = [1.0 + 0.2 * t for t in range(12)]
+    assert budget_after(tide, ramp) == pytest.approx(8 - (ramp[-2] + 0.2 * 3), abs=0.05)
+
+
+def test_the_forecast_remembers_the_same_time_on_earlier_days() -> None:
+    # A "day" of 20 samples: quiet, then a rise at samples 10-14, every day.
+    day = [1.0] * 10 + [5.0] * 5 + [1.0] * 5
+    tide = forecast_tide(period_s=20.0)
+    budget_after(tide, day)
+    # Day two, sample 8: still quiet, no trend, but yesterday rose at 10 (within the lead).
+    assert budget_after(tide, day[:9], start=20) == pytest.approx(8 - 5.0)
+    # Without the memory of a day, the same samples leave the whole quiet pool to batch.
+    assert budget_after(forecast_tide(period_s=20.0), day[:9]) == pytest.approx(8 - 1.0)
+
+
+def test_the_forecast_tide_lends_all_but_min_online_and_returns_only_empty_nodes() -> None:
+    tide = forecast_tide(min_online=1)
+    state = [
+        MixedNode(name="busy", state="online", batch_pods=0, online_use=0.6),
+        MixedNode(name="quiet", state="online", batch_pods=0, online_use=0.1),
+        MixedNode(name="lent", state="online2offline", batch_pods=0),
+    ]
+    moves = tide.decide(0, online_load=0.7, pending_online=0, nodes=state)
+    assert sorted((m.node, m.to) for m in moves) == [
+        ("lent", "offline"),
+        ("quiet", "online2offline"),  # the busiest stays online
+    ]
+    # No budget left (the pool is full of online load): lent nodes without batch pods go back
+    # at no cost; one with batch pods stays lent, for preemption or the budget's drain.
+    full = [
+        MixedNode(name="busy", state="online", batch_pods=0, online_use=1.0),
+        MixedNode(name="empty", state="offline", batch_pods=0, online_use=1.0),
+        MixedNode(name="working", state="offline", batch_pods=2, online_use=0.5),
+    ]
+    moves = tide.decide(1, online_load=3.0, pending_online=0, nodes=full)
+    assert [(m.node, m.to) for m in moves] == [("empty", "offline2online")]

@@ -37,7 +37,9 @@ from tests.k8s.fake_store import (
     NAMESPACES,
     NODES,
     PODS,
+    PRIORITY_CLASSES,
     RESOURCES,
+    SYSTEM_PRIORITY_CLASSES,
     ApiError,
     Change,
     Obj,
@@ -175,6 +177,8 @@ class FakeKubeAPI:
         self.store = Store(history_limit=history_limit)
         for namespace in namespaces:
             self.add_namespace(namespace)
+        for priority_class in SYSTEM_PRIORITY_CLASSES:
+            self.store.create(PRIORITY_CLASSES, "", priority_class)
         self.kubelet = FakeKubelet(
             self.store,
             start_delay=start_delay,

@@ -9,6 +9,14 @@ What a pod's containers do is a `Policy`, chosen when the kubelet first sees the
 rule whose predicate matches (`FakeKubelet.add_policy`), else the default. A policy describes the
 *container*; the pod's restartPolicy decides the rest, as on a real node: a container that exits
 1 fails a `Never` pod but puts an `Always` pod into CrashLoopBackOff.
+
+The scheduler places pods by priority (spec.priority, which admission resolved from the pod's
+PriorityClass), honours node selectors, required and preferred node affinity, taints and
+capacity, and, when a pod fits nowhere, preempts as kube-scheduler's default PostFilter does:
+on the node where the fewest and least important lower-priority pods must go, it marks them
+(DisruptionTarget) and deletes them gracefully, and nominates the node to the pod
+(status.nominatedNodeName), whose room no pod of lower priority may take meanwhile. A pod
+whose preemptionPolicy is Never waits instead.
 """
 
 from __future__ import annotations
@@ -206,6 +214,22 @@ def node_matches(pod: Obj, node: Obj) -> bool:
     return False
 
 
+def preferred_weight(pod: Obj, node: Obj) -> int:
+    """The summed weights of the pod's preferred node affinity terms that `node` matches."""
+    preferred = (((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ) or []
+    labels = node["metadata"].get("labels") or {}
+    return sum(
+        int(term.get("weight", 0))
+        for term in preferred
+        if all(
+            _expression_matches(e, labels.get)
+            for e in (term.get("preference") or {}).get("matchExpressions") or []
+        )
+    )
+
+
 def _condition(obj: Obj, kind: str) -> Obj | None:
     for condition in (obj.get("status") or {}).get("conditions") or []:
         if condition.get("type") == kind:
@@ -237,6 +261,13 @@ def _set_unready(pod: Obj) -> None:
     unready = f"containers with unready status: [{names}]"
     set_condition(pod, "ContainersReady", "False", "ContainersNotReady", unready)
     set_condition(pod, "Ready", "False", "ContainersNotReady", unready)
+
+
+_MIN_PRIORITY = -(2**31)
+
+
+def _priority(pod: Obj) -> int:
+    return int(pod["spec"].get("priority") or 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,13 +402,13 @@ class FakeKubelet:
     # ---- the reconcile pass ----------------------------------------------------------------
 
     def _reconcile_all(self, now: float) -> float | None:
-        pods = self._store.objects(PODS)
+        pods = self._store.view(PODS)
         for pod in pods:
             self._run_of(pod)
         live = {p["metadata"]["uid"] for p in pods}
         for uid in [uid for uid in self._runs if uid not in live]:
             del self._runs[uid]
-        pods.sort(key=lambda p: (-(p["spec"].get("priority") or 0), self._run_of(p).seq))
+        pods.sort(key=lambda p: (-_priority(p), self._run_of(p).seq))
         wake_at: float | None = None
         for pod in pods:
             at = self._reconcile(pod, self._run_of(pod), now)
@@ -456,8 +487,8 @@ class FakeKubelet:
         return run.next_at
 
     def _schedule(self, pod: Obj) -> None:
-        nodes = self._store.objects(NODES)
-        pods = self._store.objects(PODS)
+        nodes = self._store.view(NODES)
+        pods = self._store.view(PODS)
         wanted = pod_requests(pod)
         reasons: Counter[str] = Counter()
         fits: list[tuple[Fraction, str]] = []
@@ -468,11 +499,14 @@ class FakeKubelet:
             else:
                 fits.append((free, node["metadata"]["name"]))
         if fits:
-            # The default scheduler spreads: the least allocated node wins.
-            best = min(fits, key=lambda f: (-f[0], f[1]))[1]
+            # Preferred node affinity outweighs spreading (its plugin weighs twice the
+            # resource scores); among equals the least allocated node wins.
+            preference = {n["metadata"]["name"]: preferred_weight(pod, n) for n in nodes}
+            best = min(fits, key=lambda f: (-preference[f[1]], -f[0], f[1]))[1]
 
             def bind(p: Obj) -> None:
                 p["spec"]["nodeName"] = best
+                p["status"].pop("nominatedNodeName", None)
                 set_condition(p, "PodScheduled", "True")
 
             self._write(pod, bind)
@@ -482,15 +516,100 @@ class FakeKubelet:
             message = f"0/{len(nodes)} nodes are available: {summary}."
         else:
             message = "no nodes available to schedule pods"
-        self._write(
-            pod, lambda p: set_condition(p, "PodScheduled", "False", "Unschedulable", message)
-        )
+        nominated = self._preempt_for(pod, wanted, nodes, pods)
+
+        def unschedulable(p: Obj) -> None:
+            set_condition(p, "PodScheduled", "False", "Unschedulable", message)
+            if nominated:
+                p["status"]["nominatedNodeName"] = nominated
+
+        self._write(pod, unschedulable)
+
+    # ---- preemption, as kube-scheduler's default PostFilter does it ------------------------
+
+    def _preempt_for(
+        self, pod: Obj, wanted: dict[str, Fraction], nodes: list[Obj], pods: list[Obj]
+    ) -> str | None:
+        """Make room for `pod` by preempting lower-priority pods on one node; returns the node
+        it is nominated to (its victims terminate gracefully first), or None."""
+        spec = pod["spec"]
+        if spec.get("preemptionPolicy") == "Never":
+            return None
+        priority = _priority(pod)
+        nominated = (pod.get("status") or {}).get("nominatedNodeName")
+        if nominated and any(
+            other["spec"].get("nodeName") == nominated
+            and other["metadata"].get("deletionTimestamp")
+            and _priority(other) < priority
+            for other in pods
+        ):
+            return str(nominated)  # its victims are still going: no second round of victims
+        candidates: list[tuple[tuple[int, int, int, float, str], str, list[Obj]]] = []
+        for node in nodes:
+            victims = self._victims(pod, wanted, node, pods)
+            if victims is None:
+                continue
+            if not victims:
+                continue  # it fits without preemption: not this pass's business
+            top = max(_priority(v) for v in victims)
+            latest_top = max(self._run_of(v).seq for v in victims if _priority(v) == top)
+            rank = (
+                top,  # the lowest highest-priority victim
+                sum(_priority(v) - _MIN_PRIORITY for v in victims),
+                len(victims),
+                -latest_top,  # the most recently started of the most important victims
+                node["metadata"]["name"],
+            )
+            candidates.append((rank, node["metadata"]["name"], victims))
+        if not candidates:
+            return None
+        _, name, victims = min(candidates, key=lambda c: c[0])
+        for victim in victims:
+            self._preempt(victim, self._run_of(victim), "scheduler")
+        return name
+
+    def _victims(
+        self, pod: Obj, wanted: dict[str, Fraction], node: Obj, pods: list[Obj]
+    ) -> list[Obj] | None:
+        """The fewest lower-priority pods of `node` whose going makes room for `pod`: remove
+        them all, then give back the most important first while the pod still fits. None:
+        no preemption on this node helps."""
+        name = node["metadata"]["name"]
+        priority = _priority(pod)
+        lower = [
+            p
+            for p in pods
+            if p["spec"].get("nodeName") == name
+            and (p.get("status") or {}).get("phase") not in TERMINAL_PHASES
+            and not p["metadata"].get("deletionTimestamp")
+            and _priority(p) < priority
+        ]
+        if not lower:
+            return None
+        removed = {p["metadata"]["uid"] for p in lower}
+        misfits, _ = self._misfits(pod, wanted, node, pods, without=removed)
+        if misfits:
+            return None
+        victims = []
+        for candidate in sorted(lower, key=lambda p: (-_priority(p), self._run_of(p).seq)):
+            removed.discard(candidate["metadata"]["uid"])
+            if self._misfits(pod, wanted, node, pods, without=removed)[0]:
+                removed.add(candidate["metadata"]["uid"])
+                victims.append(candidate)
+        return victims
 
     def _misfits(
-        self, pod: Obj, wanted: dict[str, Fraction], node: Obj, pods: list[Obj]
+        self,
+        pod: Obj,
+        wanted: dict[str, Fraction],
+        node: Obj,
+        pods: list[Obj],
+        *,
+        without: set[str] | None = None,
     ) -> tuple[list[str], Fraction]:
         """Why `pod` cannot go on `node` (as the scheduler words it), and how free the node
-        would be after taking it."""
+        would be after taking it. Pods in `without` (uids) are counted as gone; pods nominated
+        to the node at the pod's priority or above are counted as there."""
         spec = pod.get("spec") or {}
         name = node["metadata"]["name"]
         if (node.get("spec") or {}).get("unschedulable") and not _tolerates(
@@ -513,10 +632,20 @@ class FakeKubelet:
         }
         used: dict[str, Fraction] = {}
         count = 0
+        priority = _priority(pod)
         for other in pods:
-            if other["spec"].get("nodeName") != name:
+            if other["metadata"]["uid"] in (without or ()):
                 continue
-            if (other.get("status") or {}).get("phase") in TERMINAL_PHASES:
+            if other["spec"].get("nodeName") != name:
+                nominated = (other.get("status") or {}).get("nominatedNodeName") == name
+                if not (
+                    nominated
+                    and not other["spec"].get("nodeName")
+                    and other["metadata"]["uid"] != pod["metadata"]["uid"]
+                    and _priority(other) >= priority
+                ):
+                    continue
+            elif (other.get("status") or {}).get("phase") in TERMINAL_PHASES:
                 continue
             count += 1
             for resource, amount in pod_requests(other).items():

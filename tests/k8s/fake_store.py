@@ -204,8 +204,25 @@ LEASES = ResourceType(
 DEPLOYMENTS = ResourceType(
     "apps", "v1", "deployments", "Deployment", namespaced=True, status_subresource=True
 )
+PRIORITY_CLASSES = ResourceType(
+    "scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", namespaced=False
+)
 
-RESOURCES: tuple[ResourceType, ...] = (PODS, NODES, NAMESPACES, EVENTS, LEASES, DEPLOYMENTS)
+RESOURCES: tuple[ResourceType, ...] = (
+    PODS,
+    NODES,
+    NAMESPACES,
+    EVENTS,
+    LEASES,
+    DEPLOYMENTS,
+    PRIORITY_CLASSES,
+)
+
+SYSTEM_PRIORITY_CLASSES: tuple[Obj, ...] = (
+    {"metadata": {"name": "system-cluster-critical"}, "value": 2_000_000_000},
+    {"metadata": {"name": "system-node-critical"}, "value": 2_000_001_000},
+)
+"""The classes every real API server creates at start."""
 
 
 def lookup(group: str, version: str, plural: str) -> ResourceType | None:
@@ -277,6 +294,7 @@ _SUBDOMAIN_HELP = (
     "'-' or '.', and must start and end with an alphanumeric character"
 )
 _RESTART_POLICIES = ("Always", "OnFailure", "Never")
+_PREEMPTION_POLICIES = ("Never", "PreemptLowerPriority")
 
 
 class _Causes:
@@ -439,6 +457,20 @@ def _validate(rt: ResourceType, obj: Obj, old: Obj | None) -> None:
         _validate_pod(causes, obj)
         if old is not None:
             _validate_pod_update(causes, obj, old)
+    elif rt is PRIORITY_CLASSES:
+        value = obj.get("value")
+        if not isinstance(value, int) or isinstance(value, bool):
+            causes.required("value")
+        elif value > 1_000_000_000 and not meta["name"].startswith("system-"):
+            causes.forbidden(
+                "value", "maximum allowed value of a user defined priority is 1000000000"
+            )
+        if obj.get("preemptionPolicy") not in _PREEMPTION_POLICIES:
+            causes.unsupported(
+                "preemptionPolicy", obj.get("preemptionPolicy"), _PREEMPTION_POLICIES
+            )
+        if old is not None and old.get("value") != value:
+            causes.invalid("value", value, "field is immutable")
     elif rt is LEASES:
         spec = obj.get("spec") or {}
         duration = spec.get("leaseDurationSeconds")
@@ -469,9 +501,7 @@ def _default_pod(pod: Obj) -> None:
         ("serviceAccountName", "default"),
         ("serviceAccount", "default"),
         ("securityContext", {}),
-        ("priority", 0),
         ("enableServiceLinks", True),
-        ("preemptionPolicy", "PreemptLowerPriority"),
     ):
         spec.setdefault(key, value)
     # The DefaultTolerationSeconds admission plugin adds these to every pod.
@@ -535,6 +565,8 @@ def _prepare_create(rt: ResourceType, obj: Obj, namespace: str) -> None:
         meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = meta["name"]
     elif rt is LEASES:
         _normalize_lease(obj)
+    elif rt is PRIORITY_CLASSES:
+        obj.setdefault("preemptionPolicy", "PreemptLowerPriority")
 
 
 def _normalize_lease(lease: Obj) -> None:
@@ -647,6 +679,15 @@ class Store:
             if key[0] is rt and (namespace is None or key[1] == namespace)
         ]
 
+    def view(self, rt: ResourceType, namespace: str | None = None) -> list[Obj]:
+        """The stored objects themselves, in the same order, for readers that never change
+        them (the fake kubelet reads every pod on every pass: copies would dominate)."""
+        return [
+            obj
+            for key, obj in sorted(self._objects.items(), key=lambda kv: kv[0][1:])
+            if key[0] is rt and (namespace is None or key[1] == namespace)
+        ]
+
     def objects_at(self, rt: ResourceType, rv: int) -> list[Obj]:
         """The objects as they were at resourceVersion `rv`, rebuilt by undoing later changes."""
         if rv < self._oldest:
@@ -716,6 +757,8 @@ class Store:
                 causes.raise_if_any(rt, "")
             _prepare_create(rt, obj, namespace)
             _validate(rt, obj, None)
+            if rt is PODS:
+                self._admit_priority(obj)
             key = key_of(rt, obj)
             if key not in self._objects:
                 break
@@ -843,6 +886,44 @@ class Store:
             listener(change)
         return obj
 
+    def _admit_priority(self, pod: Obj) -> None:
+        """The Priority admission plugin: `priorityClassName` (or the global default class)
+        resolved to spec.priority and spec.preemptionPolicy; a class that does not exist, or a
+        priority the pod sets itself that differs from its class's, is forbidden."""
+        spec = pod["spec"]
+        name = spec.get("priorityClassName") or ""
+        classes = [o for k, o in self._objects.items() if k[0] is PRIORITY_CLASSES]
+        if name:
+            found = next((c for c in classes if c["metadata"]["name"] == name), None)
+            if found is None:
+                raise _forbidden(pod, f"no PriorityClass with name {name} was found")
+        else:
+            defaults = [c for c in classes if c.get("globalDefault")]
+            # Of several global defaults, the real plugin takes the lowest value.
+            found = min(defaults, key=lambda c: int(c.get("value", 0)), default=None)
+        value = int(found.get("value", 0)) if found else 0
+        policy = (found or {}).get("preemptionPolicy") or "PreemptLowerPriority"
+        given = spec.get("priority")
+        if given is not None and given != value:
+            raise _forbidden(
+                pod,
+                f"the integer value of priority ({given}) must not be provided in pod spec; "
+                f"priority admission controller computed {value} from the given PriorityClass "
+                "name",
+            )
+        given_policy = spec.get("preemptionPolicy")
+        if given_policy is not None and given_policy != policy:
+            raise _forbidden(
+                pod,
+                f"the string value of PreemptionPolicy ({given_policy}) must not be provided in "
+                f"pod spec; priority admission controller computed {policy} from the given "
+                "PriorityClass name",
+            )
+        spec["priority"] = value
+        spec["preemptionPolicy"] = policy
+        if found is not None:
+            spec["priorityClassName"] = found["metadata"]["name"]
+
     def _require_namespace(self, namespace: str) -> None:
         if (NAMESPACES, "", namespace) not in self._objects:
             raise NAMESPACES.not_found(namespace)
@@ -875,6 +956,13 @@ class Store:
         if requested is None:
             requested = spec.get("terminationGracePeriodSeconds", 30)
         return max(int(requested), 0)
+
+
+def _forbidden(pod: Obj, why: str) -> ApiError:
+    name = pod["metadata"]["name"]
+    return ApiError(
+        403, "Forbidden", f'pods "{name}" is forbidden: {why}', details=PODS.details(name)
+    )
 
 
 def _as_object(body: Any, rt: ResourceType) -> Obj:

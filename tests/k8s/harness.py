@@ -18,6 +18,7 @@ from ebb.controller.reconcile import Reconciler, ReconcilerConfig
 from ebb.controller.tidal import LABEL as TIDAL
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
+from tests.k8s.manifests import find
 
 NS = "ebb"
 """The namespace k8s/ deploys into: the RBAC checks read its bindings."""
@@ -40,6 +41,9 @@ class Harness:
     def __init__(self, kube: FakeKubeAPI, nats: NatsConfig, ebb: EbbClient, **config: Any) -> None:
         if kube.get("namespaces", NS) is None:
             kube.add_namespace(NS)
+        if kube.get("priorityclasses", "ebb-batch") is None:
+            # The class k8s/ ships: worker pods name it, and admission refuses a missing one.
+            kube.add("priorityclasses", find("PriorityClass", "ebb-batch"))
         self.kube = kube
         self.client: ApiClient = kube.api_client()
         self.backend = KubernetesBackend(

@@ -661,7 +661,7 @@ async def test_bearer_token_is_required_when_set(kube: FakeKubeAPI, client: ApiC
 async def test_discovery_and_version(kube: FakeKubeAPI, client: ApiClient) -> None:
     assert (await k8s.CoreApi(client).get_api_versions()).versions == ["v1"]
     groups = await k8s.ApisApi(client).get_api_versions()
-    assert [g.name for g in groups.groups] == ["apps", "coordination.k8s.io"]
+    assert [g.name for g in groups.groups] == ["apps", "coordination.k8s.io", "scheduling.k8s.io"]
     resources = await k8s.CoordinationV1Api(client).get_api_resources()
     assert [r.name for r in resources.resources] == ["leases"]
     assert (await k8s.VersionApi(client).get_code()).major == "1"
@@ -915,6 +915,151 @@ async def test_preemption_by_scheduler_and_by_kubelet(kube: FakeKubeAPI, client:
         "Preempted in order to admit critical pod",
     )
     assert any(c.type == "DisruptionTarget" for c in status.conditions)
+
+
+# ---- priority: admission and preemption ------------------------------------------------------
+
+
+def prioritised(
+    name: str, priority_class: str | None, *, cpu: str = "2", node_selector: Any = None
+) -> k8s.V1Pod:
+    body = pod_body(name, requests={"cpu": cpu}, node_selector=node_selector)
+    spec: Any = body.spec  # its stubs type the field as str; the API takes it unset
+    spec.priority_class_name = priority_class
+    return body
+
+
+async def add_priority_class(
+    client: ApiClient, name: str, value: int, *, never: bool = False, default: bool = False
+) -> Any:
+    return await k8s.SchedulingV1Api(client).create_priority_class(
+        k8s.V1PriorityClass(
+            metadata=k8s.V1ObjectMeta(name=name),
+            value=value,
+            preemption_policy="Never" if never else None,
+            global_default=default or None,
+        )
+    )
+
+
+async def test_priority_class_admission(kube: FakeKubeAPI, client: ApiClient) -> None:
+    core = k8s.CoreV1Api(client)
+    scheduling = k8s.SchedulingV1Api(client)
+    names = {c.metadata.name for c in (await scheduling.list_priority_class()).items}
+    assert {"system-cluster-critical", "system-node-critical"} <= names
+    created = await add_priority_class(client, "batch", -10, never=True)
+    assert created.preemption_policy == "Never"
+    await add_priority_class(client, "web", 1000)
+
+    # The class is resolved to spec.priority and spec.preemptionPolicy at admission.
+    await core.create_namespaced_pod(NS, prioritised("b", "batch"))
+    await core.create_namespaced_pod(NS, prioritised("w", "web"))
+    await core.create_namespaced_pod(NS, prioritised("plain", None))
+    b, w, plain = [(await core.read_namespaced_pod(n, NS)).to_dict() for n in ("b", "w", "plain")]
+    assert (b["spec"]["priority"], b["spec"]["preemption_policy"]) == (-10, "Never")
+    assert (w["spec"]["priority"], w["spec"]["preemption_policy"]) == (1000, "PreemptLowerPriority")
+    assert (plain["spec"]["priority"], plain["spec"]["priority_class_name"]) == (0, None)
+
+    # A class that does not exist is refused, and so is a priority the pod sets itself.
+    exc = await refused(core.create_namespaced_pod(NS, prioritised("x", "missing")), 403)
+    assert status_body(exc.value)["message"] == (
+        'pods "x" is forbidden: no PriorityClass with name missing was found'
+    )
+    forged = prioritised("y", "batch")
+    forged.spec.priority = 5
+    exc = await refused(core.create_namespaced_pod(NS, forged), 403)
+    assert (
+        "the integer value of priority (5) must not be provided in pod spec"
+        in (status_body(exc.value)["message"])
+    )
+    assert kube.get_pod("x") is None and kube.get_pod("y") is None
+
+    # A global default class applies to pods that name none; a class's value is immutable.
+    await add_priority_class(client, "fallback", 7, default=True)
+    await core.create_namespaced_pod(NS, prioritised("later", None))
+    later = await core.read_namespaced_pod("later", NS)
+    assert (later.spec.priority, later.spec.priority_class_name) == (7, "fallback")
+    await refused(scheduling.patch_priority_class("web", {"value": 1}), 422)
+
+
+async def test_scheduler_preempts_the_lowest_priority_pods_gracefully(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    core = k8s.CoreV1Api(client)
+    kube.add_node("n1", allocatable={"cpu": "8", "memory": "32Gi"})
+    await add_priority_class(client, "batch", -10, never=True)
+    await add_priority_class(client, "web", 1000)
+    await core.create_namespaced_pod(NS, prioritised("low-a", "batch"))
+    await core.create_namespaced_pod(NS, prioritised("low-b", "batch"))
+    await core.create_namespaced_pod(NS, prioritised("mid", None, cpu="4"))
+    for name in ("low-a", "low-b", "mid"):
+        await kube.wait_for_pod(name, phase="Running")
+
+    # The node is full. A web pod needing 4 cores: removing every lower-priority pod makes room;
+    # giving back the most important first keeps `mid`; the two batch pods are the victims.
+    since = (await core.list_namespaced_pod(NS)).metadata.resource_version
+    await core.create_namespaced_pod(NS, prioritised("web-1", "web", cpu="4"))
+    events = await pod_events_until(
+        core,
+        lambda e: e["object"].metadata.name == "web-1" and e["object"].status.phase == "Running",
+        resource_version=since,
+    )
+    marked: dict[str, Any] = {}
+    for e in events:
+        if e["object"].metadata.deletion_timestamp is not None:
+            marked.setdefault(e["object"].metadata.name, e["object"])  # the first: the preemption
+    assert set(marked) == {"low-a", "low-b"}
+    for victim in marked.values():
+        assert victim.metadata.deletion_grace_period_seconds == 30  # graceful, the pod's own
+        disruption = next(c for c in victim.status.conditions if c.type == "DisruptionTarget")
+        assert disruption.reason == "PreemptionByScheduler"
+    nominated = [
+        e["object"].status.nominated_node_name
+        for e in events
+        if e["object"].metadata.name == "web-1" and not e["object"].spec.node_name
+    ]
+    assert "n1" in nominated  # nominated while its victims terminate
+    order = [e["object"].metadata.name for e in events if e["type"] == "DELETED"]
+    assert set(order) == {"low-a", "low-b"}  # gone before web-1 runs
+    web = (await core.read_namespaced_pod("web-1", NS)).to_dict()
+    assert web["spec"]["node_name"] == "n1" and web["status"]["nominated_node_name"] is None
+    assert (await core.read_namespaced_pod("mid", NS)).status.phase == "Running"
+
+
+async def test_preemption_picks_the_node_with_the_least_important_victims(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    core = k8s.CoreV1Api(client)
+    for node in ("n1", "n2"):
+        kube.add_node(node, allocatable={"cpu": "4", "memory": "32Gi"})
+    await add_priority_class(client, "batch", -10, never=True)
+    await add_priority_class(client, "web", 1000)
+    await core.create_namespaced_pod(NS, prioritised("mid", None, cpu="4"))
+    placed = await kube.wait_for_pod("mid", phase="Running")
+    other = "n2" if placed["spec"]["nodeName"] == "n1" else "n1"
+    await core.create_namespaced_pod(NS, prioritised("low", "batch", cpu="4"))
+    assert (await kube.wait_for_pod("low", phase="Running"))["spec"]["nodeName"] == other
+    await core.create_namespaced_pod(NS, prioritised("web-1", "web", cpu="4"))
+    assert (await kube.wait_for_pod("web-1", phase="Running"))["spec"]["nodeName"] == other
+    assert kube.get_pod("low") is None
+    assert kube.get_pod("mid")["status"]["phase"] == "Running"  # type: ignore[index]
+
+
+async def test_a_pod_that_never_preempts_waits(kube: FakeKubeAPI, client: ApiClient) -> None:
+    core = k8s.CoreV1Api(client)
+    kube.add_node("n1", allocatable={"cpu": "2", "memory": "32Gi"})
+    await add_priority_class(client, "scavenger", -100)
+    await add_priority_class(client, "batch", -10, never=True)
+    await core.create_namespaced_pod(NS, prioritised("scavenger", "scavenger"))
+    await kube.wait_for_pod("scavenger", phase="Running")
+    await core.create_namespaced_pod(NS, prioritised("b", "batch"))
+    pending = await kube.wait_for_pod("b", where=lambda p: bool(p["status"].get("conditions")))
+    assert "nominatedNodeName" not in pending["status"]
+    # A default-priority pod does preempt the scavenger, and takes the room before `b`.
+    await core.create_namespaced_pod(NS, prioritised("plain", None))
+    await kube.wait_for_pod("plain", phase="Running")
+    assert kube.get_pod("scavenger") is None
+    assert kube.get_pod("b")["status"]["phase"] == "Pending"  # type: ignore[index]
 
 
 async def test_image_pull_failure_stays_pending(kube: FakeKubeAPI, client: ApiClient) -> None:

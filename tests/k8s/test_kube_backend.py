@@ -21,6 +21,7 @@ from ebb.controller.tidal import TidalConfig
 from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled
+from tests.k8s.fake_store import PODS, Change, Obj
 from tests.k8s.harness import NS, Harness, offline, submit, tidal_state
 from tests.k8s.manifests import access, allowed
 
@@ -153,7 +154,14 @@ async def test_the_mixed_pool_is_lent_at_night_and_given_back_when_online_load_r
             allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
         )
     job = await submit(ebb, tmp_path / "job", workers=20, cpu=2)
-    tide = TidalConfig(sample_s=0.05, window=3, cooldown_s=60.0, lend_below=0.45, reclaim_above=0.7)
+    tide = TidalConfig(
+        policy="threshold",
+        sample_s=0.05,
+        window=3,
+        cooldown_s=60.0,
+        lend_below=0.45,
+        reclaim_above=0.7,
+    )
     h = harness_factory(tidal=tide)
     # Quiet online load: two mixed nodes lent (one always stays online), workers move in.
     await h.converge(
@@ -179,8 +187,10 @@ async def test_the_mixed_pool_is_lent_at_night_and_given_back_when_online_load_r
             },
             "default",
         )
-    # The tide reclaims at once (Pending online pods), drains the batch pods there, and the
-    # online pods get scheduled; cool-down keeps the nodes online.
+    # The scheduler preempts batch pods for them at once (lower priority); the tide reclaims
+    # both nodes (Pending online pods) and drains what preemption left; cool-down keeps the
+    # nodes online.
+    displaced = displaced_pods(kube)
     await h.converge(
         lambda: all(
             (kube.get_pod(f"web-{n}", "default") or {}).get("status", {}).get("phase") == "Running"
@@ -194,10 +204,99 @@ async def test_the_mixed_pool_is_lent_at_night_and_given_back_when_online_load_r
         lambda: {p["spec"].get("nodeName") for p in h.pods(job)} <= {"off-0", None},
         what="batch work back on the offline pool only",
     )
-    # Counted once a pod: the 8 on the lent nodes. (The online pods can start before the last
-    # of them is drained, since one batch pod leaves room for a web pod; the controller's
-    # cache may see a pod bound a sample late. So the count is read once the drain is over.)
-    assert (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0) - evicted_before == 8
+    # Each of the 8 batch pods on the lent nodes went once: preempted, or drained by the tide.
+    # (Read once the drain is over: the controller's cache may see a pod bound a sample late.)
+    drained = (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0) - evicted_before
+    assert displaced["preempted"] >= 1
+    assert displaced["preempted"] + drained == 8
+
+
+def displaced_pods(kube: FakeKubeAPI) -> dict[str, int]:
+    """From now on: worker pods preempted by the scheduler, counted once each (live)."""
+    counts = {"preempted": 0}
+
+    def seen(change: Change) -> None:
+        if change.rt is not PODS or change.obj["metadata"].get("namespace") != NS:
+            return
+
+        def preempted(pod: Obj | None) -> bool:
+            conditions = ((pod or {}).get("status") or {}).get("conditions") or []
+            return any(c.get("reason") == "PreemptionByScheduler" for c in conditions)
+
+        if preempted(change.obj) and not preempted(change.prev):
+            counts["preempted"] += 1
+
+    kube.store.subscribe(seen)
+    return counts
+
+
+def online_pod(kube: FakeKubeAPI, name: str, cpu: str) -> None:
+    kube.add_pod(
+        {
+            "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
+            "spec": {
+                "nodeSelector": {"ebb.io/pool": "mixed"},
+                "containers": [
+                    {"name": "web", "image": "web", "resources": {"requests": {"cpu": cpu}}}
+                ],
+            },
+        },
+        "default",
+    )
+
+
+def running(kube: FakeKubeAPI, names: list[str]) -> bool:
+    return all(
+        (kube.get_pod(n, "default") or {}).get("status", {}).get("phase") == "Running"
+        for n in names
+    )
+
+
+async def test_the_forecast_tide_drains_ahead_of_a_rise_and_preemption_takes_a_surge(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0", cpu="4")
+    for n in range(3):
+        kube.add_node(
+            f"mix-{n}",
+            labels={"ebb.io/pool": "mixed"},
+            allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
+        )
+    job = await submit(ebb, tmp_path / "job", workers=20, cpu=2)
+    tide = TidalConfig(sample_s=0.05, lead_s=0.5, headroom=0.25, window=3)
+    h = harness_factory(tidal=tide)
+    # Quiet: every mixed node but one lent; a quarter of the pool (6 cores) kept free, which
+    # the node kept online holds; batch pods fill the lent nodes and the offline pool.
+    await h.converge(
+        lambda: len(h.pods(job)) == 2 + 8 and all(p["spec"].get("nodeName") for p in h.pods(job)),
+        what="workers on the offline pool and 2 lent nodes",
+    )
+    assert sorted(n for n in ("mix-0", "mix-1", "mix-2") if tidal_state(kube, n) == "offline")
+    evicted_before = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0
+    displaced = displaced_pods(kube)
+
+    def drained() -> float:
+        return (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0) - evicted_before
+
+    # A rise the online node still has room for: the trend sees where it goes, and the tide
+    # drains batch pods ahead of it; nothing needed preempting.
+    web = [f"web-{n}" for n in range(4)]
+    for name in web:
+        online_pod(kube, name, "2")
+    await h.converge(lambda: running(kube, web) and drained() >= 1, what="a drain ahead")
+    assert displaced["preempted"] == 0
+    # Once the level holds, the budget (24 cores - 8 online - 6 free) brings batch pods back.
+    await h.converge(
+        lambda: sum(1 for p in h.pods(job) if p["spec"].get("nodeName", "").startswith("mix")) >= 4,
+        what="batch pods back on the lent nodes",
+    )
+    # A surge no forecast sees: two online pods of 6 cores, for which the scheduler preempts
+    # batch pods at once; they run without waiting for the tide.
+    surge = ["surge-0", "surge-1"]
+    for name in surge:
+        online_pod(kube, name, "6")
+    await h.converge(lambda: running(kube, web + surge), what="the online pods running")
+    assert displaced["preempted"] >= 1
 
 
 async def test_an_oom_killed_worker_comes_back_with_more_memory(

@@ -37,7 +37,7 @@ from .capacity import Bin, Resources, add, quantities
 from .failures import Failure, classify
 from .informer import Informer, Obj
 from .tidal import LABEL as TIDAL
-from .tidal import STATES, MixedNode, State, TidalConfig, Tide
+from .tidal import STATES, ForecastTide, MixedNode, State, TidalConfig, Tide
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,15 @@ class KubernetesBackend:
             label_selector=f"{APP_LABEL}={APP}",
             on_change=self.changed.set,
         )
-        self.tide = Tide(config.tidal) if config.tidal else None
+        self.tide: Tide | ForecastTide | None = None
+        if config.tidal is not None:
+            forecast = config.tidal.policy == "forecast"
+            self.tide = ForecastTide(config.tidal) if forecast else Tide(config.tidal)
+        self._draining: set[str] = set()
+        """Worker pods the tide has drained: terminating, whatever the cache says yet (the
+        reconciler must not drain others in their stead)."""
+        self._budget_cpu: float | None = None
+        """forecast policy: CPU cores batch pods may take on lent mixed nodes (None: no cap)."""
         self._memory_factor: dict[str, float] = defaultdict(lambda: 1.0)
         self._specs: dict[str, JobStatus] = {}
         self._node_failures: dict[str, deque[float]] = defaultdict(deque)
@@ -229,6 +237,7 @@ class KubernetesBackend:
         now_wall = time.time()
         now = asyncio.get_running_loop().time()
         out = []
+        self._draining &= {(p.get("metadata") or {}).get("name") for p in self.workers.values()}
         for pod in self.workers.values():
             meta = pod.get("metadata") or {}
             labels = meta.get("labels") or {}
@@ -240,7 +249,7 @@ class KubernetesBackend:
                 phase = "succeeded"
             elif phase_name == "Failed" or failure is not None:
                 phase = "failed"
-            elif meta.get("deletionTimestamp"):
+            elif meta.get("deletionTimestamp") or meta.get("name") in self._draining:
                 phase = "terminating"
             elif phase_name == "Running":
                 phase = "running"
@@ -290,7 +299,28 @@ class KubernetesBackend:
             allocatable = quantities((node.get("status") or {}).get("allocatable"))
             free = add({k: v for k, v in allocatable.items() if k in _RESOURCES}, used[name], -1.0)
             bins.append(Bin(name, free, rank=0 if pool == "offline" else 1))
-            pools[pool] = add(pools[pool], free)
+        if self._budget_cpu is not None:
+            # The tide's budget caps what new batch pods may take on the mixed pool; the pods
+            # there already keep their place (draining them is the tide's call, not ours).
+            offline_nodes = {
+                n["metadata"]["name"]
+                for n in self.nodes.values()
+                if (n["metadata"].get("labels") or {}).get(self.config.pool_label, "offline")
+                == "offline"
+            }
+            held = sum(
+                requests_of(p).get("cpu", 0.0)
+                for p in self.workers.values()
+                if (p.get("metadata") or {}).get("name") in live
+                and (p.get("spec") or {}).get("nodeName") not in offline_nodes
+            )
+            left = max(self._budget_cpu, held)
+            for b in sorted((b for b in bins if b.rank == 1), key=lambda b: b.name):
+                b.free["cpu"] = min(b.free.get("cpu", 0.0), max(0.0, left))
+                left -= b.free["cpu"]
+        for b in bins:
+            pool = "offline" if b.rank == 0 else "mixed"
+            pools[pool] = add(pools[pool], b.free)
         for pool, free in pools.items():
             for resource, amount in free.items():
                 metrics.IDLE_CAPACITY.labels(pool, resource).set(amount)
@@ -538,6 +568,11 @@ class KubernetesBackend:
             body = {"metadata": {"labels": {TIDAL: move.to}}}
             await self.api.patch_node(move.node, body, **_MERGE_PATCH)
             log.info("tide: node %s -> %s", move.node, move.to)
+        if isinstance(self.tide, ForecastTide):
+            self._budget_cpu = self.tide.budget * average
+            metrics.TIDAL_BUDGET.set(self._budget_cpu)
+            metrics.TIDAL_FORECAST.set(self.tide.expected * average)
+            await self._drain_over_budget(mixed, self.tide.drain_above * average)
         reclaiming = {m.node for m in moves if m.to == "offline2online"}
         reclaiming |= {m.name for _, m in mixed if m.state == "offline2online"}
         for pod in self.pods.values():
@@ -564,6 +599,32 @@ class KubernetesBackend:
         metrics.HARVESTED.set(harvested)
         if moves:
             self.changed.set()
+
+    async def _drain_over_budget(self, mixed: list[tuple[Obj, MixedNode]], budget: float) -> None:
+        """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first
+        (their age stands in for their shards' progress, which we do not see)."""
+        lent = {m.name for _, m in mixed if m.state in ("offline", "online2offline")}
+        pods = [
+            p
+            for p in self.pods.values()
+            if ((p.get("metadata") or {}).get("labels") or {}).get(APP_LABEL) == APP
+            and (p.get("spec") or {}).get("nodeName") in lent
+            and not (p.get("metadata") or {}).get("deletionTimestamp")
+            and (p.get("metadata") or {}).get("name") not in self._draining
+        ]
+        used = sum(requests_of(p).get("cpu", 0.0) for p in pods)
+        youngest = sorted(
+            pods,
+            key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"]),
+            reverse=True,
+        )
+        for pod in youngest:
+            if used <= budget + 1e-9:
+                break
+            used -= requests_of(pod).get("cpu", 0.0)
+            self._draining.add(pod["metadata"]["name"])
+            metrics.BATCH_EVICTIONS.inc()
+            await self._delete(pod["metadata"]["name"], grace_s=self.config.grace_s)
 
     async def tidal_loop(self) -> None:
         assert self.tide is not None

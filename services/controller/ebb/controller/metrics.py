@@ -18,7 +18,16 @@ KUBE_ERRORS = Counter(
 NODE_STATES = Gauge("ebb_tidal_nodes", "Mixed-pool nodes per tidal state", ["state"])
 HARVESTED = Gauge("ebb_harvested_cpu_cores", "CPU cores of lent mixed nodes (tidal state offline)")
 BATCH_EVICTIONS = Counter(
-    "ebb_batch_evictions_total", "Batch worker pods drained because their node was reclaimed"
+    "ebb_batch_evictions_total",
+    "Batch worker pods the tide drained (their node reclaimed, or over the batch budget)",
+)
+TIDAL_FORECAST = Gauge(
+    "ebb_tidal_forecast_cpu_cores",
+    "Online demand on the mixed pool the tide expects lead_s ahead (forecast policy)",
+)
+TIDAL_BUDGET = Gauge(
+    "ebb_tidal_budget_cpu_cores",
+    "CPU cores batch pods may take on the mixed pool (forecast policy)",
 )
 IDLE_CAPACITY = Gauge(
     "ebb_idle_capacity",
