@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -14,6 +15,7 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.errors import RemoteError
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
 from ebb.controller.backend import Capacity, WorkerInfo
@@ -214,3 +216,61 @@ async def test_nothing_is_launched_for_a_job_with_nothing_left(nats_config: Nats
     assert decided.launch == {} and decided.terminate == []
     await backend.close(grace_s=1)
     await asyncio.sleep(0)
+
+
+class RecordingBackend:
+    """Room for `slots` workers, that records what it is asked to launch and starts nothing."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.launched: list[tuple[str, str]] = []
+
+    async def observe(self) -> list[WorkerInfo]:
+        return [worker(w, j) for w, j in self.launched]
+
+    async def capacity(self, jobs: list[JobStatus], workers: list[WorkerInfo]) -> Capacity:
+        del jobs, workers
+        return Capacity.slots(self.slots)
+
+    async def launch(self, job: JobStatus, worker_id: str) -> None:
+        assert job.spec is not None, "a worker is launched from its job's spec"
+        self.launched.append((worker_id, job.id))
+
+    async def terminate(self, worker_id: str, *, grace_s: float) -> None:
+        del worker_id, grace_s
+
+    async def forget(self, worker_id: str) -> None:
+        del worker_id
+
+    async def close(self, *, grace_s: float) -> None:
+        del grace_s
+
+    def agents(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {}
+
+    def grow_memory(self, job: str) -> None:
+        del job
+
+
+async def test_running_jobs_whose_specs_add_up_past_the_max_payload_all_get_workers(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master
+) -> None:
+    write_model(tmp_path / "model.onnx")
+    big = {"blob": "x" * 400_000}  # each spec fits in a message; three of them do not
+    stages = [{"modelet": "ebbtest_modelets:Label", "params": big}]
+    backend = RecordingBackend(slots=3)
+    async with await EbbClient.connect(nats_config) as client:
+        ids = []
+        for name in ("a", "b", "c"):
+            write_dataset(tmp_path / name / "data", rows=1_000)
+            spec = job_spec(tmp_path / name, stages=stages)
+            ids.append(await client.submit(parse_job(spec)))
+        master = MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
+        # All at once is refused at once, with the reason, rather than left to time out.
+        with pytest.raises(RemoteError) as refused:
+            await master.status(active_only=True, include_spec=True)
+        assert refused.value.code == "too_large"
+        reconciler = Reconciler(master=master, backend=backend, config=ReconcilerConfig())
+        decided = await reconciler.reconcile_once()
+    assert decided.launch == dict.fromkeys(ids, 1)
+    assert sorted(job for _, job in backend.launched) == sorted(ids)
