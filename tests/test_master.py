@@ -507,3 +507,29 @@ async def test_submit_returns_once_the_job_is_planned_even_when_planning_is_slow
     status = await api.job(spec.id)
     assert status.state == "RUNNING"
     assert status.shards["TODO"] == 10_000
+
+
+async def test_another_jobs_commit_record_quarantines_the_shard_with_the_reason(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000, max_error_fraction=1.0)
+    await client.submit(spec)
+    # A straggler of a job that wrote into this output root before has left a record for
+    # each shard: no attempt of ours can ever create one.
+    straggler = replace(spec, id="straggler-job")
+    committing = await api.lease(spec.id, "w1")
+    commit_record(straggler, committing)
+    with pytest.raises(RemoteError) as e:
+        await api.commit(committing.token, rows=1_000, error_rows=0)
+    assert e.value.code == "quarantined"
+    assert "belongs to job straggler-job" in e.value.message
+    # A worker that hands the shard back as retryable (its record lost the race to create)
+    # does not send it round again.
+    releasing = await api.lease(spec.id, "w2")
+    commit_record(straggler, releasing)
+    reply = await api.release(releasing.token, "commit not taken", retryable=True)
+    assert reply.state == "QUARANTINED"
+    final = await client.wait(spec.id)
+    assert final.state == "FAILED"
+    assert "shard 1 quarantined: the commit record of shard 1" in final.reason
+    assert "belongs to job straggler-job" in final.reason

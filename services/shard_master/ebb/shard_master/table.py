@@ -47,6 +47,7 @@ from . import metrics
 from .errors import (
     BadRequest,
     Deposed,
+    ForeignCommit,
     JobEnded,
     JobNotFound,
     NoCommitRecord,
@@ -439,22 +440,33 @@ class LeaseTable:
                 return CommitReply(status="already_done")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
-            commit = await self._read_commit(job, shard)
-            if commit is None:
-                raise NoCommitRecord(
-                    f"no commit record for shard {shard.index} in {job.spec.output.uri}"
-                )
-            now = self._clock()
-            job.durations.append(now - shard.granted.get(token, now))
-            await self._record_done(job, shard, commit)
+            foreign: ForeignCommit | None = None
+            try:
+                commit = await self._read_commit(job, shard)
+            except ForeignCommit as e:
+                foreign = e
+                await self._drop_lease(job, shard, token, reason=str(e), failed=True)
+            else:
+                if commit is None:
+                    raise NoCommitRecord(
+                        f"no commit record for shard {shard.index} in {job.spec.output.uri}"
+                    )
+                now = self._clock()
+                job.durations.append(now - shard.granted.get(token, now))
+                await self._record_done(job, shard, commit)
         await self.settle(job)
+        if foreign is not None:
+            raise foreign
         return CommitReply(status="done")
 
     async def _read_commit(self, job: Job, shard: Shard) -> CommitRecord | None:
         output = self._open_output(job.spec.output.uri)
         commit = await asyncio.to_thread(output.read_commit, shard.index)
         if commit is not None and commit.job != job.id:
-            raise BadRequest(f"commit record of shard {shard.index} belongs to job {commit.job}")
+            raise ForeignCommit(
+                f"the commit record of shard {shard.index} in {job.spec.output.uri} belongs "
+                f"to job {commit.job}"
+            )
         return commit
 
     async def _record_done(self, job: Job, shard: Shard, commit: CommitRecord) -> None:
@@ -501,13 +513,15 @@ class LeaseTable:
         """End one lease of a shard (caller holds the shard's lock) and persist the outcome."""
         record = shard.record
         remaining = [lease for lease in record.leases if lease.token != token]
+        foreign = False
         if not remaining:
             # The attempt may have committed its output and died before telling us: then the
             # shard is done, and retrying or quarantining it would lose or redo that output.
             try:
                 commit = await self._read_commit(job, shard)
-            except BadRequest:
-                commit = None  # another job's record: never ours to adopt
+            except ForeignCommit as e:
+                # Never ours to adopt, and no retry can replace it.
+                commit, foreign, reason = None, True, str(e)
             if commit is not None:
                 log.info(
                     "job %s: shard %d was committed by attempt %d",
@@ -523,7 +537,7 @@ class LeaseTable:
         state: ShardState
         if remaining:
             state = "DOING"  # another attempt still runs; it may yet succeed
-        elif failures >= job.spec.fault.max_attempts:
+        elif foreign or failures >= job.spec.fault.max_attempts:
             state = "QUARANTINED"
         else:
             state = "TODO"

@@ -44,7 +44,7 @@ from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
 
-_LOST_CODES = frozenset({"stale_token", "job_ended", "not_found"})
+_LOST_CODES = frozenset({"stale_token", "job_ended", "not_found", "quarantined"})
 _RETRY_CODES = frozenset({"unavailable", "not_leader", "internal", "bad_reply", "no_commit_record"})
 """Answers that say "not now": the master is restarting, its store timed out, or (on an
 eventually consistent object store) it cannot see our commit record yet."""
