@@ -25,6 +25,7 @@ from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.service import MasterConfig, ShardMaster
+from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
 
@@ -72,6 +73,7 @@ async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Maste
             data_roots=[str(tmp_path), str(ASSETS)],
             leader_ttl_s=3.0,
             speculate_after_s=0.2,
+            lease_grace_s=0.5,
             reaper_interval_s=0.05,
         )
     )
@@ -533,3 +535,83 @@ async def test_another_jobs_commit_record_quarantines_the_shard_with_the_reason(
     assert final.state == "FAILED"
     assert "shard 1 quarantined: the commit record of shard 1" in final.reason
     assert "belongs to job straggler-job" in final.reason
+
+
+async def test_a_restarted_master_keeps_a_lease_no_longer_than_its_deadline_plus_a_grace(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=1_000, lease_s=2)
+    await client.submit(spec)
+    await api.lease(spec.id, "gone")  # ...and its holder is never heard of again
+    await master.stop()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2
+    await wait_until(lambda: loop.time() > deadline, timeout=10, what="the lease's deadline")
+    await master.start()
+    # Not a fresh full period: a master that restarts more often than a lease lasts would
+    # otherwise keep the shard from everyone forever.
+    (lease,) = (await api.status(spec.id, include_leases=True)).jobs[0].leases
+    assert lease.expires_in_s <= master.config.lease_grace_s
+    await wait_until(lambda: _is_todo(api, spec.id), timeout=10, what="the lease to expire")
+
+
+async def test_speculation_survives_a_master_restart(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    slow = await api.lease(spec.id, "slow")
+    fast = await api.lease(spec.id, "fast")
+    commit_record(spec, fast)
+    await api.commit(fast.token, rows=1_000, error_rows=0)
+    # The shard times that speculation compares with, and the straggler's age, are not lost.
+    await master.stop()
+    await master.start()
+    backup = await wait_until(
+        lambda: _granted(api, spec.id, "fast"), timeout=5, what="a speculative lease"
+    )
+    assert backup.speculative and backup.shard == slow.shard
+
+
+async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_outage(
+    tmp_path: Path, master: Master, client: EbbClient, nats_config: NatsConfig
+) -> None:
+    spec = make_job(tmp_path, rows=1_000, lease_s=1)
+    await client.submit(spec)
+    worker = Worker(WorkerConfig(nats=nats_config, job=spec.id, id="w1"))
+    worker.master = MasterClient(client.nc, nats_config, backoff=Backoff(first_s=0.05, max_s=0.2))
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    reply = await worker.master.lease(spec.id, "w1")
+    assert reply.shard is not None
+    commit_record(spec, reply)  # the worker's record exists...
+    await master.stop()  # ...and the master goes away before it hears of it
+    record = OutputStore(spec.output.uri).read_commit(reply.shard.index)
+    assert record is not None
+    active = ActiveLease(
+        token=reply.token,
+        shard=reply.shard,
+        attempt=reply.attempt,
+        lease_s=reply.lease_s,
+        deadline=sent_at + reply.lease_s,
+        renew_at=sent_at + reply.lease_s / 3,
+    )
+    worker.leases[active.token] = active
+    reporting = asyncio.create_task(worker._commit(active, record))
+    active.task = reporting
+    renewer = asyncio.create_task(worker.renewer())
+    try:
+        # The renewer tries (every 0.1s) and fails, well past the lease's deadline.
+        await wait_until(
+            lambda: loop.time() > active.deadline + 1, timeout=10, what="the deadline to pass"
+        )
+        assert not active.lost and not reporting.done()
+        await master.start()
+        await asyncio.wait_for(reporting, 10)
+    finally:
+        renewer.cancel()
+        reporting.cancel()
+        await asyncio.wait([renewer, reporting])
+    assert not active.lost
+    final = await client.wait(spec.id)
+    assert final.state == "SUCCEEDED" and final.rows_done == 1_000

@@ -69,6 +69,9 @@ class MasterConfig:
     """Told to workers that find no shard free, yet the job unfinished."""
     speculate_after_s: float = 5.0
     """A shard runs at least this long (and 1.5x the median shard time) before it is duplicated."""
+    lease_grace_s: float = 5.0
+    """A lease that this master finds after a restart lives this long past the deadline it
+    had (time for its holder to reach us), however often the master restarts."""
     reaper_interval_s: float = 0.5
     concurrency: int = 64
     """Requests served at once."""
@@ -130,6 +133,7 @@ class ShardMaster:
             on_event=self._emit,
             wait_retry_s=self.config.wait_retry_s,
             speculate_after_s=self.config.speculate_after_s,
+            lease_grace_s=self.config.lease_grace_s,
         )
         await table.load()
         server = RequestServer(nc, queue="ebb-master", concurrency=self.config.concurrency)
@@ -204,7 +208,7 @@ class ShardMaster:
         return await self._table().lease(r.job, r.worker, r.request_id)
 
     async def _renew(self, r: RenewRequest) -> Message:
-        return self._table().renew(r.token)
+        return await self._table().renew(r.token)
 
     async def _commit(self, r: CommitRequest) -> Message:
         return await self._table().commit(r.token)

@@ -434,7 +434,9 @@ class Worker:
                 active.renew_at = loop.time() + 1.0
             return
         except BusError as e:
-            if loop.time() >= active.deadline:
+            # Past our commit record the shard's output is decided: keep telling the master
+            # (the commit is being retried) however long it is away, rather than go quiet.
+            if loop.time() >= active.deadline and not active.committed:
                 self._lose(active, f"not renewed before its deadline ({e})")
             else:
                 active.renew_at = loop.time() + min(1.0, active.lease_s / 10)
