@@ -16,8 +16,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
-from ebb.client.sdk import EbbClient, SubmitError
-from ebb.common import schema
+from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
+from ebb.common import bus, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, Subjects
 from ebb.common.errors import RemoteError
@@ -25,6 +25,7 @@ from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.service import MasterConfig, ShardMaster
+from ebb.shard_master.table import LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
@@ -607,11 +608,62 @@ async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_
         )
         assert not active.lost and not reporting.done()
         await master.start()
-        await asyncio.wait_for(reporting, 10)
+        # The report, or the master's own look at the output once the restored lease runs
+        # out (the renewer may then learn first that the lease is over): done either way.
+        final = await asyncio.wait_for(client.wait(spec.id), 20)
+        assert final.state == "SUCCEEDED" and final.rows_done == 1_000
     finally:
         renewer.cancel()
         reporting.cancel()
         await asyncio.wait([renewer, reporting])
-    assert not active.lost
-    final = await client.wait(spec.id)
-    assert final.state == "SUCCEEDED" and final.rows_done == 1_000
+
+
+async def test_a_submission_a_dead_master_never_acked_is_taken_up_at_once(
+    tmp_path: Path,
+    master: Master,
+    client: EbbClient,
+    api: MasterClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = make_job(tmp_path)
+    planning = asyncio.Event()
+
+    async def dies_while_planning(_table: LeaseTable, _spec: JobSpec) -> bool:
+        planning.set()
+        await asyncio.Event().wait()  # until the master is gone
+        return False
+
+    monkeypatch.setattr(LeaseTable, "submit", dies_while_planning)
+    submitting = asyncio.create_task(client.submit(spec))
+    try:
+        await wait_until(planning.is_set, timeout=10, what="the master to take the job")
+        await master.stop()  # mid-planning: the message is taken but never acked
+        monkeypatch.undo()
+        await master.start()
+        # Not after the stream's ack_wait (two minutes).
+        assert await asyncio.wait_for(asyncio.shield(submitting), 20) == spec.id
+    finally:
+        submitting.cancel()
+        await asyncio.wait([submitting])
+    assert (await api.job(spec.id)).state == "RUNNING"
+
+
+async def test_a_submission_no_master_accepts_in_time_is_said_to_be_queued_and_then_runs(
+    tmp_path: Path, nats_config: NatsConfig, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    config = MasterConfig(nats=nats_config, id="late", data_roots=[str(tmp_path), str(ASSETS)])
+    # The stack's stream exists, but its master is away (restarting, say).
+    await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=config.leader_ttl_s)
+    async with await EbbClient.connect(nats_config) as client:
+        with pytest.raises(SubmitPending) as e:
+            await client.submit(spec, accept_timeout_s=1.5)
+        assert e.value.job_id == spec.id
+        assert "is queued" in str(e.value) and "runs once" in str(e.value)
+        async with Master(config):
+            final = await wait_until(
+                lambda: _job_or_none(MasterClient(nc, nats_config), spec.id),
+                timeout=20,
+                what="the queued job to be accepted",
+            )
+    assert final.state == "RUNNING"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req", bound=Message)
 
 _MAX_SUBMIT_DELIVERIES = 5
+_INTAKE_CONSUMER = "ebb-master"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,9 +236,15 @@ class ShardMaster:
 
     async def intake(self, js: JetStreamContext) -> None:
         """Take submitted jobs off the stream, one at a time, acking each once it is persisted."""
+        # Messages a previous master fetched and never acked (it died while planning them)
+        # would wait out ack_wait before anyone saw them again. We alone lead now: a new
+        # consumer delivers every message still in the (work-queue) stream at once. One that
+        # was planned already is recognised as a repeat and acked.
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_consumer(self.subjects.jobs_stream, _INTAKE_CONSUMER)
         sub = await js.pull_subscribe(
             self.subjects.submit,
-            durable="ebb-master",
+            durable=_INTAKE_CONSUMER,
             stream=self.subjects.jobs_stream,
             config=ConsumerConfig(
                 ack_policy=AckPolicy.EXPLICIT,
