@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
@@ -83,10 +84,12 @@ class EbbClient:
                     headers={"Nats-Msg-Id": spec.id},
                     stream=self.subjects.jobs_stream,
                 )
-            except nats.errors.NoRespondersError:
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                # JetStream (or the server, without it) says no stream takes the subject.
                 raise SubmitError(
-                    f"no Ebb stack at {self.config.url}: stream {self.subjects.jobs_stream} "
-                    "does not exist (is a shard master running?)"
+                    f"no Ebb stack answers at {self.config.url}: it has no stream "
+                    f"{self.subjects.jobs_stream} (is a shard master running there, with "
+                    f"prefix {self.config.prefix!r}?)"
                 ) from None
             if ack.duplicate:
                 # Submitted before: no new event is coming, but the status answers at once.
