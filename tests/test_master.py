@@ -20,6 +20,7 @@ from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
 from ebb.common import bus, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
 from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
@@ -667,3 +668,33 @@ async def test_a_submission_no_master_accepts_in_time_is_said_to_be_queued_and_t
                 what="the queued job to be accepted",
             )
     assert final.state == "RUNNING"
+
+
+async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl(
+    tmp_path: Path, nats_server: EmbeddedNats, nats_config: NatsConfig
+) -> None:
+    spec = make_job(tmp_path)
+    config = MasterConfig(
+        nats=nats_config, id="lone", data_roots=[str(tmp_path), str(ASSETS)], leader_ttl_s=1.0
+    )
+    async with Master(config) as master:
+        assert master.service is not None and master.task is not None
+        service, task = master.service, master.task
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(nats_server.stop)
+        outage_over = loop.time() + 3 * config.leader_ttl_s  # past the TTL: it cannot lead on
+        await wait_until(
+            lambda: task.done() or (not service.ready.is_set() and loop.time() > outage_over),
+            timeout=30,
+            what="the master to notice it no longer leads",
+        )
+        await asyncio.to_thread(nats_server.start)
+        await wait_until(
+            lambda: task.done() or service.ready.is_set(),
+            timeout=60,
+            what="the master to lead again",
+        )
+        assert not task.done(), task.exception()
+        async with await EbbClient.connect(nats_config) as client:
+            await client.submit(spec)
+            assert (await client.job(spec.id)).state == "RUNNING"

@@ -1,7 +1,8 @@
 """The shard master service: NATS in front of the lease table.
 
-Agents (each a task of one supervisor; if one dies, the master exits and is restarted):
-- leadership: keeps the leader key; losing it stops the master.
+Agents (each a task of one supervisor; if one dies, the master stops them all, then campaigns
+again if leadership or NATS was the cause, or exits to be restarted):
+- leadership: keeps the leader key; losing it stops the agents, and the master campaigns again.
 - intake:     pulls job messages from the EBB_JOBS stream, validates, plans, persists, acks.
 - reaper:     expires leases past their deadline and finishes jobs whose shards are settled.
 - publisher:  sends job events (progress, state changes) for the CLI and the controller.
@@ -42,7 +43,7 @@ from ebb.common.messages import (
 )
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
-from ebb.common.supervisor import Supervisor
+from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics
 from .errors import Deposed, MasterError, PlanningError
@@ -96,14 +97,41 @@ class ShardMaster:
         self.supervisor.request_stop()
 
     async def run(self) -> None:
+        """Lead (or stand by) until asked to stop. A master that loses the lead, or NATS
+        under an agent (NATS away longer than the leader TTL, another master writing), steps
+        down and campaigns again with state reloaded from KV, rather than exit and wait for
+        someone to restart it."""
         nc = await bus.connect(self.config.nats, name=f"ebb-master-{self.config.id}")
         try:
-            await self._run(nc)
+            while True:
+                try:
+                    await self._run(nc)
+                    return
+                except (Deposed, AgentExited) as e:
+                    cause = e if isinstance(e, Deposed) else e.__cause__
+                    if self.supervisor.stop_requested.is_set() or not isinstance(
+                        cause, Deposed | nats.errors.Error | TimeoutError
+                    ):
+                        raise
+                    log.warning("stepping down (%s): campaigning again", e)
+                self.ready.clear()
+                self.table = None
+                self.deposed = None
+                await self._until_connected(nc)
         finally:
             try:
                 await nc.drain()
             except (nats.errors.Error, TimeoutError) as e:
                 log.debug("drain failed: %s", e)
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await nc.close()
+
+    async def _until_connected(self, nc: NATS) -> None:
+        """Until NATS is back (it reconnects on its own), or a stop is requested."""
+        while not nc.is_connected:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.supervisor.stop_requested.wait(), 0.5)
+                return
 
     async def _run(self, nc: NATS) -> None:
         js = nc.jetstream()
