@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from prometheus_client import REGISTRY
 
@@ -274,3 +277,83 @@ async def test_running_jobs_whose_specs_add_up_past_the_max_payload_all_get_work
         decided = await reconciler.reconcile_once()
     assert decided.launch == dict.fromkeys(ids, 1)
     assert sorted(job for _, job in backend.launched) == sorted(ids)
+
+
+def _workers_of(pid: int) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in children if "ebb.worker" in " ".join(p.cmdline())]
+
+
+def _all_of(processes: list[psutil.Process], count: int) -> list[psutil.Process]:
+    """`processes` once there are `count` of them; until then nothing."""
+    return processes if len(processes) == count else []
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_workers_of_a_killed_controller_drain_and_exit(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master
+) -> None:
+    write_dataset(tmp_path / "data", rows=20_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.5}, "batch_size": 50}
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(2, 2)))
+    controller = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "ebb.controller",
+        "--nats",
+        nats_config.url,
+        "--prefix",
+        nats_config.prefix,
+        "--max-workers",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        env={**os.environ, "EBB_SHUTDOWN_GRACE_S": "1"},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    left: list[psutil.Process] = []
+    try:
+        async with await EbbClient.connect(nats_config) as client:
+            job_id = await client.submit(spec)
+
+            async def working() -> bool:
+                leases = (await client.master.status(job_id, include_leases=True)).jobs[0].leases
+                return len(leases) >= 2
+
+            await wait_until(working, timeout=90, interval=0.2, what="both workers to lease")
+            workers = await wait_until(
+                lambda: _all_of(_workers_of(controller.pid), 2),
+                timeout=10,
+                what="the two worker processes",
+            )
+            left = [*workers, *(c for w in workers for c in w.children(recursive=True))]
+            controller.kill()  # no drain, no goodbye: its workers are orphans now
+            await controller.wait()
+            # They are nobody's children now, and no controller will ever stop them: they
+            # drain (handing their shards back) and exit on their own, stage processes too.
+            await wait_until(
+                lambda: all(_gone(p) for p in left), timeout=60, what="the orphans to exit"
+            )
+            status = (await client.master.status(job_id, include_leases=True)).jobs[0]
+            assert status.leases == [] and status.shards["DOING"] == 0
+    finally:
+        if controller.returncode is None:
+            controller.kill()
+            await controller.wait()
+        for p in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()

@@ -100,6 +100,9 @@ class LocalBackend:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
         nats = self.config.worker_nats or self.config.nats
         env = {**inherited, **self.config.env, **nats_environment(nats)}
+        # In a session of its own, a worker would outlive us if we were killed: this tells
+        # it whom to watch, to drain when we are gone.
+        env[_PARENT_PID_ENV] = str(os.getpid())
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:
@@ -175,7 +178,10 @@ class LocalBackend:
         self._children.clear()
 
 
-_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT")
+_PARENT_PID_ENV = "EBB_PARENT_PID"
+"""Read by the worker's entry point (ebb.worker.__main__), which drains when we are gone."""
+
+_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT", _PARENT_PID_ENV)
 """Ours, not the workers': they get only what `worker_nats` says (and one metrics port
 cannot serve them all)."""
 
