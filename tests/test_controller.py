@@ -343,11 +343,25 @@ async def test_workers_of_a_killed_controller_drain_and_exit(
             left = [*workers, *(c for w in workers for c in w.children(recursive=True))]
             controller.kill()  # no drain, no goodbye: its workers are orphans now
             await controller.wait()
-            # They are nobody's children now, and no controller will ever stop them: they
-            # drain (handing their shards back) and exit on their own, stage processes too.
-            await wait_until(
-                lambda: all(_gone(p) for p in left), timeout=60, what="the orphans to exit"
+            # The next controller finds them, and counts their slots as taken until they
+            # are gone: no more workers than slots.
+            successor = LocalBackend(
+                LocalConfig(nats=nats_config, max_workers=2, log_dir=str(tmp_path / "logs"))
             )
+            try:
+                found = await successor.observe()
+                assert sorted((w.job, w.phase) for w in found) == [(job_id, "terminating")] * 2
+                assert (await successor.capacity([], found)).bins[0].free["workers"] == 0
+                # They drain (handing their shards back) and exit on their own, stage
+                # processes too: nothing outlives the controller that started them.
+                await wait_until(
+                    lambda: all(_gone(p) for p in left), timeout=60, what="the orphans to exit"
+                )
+                assert await successor.observe() == []
+                assert (await successor.capacity([], [])).bins[0].free["workers"] == 2
+            finally:
+                await successor.close(grace_s=5)
+            assert not list((tmp_path / "logs").glob("*.pid"))
             status = (await client.master.status(job_id, include_leases=True)).jobs[0]
             assert status.leases == [] and status.shards["DOING"] == 0
     finally:

@@ -68,8 +68,8 @@ PARENT_PID_ENV = "EBB_PARENT_PID"
 async def drain_when_orphaned(worker: Worker, parent_pid: int, *, interval_s: float = 0.5) -> None:
     """Drain once the controller that started us is gone (killed, say). We run in a session
     of our own (so that a Ctrl-C reaches the controller first), so nothing else would ever
-    stop us, and no later controller knows of us: left alone we would work on beside the
-    workers it starts, and outlive the stack."""
+    stop us: left alone we would hold a slot the next controller wants for its own workers
+    (it can only wait for us to leave), and outlive the stack."""
     while True:
         if os.getppid() != parent_pid:
             log.warning("the controller that started us (pid %d) is gone: draining", parent_pid)
