@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ebb.common.embedded import EmbeddedNats
+
 from .helpers import job_spec, write_dataset, write_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -158,3 +160,15 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
         if up.stdout is not None:
             up.stdout.close()
     assert not os.path.exists(tmp_path / "state" / "nats" / "LOCK")
+
+
+def test_submit_to_a_nats_server_without_ebb_says_so(
+    tmp_path: Path, nats_server: EmbeddedNats, prefix: str
+) -> None:
+    write_dataset(tmp_path / "data", rows=1_000)
+    write_model(tmp_path / "model.onnx")
+    job_spec(tmp_path)
+    result = ebb("submit", "job.yaml", "--nats", nats_server.url, "--prefix", prefix, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    assert f"no Ebb stack answers at {nats_server.url}" in result.stdout + result.stderr

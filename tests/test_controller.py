@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.errors import RemoteError
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
 from ebb.controller.backend import Capacity, WorkerInfo
@@ -214,3 +219,155 @@ async def test_nothing_is_launched_for_a_job_with_nothing_left(nats_config: Nats
     assert decided.launch == {} and decided.terminate == []
     await backend.close(grace_s=1)
     await asyncio.sleep(0)
+
+
+class RecordingBackend:
+    """Room for `slots` workers, that records what it is asked to launch and starts nothing."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.launched: list[tuple[str, str]] = []
+
+    async def observe(self) -> list[WorkerInfo]:
+        return [worker(w, j) for w, j in self.launched]
+
+    async def capacity(self, jobs: list[JobStatus], workers: list[WorkerInfo]) -> Capacity:
+        del jobs, workers
+        return Capacity.slots(self.slots)
+
+    async def launch(self, job: JobStatus, worker_id: str) -> None:
+        assert job.spec is not None, "a worker is launched from its job's spec"
+        self.launched.append((worker_id, job.id))
+
+    async def terminate(self, worker_id: str, *, grace_s: float) -> None:
+        del worker_id, grace_s
+
+    async def forget(self, worker_id: str) -> None:
+        del worker_id
+
+    async def close(self, *, grace_s: float) -> None:
+        del grace_s
+
+    def agents(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {}
+
+    def grow_memory(self, job: str) -> None:
+        del job
+
+
+async def test_running_jobs_whose_specs_add_up_past_the_max_payload_all_get_workers(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master
+) -> None:
+    write_model(tmp_path / "model.onnx")
+    big = {"blob": "x" * 400_000}  # each spec fits in a message; three of them do not
+    stages = [{"modelet": "ebbtest_modelets:Label", "params": big}]
+    backend = RecordingBackend(slots=3)
+    async with await EbbClient.connect(nats_config) as client:
+        ids = []
+        for name in ("a", "b", "c"):
+            write_dataset(tmp_path / name / "data", rows=1_000)
+            spec = job_spec(tmp_path / name, stages=stages)
+            ids.append(await client.submit(parse_job(spec)))
+        master = MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
+        # All at once is refused at once, with the reason, rather than left to time out.
+        with pytest.raises(RemoteError) as refused:
+            await master.status(active_only=True, include_spec=True)
+        assert refused.value.code == "too_large"
+        reconciler = Reconciler(master=master, backend=backend, config=ReconcilerConfig())
+        decided = await reconciler.reconcile_once()
+    assert decided.launch == dict.fromkeys(ids, 1)
+    assert sorted(job for _, job in backend.launched) == sorted(ids)
+
+
+def _workers_of(pid: int) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in children if "ebb.worker" in " ".join(p.cmdline())]
+
+
+def _all_of(processes: list[psutil.Process], count: int) -> list[psutil.Process]:
+    """`processes` once there are `count` of them; until then nothing."""
+    return processes if len(processes) == count else []
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_workers_of_a_killed_controller_drain_and_exit(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master
+) -> None:
+    write_dataset(tmp_path / "data", rows=20_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.5}, "batch_size": 50}
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(2, 2)))
+    controller = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "ebb.controller",
+        "--nats",
+        nats_config.url,
+        "--prefix",
+        nats_config.prefix,
+        "--max-workers",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        env={**os.environ, "EBB_SHUTDOWN_GRACE_S": "1"},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    left: list[psutil.Process] = []
+    try:
+        async with await EbbClient.connect(nats_config) as client:
+            job_id = await client.submit(spec)
+
+            async def working() -> bool:
+                leases = (await client.master.status(job_id, include_leases=True)).jobs[0].leases
+                return len(leases) >= 2
+
+            await wait_until(working, timeout=90, interval=0.2, what="both workers to lease")
+            workers = await wait_until(
+                lambda: _all_of(_workers_of(controller.pid), 2),
+                timeout=10,
+                what="the two worker processes",
+            )
+            left = [*workers, *(c for w in workers for c in w.children(recursive=True))]
+            controller.kill()  # no drain, no goodbye: its workers are orphans now
+            await controller.wait()
+            # The next controller finds them, and counts their slots as taken until they
+            # are gone: no more workers than slots.
+            successor = LocalBackend(
+                LocalConfig(nats=nats_config, max_workers=2, log_dir=str(tmp_path / "logs"))
+            )
+            try:
+                found = await successor.observe()
+                assert sorted((w.job, w.phase) for w in found) == [(job_id, "terminating")] * 2
+                assert (await successor.capacity([], found)).bins[0].free["workers"] == 0
+                # They drain (handing their shards back) and exit on their own, stage
+                # processes too: nothing outlives the controller that started them.
+                await wait_until(
+                    lambda: all(_gone(p) for p in left), timeout=60, what="the orphans to exit"
+                )
+                assert await successor.observe() == []
+                assert (await successor.capacity([], [])).bins[0].free["workers"] == 2
+            finally:
+                await successor.close(grace_s=5)
+            assert not list((tmp_path / "logs").glob("*.pid"))
+            status = (await client.master.status(job_id, include_leases=True)).jobs[0]
+            assert status.leases == [] and status.shards["DOING"] == 0
+    finally:
+        if controller.returncode is None:
+            controller.kill()
+            await controller.wait()
+        for p in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()

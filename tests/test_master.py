@@ -16,15 +16,18 @@ import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
-from ebb.client.sdk import EbbClient, SubmitError
-from ebb.common import schema
+from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
+from ebb.common import bus, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
 from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.service import MasterConfig, ShardMaster
+from ebb.shard_master.table import LeaseTable
+from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
 
@@ -72,6 +75,7 @@ async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Maste
             data_roots=[str(tmp_path), str(ASSETS)],
             leader_ttl_s=3.0,
             speculate_after_s=0.2,
+            lease_grace_s=0.5,
             reaper_interval_s=0.05,
         )
     )
@@ -507,3 +511,190 @@ async def test_submit_returns_once_the_job_is_planned_even_when_planning_is_slow
     status = await api.job(spec.id)
     assert status.state == "RUNNING"
     assert status.shards["TODO"] == 10_000
+
+
+async def test_another_jobs_commit_record_quarantines_the_shard_with_the_reason(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000, max_error_fraction=1.0)
+    await client.submit(spec)
+    # A straggler of a job that wrote into this output root before has left a record for
+    # each shard: no attempt of ours can ever create one.
+    straggler = replace(spec, id="straggler-job")
+    committing = await api.lease(spec.id, "w1")
+    commit_record(straggler, committing)
+    with pytest.raises(RemoteError) as e:
+        await api.commit(committing.token, rows=1_000, error_rows=0)
+    assert e.value.code == "quarantined"
+    assert "belongs to job straggler-job" in e.value.message
+    # A worker that hands the shard back as retryable (its record lost the race to create)
+    # does not send it round again.
+    releasing = await api.lease(spec.id, "w2")
+    commit_record(straggler, releasing)
+    reply = await api.release(releasing.token, "commit not taken", retryable=True)
+    assert reply.state == "QUARANTINED"
+    final = await client.wait(spec.id)
+    assert final.state == "FAILED"
+    assert "shard 1 quarantined: the commit record of shard 1" in final.reason
+    assert "belongs to job straggler-job" in final.reason
+
+
+async def test_a_restarted_master_keeps_a_lease_no_longer_than_its_deadline_plus_a_grace(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=1_000, lease_s=2)
+    await client.submit(spec)
+    await api.lease(spec.id, "gone")  # ...and its holder is never heard of again
+    await master.stop()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2
+    await wait_until(lambda: loop.time() > deadline, timeout=10, what="the lease's deadline")
+    await master.start()
+    # Not a fresh full period: a master that restarts more often than a lease lasts would
+    # otherwise keep the shard from everyone forever.
+    (lease,) = (await api.status(spec.id, include_leases=True)).jobs[0].leases
+    assert lease.expires_in_s <= master.config.lease_grace_s
+    await wait_until(lambda: _is_todo(api, spec.id), timeout=10, what="the lease to expire")
+
+
+async def test_speculation_survives_a_master_restart(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    slow = await api.lease(spec.id, "slow")
+    fast = await api.lease(spec.id, "fast")
+    commit_record(spec, fast)
+    await api.commit(fast.token, rows=1_000, error_rows=0)
+    # The shard times that speculation compares with, and the straggler's age, are not lost.
+    await master.stop()
+    await master.start()
+    backup = await wait_until(
+        lambda: _granted(api, spec.id, "fast"), timeout=5, what="a speculative lease"
+    )
+    assert backup.speculative and backup.shard == slow.shard
+
+
+async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_outage(
+    tmp_path: Path, master: Master, client: EbbClient, nats_config: NatsConfig
+) -> None:
+    spec = make_job(tmp_path, rows=1_000, lease_s=1)
+    await client.submit(spec)
+    worker = Worker(WorkerConfig(nats=nats_config, job=spec.id, id="w1"))
+    worker.master = MasterClient(client.nc, nats_config, backoff=Backoff(first_s=0.05, max_s=0.2))
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    reply = await worker.master.lease(spec.id, "w1")
+    assert reply.shard is not None
+    commit_record(spec, reply)  # the worker's record exists...
+    await master.stop()  # ...and the master goes away before it hears of it
+    record = OutputStore(spec.output.uri).read_commit(reply.shard.index)
+    assert record is not None
+    active = ActiveLease(
+        token=reply.token,
+        shard=reply.shard,
+        attempt=reply.attempt,
+        lease_s=reply.lease_s,
+        deadline=sent_at + reply.lease_s,
+        renew_at=sent_at + reply.lease_s / 3,
+    )
+    worker.leases[active.token] = active
+    reporting = asyncio.create_task(worker._commit(active, record))
+    active.task = reporting
+    renewer = asyncio.create_task(worker.renewer())
+    try:
+        # The renewer tries (every 0.1s) and fails, well past the lease's deadline.
+        await wait_until(
+            lambda: loop.time() > active.deadline + 1, timeout=10, what="the deadline to pass"
+        )
+        assert not active.lost and not reporting.done()
+        await master.start()
+        # The report, or the master's own look at the output once the restored lease runs
+        # out (the renewer may then learn first that the lease is over): done either way.
+        final = await asyncio.wait_for(client.wait(spec.id), 20)
+        assert final.state == "SUCCEEDED" and final.rows_done == 1_000
+    finally:
+        renewer.cancel()
+        reporting.cancel()
+        await asyncio.wait([renewer, reporting])
+
+
+async def test_a_submission_a_dead_master_never_acked_is_taken_up_at_once(
+    tmp_path: Path,
+    master: Master,
+    client: EbbClient,
+    api: MasterClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = make_job(tmp_path)
+    planning = asyncio.Event()
+
+    async def dies_while_planning(_table: LeaseTable, _spec: JobSpec) -> bool:
+        planning.set()
+        await asyncio.Event().wait()  # until the master is gone
+        return False
+
+    monkeypatch.setattr(LeaseTable, "submit", dies_while_planning)
+    submitting = asyncio.create_task(client.submit(spec))
+    try:
+        await wait_until(planning.is_set, timeout=10, what="the master to take the job")
+        await master.stop()  # mid-planning: the message is taken but never acked
+        monkeypatch.undo()
+        await master.start()
+        # Not after the stream's ack_wait (two minutes).
+        assert await asyncio.wait_for(asyncio.shield(submitting), 20) == spec.id
+    finally:
+        submitting.cancel()
+        await asyncio.wait([submitting])
+    assert (await api.job(spec.id)).state == "RUNNING"
+
+
+async def test_a_submission_no_master_accepts_in_time_is_said_to_be_queued_and_then_runs(
+    tmp_path: Path, nats_config: NatsConfig, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    config = MasterConfig(nats=nats_config, id="late", data_roots=[str(tmp_path), str(ASSETS)])
+    # The stack's stream exists, but its master is away (restarting, say).
+    await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=config.leader_ttl_s)
+    async with await EbbClient.connect(nats_config) as client:
+        with pytest.raises(SubmitPending) as e:
+            await client.submit(spec, accept_timeout_s=1.5)
+        assert e.value.job_id == spec.id
+        assert "is queued" in str(e.value) and "runs once" in str(e.value)
+        async with Master(config):
+            final = await wait_until(
+                lambda: _job_or_none(MasterClient(nc, nats_config), spec.id),
+                timeout=20,
+                what="the queued job to be accepted",
+            )
+    assert final.state == "RUNNING"
+
+
+async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl(
+    tmp_path: Path, nats_server: EmbeddedNats, nats_config: NatsConfig
+) -> None:
+    spec = make_job(tmp_path)
+    config = MasterConfig(
+        nats=nats_config, id="lone", data_roots=[str(tmp_path), str(ASSETS)], leader_ttl_s=1.0
+    )
+    async with Master(config) as master:
+        assert master.service is not None and master.task is not None
+        service, task = master.service, master.task
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(nats_server.stop)
+        outage_over = loop.time() + 3 * config.leader_ttl_s  # past the TTL: it cannot lead on
+        await wait_until(
+            lambda: task.done() or (not service.ready.is_set() and loop.time() > outage_over),
+            timeout=30,
+            what="the master to notice it no longer leads",
+        )
+        await asyncio.to_thread(nats_server.start)
+        await wait_until(
+            lambda: task.done() or service.ready.is_set(),
+            timeout=60,
+            what="the master to lead again",
+        )
+        assert not task.done(), task.exception()
+        async with await EbbClient.connect(nats_config) as client:
+            await client.submit(spec)
+            assert (await client.job(spec.id)).state == "RUNNING"

@@ -32,7 +32,7 @@ from ebb.common.messages import JobStatus
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
 from ebb.common.spec import JobSpec, check_roots, load_job_file
 
-from .sdk import EbbClient, SubmitError
+from .sdk import EbbClient, SubmitError, SubmitPending
 from .stack import LocalStack, StackConfig, StackError
 
 EXIT_INTERRUPTED = 130
@@ -293,8 +293,13 @@ def _nats(args: argparse.Namespace) -> NatsConfig:
 async def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_job_file(args.job)
     async with await EbbClient.connect(_nats(args)) as client:
-        job_id = await client.submit(spec)
-        out.print(f"job {job_id} accepted")
+        try:
+            job_id = await client.submit(spec)
+            out.print(f"job {job_id} accepted")
+        except SubmitPending as e:
+            # Queued is submitted: saying "failed" here would have the job submitted twice.
+            job_id = e.job_id
+            out.print(str(e))
         if not args.wait:
             return EXIT_OK
         started = time.monotonic()

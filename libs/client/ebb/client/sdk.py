@@ -13,13 +13,14 @@ from collections.abc import Callable
 from types import TracebackType
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from ebb.common import bus, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, Subjects
-from ebb.common.errors import EbbError, RemoteError, SchemaError
+from ebb.common.errors import BusError, EbbError, RemoteError, SchemaError
 from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobEvent, JobStatus, StatusReply
 from ebb.common.spec import JobSpec
 
@@ -28,12 +29,23 @@ class SubmitError(EbbError):
     """The job was not accepted: refused by the master (the message says why) or no master."""
 
 
+class SubmitPending(SubmitError):
+    """The job is queued (JetStream holds it) but no master accepted it in the time given.
+    It is not lost: it runs once a master takes it. Submitting it again would not help."""
+
+    def __init__(self, job_id: str, message: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
 class EbbClient:
     def __init__(self, nc: NATS, config: NatsConfig) -> None:
         self.nc = nc
         self.config = config
         self.subjects = Subjects(config.prefix)
         self.master = MasterClient(nc, config, backoff=Backoff(first_s=0.2, max_s=2.0, attempts=8))
+        self._probe = MasterClient(nc, config, backoff=Backoff(attempts=1))
+        """For questions asked again and again anyway: one try each."""
 
     @classmethod
     async def connect(cls, config: NatsConfig) -> EbbClient:
@@ -58,7 +70,9 @@ class EbbClient:
         """Publish the job and wait until the master has accepted (planned and persisted) it.
 
         The job id is the message id, so submitting the same job twice runs it once.
-        Raises SubmitError with the master's reason if it refuses the job.
+        Raises SubmitError with the master's reason if it refuses the job, and SubmitPending
+        if no master accepted it within `accept_timeout_s`: it is queued, and runs once one
+        does (a master that restarts takes it up at once).
         """
         spec = spec.with_id()
         events = await self.nc.subscribe(self.subjects.events(spec.id))
@@ -70,10 +84,12 @@ class EbbClient:
                     headers={"Nats-Msg-Id": spec.id},
                     stream=self.subjects.jobs_stream,
                 )
-            except nats.errors.NoRespondersError:
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                # JetStream (or the server, without it) says no stream takes the subject.
                 raise SubmitError(
-                    f"no Ebb stack at {self.config.url}: stream {self.subjects.jobs_stream} "
-                    "does not exist (is a shard master running?)"
+                    f"no Ebb stack answers at {self.config.url}: it has no stream "
+                    f"{self.subjects.jobs_stream} (is a shard master running there, with "
+                    f"prefix {self.config.prefix!r}?)"
                 ) from None
             if ack.duplicate:
                 # Submitted before: no new event is coming, but the status answers at once.
@@ -99,16 +115,23 @@ class EbbClient:
             except (nats.errors.TimeoutError, SchemaError):
                 pass
             # Events are hints: the status is the truth (and covers a resubmitted job). A job
-            # still SUBMITTED is being planned: not accepted yet.
+            # still SUBMITTED is being planned: not accepted yet. No answer at all: no master
+            # right now (one restarting, say); the job waits in the stream meanwhile.
             try:
-                if (await self.master.job(job_id)).state != "SUBMITTED":
+                if (await self._probe.job(job_id)).state != "SUBMITTED":
                     return job_id
+            except BusError:
+                pass
             except RemoteError as e:
                 if e.code == "rejected":
                     raise SubmitError(f"job {job_id} rejected: {e.message}") from None
                 if e.code != "not_found":
                     raise
-        raise SubmitError(f"job {job_id} was not accepted within {timeout_s:g}s")
+        raise SubmitPending(
+            job_id,
+            f"job {job_id} is queued, but no shard master accepted it within {timeout_s:g}s; "
+            f"it runs once one does (`ebb status {job_id}` tells when)",
+        )
 
     async def status(self, job: str = "") -> StatusReply:
         return await self.master.status(job)

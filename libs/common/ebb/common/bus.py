@@ -321,6 +321,13 @@ class RequestServer:
         except Exception as e:
             log.exception("handler for %s failed", subject)
             answer = error_reply("internal", f"{type(e).__name__}: {e}")
+        limit = self._nc.max_payload
+        if len(answer) > limit:
+            # NATS would refuse to carry it and the requester would only see a timeout, and
+            # retry, forever: tell it instead, so that it can ask for less.
+            reason = f"reply of {len(answer)} bytes exceeds the server's max payload of {limit}"
+            log.error("cannot answer on %s: %s", subject, reason)
+            answer = error_reply("too_large", reason)
         if msg.reply:
             try:
                 await msg.respond(answer)

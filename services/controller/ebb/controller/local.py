@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -12,6 +13,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+import psutil
 
 from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.messages import JobStatus
@@ -46,16 +49,60 @@ class LocalConfig:
     """Extra environment for workers."""
     worker_nats: NatsConfig | None = None
     """How workers connect, with their own credentials; None: as the controller does."""
+    orphan_grace_s: float = 60.0
+    """A worker that an earlier controller started and that outlived it (found through the
+    pid files in `log_dir`) drains on its own: it is killed if it still runs after this."""
+
+
+@dataclass(eq=False)
+class _Orphan:
+    """A worker an earlier controller (killed before it could drain them) started, found
+    through its pid file. It drains on its own once its parent is gone; until it has exited
+    it holds its slot."""
+
+    id: str
+    job: str
+    process: psutil.Process
+    kill_at: float
 
 
 class LocalBackend:
     def __init__(self, config: LocalConfig) -> None:
         self.config = config
         self._children: dict[str, _Child] = {}
+        self._orphans: dict[str, _Orphan] | None = None
+        """None until the first look at the pid files."""
+
+    def _observe_orphans(self, now: float) -> list[WorkerInfo]:
+        if self._orphans is None:
+            found = _find_orphans(self.config.log_dir, now, self.config.orphan_grace_s)
+            self._orphans = {o.id: o for o in found}
+            for orphan in self._orphans.values():
+                log.warning(
+                    "worker %s (pid %d) of job %s outlived the controller that started it: "
+                    "counting it until it has drained",
+                    orphan.id,
+                    orphan.process.pid,
+                    orphan.job,
+                )
+        out = []
+        for orphan in list(self._orphans.values()):
+            if not _alive(orphan.process):
+                del self._orphans[orphan.id]
+                _remove_pid_file(self.config.log_dir, orphan.id)
+                continue
+            if now >= orphan.kill_at:
+                log.warning("worker %s did not drain in time: killing it", orphan.id)
+                with contextlib.suppress(psutil.Error):
+                    orphan.process.kill()
+            out.append(
+                WorkerInfo(id=orphan.id, job=orphan.job, phase="terminating", started_at=now)
+            )
+        return out
 
     async def observe(self) -> list[WorkerInfo]:
         now = asyncio.get_running_loop().time()
-        out = []
+        out = self._observe_orphans(now)
         for child in self._children.values():
             code = child.process.returncode
             if code is None and child.kill_at is not None and now >= child.kill_at:
@@ -100,6 +147,9 @@ class LocalBackend:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
         nats = self.config.worker_nats or self.config.nats
         env = {**inherited, **self.config.env, **nats_environment(nats)}
+        # In a session of its own, a worker would outlive us if we were killed: this tells
+        # it whom to watch, to drain when we are gone.
+        env[_PARENT_PID_ENV] = str(os.getpid())
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:
@@ -124,6 +174,9 @@ class LocalBackend:
             log_file=log_file,
             termination_log=termination_log,
         )
+        if self.config.log_dir:
+            # For the next controller, should we be killed before we can drain this worker.
+            _write_pid_file(self.config.log_dir, worker_id, job.id, process.pid)
         log.info("launched worker %s for job %s (pid %d)", worker_id, job.id, process.pid)
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
@@ -140,6 +193,7 @@ class LocalBackend:
         child = self._children.get(worker_id)
         if child is not None and child.process.returncode is not None:
             del self._children[worker_id]
+            _remove_pid_file(self.config.log_dir, worker_id)
 
     def agents(self) -> dict[str, Coroutine[Any, Any, None]]:
         return {}
@@ -172,12 +226,71 @@ class LocalBackend:
         for child in self._children.values():
             if child.log_file is not None:
                 child.log_file.close()
+            _remove_pid_file(self.config.log_dir, child.id)
         self._children.clear()
+        for orphan in (self._orphans or {}).values():
+            with contextlib.suppress(psutil.Error):
+                orphan.process.kill()  # it was draining already: its grace is over
+        self._orphans = None
 
 
-_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT")
+_PARENT_PID_ENV = "EBB_PARENT_PID"
+"""Read by the worker's entry point (ebb.worker.__main__), which drains when we are gone."""
+
+_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT", _PARENT_PID_ENV)
 """Ours, not the workers': they get only what `worker_nats` says (and one metrics port
 cannot serve them all)."""
+
+
+_PID_SUFFIX = ".pid"
+
+
+def _write_pid_file(folder: str, worker_id: str, job: str, pid: int) -> None:
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    entry = {"pid": pid, "job": job, "parent": os.getpid()}
+    (Path(folder) / f"{worker_id}{_PID_SUFFIX}").write_text(json.dumps(entry))
+
+
+def _remove_pid_file(folder: str | None, worker_id: str) -> None:
+    if folder:
+        with contextlib.suppress(FileNotFoundError):
+            (Path(folder) / f"{worker_id}{_PID_SUFFIX}").unlink()
+
+
+def _find_orphans(folder: str | None, now: float, grace_s: float) -> list[_Orphan]:
+    """Workers named in pid files that still run, and not as the child of the controller
+    that wrote the file. A pid is taken for the worker only if the process's command line
+    names that worker: pids are reused."""
+    if not folder or not Path(folder).is_dir():
+        return []
+    found = []
+    for path in Path(folder).glob(f"*{_PID_SUFFIX}"):
+        worker_id = path.name[: -len(_PID_SUFFIX)]
+        try:
+            entry = json.loads(path.read_text())
+            process = psutil.Process(int(entry["pid"]))
+            command, parent = process.cmdline(), process.ppid()
+        except psutil.NoSuchProcess:
+            path.unlink(missing_ok=True)  # it has exited
+            continue
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            continue  # unreadable, or not ours to look at: leave it to whoever wrote it
+        if parent == entry.get("parent"):
+            continue  # its controller lives (another one, sharing this folder)
+        if "ebb.worker" in command and worker_id in command and _alive(process):
+            found.append(
+                _Orphan(id=worker_id, job=str(entry["job"]), process=process, kill_at=now + grace_s)
+            )
+        else:
+            path.unlink(missing_ok=True)
+    return found
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _open_log(folder: str, worker_id: str) -> IO[bytes]:

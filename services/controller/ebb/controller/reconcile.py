@@ -13,10 +13,12 @@ import asyncio
 import logging
 import secrets
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
+from ebb.common.errors import RemoteError
 from ebb.common.messages import JobStatus
 
 from . import metrics
@@ -126,19 +128,23 @@ class Reconciler:
         self.last_plan: Plan | None = None
         self.failed_jobs: dict[str, str] = {}
         """Jobs this controller failed, and why (until the master confirms they ended)."""
+        self.specs: dict[str, dict[str, Any]] = {}
+        """The spec of each running job. A spec never changes, so each is fetched once, on
+        its own: all of them in one reply could exceed what NATS carries."""
 
     async def reconcile_once(self) -> Plan:
         """One pass: observe, decide, act. Safe to call at any time, any number of times."""
         loop = asyncio.get_running_loop()
-        status = await self.master.status(active_only=True, include_spec=True)
-        jobs = [j for j in status.jobs if j.state == "RUNNING"]
+        status = await self.master.status(active_only=True)
+        running = [j for j in status.jobs if j.state == "RUNNING"]
+        jobs = await self._with_specs(running)
         workers = await self.backend.observe()
         now = loop.time()
         for w in workers:
             if w.ended:
                 await self._account(w, now)
                 await self.backend.forget(w.id)
-        await self._fail_jobs(jobs)
+        await self._fail_jobs(running)
         jobs = [j for j in jobs if j.id not in self.failed_jobs]
         live = [w for w in workers if not w.ended]
         capacity = await self.backend.capacity(jobs, live)
@@ -154,6 +160,27 @@ class Reconciler:
         self._publish(jobs, workers, decided)
         self.last_plan = decided
         return decided
+
+    async def _with_specs(self, jobs: list[JobStatus]) -> list[JobStatus]:
+        """`jobs` with their specs. A job whose spec the master cannot send cannot run (its
+        workers could not read it either): it fails, with the reason."""
+        self.specs = {j.id: self.specs[j.id] for j in jobs if j.id in self.specs}
+        out = []
+        for job in jobs:
+            spec = self.specs.get(job.id)
+            if spec is None:
+                try:
+                    spec = (await self.master.job(job.id, include_spec=True)).spec
+                except RemoteError as e:
+                    if e.code != "too_large":
+                        raise
+                    log.error("job %s: the master cannot send its spec: %s", job.id, e.message)
+                    self.failed_jobs.setdefault(job.id, f"its spec is too large to send: {e}")
+                if spec is None:
+                    continue
+                self.specs[job.id] = spec
+            out.append(replace(job, spec=spec))
+        return out
 
     async def _account(self, worker: WorkerInfo, now: float) -> None:
         """Learn from a worker that ended: relaunch at once, later, with more memory, or not."""

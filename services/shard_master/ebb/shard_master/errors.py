@@ -35,6 +35,14 @@ class NoCommitRecord(MasterError):
     code = "no_commit_record"
 
 
+class ForeignCommit(MasterError):
+    """The shard's commit record belongs to another job (a straggler of a job that wrote into
+    the same output root before). Records are never replaced, so no attempt of this job can
+    commit the shard: it is quarantined."""
+
+    code = "quarantined"
+
+
 class PlanningError(MasterError):
     """The input cannot be split into shards (missing, unreadable, empty)."""
 

@@ -1,7 +1,8 @@
 """The shard master service: NATS in front of the lease table.
 
-Agents (each a task of one supervisor; if one dies, the master exits and is restarted):
-- leadership: keeps the leader key; losing it stops the master.
+Agents (each a task of one supervisor; if one dies, the master stops them all, then campaigns
+again if leadership or NATS was the cause, or exits to be restarted):
+- leadership: keeps the leader key; losing it stops the agents, and the master campaigns again.
 - intake:     pulls job messages from the EBB_JOBS stream, validates, plans, persists, acks.
 - reaper:     expires leases past their deadline and finishes jobs whose shards are settled.
 - publisher:  sends job events (progress, state changes) for the CLI and the controller.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -41,7 +43,7 @@ from ebb.common.messages import (
 )
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
-from ebb.common.supervisor import Supervisor
+from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics
 from .errors import Deposed, MasterError, PlanningError
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req", bound=Message)
 
 _MAX_SUBMIT_DELIVERIES = 5
+_INTAKE_CONSUMER = "ebb-master"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +72,9 @@ class MasterConfig:
     """Told to workers that find no shard free, yet the job unfinished."""
     speculate_after_s: float = 5.0
     """A shard runs at least this long (and 1.5x the median shard time) before it is duplicated."""
+    lease_grace_s: float = 5.0
+    """A lease that this master finds after a restart lives this long past the deadline it
+    had (time for its holder to reach us), however often the master restarts."""
     reaper_interval_s: float = 0.5
     concurrency: int = 64
     """Requests served at once."""
@@ -91,14 +97,41 @@ class ShardMaster:
         self.supervisor.request_stop()
 
     async def run(self) -> None:
+        """Lead (or stand by) until asked to stop. A master that loses the lead, or NATS
+        under an agent (NATS away longer than the leader TTL, another master writing), steps
+        down and campaigns again with state reloaded from KV, rather than exit and wait for
+        someone to restart it."""
         nc = await bus.connect(self.config.nats, name=f"ebb-master-{self.config.id}")
         try:
-            await self._run(nc)
+            while True:
+                try:
+                    await self._run(nc)
+                    return
+                except (Deposed, AgentExited) as e:
+                    cause = e if isinstance(e, Deposed) else e.__cause__
+                    if self.supervisor.stop_requested.is_set() or not isinstance(
+                        cause, Deposed | nats.errors.Error | TimeoutError
+                    ):
+                        raise
+                    log.warning("stepping down (%s): campaigning again", e)
+                self.ready.clear()
+                self.table = None
+                self.deposed = None
+                await self._until_connected(nc)
         finally:
             try:
                 await nc.drain()
             except (nats.errors.Error, TimeoutError) as e:
                 log.debug("drain failed: %s", e)
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await nc.close()
+
+    async def _until_connected(self, nc: NATS) -> None:
+        """Until NATS is back (it reconnects on its own), or a stop is requested."""
+        while not nc.is_connected:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.supervisor.stop_requested.wait(), 0.5)
+                return
 
     async def _run(self, nc: NATS) -> None:
         js = nc.jetstream()
@@ -130,6 +163,7 @@ class ShardMaster:
             on_event=self._emit,
             wait_retry_s=self.config.wait_retry_s,
             speculate_after_s=self.config.speculate_after_s,
+            lease_grace_s=self.config.lease_grace_s,
         )
         await table.load()
         server = RequestServer(nc, queue="ebb-master", concurrency=self.config.concurrency)
@@ -204,7 +238,7 @@ class ShardMaster:
         return await self._table().lease(r.job, r.worker, r.request_id)
 
     async def _renew(self, r: RenewRequest) -> Message:
-        return self._table().renew(r.token)
+        return await self._table().renew(r.token)
 
     async def _commit(self, r: CommitRequest) -> Message:
         return await self._table().commit(r.token)
@@ -230,9 +264,15 @@ class ShardMaster:
 
     async def intake(self, js: JetStreamContext) -> None:
         """Take submitted jobs off the stream, one at a time, acking each once it is persisted."""
+        # Messages a previous master fetched and never acked (it died while planning them)
+        # would wait out ack_wait before anyone saw them again. We alone lead now: a new
+        # consumer delivers every message still in the (work-queue) stream at once. One that
+        # was planned already is recognised as a repeat and acked.
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_consumer(self.subjects.jobs_stream, _INTAKE_CONSUMER)
         sub = await js.pull_subscribe(
             self.subjects.submit,
-            durable="ebb-master",
+            durable=_INTAKE_CONSUMER,
             stream=self.subjects.jobs_stream,
             config=ConsumerConfig(
                 ack_policy=AckPolicy.EXPLICIT,

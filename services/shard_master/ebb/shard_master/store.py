@@ -30,6 +30,12 @@ class LeaseRecord:
     attempt: int
     worker: str
     speculative: bool = False
+    granted_at: float = 0.0
+    """Wall-clock time of the grant: a restarted master knows how long the attempt has run."""
+    expires_at: float = 0.0
+    """Wall-clock time the lease expires, as of its latest renewal: a restarted master gives
+    it no longer than this plus a grace. (Wall clock, because it must mean the same to the
+    next master, on another host maybe; a running master judges by its monotonic clock.)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +53,9 @@ class ShardRecord:
     errors: list[str] = field(default_factory=list)
     """The latest failure reasons, newest last."""
     done_attempt: int = 0
+    seconds: float = 0.0
+    """How long the winning attempt ran, when the master saw it start and commit: the shard
+    times that speculation compares with, kept across restarts."""
     rows: int = 0
     error_rows: int = 0
     files: list[OutputFile] = field(default_factory=list)

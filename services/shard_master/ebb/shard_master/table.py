@@ -9,8 +9,11 @@ lock across its KV write, so two transitions of one shard never interleave, whil
 shards proceed concurrently. Picking a shard from the queue is synchronous (no await between
 looking and taking), so two workers can never be handed the same TODO shard.
 
-Deadlines live on the master's monotonic clock, in memory only: a restarted master gives every
-running lease a fresh full period.
+Deadlines live on the master's monotonic clock. Each lease record also keeps, in wall-clock
+time, when it was granted and when it expires as of its latest renewal: a restarted master
+gives a lease what it had left plus a grace (never a fresh full period, or a master that
+restarts more often than a lease lasts would keep a dead holder's shard forever), and knows
+how long each attempt has run, which speculation needs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from . import metrics
 from .errors import (
     BadRequest,
     Deposed,
+    ForeignCommit,
     JobEnded,
     JobNotFound,
     NoCommitRecord,
@@ -112,9 +116,17 @@ class Job:
         return self.record.state in TERMINAL_JOB_STATES
 
     def adopt_shards(
-        self, entries: list[tuple[ShardRecord, int]], now: float, lease_s: float
+        self,
+        entries: list[tuple[ShardRecord, int]],
+        *,
+        now: float,
+        wall_now: float,
+        lease_s: float,
+        grace_s: float,
     ) -> None:
-        """Build the in-memory table from persisted shard records (after planning or a restart)."""
+        """Build the in-memory table from persisted shard records (after planning or a restart).
+
+        `now` is the monotonic clock, `wall_now` the wall clock the records' times are on."""
         self.shards = [
             Shard(rec, rev) for rec, rev in sorted(entries, key=lambda e: e[0].spec.index)
         ]
@@ -132,12 +144,17 @@ class Job:
             elif rec.state == "DOING":
                 self.doing.add(shard.index)
                 for lease in rec.leases:
-                    # We cannot know how long the holder has had it: a fresh full period.
-                    shard.deadlines[lease.token] = now + lease_s
-                    shard.granted[lease.token] = now
+                    left = lease_s
+                    if lease.expires_at:
+                        left = min(lease_s, max(0.0, lease.expires_at - wall_now) + grace_s)
+                    shard.deadlines[lease.token] = now + left
+                    ran = max(0.0, wall_now - lease.granted_at) if lease.granted_at else 0.0
+                    shard.granted[lease.token] = now - ran
             elif rec.state == "DONE":
                 self.rows_done += rec.rows
                 self.error_rows += rec.error_rows
+                if rec.seconds > 0:
+                    self.durations.append(rec.seconds)
             elif rec.state == "QUARANTINED":
                 self.quarantined_rows += rec.spec.rows
         self.todo.extend(index for _, index in sorted(todo))
@@ -190,6 +207,7 @@ class LeaseTable:
         open_output: OutputOpener = OutputStore,
         wait_retry_s: float = 1.0,
         speculate_after_s: float = 5.0,
+        lease_grace_s: float = 5.0,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._store = store
@@ -198,6 +216,7 @@ class LeaseTable:
         self._open_output = open_output
         self._wait_retry_s = wait_retry_s
         self._speculate_after_s = speculate_after_s
+        self._lease_grace_s = lease_grace_s
         self._clock = clock or asyncio.get_running_loop().time
         self.jobs: dict[str, Job] = {}
         self.rejected: OrderedDict[str, str] = OrderedDict()
@@ -214,7 +233,13 @@ class LeaseTable:
             job = Job(record, revision, spec)
             self.jobs[job.id] = job
             if record.state == "RUNNING":
-                job.adopt_shards(await self._store.load_shards(job.id), now, spec.fault.lease_s)
+                job.adopt_shards(
+                    await self._store.load_shards(job.id),
+                    now=now,
+                    wall_now=time.time(),
+                    lease_s=spec.fault.lease_s,
+                    grace_s=self._lease_grace_s,
+                )
                 for shard in job.shards:
                     for token, deadline in shard.deadlines.items():
                         heapq.heappush(self._expiries, (deadline, job.id, shard.index, token))
@@ -293,7 +318,13 @@ class LeaseTable:
         )
         job.revision = await self._store.update_job(running, last=job.revision)
         job.record = running
-        job.adopt_shards(entries, self._clock(), spec.fault.lease_s)
+        job.adopt_shards(
+            entries,
+            now=self._clock(),
+            wall_now=time.time(),
+            lease_s=spec.fault.lease_s,
+            grace_s=self._lease_grace_s,
+        )
         self._publish_job_gauges()
         log.info("job %s accepted: %d shards, ~%d rows", job.id, len(records), running.rows_total)
         self._emit(self._event(job, "accepted"))
@@ -354,8 +385,14 @@ class LeaseTable:
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             attempt = record.attempts + 1
             token = make_token(self._epoch, job.id, shard.index, attempt)
+            wall_now = time.time()
             lease = LeaseRecord(
-                token=token, attempt=attempt, worker=worker, speculative=speculative
+                token=token,
+                attempt=attempt,
+                worker=worker,
+                speculative=speculative,
+                granted_at=wall_now,
+                expires_at=wall_now + lease_s,
             )
             new = replace(record, state="DOING", attempts=attempt, leases=[*record.leases, lease])
             try:
@@ -412,14 +449,26 @@ class LeaseTable:
                 best, best_age = shard, age
         return best
 
-    def renew(self, token: str) -> RenewReply:
+    async def renew(self, token: str) -> RenewReply:
         job, shard = self._locate(token)
-        if token not in shard.deadlines:
-            raise StaleToken("lease is no longer current")
         lease_s = job.spec.fault.lease_s
-        deadline = self._clock() + lease_s
-        shard.deadlines[token] = deadline
-        heapq.heappush(self._expiries, (deadline, job.id, shard.index, token))
+        async with shard.lock:
+            if job.ended:
+                raise JobEnded(f"job {job.id} is {job.state}")
+            if token not in shard.deadlines:
+                raise StaleToken("lease is no longer current")
+            deadline = self._clock() + lease_s
+            expires_at = time.time() + lease_s
+            record = shard.record
+            leases = [
+                replace(lease, expires_at=expires_at) if lease.token == token else lease
+                for lease in record.leases
+            ]
+            new = replace(record, leases=leases)
+            shard.revision = await self._store.update_shard(new, last=shard.revision)
+            shard.record = new
+            shard.deadlines[token] = deadline
+            heapq.heappush(self._expiries, (deadline, job.id, shard.index, token))
         metrics.LEASE_RENEWALS.labels(job.id).inc()
         return RenewReply(lease_s=lease_s)
 
@@ -439,32 +488,48 @@ class LeaseTable:
                 return CommitReply(status="already_done")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
-            commit = await self._read_commit(job, shard)
-            if commit is None:
-                raise NoCommitRecord(
-                    f"no commit record for shard {shard.index} in {job.spec.output.uri}"
-                )
-            now = self._clock()
-            job.durations.append(now - shard.granted.get(token, now))
-            await self._record_done(job, shard, commit)
+            foreign: ForeignCommit | None = None
+            try:
+                commit = await self._read_commit(job, shard)
+            except ForeignCommit as e:
+                foreign = e
+                await self._drop_lease(job, shard, token, reason=str(e), failed=True)
+            else:
+                if commit is None:
+                    raise NoCommitRecord(
+                        f"no commit record for shard {shard.index} in {job.spec.output.uri}"
+                    )
+                now = self._clock()
+                seconds = now - shard.granted.get(token, now)
+                job.durations.append(seconds)
+                await self._record_done(job, shard, commit, seconds=seconds)
         await self.settle(job)
+        if foreign is not None:
+            raise foreign
         return CommitReply(status="done")
 
     async def _read_commit(self, job: Job, shard: Shard) -> CommitRecord | None:
         output = self._open_output(job.spec.output.uri)
         commit = await asyncio.to_thread(output.read_commit, shard.index)
         if commit is not None and commit.job != job.id:
-            raise BadRequest(f"commit record of shard {shard.index} belongs to job {commit.job}")
+            raise ForeignCommit(
+                f"the commit record of shard {shard.index} in {job.spec.output.uri} belongs "
+                f"to job {commit.job}"
+            )
         return commit
 
-    async def _record_done(self, job: Job, shard: Shard, commit: CommitRecord) -> None:
-        """The shard's output is the commit record's (caller holds the shard's lock)."""
+    async def _record_done(
+        self, job: Job, shard: Shard, commit: CommitRecord, *, seconds: float = 0.0
+    ) -> None:
+        """The shard's output is the commit record's (caller holds the shard's lock).
+        `seconds`: how long the winning attempt ran, if known."""
         previous = shard.record.state
         new = replace(
             shard.record,
             state="DONE",
             leases=[],
             done_attempt=commit.attempt,
+            seconds=seconds,
             rows=commit.rows,
             error_rows=commit.error_rows,
             files=commit.files,
@@ -501,13 +566,15 @@ class LeaseTable:
         """End one lease of a shard (caller holds the shard's lock) and persist the outcome."""
         record = shard.record
         remaining = [lease for lease in record.leases if lease.token != token]
+        foreign = False
         if not remaining:
             # The attempt may have committed its output and died before telling us: then the
             # shard is done, and retrying or quarantining it would lose or redo that output.
             try:
                 commit = await self._read_commit(job, shard)
-            except BadRequest:
-                commit = None  # another job's record: never ours to adopt
+            except ForeignCommit as e:
+                # Never ours to adopt, and no retry can replace it.
+                commit, foreign, reason = None, True, str(e)
             if commit is not None:
                 log.info(
                     "job %s: shard %d was committed by attempt %d",
@@ -523,7 +590,7 @@ class LeaseTable:
         state: ShardState
         if remaining:
             state = "DOING"  # another attempt still runs; it may yet succeed
-        elif failures >= job.spec.fault.max_attempts:
+        elif foreign or failures >= job.spec.fault.max_attempts:
             state = "QUARANTINED"
         else:
             state = "TODO"

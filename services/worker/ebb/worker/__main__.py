@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -42,14 +43,39 @@ async def amain(args: argparse.Namespace) -> int:
         )
     )
     install_stop_signals(worker.request_drain)
+    parent = os.environ.get(PARENT_PID_ENV)
+    watch = None
+    if parent:
+        watch = asyncio.create_task(drain_when_orphaned(worker, int(parent)), name="orphan-watch")
     try:
         code = await worker.run()
     except AgentExited as e:
         log.error("%s", e)
         return EXIT_FAILED
+    finally:
+        if watch is not None:
+            watch.cancel()
+            await asyncio.wait([watch])
     if worker.fatal_reason:
         write_termination_message(worker.fatal_reason)
     return code
+
+
+PARENT_PID_ENV = "EBB_PARENT_PID"
+"""Set by a controller that starts workers as its own processes: the pid they belong to."""
+
+
+async def drain_when_orphaned(worker: Worker, parent_pid: int, *, interval_s: float = 0.5) -> None:
+    """Drain once the controller that started us is gone (killed, say). We run in a session
+    of our own (so that a Ctrl-C reaches the controller first), so nothing else would ever
+    stop us: left alone we would hold a slot the next controller wants for its own workers
+    (it can only wait for us to leave), and outlive the stack."""
+    while True:
+        if os.getppid() != parent_pid:
+            log.warning("the controller that started us (pid %d) is gone: draining", parent_pid)
+            worker.request_drain()
+            return
+        await asyncio.sleep(interval_s)
 
 
 def write_termination_message(reason: str) -> None:

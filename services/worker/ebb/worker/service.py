@@ -46,7 +46,7 @@ from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
 
-_LOST_CODES = frozenset({"stale_token", "job_ended", "not_found"})
+_LOST_CODES = frozenset({"stale_token", "job_ended", "not_found", "quarantined"})
 _RETRY_CODES = frozenset({"unavailable", "not_leader", "internal", "bad_reply", "no_commit_record"})
 """Answers that say "not now": the master is restarting, its store timed out, or (on an
 eventually consistent object store) it cannot see our commit record yet."""
@@ -446,7 +446,9 @@ class Worker:
                 active.renew_at = loop.time() + 1.0
             return
         except BusError as e:
-            if loop.time() >= active.deadline:
+            # Past our commit record the shard's output is decided: keep telling the master
+            # (the commit is being retried) however long it is away, rather than go quiet.
+            if loop.time() >= active.deadline and not active.committed:
                 self._lose(active, f"not renewed before its deadline ({e})")
             else:
                 active.renew_at = loop.time() + min(1.0, active.lease_s / 10)
