@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -430,3 +431,25 @@ async def test_uneven_sequences_are_padded_and_masked_within_a_token_budget(
             ids = torch.full((1, 1 + i % 17), i % 50 + 1, dtype=torch.int64)
             expected = model(ids, torch.ones_like(ids))[0].numpy()
             np.testing.assert_allclose(outcomes[i][1], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_whose_worker_died_exits_quietly() -> None:
+    """A stage process whose pipes' other ends are gone (its worker was killed) exits 0
+    without a traceback, instead of a BrokenPipeError per message."""
+    code = """
+import multiprocessing as mp
+from ebb.common.spec import StageSpec
+from ebb.worker.stage import BatchBoard, StageConfig, stage_main
+
+ctx = mp.get_context("spawn")
+inbox_r, inbox_w = ctx.Pipe(duplex=False)
+outbox_r, outbox_w = ctx.Pipe(duplex=False)
+outbox_r.close()  # the worker's end: gone
+spec = StageSpec(name="s", modelet="ebb.worker.modelets:Identity")
+stage_main(StageConfig(spec=spec, code_paths=[]), inbox_r, outbox_w, BatchBoard(ctx, 4))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr

@@ -119,11 +119,17 @@ def stage_main(
         run = None if config.spec.fanout else columns_callable(modelet, label)
     except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        outbox.send_bytes(frames.pack(frames.SETUP_FAILED, payload=f"stage {name!r}: {detail}"))
-        outbox.close()
+        with contextlib.suppress(OSError):  # the worker may be gone already
+            outbox.send_bytes(frames.pack(frames.SETUP_FAILED, payload=f"stage {name!r}: {detail}"))
+            outbox.close()
         sys.exit(EXIT_SETUP_FAILED)
-    outbox.send_bytes(frames.pack(frames.READY, payload=os.getpid()))
-    StageLoop(config, run, inbox, outbox, board, run_rows=run_rows).run()
+    try:
+        outbox.send_bytes(frames.pack(frames.READY, payload=os.getpid()))
+        StageLoop(config, run, inbox, outbox, board, run_rows=run_rows).run()
+    except (BrokenPipeError, ConnectionResetError):
+        # The worker that spawned us died (its end of the pipe is closed): nobody is left
+        # to tell anything, and nothing we hold can reach the output. Leave quietly.
+        sys.exit(0)
 
 
 def row_lengths(column_name: str) -> Callable[[Columns], np.ndarray]:
