@@ -8,8 +8,8 @@ and the output carries the id and the name over.
 - plain loop: one process, read a batch of 4,096 rows -> preprocess -> forward -> postprocess
   -> write, file by file, vectorised with numpy and torch as a data scientist would write it
   (torch on one thread per process, like Ebb's model stage).
-- Ebb, 2 workers: the same three steps as a job (preprocess, model and postprocess each in
-  their own process), two workers on the local backend.
+- Ebb, 1 and 2 workers: the same three steps as a job (preprocess, model and postprocess each
+  in their own process, rows as columnar chunks), on the local backend.
 
 The model here costs a few microseconds per row, so this measures what Ebb costs per row
 (leases, stage hand-offs, commit) far more than it measures inference: the least favourable
@@ -108,7 +108,9 @@ def plain_loop(data: Path, model_path: Path, out: Path, *, batch: int = 4_096) -
         torch.set_num_threads(threads)
 
 
-def job(data: Path, model: Path, out: Path, *, rows_per_shard: int) -> dict[str, Any]:
+def job(
+    data: Path, model: Path, out: Path, *, rows_per_shard: int, workers: int = WORKERS
+) -> dict[str, Any]:
     return {
         "name": "mlp-scoring",
         "input": {
@@ -136,18 +138,20 @@ def job(data: Path, model: Path, out: Path, *, rows_per_shard: int) -> dict[str,
             ],
         },
         "output": {"uri": str(out), "carryover": ["id", "customer"]},
-        "resources": {"min_workers": WORKERS, "max_workers": WORKERS},
+        "resources": {"min_workers": workers, "max_workers": workers},
     }
 
 
-async def _ebb_once(ctx: Context, data: Path, model: Path, rows_per_shard: int) -> Rate:
+async def _ebb_once(
+    ctx: Context, data: Path, model: Path, rows_per_shard: int, workers: int
+) -> Rate:
     out = ctx.dir("mlp-out") / f"ebb-{time.monotonic_ns()}"
-    spec = parse_job(job(data, model, out, rows_per_shard=rows_per_shard))
-    return await job_rate(ctx, "mlp", spec, out, max_workers=WORKERS)
+    spec = parse_job(job(data, model, out, rows_per_shard=rows_per_shard, workers=workers))
+    return await job_rate(ctx, "mlp", spec, out, max_workers=workers)
 
 
-def _ebb(ctx: Context, data: Path, model: Path, rows_per_shard: int) -> Rate:
-    rate: Rate = asyncio.run(_ebb_once(ctx, data, model, rows_per_shard))
+def _ebb(ctx: Context, data: Path, model: Path, rows_per_shard: int, workers: int) -> Rate:
+    rate: Rate = asyncio.run(_ebb_once(ctx, data, model, rows_per_shard, workers))
     return rate
 
 
@@ -163,7 +167,10 @@ def run(ctx: Context) -> Section:
     model = write_model(ctx.dir("models") / "mlp.pt")
     variants = {
         "plain loop": functools.partial(_plain, data, model, ctx.dir("mlp-out") / "plain"),
-        f"Ebb, {WORKERS} workers": functools.partial(_ebb, ctx, data, model, rows_per_shard),
+        "Ebb, 1 worker": functools.partial(_ebb, ctx, data, model, rows_per_shard, 1),
+        f"Ebb, {WORKERS} workers": functools.partial(
+            _ebb, ctx, data, model, rows_per_shard, WORKERS
+        ),
     }
     whole, steady = interleaved_rates(variants, ctx)
     base_whole = median(whole["plain loop"])
@@ -205,7 +212,8 @@ def run(ctx: Context) -> Section:
         notes=[
             f"{rows:,} rows in {rows // rows_per_shard} shards of {rows_per_shard:,}; Ebb's whole "
             "job runs from submission to the manifest, start-up of the stack excluded, the "
-            f"workers' start-up included; {WORKERS} workers of 3 stage processes each share "
+            "workers' start-up included (each imports torch for its model stage: about 2 s of "
+            f"CPU on this machine); 1 or {WORKERS} workers of 3 stage processes each share "
             "this machine's cores with the master, the controller and nats-server."
         ],
     )
