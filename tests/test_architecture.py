@@ -43,3 +43,51 @@ def test_no_pickle_on_the_wire() -> None:
             if pickling and path.name != "frames.py":
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every ebb module and the ebb modules it imports, deferred imports inside functions
+    included (a cycle hidden in a function body is still a cycle a reader must untangle)."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    for root in SOURCE_ROOTS:
+        for path in (ROOT / root).rglob("*.py"):
+            parts = path.relative_to(ROOT / root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+            targets: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                        base = ".".join([*anchor, *([base] if base else [])])
+                    targets.add(base)
+                    targets.update(f"{base}.{alias.name}" for alias in node.names)
+                elif isinstance(node, ast.Import):
+                    targets.update(alias.name for alias in node.names)
+            graph[name] = {t for t in targets if t.startswith("ebb.")}
+    return {
+        name: {t for t in targets if t in graph and t != name} for name, targets in graph.items()
+    }
+
+
+def test_no_module_imports_itself_round_a_circle() -> None:
+    graph = _module_imports()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []

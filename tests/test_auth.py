@@ -16,9 +16,10 @@ from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import auth, bus
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError
 from ebb.common.spec import parse_job
+from ebb.common.subjects import Subjects
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset
 

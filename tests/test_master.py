@@ -19,12 +19,13 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
 from ebb.common import bus, schema
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
 from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
+from ebb.common.subjects import Subjects
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.table import LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig

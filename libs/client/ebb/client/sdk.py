@@ -19,10 +19,11 @@ from nats.aio.subscription import Subscription
 
 from ebb.common import bus, schema
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, EbbError, RemoteError, SchemaError
 from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobEvent, JobStatus, StatusReply
 from ebb.common.spec import JobSpec
+from ebb.common.subjects import Subjects
 
 
 class SubmitError(EbbError):

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 
-from .bus import Backoff, NatsConfig, Subjects, request
+from .bus import Backoff, NatsConfig, request
 from .errors import RemoteError
 from .messages import (
     CancelReply,
@@ -26,6 +26,7 @@ from .messages import (
     StatusRequest,
 )
 from .schema import Message
+from .subjects import Subjects
 
 M = TypeVar("M", bound=Message)
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from .bus import Subjects
+from .subjects import Subjects
 
 Role = Literal["master", "controller", "worker", "client"]
 ROLES: tuple[Role, ...] = get_args(Role)

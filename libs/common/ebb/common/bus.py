@@ -26,9 +26,11 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from . import schema
+from .auth import inbox_for_user
 from .errors import BusError, RemoteError, SchemaError
 from .messages import ErrorReply
 from .schema import Message
+from .subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +83,6 @@ class NatsConfig:
         return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
-class Subjects:
-    """Every subject, stream and bucket name, derived from one prefix."""
-
-    def __init__(self, prefix: str = "ebb") -> None:
-        if not prefix or not all(c.isalnum() or c in "-_" for c in prefix):
-            raise ValueError(f"bad subject prefix {prefix!r}: letters, digits, - and _ only")
-        self.prefix = prefix
-        self.submit = f"{prefix}.jobs.submit"
-        self.all_events = f"{prefix}.jobs.*.events"
-        self.jobs_stream = f"{prefix.upper().replace('-', '_')}_JOBS"
-        self.jobs_bucket = f"{prefix}-jobs"
-        self.shards_bucket = f"{prefix}-shards"
-        self.leader_bucket = f"{prefix}-leader"
-
-    def master(self, op: str) -> str:
-        return f"{self.prefix}.master.{op}"
-
-    def events(self, job: str) -> str:
-        return f"{self.prefix}.jobs.{job}.events"
-
-
 async def connect(config: NatsConfig, *, name: str) -> NATS:
     """Connect; until the first connection, retry (nats-py does, every half second) for up to
     `first_connect_timeout_s`; later drops reconnect forever. Credentials the server refuses
@@ -143,8 +124,6 @@ async def connect(config: NatsConfig, *, name: str) -> NATS:
     if config.user is not None:
         options["user"] = config.user
         options["password"] = config.password
-        from .auth import inbox_for_user
-
         # Ebb's roles may subscribe only to their own inboxes (see auth.py).
         inbox = inbox_for_user(config.prefix, config.user)
         if inbox is not None:

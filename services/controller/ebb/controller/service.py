@@ -19,8 +19,9 @@ import nats.errors
 
 from ebb.common import bus
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig, Subjects
+from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, RemoteError
+from ebb.common.subjects import Subjects
 from ebb.common.supervisor import Supervisor
 
 from . import metrics

@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ebb.common import bus, schema
-from ebb.common.bus import NatsConfig, RequestServer, Subjects
+from ebb.common.bus import NatsConfig, RequestServer
 from ebb.common.errors import SchemaError, SpecError
 from ebb.common.messages import (
     CancelRequest,
@@ -43,6 +43,7 @@ from ebb.common.messages import (
 )
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
+from ebb.common.subjects import Subjects
 from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics

@@ -20,11 +20,8 @@ an exception fails only the rows of its batch, and bisection finds which ones.
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
-
-from ebb.common.spec import StageSpec
 
 from .columns import Columns, checked, from_rows, num_rows, to_rows
 
@@ -125,20 +122,3 @@ def _overrides_rows_only(obj: Any) -> bool:
     process_columns adapter is not its own."""
     own = getattr(type(obj), "process_columns", None)
     return own is Modelet.process_columns
-
-
-def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:
-    """Instantiate a stage's modelet (user class or model runtime). Not yet set up."""
-    for path in reversed(code_paths):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    if spec.model is not None:
-        from .runtimes import load_runtime
-
-        return load_runtime(spec)
-    assert spec.modelet is not None
-    cls = resolve_class(spec.modelet)
-    try:
-        return cls(**spec.params)
-    except Exception as e:
-        raise StageError(f"{spec.modelet}(**params) failed: {type(e).__name__}: {e}") from e

@@ -32,7 +32,8 @@ from ebb.common.spec import StageSpec
 from . import frames
 from .batcher import AdaptiveBatchSize, Batch, Batcher
 from .columns import VALUE, Columns, concat, from_arrow, from_rows, is_plain, take, to_rows
-from .modelet import build_stage, columns_callable, rows_callable
+from .modelet import StageError, columns_callable, resolve_class, rows_callable
+from .runtimes import load_runtime
 from .shm import Arena
 
 EXIT_SETUP_FAILED = 3
@@ -98,6 +99,21 @@ def _die_with_parent() -> None:
 def _describe(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:
+    """Instantiate a stage's modelet (user class or model runtime). Not yet set up."""
+    for path in reversed(code_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    if spec.model is not None:
+        return load_runtime(spec)
+    assert spec.modelet is not None
+    cls = resolve_class(spec.modelet)
+    try:
+        return cls(**spec.params)
+    except Exception as e:
+        raise StageError(f"{spec.modelet}(**params) failed: {type(e).__name__}: {e}") from e
 
 
 def stage_main(
