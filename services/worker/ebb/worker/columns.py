@@ -260,6 +260,14 @@ def to_arrow(column: np.ndarray, missing: np.ndarray | None = None) -> pa.Array[
 
 
 def _objects_to_arrow(column: np.ndarray, missing: np.ndarray | None) -> pa.Array[Any]:
+    if len(column) and type(column[0]) is str:
+        # Strings (labels, text): converted by Arrow itself, not value by value here.
+        try:
+            mask = missing if missing is not None and missing.any() else None
+            text: pa.Array[Any] = pa.array(column, type=pa.string(), mask=mask, from_pandas=True)
+            return text
+        except (pa.ArrowException, TypeError):
+            pass  # not strings all the way down: the general path below
     values: list[Any] = list(column)
     if missing is not None:
         values = [None if m else v for v, m in zip(values, missing.tolist(), strict=True)]
