@@ -235,7 +235,7 @@ class LocalBackend:
 
 
 _PARENT_PID_ENV = "EBB_PARENT_PID"
-"""Read by the worker's entry point (ebb.worker.__main__), which drains when we are gone."""
+"""Read by the worker's entry point (ebb.worker.entry), which drains when we are gone."""
 
 _NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT", _PARENT_PID_ENV)
 """Ours, not the workers': they get only what `worker_nats` says (and one metrics port

@@ -1,97 +1,11 @@
-"""`python -m ebb.worker --job JOB`: work on one job's shards until it ends or SIGTERM."""
+"""`python -m ebb.worker --job JOB`: work on one job's shards until it ends or SIGTERM.
 
-from __future__ import annotations
-
-import argparse
-import asyncio
-import contextlib
-import logging
-import os
-
-from ebb.common import log as logsetup
-from ebb.common import metrics as metricsserver
-from ebb.common.bus import add_nats_arguments, nats_config_from_args
-from ebb.common.runner import EXIT_FAILED, run
-from ebb.common.supervisor import AgentExited, install_stop_signals
-
-from .service import Worker, WorkerConfig, default_worker_id
-
-log = logging.getLogger("ebb.worker")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m ebb.worker", description=__doc__)
-    p.add_argument("--job", default=env("EBB_JOB"), required=env("EBB_JOB") is None)
-    p.add_argument("--id", default=env("EBB_WORKER_ID") or default_worker_id())
-    add_nats_arguments(p)
-    p.add_argument("--shards-in-flight", type=int, default=2)
-    p.add_argument("--grace", type=float, default=float(env("EBB_SHUTDOWN_GRACE_S", "30")))
-    metricsserver.add_metrics_argument(p)
-    p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
-    return p.parse_args(argv)
-
-
-async def amain(args: argparse.Namespace) -> int:
-    worker = Worker(
-        WorkerConfig(
-            nats=nats_config_from_args(args),
-            job=args.job,
-            id=args.id,
-            shards_in_flight=args.shards_in_flight,
-            shutdown_grace_s=args.grace,
-        )
-    )
-    install_stop_signals(worker.request_drain)
-    parent = os.environ.get(PARENT_PID_ENV)
-    watch = None
-    if parent:
-        watch = asyncio.create_task(drain_when_orphaned(worker, int(parent)), name="orphan-watch")
-    try:
-        code = await worker.run()
-    except AgentExited as e:
-        log.error("%s", e)
-        return EXIT_FAILED
-    finally:
-        if watch is not None:
-            watch.cancel()
-            await asyncio.wait([watch])
-    if worker.fatal_reason:
-        write_termination_message(worker.fatal_reason)
-    return code
-
-
-PARENT_PID_ENV = "EBB_PARENT_PID"
-"""Set by a controller that starts workers as its own processes: the pid they belong to."""
-
-
-async def drain_when_orphaned(worker: Worker, parent_pid: int, *, interval_s: float = 0.5) -> None:
-    """Drain once the controller that started us is gone (killed, say). We run in a session
-    of our own (so that a Ctrl-C reaches the controller first), so nothing else would ever
-    stop us: left alone we would hold a slot the next controller wants for its own workers
-    (it can only wait for us to leave), and outlive the stack."""
-    while True:
-        if os.getppid() != parent_pid:
-            log.warning("the controller that started us (pid %d) is gone: draining", parent_pid)
-            worker.request_drain()
-            return
-        await asyncio.sleep(interval_s)
-
-
-def write_termination_message(reason: str) -> None:
-    """On Kubernetes the pod's status then says why (terminationMessagePath), so that the
-    controller can fail the job with the reason rather than with an exit code."""
-    path = os.environ.get("EBB_TERMINATION_LOG", "/dev/termination-log")
-    with contextlib.suppress(OSError), open(path, "w") as f:  # OSError: not on Kubernetes
-        f.write(reason[:4000])
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logsetup.setup(args.log_level, service=f"worker {args.id}")
-    metricsserver.serve(args.metrics_port)
-    return run(amain(args))
-
+Nothing else here, on purpose: stage processes are spawned, and a spawned process imports its
+parent's main module first. Kept this small, that costs a stage nothing; the worker's own
+imports (NATS, the metrics server, ...) happen in `entry`, which stages never load.
+"""
 
 if __name__ == "__main__":
+    from ebb.worker.entry import main
+
     raise SystemExit(main())
