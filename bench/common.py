@@ -188,6 +188,30 @@ class Rate:
     steady: float
 
 
+def rates_table(
+    whole: Mapping[str, Sequence[float]],
+    steady: Mapping[str, Sequence[float]],
+    *,
+    base: str,
+    against: str,
+) -> str:
+    """Each variant's rates over the whole job and in steady state, and each as a multiple of
+    `base`'s (the column headed `against`: "vs plain loop", say)."""
+    base_whole, base_steady = median(whole[base]), median(steady[base])
+    rows = [
+        [
+            name,
+            spread(whole[name]),
+            spread(steady[name]),
+            f"{median(whole[name]) / base_whole:.2f}x",
+            f"{median(steady[name]) / base_steady:.2f}x",
+        ]
+        for name in whole
+    ]
+    headers = ["variant", "rows/s, whole job", "rows/s, steady state"]
+    return table([*headers, f"{against}, whole job", f"{against}, steady state"], rows)
+
+
 def interleaved_rates(
     variants: Mapping[str, Callable[[], Rate]], ctx: Context, unit: str = "rows/s"
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:

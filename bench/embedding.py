@@ -37,12 +37,12 @@ from .common import (
     interleaved_rates,
     job_rate,
     median,
-    spread,
-    table,
+    rates_table,
 )
 from .modelets import HashTokenize
 
 WORDS = [f"w{i}" for i in range(20_000)]
+CEILING = "encoder alone (ceiling)"
 
 
 def write_corpus(folder: Path, *, rows: int, files: int = 4, seed: int = 0) -> Path:
@@ -271,7 +271,7 @@ def run(ctx: Context) -> Section:
     model = write_encoder(ctx.dir("models") / "encoder.pt", **shape)
     busy: list[float] = []
     variants = {
-        "encoder alone (ceiling)": functools.partial(
+        CEILING: functools.partial(
             _value, functools.partial(encoder_alone, data, model, device=device, budget=budget)
         ),
         "plain loop": functools.partial(
@@ -282,17 +282,7 @@ def run(ctx: Context) -> Section:
         ),
     }
     whole, steady = interleaved_rates(variants, ctx)
-    ceiling = median(whole["encoder alone (ceiling)"])
-    body = [
-        [
-            name,
-            spread(whole[name]),
-            spread(steady[name]),
-            f"{median(whole[name]) / ceiling:.2f}",
-            f"{median(steady[name]) / ceiling:.2f}",
-        ]
-        for name in variants
-    ]
+    ceiling = median(whole[CEILING])
     gpu_name = torch.cuda.get_device_name(0) if device == "cuda" else "no GPU"
     notes = [
         f"{rows:,} rows on {device} ({gpu_name}); "
@@ -305,18 +295,7 @@ def run(ctx: Context) -> Section:
     return Section(
         title="9. Text embedding: a BERT-shaped encoder on text of varied length",
         intro=__doc__ or "",
-        tables=[
-            table(
-                [
-                    "variant",
-                    "rows/s, whole job",
-                    "rows/s, steady state",
-                    "of the ceiling, whole",
-                    "of the ceiling, steady",
-                ],
-                body,
-            )
-        ],
+        tables=[rates_table(whole, steady, base=CEILING, against="of the ceiling")],
         slug="embedding",
         plot={"kind": "bars", "values": dict(whole), "unit": "rows/s (whole job)"},
         summary={

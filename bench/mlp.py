@@ -41,8 +41,7 @@ from .common import (
     interleaved_rates,
     job_rate,
     median,
-    spread,
-    table,
+    rates_table,
 )
 
 MEAN, STD = 2.0, 3.0
@@ -174,33 +173,11 @@ def run(ctx: Context) -> Section:
     }
     whole, steady = interleaved_rates(variants, ctx)
     base_whole = median(whole["plain loop"])
-    base_steady = median(steady["plain loop"])
-    rows_out = [
-        [
-            name,
-            spread(whole[name]),
-            spread(steady[name]),
-            f"{median(whole[name]) / base_whole:.2f}x",
-            f"{median(steady[name]) / base_steady:.2f}x",
-        ]
-        for name in variants
-    ]
     ebb = f"Ebb, {WORKERS} workers"
     return Section(
         title="7. A million rows through a small MLP: Ebb against a plain loop",
         intro=__doc__ or "",
-        tables=[
-            table(
-                [
-                    "variant",
-                    "rows/s, whole job",
-                    "rows/s, steady state",
-                    "vs plain loop, whole job",
-                    "vs plain loop, steady state",
-                ],
-                rows_out,
-            )
-        ],
+        tables=[rates_table(whole, steady, base="plain loop", against="vs plain loop")],
         slug="mlp",
         plot={"kind": "bars", "values": dict(whole), "unit": "rows/s (whole job)"},
         summary={
