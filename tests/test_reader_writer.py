@@ -59,6 +59,29 @@ def test_malformed_jsonl_lines_become_error_rows(tmp_path: Path) -> None:
     assert "not an object" in data.bad_rows[2]
 
 
+def test_text_that_is_not_utf8_fails_only_its_row(tmp_path: Path) -> None:
+    csv = tmp_path / "x.csv"
+    csv.write_bytes(b"id,name\n1,ok\n2,bad\xff\xfe\n3,fine\n")
+    data = read_shard(_text_shard(csv, "csv"), None, column_types={"id": "int64", "name": "string"})
+    assert data.table.column("id").to_pylist() == [1, 2, 3]  # the row stays findable
+    assert data.table.column("name").to_pylist() == ["ok", None, "fine"]
+    assert list(data.bad_rows) == [1] and "not UTF-8" in data.bad_rows[1]
+    jsonl = tmp_path / "x.jsonl"
+    jsonl.write_bytes(b'{"id": 1, "t": "ok"}\n{"id": 2, "t": "bad\xff"}\n{"id": 3, "t": "x"}\n')
+    data = read_shard(_text_shard(jsonl, "jsonl"), None)
+    assert data.table.column("t").to_pylist() == ["ok", None, "x"]
+    assert list(data.bad_rows) == [1] and "not UTF-8" in data.bad_rows[1]
+
+
+def test_a_file_gone_since_planning_is_a_read_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.csv"
+    path.write_text("id\n1\n")
+    shard = _text_shard(path, "csv")
+    path.unlink()
+    with pytest.raises(ShardReadError, match="cannot read shard"):
+        read_shard(shard, None)
+
+
 def test_unreadable_shard_raises(tmp_path: Path) -> None:
     (tmp_path / "x.parquet").write_bytes(b"not parquet at all")
     shard = ShardSpec(

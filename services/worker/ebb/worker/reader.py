@@ -131,14 +131,15 @@ def _parse_csv(
             io.BytesIO(header + chunk),
             read_options=read,
             parse_options=parse,
-            convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string())),
+            # Bytes, not text: a value that is not UTF-8 must fail its row, not the read.
+            convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary())),
         )
         text = True
     # Row numbers count the header as row 1; positions count rows from 0.
     malformed = {number - 2: why for number, why in rejected if number is not None}
     total = good.num_rows + len(malformed)
     bad = dict(malformed)
-    if text and types:
+    if text:
         good, unfit = _typed(good, types)
         if unfit:
             positions = [p for p in range(total) if p not in malformed]
@@ -149,14 +150,49 @@ def _parse_csv(
 _NULL_VALUES = pa.array(list(pacsv.ConvertOptions().null_values or []), pa.string())
 
 
+def _as_text(name: str, column: Any, unfit: dict[int, str]) -> Any:
+    """A column of bytes as text; a value that is not UTF-8 becomes null, and its row is
+    noted in `unfit` with the reason."""
+    if column.type == pa.string():
+        return column
+    try:
+        return pc.cast(column, pa.string())
+    except pa.ArrowInvalid:
+        values = column.to_pylist()
+        for i, value in enumerate(values):
+            try:
+                values[i] = None if value is None else value.decode()
+            except UnicodeDecodeError:
+                unfit.setdefault(i, f"column {name!r}: {value[:200]!r} is not UTF-8 text")
+                values[i] = None
+        return pa.array(values, pa.string())
+
+
+def _valid_text(table: pa.Table) -> tuple[pa.Table, dict[int, str]]:
+    """`table` with every string value that is not UTF-8 made null (the JSON reader takes
+    such bytes as they are), and the rows that held one, with the reason."""
+    bad: dict[int, str] = {}
+    for k, name in enumerate(table.column_names):
+        column = table.column(name)
+        if column.type != pa.string():
+            continue
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid:
+            fixed = _as_text(name, pc.cast(column, pa.binary()), bad)
+            table = table.set_column(k, name, fixed)
+    return table, bad
+
+
 def _typed(table: pa.Table, types: Mapping[str, pa.DataType]) -> tuple[pa.Table, dict[int, str]]:
-    """A table of text columns cast to `types`, a value that does not fit its type made null,
-    and the indices of the rows that held one, with the reason. (Such a row keeps its other
-    values, carryover columns included: it stays findable in the output.)"""
+    """A table of text (or bytes) columns cast to `types`, a value that does not fit its type
+    (or is not UTF-8) made null, and the indices of the rows that held one, with the reason.
+    (Such a row keeps its other values, carryover columns included: it stays findable in the
+    output.)"""
     unfit: dict[int, str] = {}
     columns: list[pa.Array[Any] | pa.ChunkedArray[Any]] = []
     for name in table.column_names:
-        column: Any = table.column(name)
+        column: Any = _as_text(name, table.column(name), unfit)
         target = types.get(name)
         if target is not None and target != pa.string():
             # What the CSV reader takes for null in a typed column ("", "NA", "null", ...).
@@ -182,7 +218,8 @@ def _parse_jsonl(chunk: bytes) -> ShardData:
     try:
         table = pajson.read_json(io.BytesIO(b"\n".join(lines) + b"\n"))
         if table.num_rows == len(lines):
-            return ShardData(table)
+            table, bad_text = _valid_text(table)
+            return ShardData(table, bad_text)
     except pa.ArrowInvalid:
         pass
     # Some line is not JSON, or not an object: parse line by line to find which.

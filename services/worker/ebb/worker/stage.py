@@ -259,13 +259,13 @@ class StageLoop:
     def _handle(self, message: bytes) -> None:
         h = frames.header(message)
         if h.kind == frames.ITEMS:
-            payload = frames.payload(message, arena=self.arena)
-            if h.flags & frames.ARROW:
-                schema, data = payload
-                payload = from_arrow(pa.ipc.read_record_batch(pa.py_buffer(data), schema))
             # A copy of the uids: the view would keep the whole message alive.
             uids = h.uids.copy()
             try:
+                payload = frames.payload(message, arena=self.arena)
+                if h.flags & frames.ARROW:
+                    schema, data = payload
+                    payload = from_arrow(pa.ipc.read_record_batch(pa.py_buffer(data), schema))
                 self.batcher.add(
                     uids,
                     payload,
@@ -273,7 +273,7 @@ class StageLoop:
                     solo=bool(h.flags & frames.SOLO),
                     segment=h.segment,
                 )
-            except Exception as e:  # noqa: BLE001 - rows we cannot measure fail, not the stage
+            except Exception as e:  # noqa: BLE001 - rows we cannot read or measure fail, not the stage
                 if h.segment and self.arena.done(h.segment, len(uids)):
                     self._send(frames.pack(frames.UNMAPPED, payload=[h.segment]))
                 problem = f"stage {self.name!r}: {_describe(e)}"
