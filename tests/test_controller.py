@@ -157,7 +157,8 @@ async def test_local_backend_relaunches_a_worker_that_dies(
                 return len(backend.pids()) == 2 and victim not in backend.pids()
 
             await wait_until(replaced, timeout=30, what="a replacement worker")
-            assert reconciler.failures[job_id] == 1
+            # Killed from outside: replaced, but not counted as a crash of the job's code.
+            assert reconciler.failures.get(job_id, 0) == 0
 
             async def finished() -> bool:
                 await reconciler.reconcile_once()

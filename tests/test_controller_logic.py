@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from ebb.common.api import MasterClient
+from ebb.controller.backend import ClusterBackend, WorkerInfo
 from ebb.controller.capacity import Bin, Demand, allocate, parse_quantity
 from ebb.controller.failures import classify
+from ebb.controller.reconcile import Reconciler, ReconcilerConfig
 from ebb.controller.tidal import ForecastTide, MixedNode, TidalConfig, Tide
 
 
@@ -253,3 +256,51 @@ def test_the_forecast_tide_lends_all_but_min_online_and_returns_only_empty_nodes
     ]
     moves = tide.decide(1, online_load=3.0, pending_online=0, nodes=full)
     assert [(m.node, m.to) for m in moves] == [("empty", "offline2online")]
+
+
+def _reconciler() -> Reconciler:
+    # `account` consults neither the master nor the backend for crashes and signals.
+    return Reconciler(
+        master=cast(MasterClient, None),
+        backend=cast(ClusterBackend, None),
+        config=ReconcilerConfig(max_crashes=3, healthy_after_s=60.0),
+    )
+
+
+def _ended(code: int, *, failure: Any = None, started_at: float = 0.0) -> WorkerInfo:
+    return WorkerInfo(
+        id=f"w{code}",
+        job="j",
+        phase="failed",
+        started_at=started_at,
+        exit_code=code,
+        reason=f"exit code {code}: ValueError: bad weights",
+        failure=failure,
+    )
+
+
+def test_workers_that_crash_in_a_row_without_progress_fail_the_job_with_the_evidence() -> None:
+    r = _reconciler()
+    for _ in range(3):
+        r.account(_ended(1), 10.0, rows_done=500)
+    assert "3 workers crashed in a row" in r.failed_jobs["j"]
+    assert r.failed_jobs["j"].count("exit code 1: ValueError: bad weights") == 3
+
+
+def test_a_committed_shard_between_crashes_starts_the_count_again() -> None:
+    r = _reconciler()
+    for rows in range(0, 10_000, 1_000):  # each worker got a shard done before it died
+        r.account(_ended(1), 10.0, rows_done=rows)
+    assert r.failed_jobs == {}
+    assert r.failures["j"] == 1
+
+
+def test_workers_killed_from_outside_are_not_crashes() -> None:
+    r = _reconciler()
+    r.account(_ended(1), 10.0, rows_done=0)
+    r.account(_ended(1), 10.0, rows_done=0)
+    for _ in range(10):  # SIGKILLed by the OOM killer, an operator, a chaos test...
+        r.account(_ended(-9, failure="capacity"), 10.0, rows_done=0)
+    r.account(_ended(1), 10.0, rows_done=0)
+    assert r.failed_jobs == {}
+    assert r.failures["j"] == 1  # the kills cleared the two crashes before them

@@ -165,6 +165,43 @@ async def test_sigkill_of_a_worker_holding_a_lease_loses_nothing(
     assert record["attempt"] > lease.attempt or record["worker"] != lease.worker
 
 
+async def test_workers_killed_again_and_again_from_outside_do_not_fail_the_job(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    """More SIGKILLs than the crash-loop guard's limit (5): a worker killed from outside (the
+    OOM killer, an operator) has done nothing wrong, so the job goes on and ends exactly once."""
+    rows = 40_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(
+        job_spec(
+            tmp_path,
+            rows_per_shard=1_000,
+            stages=slow_stages(tmp_path, 0.05),
+            workers=(2, 2),
+            fault={"lease_s": 3, "max_attempts": 10},
+        )
+    )
+    job_id = await client.submit(spec)
+    killed: set[int] = set()
+
+    async def a_fresh_lease_holder() -> Any:
+        status = (await client.master.status(job_id, include_leases=True)).jobs[0]
+        for lease in status.leases:
+            pid = _pid_of(lease.worker)
+            if pid is not None and pid not in killed:
+                return pid
+        return None
+
+    for _ in range(6):
+        pid = await wait_until(a_fresh_lease_holder, timeout=60, what="a worker holding a lease")
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert_exactly_once(tmp_path, rows)
+
+
 async def test_master_killed_and_restarted_mid_job_loses_nothing(
     tmp_path: Path, stack: LocalStack, client: EbbClient
 ) -> None:

@@ -119,6 +119,9 @@ class LocalBackend:
                 child.log_file.close()
                 child.log_file = None
             said = _read_termination_message(child.termination_log)
+            external = -code in _KILLED_FROM_OUTSIDE
+            if not said and code > 0 and self.config.log_dir is not None:
+                said = _tail(Path(self.config.log_dir) / f"{child.id}.log")
             out.append(
                 WorkerInfo(
                     id=child.id,
@@ -127,8 +130,10 @@ class LocalBackend:
                     started_at=child.started_at,
                     exit_code=code,
                     reason=_describe(code) + (f": {said}" if said else ""),
-                    # As on Kubernetes: the worker says its job's configuration cannot work.
-                    failure="fatal" if code == EXIT_CONFIG else None,
+                    # As on Kubernetes: the worker says its job's configuration cannot work;
+                    # a worker killed from outside (the OOM killer, an operator, a machine
+                    # short of memory) did nothing wrong itself.
+                    failure="fatal" if code == EXIT_CONFIG else "capacity" if external else None,
                 )
             )
         return out
@@ -305,6 +310,22 @@ def _read_termination_message(path: Path | None) -> str:
         return path.read_text(errors="replace").strip()
     except OSError:  # it had nothing to say
         return ""
+
+
+_KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+"""Signals a process gets from someone else; one that crashes raises others (SIGSEGV...)."""
+
+
+def _tail(path: Path, *, lines: int = 5, limit: int = 800) -> str:
+    """The last lines a worker wrote (the evidence of why it crashed), in one line."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    last = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(last)[-limit:]
 
 
 def _describe(code: int) -> str:

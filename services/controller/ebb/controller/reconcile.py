@@ -111,8 +111,9 @@ class ReconcilerConfig:
     healthy_after_s: float = 60.0
     """A worker that ran this long before failing restarts the backoff from its first step."""
     max_crashes: int = 5
-    """Workers of a job that crash in a row (none lived healthy_after_s) before the job fails:
-    its own code, not the cluster, is what fails."""
+    """Workers of a job that crash in a row before the job fails: its own code, not the
+    cluster, is what fails. A worker that lived healthy_after_s, a shard committed since the
+    last crash, or a worker killed from outside (not a crash) starts the count again."""
 
 
 class Reconciler:
@@ -124,6 +125,10 @@ class Reconciler:
         self.config = config
         self.failures: dict[str, int] = defaultdict(int)
         """Crashes in a row, per job."""
+        self.crashes: dict[str, list[str]] = defaultdict(list)
+        """How the workers of those crashes ended (the evidence when the job fails)."""
+        self.progress: dict[str, int] = {}
+        """Rows a job had done at its last crash: more since then means its workers work."""
         self.not_before: dict[str, float] = {}
         self.last_plan: Plan | None = None
         self.failed_jobs: dict[str, str] = {}
@@ -140,9 +145,10 @@ class Reconciler:
         jobs = await self._with_specs(running)
         workers = await self.backend.observe()
         now = loop.time()
+        done = {j.id: j.rows_done for j in running}
         for w in workers:
             if w.ended:
-                await self._account(w, now)
+                self.account(w, now, rows_done=done.get(w.job, 0))
                 await self.backend.forget(w.id)
         await self._fail_jobs(running)
         jobs = [j for j in jobs if j.id not in self.failed_jobs]
@@ -182,29 +188,37 @@ class Reconciler:
             out.append(replace(job, spec=spec))
         return out
 
-    async def _account(self, worker: WorkerInfo, now: float) -> None:
-        """Learn from a worker that ended: relaunch at once, later, with more memory, or not."""
+    def account(self, worker: WorkerInfo, now: float, *, rows_done: int) -> None:
+        """Learn from a worker that ended: relaunch at once, later, with more memory, or not.
+        `rows_done`: the job's rows done so far (progress since the last crash clears it)."""
         job = worker.job
         if worker.phase == "succeeded":
-            self.failures.pop(job, None)
+            self._forgive(job)
             return
         kind = worker.failure or "crash"
         metrics.WORKER_FAILURES.labels(job, kind).inc()
-        if kind == "capacity":  # evicted, preempted, its node reclaimed: nobody's fault
+        if kind == "capacity":  # evicted, preempted, killed from outside: nobody's fault
             log.info("worker %s of job %s lost its place (%s)", worker.id, job, worker.reason)
+            self._forgive(job)
             return
         if kind == "fatal":
             self.failed_jobs.setdefault(job, f"workers cannot run: {worker.reason}")
             return
         if kind == "oom":
             self.backend.grow_memory(job)
-        if now - worker.started_at > self.config.healthy_after_s:
-            self.failures[job] = 0
+        healthy = now - worker.started_at > self.config.healthy_after_s
+        if healthy or rows_done > self.progress.get(job, rows_done):
+            self._forgive(job)
+        self.progress[job] = rows_done
         step = self.failures[job]
         self.failures[job] = step + 1
+        self.crashes[job] = [*self.crashes[job], worker.reason][-self.config.max_crashes :]
         if kind == "crash" and self.failures[job] >= self.config.max_crashes:
+            ends = "; ".join(self.crashes[job])
             self.failed_jobs.setdefault(
-                job, f"{self.failures[job]} workers crashed in a row; last: {worker.reason}"
+                job,
+                f"{self.failures[job]} workers crashed in a row with no shard committed "
+                f"between them: {ends}",
             )
             return
         delay = self.config.relaunch_backoff.delay(step)
@@ -217,6 +231,11 @@ class Reconciler:
             worker.reason,
             delay,
         )
+
+    def _forgive(self, job: str) -> None:
+        """The job's workers are not crash-looping: start counting again."""
+        self.failures.pop(job, None)
+        self.crashes.pop(job, None)
 
     async def _fail_jobs(self, running: list[JobStatus]) -> None:
         """Tell the master about jobs that cannot run. Until it has heard, ask again."""
