@@ -248,7 +248,7 @@ def check_version(body: Mapping[str, Any]) -> None:
     version = body.get(VERSION_KEY)
     if version is None:
         raise SchemaError(VERSION_KEY, "schema version is missing")
-    if version not in SUPPORTED_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         known = ", ".join(map(str, sorted(SUPPORTED_VERSIONS)))
         raise SchemaError(VERSION_KEY, f"schema version {version!r} not supported (known: {known})")
 
