@@ -53,6 +53,11 @@ class OutputTaken(PlanningError):
     """The output root belongs to another job."""
 
 
+class IllegalTransition(MasterError):
+    """A shard was about to make a move section 4 of the design does not allow: a bug in the
+    master, refused before anything is written."""
+
+
 class Deposed(MasterError):
     """Another master wrote the state we hold: we are no longer the only writer. Stop now."""
 
