@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,14 @@ def test_no_module_imports_itself_round_a_circle() -> None:
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+def test_environment_variables_are_named_in_one_place() -> None:
+    """Every EBB_* name is spelled in ebb.common.envvars, and used from there."""
+    spelled = re.compile(r"""["']EBB_[A-Z_]+["']""")
+    offenders = []
+    for root in SOURCE_ROOTS:
+        for path in (ROOT / root).rglob("*.py"):
+            if path.name != "envvars.py" and spelled.search(path.read_text()):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []

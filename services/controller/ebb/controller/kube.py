@@ -27,6 +27,7 @@ from typing import Any
 from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from ebb.common import envvars
 from ebb.common.bus import NatsConfig
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
@@ -372,21 +373,21 @@ class KubernetesBackend:
         if shape.get("nvidia.com/gpu"):
             limits["nvidia.com/gpu"] = f"{int(shape['nvidia.com/gpu'])}"
         env: list[dict[str, Any]] = [
-            {"name": "EBB_JOB", "value": job.id},
-            {"name": "EBB_WORKER_ID", "value": pod_name(worker_id)},
-            {"name": "EBB_NATS_URL", "value": c.nats.url},
-            {"name": "EBB_PREFIX", "value": c.nats.prefix},
+            {"name": envvars.JOB, "value": job.id},
+            {"name": envvars.WORKER_ID, "value": pod_name(worker_id)},
+            {"name": envvars.NATS_URL, "value": c.nats.url},
+            {"name": envvars.PREFIX, "value": c.nats.prefix},
             # Leave the drain a margin inside the pod's grace period.
-            {"name": "EBB_SHUTDOWN_GRACE_S", "value": str(max(1, c.grace_s - 10))},
+            {"name": envvars.SHUTDOWN_GRACE_S, "value": str(max(1, c.grace_s - 10))},
             *({"name": k, "value": v} for k, v in c.env.items()),
         ]
         if c.metrics_port is not None:
-            env.append({"name": "EBB_METRICS_PORT", "value": str(c.metrics_port)})
+            env.append({"name": envvars.METRICS_PORT, "value": str(c.metrics_port)})
         if c.nats_secret:
             for key, var in (
-                ("user", "EBB_NATS_USER"),
-                ("password", "EBB_NATS_PASSWORD"),
-                ("token", "EBB_NATS_TOKEN"),
+                ("user", envvars.NATS_USER),
+                ("password", envvars.NATS_PASSWORD),
+                ("token", envvars.NATS_TOKEN),
             ):
                 ref = {"name": c.nats_secret, "key": key, "optional": True}
                 env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
