@@ -395,7 +395,10 @@ async def test_a_node_where_workers_keep_failing_is_avoided(
     job = await submit(ebb, tmp_path / "job", workers=1)
     kube.add_pod_policy(Exit(code=1, after=0.02), labels={JOB_LABEL: job}, count=2)
     h = harness_factory(tidal=None, avoid_after=2)
-    await h.converge(lambda: "bad-node" in h.backend._avoid_until, what="the node avoided")
+    await h.converge(
+        lambda: "bad-node" in h.backend.avoidance.avoided(asyncio.get_running_loop().time()),
+        what="the node avoided",
+    )
     offline(kube, "good-node")
     pod = await h.converge(
         lambda: next((p for p in h.pods(job) if p["spec"].get("nodeName")), None),
