@@ -6,16 +6,12 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
-SOURCE_ROOTS = [
-    "libs/common",
-    "libs/client",
-    "services/shard_master",
-    "services/controller",
-    "services/worker",
-]
+from tests.source_roots import ROOT, source_roots
+
+SOURCE_ROOTS = source_roots()
 
 
 def test_import_contracts_hold() -> None:
@@ -103,3 +99,9 @@ def test_environment_variables_are_named_in_one_place() -> None:
             if path.name != "envvars.py" and spelled.search(path.read_text()):
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_mypy_searches_the_source_roots_pyproject_lists() -> None:
+    """mypy cannot read the roots from setuptools' table: its own copy must stay equal."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["mypy"]["mypy_path"].split(":") == SOURCE_ROOTS

@@ -25,7 +25,7 @@ from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .backend import ClusterBackend
-from .lease import LeaseElector, LostLeadership
+from .election import LeaderElector, LostLeadership
 from .local import LocalBackend, LocalConfig
 from .reconcile import ReconcilerConfig
 from .service import Controller, ControllerConfig
@@ -65,7 +65,7 @@ def read_settings(path: str | None) -> dict[str, Any]:
     return data
 
 
-async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, LeaseElector, Any]:
+async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, LeaderElector, Any]:
     from kubernetes_asyncio import config as kube_config
     from kubernetes_asyncio.client import ApiClient
 
@@ -85,14 +85,16 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
     config = await from_cluster(
         schema.load(KubeConfig, settings), api, pod_name=os.environ.get(envvars.POD_NAME)
     )
-    elector = LeaseElector(api, namespace=config.namespace, name="ebb-controller", identity=args.id)
+    elector = LeaderElector(
+        api, namespace=config.namespace, name="ebb-controller", identity=args.id
+    )
     return KubernetesBackend(config, api), elector, api
 
 
 async def amain(args: argparse.Namespace) -> int:
     nats = nats_config_from_args(args)
     backend: ClusterBackend
-    elector: LeaseElector | None = None
+    elector: LeaderElector | None = None
     api: Any = None
     if args.backend == "kubernetes":
         backend, elector, api = await kubernetes_backend(args)
