@@ -6,8 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
-# The source roots that together make the `ebb` namespace package.
-SRC_ROOTS := libs/common:libs/client:services/shard_master:services/controller:services/worker
+# The source roots that together make the `ebb` namespace package, as pyproject.toml lists them.
+SRC_ROOTS = $(shell $(PY) -m tests.source_roots)
 
 .PHONY: demo test lint format bench clean install dev prometheus
 

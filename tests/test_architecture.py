@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
-SOURCE_ROOTS = [
-    "libs/common",
-    "libs/client",
-    "services/shard_master",
-    "services/controller",
-    "services/worker",
-]
+from tests.source_roots import ROOT, source_roots
+
+SOURCE_ROOTS = source_roots()
 
 
 def test_import_contracts_hold() -> None:
@@ -91,3 +88,20 @@ def test_no_module_imports_itself_round_a_circle() -> None:
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+def test_environment_variables_are_named_in_one_place() -> None:
+    """Every EBB_* name is spelled in ebb.common.envvars, and used from there."""
+    spelled = re.compile(r"""["']EBB_[A-Z_]+["']""")
+    offenders = []
+    for root in SOURCE_ROOTS:
+        for path in (ROOT / root).rglob("*.py"):
+            if path.name != "envvars.py" and spelled.search(path.read_text()):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
+
+
+def test_mypy_searches_the_source_roots_pyproject_lists() -> None:
+    """mypy cannot read the roots from setuptools' table: its own copy must stay equal."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["mypy"]["mypy_path"].split(":") == SOURCE_ROOTS

@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
 from ebb.common.bus import NatsConfig
+from ebb.controller.election import LeaderElector
 from ebb.controller.kube import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
-from ebb.controller.lease import LeaseElector
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
 from tests.helpers import wait_until
@@ -395,7 +395,10 @@ async def test_a_node_where_workers_keep_failing_is_avoided(
     job = await submit(ebb, tmp_path / "job", workers=1)
     kube.add_pod_policy(Exit(code=1, after=0.02), labels={JOB_LABEL: job}, count=2)
     h = harness_factory(tidal=None, avoid_after=2)
-    await h.converge(lambda: "bad-node" in h.backend._avoid_until, what="the node avoided")
+    await h.converge(
+        lambda: "bad-node" in h.backend.avoidance.avoided(asyncio.get_running_loop().time()),
+        what="the node avoided",
+    )
     offline(kube, "good-node")
     pod = await h.converge(
         lambda: next((p for p in h.pods(job) if p["spec"].get("nodeName")), None),
@@ -451,7 +454,7 @@ async def test_one_replica_leads_and_the_standby_takes_over(
     controllers = []
     for n, client in enumerate(clients):
         backend = KubernetesBackend(KubeConfig(namespace=NS, nats=nats_config, tidal=None), client)
-        elector = LeaseElector(
+        elector = LeaderElector(
             client, namespace=NS, name="ebb-controller", identity=f"c{n}", lease_s=1, renew_s=0.2
         )
         controllers.append(
@@ -495,8 +498,8 @@ def _alive(kube: FakeKubeAPI, job: str) -> list[dict[str, Any]]:
 async def test_a_dead_leaders_lease_expires_and_is_taken_over(kube: FakeKubeAPI) -> None:
     kube.add_namespace(NS)
     async with kube.api_client() as a, kube.api_client() as b:
-        first = LeaseElector(a, namespace=NS, name="lead", identity="a", lease_s=1, renew_s=0.1)
-        second = LeaseElector(b, namespace=NS, name="lead", identity="b", lease_s=1, renew_s=0.1)
+        first = LeaderElector(a, namespace=NS, name="lead", identity="a", lease_s=1, renew_s=0.1)
+        second = LeaderElector(b, namespace=NS, name="lead", identity="b", lease_s=1, renew_s=0.1)
         assert await first.try_acquire()
         assert not await second.try_acquire()
         # `first` dies without a word: no renewals. Its lease runs out, then `second` leads.

@@ -23,8 +23,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ebb.common.bus import NatsConfig
 from ebb.common.messages import JobStatus
+from ebb.controller.election import LeaderElector
 from ebb.controller.kube import KubeConfig, KubernetesBackend, pod_name
-from ebb.controller.lease import LeaseElector
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -93,8 +93,8 @@ async def test_backend_sees_the_cluster_launches_and_drains_a_worker(
 
 
 async def test_one_of_two_electors_leads(api: ApiClient, namespace: str) -> None:
-    first = LeaseElector(api, namespace=namespace, name="lead", identity="a", lease_s=5)
-    second = LeaseElector(api, namespace=namespace, name="lead", identity="b", lease_s=5)
+    first = LeaderElector(api, namespace=namespace, name="lead", identity="a", lease_s=5)
+    second = LeaderElector(api, namespace=namespace, name="lead", identity="b", lease_s=5)
     assert await first.try_acquire()
     assert not await second.try_acquire()
     await first.release()

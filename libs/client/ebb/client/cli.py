@@ -25,8 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ebb.common import envvars
 from ebb.common import log as logsetup
-from ebb.common.bus import NatsConfig
+from ebb.common.bus import NatsConfig, nats_config_from_env
 from ebb.common.errors import BusError, EbbError, RemoteError, SpecError
 from ebb.common.messages import JobStatus
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
@@ -36,7 +37,7 @@ from .sdk import EbbClient, SubmitError, SubmitPending
 from .stack import LocalStack, StackConfig, StackError
 
 EXIT_INTERRUPTED = 130
-DEFAULT_NATS = "nats://127.0.0.1:4222"
+DEFAULT_NATS = NatsConfig().url
 
 # Piped output (scripts, CI logs) gets wide lines rather than tables wrapped at 80 columns.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
@@ -279,13 +280,10 @@ def read_credentials(path: str) -> dict[str, str]:
 def _nats(args: argparse.Namespace) -> NatsConfig:
     # Precedence: the command line, then the credentials file, then the environment.
     env = {**os.environ, **(read_credentials(args.credentials) if args.credentials else {})}
-    return NatsConfig(
-        url=args.nats or env.get("EBB_NATS_URL", DEFAULT_NATS),
-        prefix=args.prefix or env.get("EBB_PREFIX", "ebb"),
-        user=env.get("EBB_NATS_USER"),
-        password=env.get("EBB_NATS_PASSWORD"),
-        token=env.get("EBB_NATS_TOKEN"),
-        creds_file=env.get("EBB_NATS_CREDS"),
+    return nats_config_from_env(
+        env,
+        url=args.nats,
+        prefix=args.prefix,
         first_connect_timeout_s=10.0,  # someone is waiting at a terminal
     )
 
@@ -374,15 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-workers", type=int, default=0, help="workers at once (default: cores)"
         )
         c.add_argument("--quiet", action="store_true", help="no progress display")
-        c.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"), help=argparse.SUPPRESS)
-        c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+        c.add_argument("--prefix", default=env(envvars.PREFIX, "ebb"), help=argparse.SUPPRESS)
+        c.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
 
     def remote_options(c: argparse.ArgumentParser) -> None:
         c.add_argument("--nats", default=None, help=f"NATS URL (default {DEFAULT_NATS})")
         c.add_argument("--prefix", default=None, help="subject prefix (default ebb)")
         c.add_argument(
             "--credentials",
-            default=env("EBB_CREDENTIALS"),
+            default=env(envvars.CREDENTIALS),
             help="a file of EBB_NATS_* settings (`ebb up` writes one)",
         )
 
@@ -402,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", default=None, help="default: ./.ebb")
     c.add_argument("--data-root", action="append", default=[])
     c.add_argument("--max-workers", type=int, default=0)
-    c.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"), help="subject prefix")
-    c.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    c.add_argument("--prefix", default=env(envvars.PREFIX, "ebb"), help="subject prefix")
+    c.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     c.set_defaults(handler=cmd_up)
 
     c = sub.add_parser("submit", help="submit a job to a running stack")
@@ -427,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The services log to their own files; here only what the user must see.
-    logsetup.setup(os.environ.get("EBB_CLI_LOG_LEVEL", "WARNING"))
+    logsetup.setup(os.environ.get(envvars.CLI_LOG_LEVEL, "WARNING"))
 
     async def guarded() -> int:
         try:

@@ -20,7 +20,7 @@ from nats.aio.subscription import Subscription
 from ebb.common import bus, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
-from ebb.common.errors import BusError, EbbError, RemoteError, SchemaError
+from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SchemaError
 from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobEvent, JobStatus, StatusReply
 from ebb.common.spec import JobSpec
 from ebb.common.subjects import Subjects
@@ -124,9 +124,9 @@ class EbbClient:
             except BusError:
                 pass
             except RemoteError as e:
-                if e.code == "rejected":
+                if e.code == ErrorCode.REJECTED:
                     raise SubmitError(f"job {job_id} rejected: {e.message}") from None
-                if e.code != "not_found":
+                if e.code != ErrorCode.NOT_FOUND:
                     raise
         raise SubmitPending(
             job_id,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ebb.common import auth
+from ebb.common import auth, envvars
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, connect, nats_environment
 from ebb.common.embedded import EmbeddedNats
@@ -136,8 +136,8 @@ class LocalStack:
         worker = self.nats_config_for("worker")
         if worker.user and worker.password:
             # For the workers the controller launches: their own, lesser, credentials.
-            env["EBB_WORKER_NATS_USER"] = worker.user
-            env["EBB_WORKER_NATS_PASSWORD"] = worker.password
+            env[envvars.WORKER_NATS_USER] = worker.user
+            env[envvars.WORKER_NATS_PASSWORD] = worker.password
         return env
 
     async def kill(self, name: str) -> None:
@@ -201,7 +201,7 @@ class LocalStack:
         self._log_files.clear()
 
 
-_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT")
+_NOT_INHERITED = (envvars.NATS_NAME_PREFIX, envvars.WORKER_NATS_NAME_PREFIX, envvars.METRICS_PORT)
 """Credentials of whoever started the stack are never handed down to its services (nor one
 metrics port to several processes)."""
 

@@ -8,7 +8,7 @@ from typing import TypeVar
 from nats.aio.client import Client as NATS
 
 from .bus import Backoff, NatsConfig, request
-from .errors import RemoteError
+from .errors import ErrorCode, RemoteError
 from .messages import (
     CancelReply,
     CancelRequest,
@@ -90,7 +90,8 @@ class MasterClient:
         """One job's status. RemoteError `rejected` if its submission was refused."""
         reply = await self.status(job, include_spec=include_spec)
         if not reply.jobs:
-            raise RemoteError("rejected", reply.rejected.get(job, f"job {job} was rejected"))
+            reason = reply.rejected.get(job, f"job {job} was rejected")
+            raise RemoteError(ErrorCode.REJECTED, reason)
         return reply.jobs[0]
 
     async def cancel(self, job: str, reason: str = "cancelled by user") -> CancelReply:

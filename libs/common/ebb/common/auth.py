@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from . import envvars
 from .subjects import Subjects
 
 Role = Literal["master", "controller", "worker", "client"]
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--prefix", default="ebb")
     args = p.parse_args(argv)
-    env_refs: dict[Role, str] = {role: f"$EBB_{role.upper()}_PASSWORD" for role in ROLES}
+    env_refs: dict[Role, str] = {role: f"${envvars.role_password(role)}" for role in ROLES}
     print(authorization_config(args.prefix, env_refs), end="")
 
 

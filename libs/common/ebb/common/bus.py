@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,9 +25,9 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from . import schema
+from . import envvars, schema
 from .auth import inbox_for_user
-from .errors import BusError, RemoteError, SchemaError
+from .errors import BusError, ErrorCode, RemoteError, SchemaError
 from .messages import ErrorReply
 from .schema import Message
 from .subjects import Subjects
@@ -219,10 +219,10 @@ def parse_reply(data: bytes, reply_type: type[M]) -> M:
             raise RemoteError(err.code, err.message)
         return schema.load(reply_type, body, strict=False)
     except SchemaError as e:
-        raise RemoteError("bad_reply", f"malformed reply: {e}") from e
+        raise RemoteError(ErrorCode.BAD_REPLY, f"malformed reply: {e}") from e
 
 
-def error_reply(code: str, message: str) -> bytes:
+def error_reply(code: ErrorCode, message: str) -> bytes:
     return schema.encode(ErrorReply(code=code, message=message))
 
 
@@ -299,14 +299,14 @@ class RequestServer:
             answer = await handler(msg.data)
         except Exception as e:
             log.exception("handler for %s failed", subject)
-            answer = error_reply("internal", f"{type(e).__name__}: {e}")
+            answer = error_reply(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
         limit = self._nc.max_payload
         if len(answer) > limit:
             # NATS would refuse to carry it and the requester would only see a timeout, and
             # retry, forever: tell it instead, so that it can ask for less.
             reason = f"reply of {len(answer)} bytes exceeds the server's max payload of {limit}"
             log.error("cannot answer on %s: %s", subject, reason)
-            answer = error_reply("too_large", reason)
+            answer = error_reply(ErrorCode.TOO_LARGE, reason)
         if msg.reply:
             try:
                 await msg.respond(answer)
@@ -328,48 +328,59 @@ class RequestServer:
                 await asyncio.wait(pending)
 
 
+NATS_ENVIRONMENT: dict[str, str] = {
+    "url": envvars.NATS_URL,
+    "prefix": envvars.PREFIX,
+    "user": envvars.NATS_USER,
+    "password": envvars.NATS_PASSWORD,
+    "token": envvars.NATS_TOKEN,
+    "creds_file": envvars.NATS_CREDS,
+    "tls_ca": envvars.NATS_TLS_CA,
+    "tls_cert": envvars.NATS_TLS_CERT,
+    "tls_key": envvars.NATS_TLS_KEY,
+}
+"""The NatsConfig field each EBB_NATS_* variable sets: read and written through this alone."""
+
+
+def nats_config_from_env(environ: Mapping[str, str], **given: Any) -> NatsConfig:
+    """The NATS settings in `environ`; `given` values that are not None take precedence
+    (the command line over the environment)."""
+    found: dict[str, Any] = {
+        field: environ[name] for field, name in NATS_ENVIRONMENT.items() if environ.get(name)
+    }
+    found.update({field: value for field, value in given.items() if value is not None})
+    return NatsConfig(**found)
+
+
+def nats_environment(config: NatsConfig) -> dict[str, str]:
+    """Environment that gives a child process the same NATS connection settings."""
+    pairs = {name: getattr(config, field) for field, name in NATS_ENVIRONMENT.items()}
+    return {k: v for k, v in pairs.items() if v}
+
+
 def add_nats_arguments(parser: Any) -> None:
-    """The NATS options every service takes: flags, defaulting to EBB_* environment variables.
+    """The NATS options every service takes: flags, defaulting to EBB_NATS_* variables.
 
     Secrets (password, token) are read from the environment only, never from the command
     line, where any user of the machine could see them in the process list.
     """
-    env = os.environ.get
-    parser.add_argument("--nats", default=env("EBB_NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument("--prefix", default=env("EBB_PREFIX", "ebb"))
-    parser.add_argument("--nats-user", default=env("EBB_NATS_USER"))
-    parser.add_argument("--nats-creds", default=env("EBB_NATS_CREDS"), help=".creds file")
-    parser.add_argument("--nats-tls-ca", default=env("EBB_NATS_TLS_CA"))
-    parser.add_argument("--nats-tls-cert", default=env("EBB_NATS_TLS_CERT"))
-    parser.add_argument("--nats-tls-key", default=env("EBB_NATS_TLS_KEY"))
+    parser.add_argument("--nats", help=f"NATS URL (default: {envvars.NATS_URL}, else local)")
+    parser.add_argument("--prefix", help=f"subject prefix (default: {envvars.PREFIX}, else ebb)")
+    parser.add_argument("--nats-user")
+    parser.add_argument("--nats-creds", help=".creds file")
+    parser.add_argument("--nats-tls-ca")
+    parser.add_argument("--nats-tls-cert")
+    parser.add_argument("--nats-tls-key")
 
 
 def nats_config_from_args(args: Any) -> NatsConfig:
-    env = os.environ.get
-    return NatsConfig(
+    return nats_config_from_env(
+        os.environ,
         url=args.nats,
         prefix=args.prefix,
         user=args.nats_user,
-        password=env("EBB_NATS_PASSWORD"),
-        token=env("EBB_NATS_TOKEN"),
         creds_file=args.nats_creds,
         tls_ca=args.nats_tls_ca,
         tls_cert=args.nats_tls_cert,
         tls_key=args.nats_tls_key,
     )
-
-
-def nats_environment(config: NatsConfig) -> dict[str, str]:
-    """Environment that gives a child process the same NATS connection settings."""
-    pairs = {
-        "EBB_NATS_URL": config.url,
-        "EBB_PREFIX": config.prefix,
-        "EBB_NATS_USER": config.user,
-        "EBB_NATS_PASSWORD": config.password,
-        "EBB_NATS_TOKEN": config.token,
-        "EBB_NATS_CREDS": config.creds_file,
-        "EBB_NATS_TLS_CA": config.tls_ca,
-        "EBB_NATS_TLS_CERT": config.tls_cert,
-        "EBB_NATS_TLS_KEY": config.tls_key,
-    }
-    return {k: v for k, v in pairs.items() if v}

@@ -6,6 +6,40 @@ the boundaries between the parts (a bad message, a bad spec, an error a peer ans
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """The stable, machine-readable codes of error replies, one list for every part.
+
+    On the wire a code is a plain string (a peer may know codes this one does not); every
+    raiser and every reader names them from here."""
+
+    BAD_REQUEST = "bad_request"
+    """The request (or the job it names) is malformed or invalid: retrying will not help."""
+    NOT_FOUND = "not_found"
+    """No such job."""
+    REJECTED = "rejected"
+    """The job was refused at submission; the message says why."""
+    STALE_TOKEN = "stale_token"  # noqa: S105 - a code, not a secret
+    """The lease token is no longer current: expired, released, superseded, or a zombie's."""
+    JOB_ENDED = "job_ended"
+    """The job reached a terminal state; its leases are void."""
+    NO_COMMIT_RECORD = "no_commit_record"
+    """`commit` came before the shard's commit record could be read: try again."""
+    QUARANTINED = "quarantined"
+    """The shard can never be committed by this job (another job's commit record holds it)."""
+    NOT_LEADER = "not_leader"
+    """The master answering is not (or no longer) the leader."""
+    UNAVAILABLE = "unavailable"
+    """The master's state store cannot be reached right now."""
+    TOO_LARGE = "too_large"
+    """The reply would exceed the server's max payload: ask for less."""
+    BAD_REPLY = "bad_reply"
+    """Raised by the requester itself: the reply it got does not match its schema."""
+    INTERNAL = "internal"
+    """A bug in the peer."""
+
 
 class EbbError(Exception):
     """Root of every exception Ebb raises on purpose."""
@@ -25,7 +59,8 @@ class SpecError(SchemaError):
 
 
 class RemoteError(EbbError):
-    """A peer answered a request with an error. `code` is stable and machine-readable."""
+    """A peer answered a request with an error. `code` is stable and machine-readable: one
+    of ErrorCode's, or one this version does not know yet."""
 
     def __init__(self, code: str, message: str) -> None:
         self.code = code

@@ -6,12 +6,14 @@ import logging
 import os
 import sys
 
+from . import envvars
+
 FORMAT = "%(asctime)s %(levelname)-5s %(name)s[%(process)d] %(message)s"
 
 
 def setup(level: str | None = None, *, service: str = "") -> None:
     """Configure the root logger once, at a service's entrypoint (never in library code)."""
-    chosen = (level or os.environ.get("EBB_LOG_LEVEL") or "INFO").upper()
+    chosen = (level or os.environ.get(envvars.LOG_LEVEL) or "INFO").upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()

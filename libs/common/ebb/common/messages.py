@@ -47,7 +47,8 @@ class ErrorReply(Message):
     KIND: ClassVar[str] = "error"
     ok: bool = False
     code: str
-    """bad_request, stale_token, not_found, not_leader, job_ended, unavailable, internal."""
+    """One of `ebb.common.errors.ErrorCode` (a plain string here, so that a code added by a
+    newer peer still passes validation)."""
     message: str
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from . import envvars
+
 log = logging.getLogger(__name__)
 
 
@@ -23,7 +25,7 @@ def serve(port: int | None, *, addr: str = "0.0.0.0") -> int | None:  # noqa: S1
 
 def add_metrics_argument(parser: Any) -> None:
     """`--metrics-port`, defaulting to EBB_METRICS_PORT (unset: no metrics endpoint)."""
-    default = os.environ.get("EBB_METRICS_PORT")
+    default = os.environ.get(envvars.METRICS_PORT)
     parser.add_argument(
         "--metrics-port",
         type=int,

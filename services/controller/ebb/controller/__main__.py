@@ -17,15 +17,15 @@ from typing import Any
 
 import yaml
 
+from ebb.common import envvars, schema
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common import schema
 from ebb.common.bus import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .backend import ClusterBackend
-from .lease import LeaseElector, LostLeadership
+from .election import LeaderElector, LostLeadership
 from .local import LocalBackend, LocalConfig
 from .reconcile import ReconcilerConfig
 from .service import Controller, ControllerConfig
@@ -41,18 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--backend", choices=["local", "kubernetes"], default=env("EBB_BACKEND", "local")
+        "--backend", choices=["local", "kubernetes"], default=env(envvars.BACKEND, "local")
     )
     add_nats_arguments(p)
-    p.add_argument("--max-workers", type=int, default=int(env("EBB_MAX_WORKERS", "0")) or None)
-    p.add_argument("--log-dir", default=env("EBB_WORKER_LOG_DIR"))
-    p.add_argument("--config", default=env("EBB_CONTROLLER_CONFIG"), help="KubeConfig YAML")
-    p.add_argument("--id", default=env("EBB_CONTROLLER_ID", socket.gethostname()))
+    p.add_argument("--max-workers", type=int, default=int(env(envvars.MAX_WORKERS, "0")) or None)
+    p.add_argument("--log-dir", default=env(envvars.WORKER_LOG_DIR))
+    p.add_argument("--config", default=env(envvars.CONTROLLER_CONFIG), help="KubeConfig YAML")
+    p.add_argument("--id", default=env(envvars.CONTROLLER_ID, socket.gethostname()))
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="outside a cluster")
     p.add_argument("--worker-grace", type=float, default=30.0)
     p.add_argument("--resync", type=float, default=2.0)
     metricsserver.add_metrics_argument(p)
-    p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)
 
 
@@ -65,7 +65,7 @@ def read_settings(path: str | None) -> dict[str, Any]:
     return data
 
 
-async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, LeaseElector, Any]:
+async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, LeaderElector, Any]:
     from kubernetes_asyncio import config as kube_config
     from kubernetes_asyncio.client import ApiClient
 
@@ -79,31 +79,33 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
     nats = nats_config_from_args(args)
     settings.setdefault("nats", {"url": nats.url, "prefix": nats.prefix})
     # In a pod, the downward API tells us where we are and who we are.
-    if os.environ.get("EBB_NAMESPACE"):
-        settings.setdefault("namespace", os.environ["EBB_NAMESPACE"])
+    if os.environ.get(envvars.NAMESPACE):
+        settings.setdefault("namespace", os.environ[envvars.NAMESPACE])
     api = ApiClient()
     config = await from_cluster(
-        schema.load(KubeConfig, settings), api, pod_name=os.environ.get("EBB_POD_NAME")
+        schema.load(KubeConfig, settings), api, pod_name=os.environ.get(envvars.POD_NAME)
     )
-    elector = LeaseElector(api, namespace=config.namespace, name="ebb-controller", identity=args.id)
+    elector = LeaderElector(
+        api, namespace=config.namespace, name="ebb-controller", identity=args.id
+    )
     return KubernetesBackend(config, api), elector, api
 
 
 async def amain(args: argparse.Namespace) -> int:
     nats = nats_config_from_args(args)
     backend: ClusterBackend
-    elector: LeaseElector | None = None
+    elector: LeaderElector | None = None
     api: Any = None
     if args.backend == "kubernetes":
         backend, elector, api = await kubernetes_backend(args)
     else:
         worker_nats = None
-        if os.environ.get("EBB_WORKER_NATS_USER"):
+        if os.environ.get(envvars.WORKER_NATS_USER):
             # Workers run user code: they connect as the worker role, not as us.
             worker_nats = dataclasses.replace(
                 nats,
-                user=os.environ["EBB_WORKER_NATS_USER"],
-                password=os.environ.get("EBB_WORKER_NATS_PASSWORD"),
+                user=os.environ[envvars.WORKER_NATS_USER],
+                password=os.environ.get(envvars.WORKER_NATS_PASSWORD),
                 token=None,
             )
         local = LocalConfig(nats=nats, log_dir=args.log_dir, worker_nats=worker_nats)

@@ -20,7 +20,9 @@ class WorkerInfo:
     job: str
     phase: Phase
     started_at: float
-    """Monotonic (local backend) or wall-clock seconds (Kubernetes); only differences matter."""
+    """When the worker started, on the event loop's (monotonic) clock, as every backend gives
+    it (Kubernetes: now minus the pod's age), so that the reconciler compares it with its
+    own loop time."""
     exit_code: int | None = None
     reason: str = ""
     """Why it failed, in the backend's words (exit code, OOMKilled, Evicted...)."""

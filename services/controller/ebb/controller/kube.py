@@ -15,82 +15,36 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import logging
-import re
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ebb.common.bus import NatsConfig
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
 
 from . import metrics
+from .avoidance import NodeAvoidance
 from .backend import Capacity, Phase, WorkerInfo
-from .capacity import Bin, Resources, add, quantities
-from .failures import Failure, classify
-from .informer import Informer, Obj
+from .capacity import Bin, Resources, add
+from .failures import classify
+from .informer import Informer
+from .kube_settings import KubeConfig
+from .podspec import APP, APP_LABEL, JOB_LABEL, WORKER_LABEL, pod_name, worker_pod
 from .tidal import LABEL as TIDAL
-from .tidal import STATES, ForecastTide, MixedNode, State, TidalConfig, Tide
+from .tidal import STATES, ForecastTide, MixedNode, State, Tide
+from .views import RESOURCES, NodeView, PodView, parse_time
+
+__all__ = ["APP", "APP_LABEL", "JOB_LABEL", "WORKER_LABEL", "KubeConfig", "KubernetesBackend"]
+__all__ += ["from_cluster", "pod_name", "selector_matches"]
 
 log = logging.getLogger(__name__)
 
-APP = "ebb-worker"
-APP_LABEL = "app.kubernetes.io/name"
-JOB_LABEL = "ebb.io/job"
-WORKER_LABEL = "ebb.io/worker"
-_RESOURCES = ("cpu", "memory", "nvidia.com/gpu")
 _MERGE_PATCH = {"_content_type": "application/merge-patch+json"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class KubeConfig:
-    namespace: str = "ebb"
-    image: str = ""
-    """Workers' image; empty: the controller's own (see `from_cluster`), so that a new
-    release rolls workers forward with the controller."""
-    image_pull_policy: str = "IfNotPresent"
-    service_account: str | None = "ebb-worker"
-    priority_class: str | None = None
-    """priorityClassName of worker pods (a low one, so that online pods preempt them)."""
-    nats: NatsConfig = field(default_factory=NatsConfig)
-    """How workers reach NATS (URL, prefix). Credentials come from `nats_secret`."""
-    nats_secret: str | None = "ebb-nats-worker"  # noqa: S105 - the Secret's name
-    """A Secret with keys user/password/token/creds (each optional) for workers."""
-    grace_s: int = 60
-    """terminationGracePeriodSeconds: the time a worker has to drain on SIGTERM."""
-    pool_label: str = "ebb.io/pool"
-    online_selector: str = "ebb.io/workload=online"
-    """Labels that mark online pods (whose load the tide follows)."""
-    tidal: TidalConfig | None = field(default_factory=TidalConfig)
-    """None: the mixed pool is never lent."""
-    oom_factor: float = 1.5
-    """An OOMKilled worker's successors ask for this much more memory..."""
-    max_memory_gb: float = 64.0
-    """...up to this."""
-    avoid_after: int = 3
-    """Failed worker pods on one node within `avoid_window_s` that make it one to avoid..."""
-    avoid_window_s: float = 600.0
-    avoid_for_s: float = 1800.0
-    """...for this long."""
-    owner: dict[str, str] | None = None
-    """An ownerReference for worker pods (apiVersion, kind, name, uid)."""
-    owner_deployment: str | None = None
-    """Or: the Deployment (the controller's own) that owns worker pods, looked up at start,
-    so that deleting Ebb deletes its workers too."""
-    labels: dict[str, str] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage"])
-    """Secrets whose keys become workers' environment, if they exist: object-store
-    credentials (AWS_ACCESS_KEY_ID...), for fsspec to read inputs and write outputs."""
-    metrics_port: int | None = 9400
-    """Workers serve /metrics here (annotated for Prometheus' pod discovery); None: not."""
 
 
 async def from_cluster(
@@ -129,26 +83,6 @@ async def from_cluster(
     return dataclasses.replace(config, owner=owner)
 
 
-def parse_time(value: str | None) -> float:
-    if not value:
-        return time.time()
-    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def pod_name(worker_id: str) -> str:
-    """A worker id as a pod name (DNS-1123: lower case, digits and '-', 63 at most)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", worker_id.lower()).strip("-")
-    return (name[:63].rstrip("-")) or "ebb-worker"
-
-
-def requests_of(pod: Obj) -> Resources:
-    total: Resources = {}
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        requests = (container.get("resources") or {}).get("requests") or {}
-        total = add(total, quantities({k: v for k, v in requests.items() if k in _RESOURCES}))
-    return total
-
-
 def selector_matches(labels: dict[str, str], selector: str) -> bool:
     """Equality-based label selectors (`a=b,c!=d,e`), as used for online pods."""
     for term in filter(None, (t.strip() for t in selector.split(","))):
@@ -166,15 +100,6 @@ def selector_matches(labels: dict[str, str], selector: str) -> bool:
         elif term not in labels:
             return False
     return True
-
-
-def _ready(node: Obj) -> bool:
-    if (node.get("spec") or {}).get("unschedulable"):
-        return False
-    for condition in (node.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "Ready":
-            return bool(condition.get("status") == "True")
-    return False
 
 
 class KubernetesBackend:
@@ -210,9 +135,9 @@ class KubernetesBackend:
         """forecast policy: CPU cores batch pods may take on lent mixed nodes (None: no cap)."""
         self._memory_factor: dict[str, float] = defaultdict(lambda: 1.0)
         self._specs: dict[str, JobStatus] = {}
-        self._node_failures: dict[str, deque[float]] = defaultdict(deque)
-        self._avoid_until: dict[str, float] = {}
-        self._seen_failed: set[str] = set()
+        self.avoidance = NodeAvoidance(
+            after=config.avoid_after, window_s=config.avoid_window_s, for_s=config.avoid_for_s
+        )
 
     # -- agents ----------------------------------------------------------------------------
 
@@ -237,31 +162,30 @@ class KubernetesBackend:
         now_wall = time.time()
         now = asyncio.get_running_loop().time()
         out = []
-        self._draining &= {(p.get("metadata") or {}).get("name") for p in self.workers.values()}
-        for pod in self.workers.values():
-            meta = pod.get("metadata") or {}
-            labels = meta.get("labels") or {}
-            status = pod.get("status") or {}
-            phase_name = status.get("phase", "Pending")
-            failure = classify(pod)
+        pods = [PodView(p) for p in self.workers.values()]
+        self._draining &= {pod.name for pod in pods}
+        for pod in pods:
+            failure = classify(pod.obj)
             phase: Phase
-            if phase_name == "Succeeded":
+            if pod.phase == "Succeeded":
                 phase = "succeeded"
-            elif phase_name == "Failed" or failure is not None:
+            elif pod.phase == "Failed" or failure is not None:
                 phase = "failed"
-            elif meta.get("deletionTimestamp") or meta.get("name") in self._draining:
+            elif pod.meta.deleting or pod.name in self._draining:
                 phase = "terminating"
-            elif phase_name == "Running":
+            elif pod.phase == "Running":
                 phase = "running"
             else:
                 phase = "starting"
             if phase == "failed":
-                self._note_failure(pod, failure, now)
-            age = max(0.0, now_wall - parse_time(meta.get("creationTimestamp")))
+                self.avoidance.note_failure(
+                    pod_uid=pod.meta.uid, node=pod.node, failure=failure, now=now
+                )
+            age = max(0.0, now_wall - parse_time(pod.meta.created or None))
             out.append(
                 WorkerInfo(
-                    id=meta.get("name", ""),
-                    job=labels.get(JOB_LABEL, ""),
+                    id=pod.name,
+                    job=pod.meta.labels.get(JOB_LABEL, ""),
                     phase=phase,
                     started_at=now - age,
                     reason=failure.reason if failure else "",
@@ -277,42 +201,38 @@ class KubernetesBackend:
                 self._specs[job.id] = job
         live = {w.id for w in workers if w.alive}
         used: dict[str, Resources] = defaultdict(dict)
-        for pod in self.pods.values():
-            node = (pod.get("spec") or {}).get("nodeName")
-            name = (pod.get("metadata") or {}).get("name")
-            ours = (pod.get("metadata") or {}).get("namespace") == self.config.namespace
-            if node and not (ours and name in live):
-                used[node] = add(used[node], requests_of(pod))
+        for pod in map(PodView, self.pods.values()):
+            ours = pod.meta.namespace == self.config.namespace
+            if pod.node and not (ours and pod.name in live):
+                used[pod.node] = add(used[pod.node], pod.requests())
         now = asyncio.get_running_loop().time()
         bins = []
         pools: dict[str, Resources] = defaultdict(dict)
-        for node in self.nodes.values():
-            meta = node.get("metadata") or {}
-            name = meta["name"]
-            labels = meta.get("labels") or {}
+        for node in map(NodeView, self.nodes.values()):
+            labels = node.meta.labels
             pool = labels.get(self.config.pool_label, "offline")
             lent = pool == "mixed" and labels.get(TIDAL) == "offline"
-            if not (_ready(node) and (pool == "offline" or lent)):
+            if not (node.ready and (pool == "offline" or lent)):
                 continue
-            if self._avoid_until.get(name, 0.0) > now:
+            if self.avoidance.avoids(node.name, now):
                 continue
-            allocatable = quantities((node.get("status") or {}).get("allocatable"))
-            free = add({k: v for k, v in allocatable.items() if k in _RESOURCES}, used[name], -1.0)
-            bins.append(Bin(name, free, rank=0 if pool == "offline" else 1))
+            allocatable = node.allocatable()
+            free = add(
+                {k: v for k, v in allocatable.items() if k in RESOURCES}, used[node.name], -1.0
+            )
+            bins.append(Bin(node.name, free, rank=0 if pool == "offline" else 1))
         if self._budget_cpu is not None:
             # The tide's budget caps what new batch pods may take on the mixed pool; the pods
             # there already keep their place (draining them is the tide's call, not ours).
             offline_nodes = {
-                n["metadata"]["name"]
-                for n in self.nodes.values()
-                if (n["metadata"].get("labels") or {}).get(self.config.pool_label, "offline")
-                == "offline"
+                n.name
+                for n in map(NodeView, self.nodes.values())
+                if n.meta.labels.get(self.config.pool_label, "offline") == "offline"
             }
             held = sum(
-                requests_of(p).get("cpu", 0.0)
-                for p in self.workers.values()
-                if (p.get("metadata") or {}).get("name") in live
-                and (p.get("spec") or {}).get("nodeName") not in offline_nodes
+                p.cpu()
+                for p in map(PodView, self.workers.values())
+                if p.name in live and p.node not in offline_nodes
             )
             left = max(self._budget_cpu, held)
             for b in sorted((b for b in bins if b.rank == 1), key=lambda b: b.name):
@@ -340,7 +260,13 @@ class KubernetesBackend:
 
     async def launch(self, job: JobStatus, worker_id: str) -> None:
         status = self._specs.get(job.id, job)
-        body = self.pod(status, worker_id)
+        body = worker_pod(
+            job.id,
+            self.config,
+            worker_id=worker_id,
+            shape=self.shape(status),
+            avoid=self.avoidance.avoided(asyncio.get_running_loop().time()),
+        )
         try:
             # A plain JSON map: the client sends it as it is (its stubs only know V1Pod).
             await self.api.create_namespaced_pod(self.config.namespace, body)
@@ -364,114 +290,6 @@ class KubernetesBackend:
 
     # -- pods --------------------------------------------------------------------------------
 
-    def pod(self, job: JobStatus, worker_id: str) -> Obj:
-        c = self.config
-        shape = self.shape(job)
-        requests = {"cpu": f"{shape['cpu']:g}", "memory": f"{int(shape['memory'])}"}
-        limits = {"memory": requests["memory"]}
-        if shape.get("nvidia.com/gpu"):
-            limits["nvidia.com/gpu"] = f"{int(shape['nvidia.com/gpu'])}"
-        env: list[dict[str, Any]] = [
-            {"name": "EBB_JOB", "value": job.id},
-            {"name": "EBB_WORKER_ID", "value": pod_name(worker_id)},
-            {"name": "EBB_NATS_URL", "value": c.nats.url},
-            {"name": "EBB_PREFIX", "value": c.nats.prefix},
-            # Leave the drain a margin inside the pod's grace period.
-            {"name": "EBB_SHUTDOWN_GRACE_S", "value": str(max(1, c.grace_s - 10))},
-            *({"name": k, "value": v} for k, v in c.env.items()),
-        ]
-        if c.metrics_port is not None:
-            env.append({"name": "EBB_METRICS_PORT", "value": str(c.metrics_port)})
-        if c.nats_secret:
-            for key, var in (
-                ("user", "EBB_NATS_USER"),
-                ("password", "EBB_NATS_PASSWORD"),
-                ("token", "EBB_NATS_TOKEN"),
-            ):
-                ref = {"name": c.nats_secret, "key": key, "optional": True}
-                env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
-        avoid = sorted(
-            n for n, t in self._avoid_until.items() if t > asyncio.get_running_loop().time()
-        )
-        fields = [{"key": "metadata.name", "operator": "NotIn", "values": avoid}] if avoid else []
-        pool = c.pool_label
-        terms = [
-            {"matchExpressions": [{"key": pool, "operator": "In", "values": ["offline"]}]},
-            {
-                "matchExpressions": [
-                    {"key": pool, "operator": "In", "values": ["mixed"]},
-                    {"key": TIDAL, "operator": "In", "values": ["offline"]},
-                ]
-            },
-        ]
-        for term in terms:
-            if fields:
-                term["matchFields"] = fields
-        metadata: Obj = {
-            "name": pod_name(worker_id),
-            "namespace": c.namespace,
-            "labels": {
-                **c.labels,
-                APP_LABEL: APP,
-                JOB_LABEL: job.id,
-                WORKER_LABEL: pod_name(worker_id),
-            },
-        }
-        if c.owner:
-            metadata["ownerReferences"] = [{**c.owner, "controller": True}]
-        if c.metrics_port is not None:
-            metadata["annotations"] = {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(c.metrics_port),
-            }
-        spec: Obj = {
-            "restartPolicy": "Never",  # we relaunch, knowing why it ended
-            "terminationGracePeriodSeconds": c.grace_s,
-            "affinity": {
-                "nodeAffinity": {
-                    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms},
-                    # Evicted from a reclaimed node? The offline pool first.
-                    "preferredDuringSchedulingIgnoredDuringExecution": [
-                        {
-                            "weight": 100,
-                            "preference": {
-                                "matchExpressions": [
-                                    {"key": pool, "operator": "In", "values": ["offline"]}
-                                ]
-                            },
-                        }
-                    ],
-                }
-            },
-            "containers": [
-                {
-                    "name": "worker",
-                    "image": c.image or "ebb:latest",
-                    "imagePullPolicy": c.image_pull_policy,
-                    "command": ["python", "-m", "ebb.worker"],
-                    "env": env,
-                    "envFrom": [
-                        {"secretRef": {"name": name, "optional": True}}
-                        for name in c.env_from_secrets
-                    ],
-                    "resources": {"requests": requests, "limits": limits},
-                    # The worker writes why it gave up there; a crash without a word leaves
-                    # the tail of its log instead. Either way the controller can say why.
-                    "terminationMessagePolicy": "FallbackToLogsOnError",
-                    **(
-                        {"ports": [{"name": "metrics", "containerPort": c.metrics_port}]}
-                        if c.metrics_port is not None
-                        else {}
-                    ),
-                }
-            ],
-        }
-        if c.service_account:
-            spec["serviceAccountName"] = c.service_account
-        if c.priority_class:
-            spec["priorityClassName"] = c.priority_class
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
-
     async def _delete(self, worker_id: str, *, grace_s: int) -> None:
         try:
             await self.core.delete_namespaced_pod(
@@ -481,52 +299,31 @@ class KubernetesBackend:
             if e.status != 404:  # gone already is what we wanted; anything else: next pass
                 log.warning("could not delete pod %s: %s %s", worker_id, e.status, e.reason)
 
-    def _note_failure(self, pod: Obj, failure: Failure | None, now: float) -> None:
-        """Count a failed pod against its node, once; a node failing too often is avoided."""
-        uid = (pod.get("metadata") or {}).get("uid", "")
-        node = (pod.get("spec") or {}).get("nodeName")
-        if uid in self._seen_failed or not node:
-            return
-        self._seen_failed.add(uid)
-        if failure is not None and failure.kind == "capacity":
-            return  # evicted or preempted: not the node's fault
-        history = self._node_failures[node]
-        history.append(now)
-        while history and history[0] < now - self.config.avoid_window_s:
-            history.popleft()
-        if len(history) >= self.config.avoid_after:
-            self._avoid_until[node] = now + self.config.avoid_for_s
-            history.clear()
-            log.warning("node %s: worker pods keep failing there; avoiding it", node)
-
     # -- the tide --------------------------------------------------------------------------
 
-    def mixed_nodes(self) -> list[tuple[Obj, MixedNode]]:
+    def mixed_nodes(self) -> list[tuple[NodeView, MixedNode]]:
         batch: dict[str, int] = defaultdict(int)
         online: dict[str, float] = defaultdict(float)
-        for pod in self.pods.values():
-            node = (pod.get("spec") or {}).get("nodeName")
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            if not node:
+        for pod in map(PodView, self.pods.values()):
+            labels = pod.meta.labels
+            if not pod.node:
                 continue
             if labels.get(APP_LABEL) == APP:
-                batch[node] += 1
+                batch[pod.node] += 1
             elif selector_matches(labels, self.config.online_selector):
-                online[node] += requests_of(pod).get("cpu", 0.0)
+                online[pod.node] += pod.cpu()
         out = []
-        for node in self.nodes.values():
-            meta = node.get("metadata") or {}
-            labels = meta.get("labels") or {}
+        for node in map(NodeView, self.nodes.values()):
+            labels = node.meta.labels
             if labels.get(self.config.pool_label) != "mixed":
                 continue
-            cpu = quantities((node.get("status") or {}).get("allocatable")).get("cpu", 1.0)
             label = labels.get(TIDAL, "online")
             state: State = next((s for s in STATES if s == label), "online")
             mixed = MixedNode(
-                name=meta["name"],
+                name=node.name,
                 state=state,
-                batch_pods=batch[meta["name"]],
-                online_use=online[meta["name"]] / max(cpu, 1e-9),
+                batch_pods=batch[node.name],
+                online_use=online[node.name] / max(node.cpu(default=1.0), 1e-9),
             )
             out.append((node, mixed))
         return out
@@ -534,14 +331,11 @@ class KubernetesBackend:
     def pending_online(self) -> tuple[int, float]:
         """Online pods that cannot be scheduled: how many, and their CPU requests."""
         count, cpu = 0, 0.0
-        for pod in self.pods.values():
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            status = pod.get("status") or {}
-            unscheduled = not (pod.get("spec") or {}).get("nodeName")
-            pending = unscheduled and status.get("phase") == "Pending"
-            if pending and selector_matches(labels, self.config.online_selector):
+        for pod in map(PodView, self.pods.values()):
+            pending = not pod.node and pod.phase == "Pending"
+            if pending and selector_matches(pod.meta.labels, self.config.online_selector):
                 count += 1
-                cpu += requests_of(pod).get("cpu", 0.0)
+                cpu += pod.cpu()
         return count, cpu
 
     async def tidal_step(self, now: float) -> None:
@@ -551,9 +345,7 @@ class KubernetesBackend:
         mixed = self.mixed_nodes()
         load = sum(m.online_use for _, m in mixed)
         pending, pending_cpu = self.pending_online()
-        node_cpu = [
-            quantities((n.get("status") or {}).get("allocatable")).get("cpu", 1.0) for n, _ in mixed
-        ]
+        node_cpu = [n.cpu(default=1.0) for n, _ in mixed]
         average = sum(node_cpu) / len(node_cpu) if node_cpu else 1.0
         moves = self.tide.decide(
             now,
@@ -575,15 +367,14 @@ class KubernetesBackend:
             await self._drain_over_budget(mixed, self.tide.drain_above * average)
         reclaiming = {m.node for m in moves if m.to == "offline2online"}
         reclaiming |= {m.name for _, m in mixed if m.state == "offline2online"}
-        for pod in self.pods.values():
-            meta = pod.get("metadata") or {}
+        for pod in map(PodView, self.pods.values()):
             if (
-                (meta.get("labels") or {}).get(APP_LABEL) == APP
-                and (pod.get("spec") or {}).get("nodeName") in reclaiming
-                and not meta.get("deletionTimestamp")
+                pod.meta.labels.get(APP_LABEL) == APP
+                and pod.node in reclaiming
+                and not pod.meta.deleting
             ):
                 metrics.BATCH_EVICTIONS.inc()
-                await self._delete(meta["name"], grace_s=self.config.grace_s)
+                await self._delete(pod.name, grace_s=self.config.grace_s)
         counts: dict[str, int] = defaultdict(int)
         harvested = 0.0
         after = {m.node: m.to for m in moves}
@@ -591,40 +382,36 @@ class KubernetesBackend:
             state = after.get(m.name, m.state)
             counts[state] += 1
             if state == "offline":
-                harvested += quantities((node.get("status") or {}).get("allocatable")).get(
-                    "cpu", 0.0
-                )
+                harvested += node.cpu(default=0.0)
         for state in ("online", "online2offline", "offline", "offline2online"):
             metrics.NODE_STATES.labels(state).set(counts[state])
         metrics.HARVESTED.set(harvested)
         if moves:
             self.changed.set()
 
-    async def _drain_over_budget(self, mixed: list[tuple[Obj, MixedNode]], budget: float) -> None:
+    async def _drain_over_budget(
+        self, mixed: list[tuple[NodeView, MixedNode]], budget: float
+    ) -> None:
         """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first
         (their age stands in for their shards' progress, which we do not see)."""
         lent = {m.name for _, m in mixed if m.state in ("offline", "online2offline")}
         pods = [
             p
-            for p in self.pods.values()
-            if ((p.get("metadata") or {}).get("labels") or {}).get(APP_LABEL) == APP
-            and (p.get("spec") or {}).get("nodeName") in lent
-            and not (p.get("metadata") or {}).get("deletionTimestamp")
-            and (p.get("metadata") or {}).get("name") not in self._draining
+            for p in map(PodView, self.pods.values())
+            if p.meta.labels.get(APP_LABEL) == APP
+            and p.node in lent
+            and not p.meta.deleting
+            and p.name not in self._draining
         ]
-        used = sum(requests_of(p).get("cpu", 0.0) for p in pods)
-        youngest = sorted(
-            pods,
-            key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"]),
-            reverse=True,
-        )
+        used = sum(p.cpu() for p in pods)
+        youngest = sorted(pods, key=lambda p: (p.meta.created, p.name), reverse=True)
         for pod in youngest:
             if used <= budget + 1e-9:
                 break
-            used -= requests_of(pod).get("cpu", 0.0)
-            self._draining.add(pod["metadata"]["name"])
+            used -= pod.cpu()
+            self._draining.add(pod.name)
             metrics.BATCH_EVICTIONS.inc()
-            await self._delete(pod["metadata"]["name"], grace_s=self.config.grace_s)
+            await self._delete(pod.name, grace_s=self.config.grace_s)
 
     async def tidal_loop(self) -> None:
         assert self.tide is not None

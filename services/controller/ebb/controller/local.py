@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import psutil
 
+from ebb.common import envvars
 from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.messages import JobStatus
 
@@ -154,13 +155,13 @@ class LocalBackend:
         env = {**inherited, **self.config.env, **nats_environment(nats)}
         # In a session of its own, a worker would outlive us if we were killed: this tells
         # it whom to watch, to drain when we are gone.
-        env[_PARENT_PID_ENV] = str(os.getpid())
+        env[envvars.PARENT_PID] = str(os.getpid())
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:
             # The worker writes why it gave up there, as a pod's terminationMessagePath.
             termination_log = Path(self.config.log_dir) / f"{worker_id}.termination"
-            env["EBB_TERMINATION_LOG"] = str(termination_log)
+            env[envvars.TERMINATION_LOG] = str(termination_log)
         process = await asyncio.create_subprocess_exec(
             *args,
             env=env,
@@ -239,10 +240,12 @@ class LocalBackend:
         self._orphans = None
 
 
-_PARENT_PID_ENV = "EBB_PARENT_PID"
-"""Read by the worker's entry point (ebb.worker.entry), which drains when we are gone."""
-
-_NOT_INHERITED = ("EBB_NATS_", "EBB_WORKER_NATS_", "EBB_METRICS_PORT", _PARENT_PID_ENV)
+_NOT_INHERITED = (
+    envvars.NATS_NAME_PREFIX,
+    envvars.WORKER_NATS_NAME_PREFIX,
+    envvars.METRICS_PORT,
+    envvars.PARENT_PID,
+)
 """Ours, not the workers': they get only what `worker_nats` says (and one metrics port
 cannot serve them all)."""
 

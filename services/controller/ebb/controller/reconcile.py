@@ -18,7 +18,7 @@ from typing import Any
 
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
-from ebb.common.errors import RemoteError
+from ebb.common.errors import ErrorCode, RemoteError
 from ebb.common.messages import JobStatus
 
 from . import metrics
@@ -178,7 +178,7 @@ class Reconciler:
                 try:
                     spec = (await self.master.job(job.id, include_spec=True)).spec
                 except RemoteError as e:
-                    if e.code != "too_large":
+                    if e.code != ErrorCode.TOO_LARGE:
                         raise
                     log.error("job %s: the master cannot send its spec: %s", job.id, e.message)
                     self.failed_jobs.setdefault(job.id, f"its spec is too large to send: {e}")

@@ -26,7 +26,7 @@ from ebb.common.supervisor import Supervisor
 
 from . import metrics
 from .backend import ClusterBackend
-from .lease import LeaseElector
+from .election import LeaderElector
 from .reconcile import Reconciler, ReconcilerConfig
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Controller:
         config: ControllerConfig,
         backend: ClusterBackend,
         *,
-        elector: LeaseElector | None = None,
+        elector: LeaderElector | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -95,7 +95,7 @@ class Controller:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.drain()
 
-    async def _lead(self, elector: LeaseElector) -> bool:
+    async def _lead(self, elector: LeaderElector) -> bool:
         """Wait to lead; False if a stop came first."""
         acquire = asyncio.create_task(elector.acquire())
         stop = asyncio.create_task(self.supervisor.stop_requested.wait())

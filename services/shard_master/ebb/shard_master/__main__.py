@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 
+from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.bus import add_nats_arguments, nats_config_from_args
@@ -23,17 +24,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m ebb.shard_master", description=__doc__)
     add_nats_arguments(p)
-    p.add_argument("--id", default=env("EBB_MASTER_ID", socket.gethostname()))
+    p.add_argument("--id", default=env(envvars.MASTER_ID, socket.gethostname()))
     p.add_argument(
         "--data-root",
         action="append",
-        default=[r for r in env("EBB_DATA_ROOTS", "").split(",") if r],
+        default=[r for r in env(envvars.DATA_ROOTS, "").split(",") if r],
         help="a root under which job inputs, outputs and models may lie (repeatable)",
     )
-    p.add_argument("--leader-ttl", type=float, default=float(env("EBB_LEADER_TTL_S", "10")))
+    p.add_argument("--leader-ttl", type=float, default=float(env(envvars.LEADER_TTL_S, "10")))
     p.add_argument("--speculate-after", type=float, default=5.0)
     metricsserver.add_metrics_argument(p)
-    p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)
 
 

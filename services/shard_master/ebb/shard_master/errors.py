@@ -2,37 +2,39 @@
 
 from __future__ import annotations
 
-from ebb.common.errors import EbbError
+from typing import ClassVar
+
+from ebb.common.errors import EbbError, ErrorCode
 
 
 class MasterError(EbbError):
-    code = "internal"
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
 
 
 class BadRequest(MasterError):
-    code = "bad_request"
+    code = ErrorCode.BAD_REQUEST
 
 
 class StaleToken(MasterError):
     """The token is not a current lease: expired, released, superseded or from a zombie."""
 
-    code = "stale_token"
+    code = ErrorCode.STALE_TOKEN
 
 
 class JobNotFound(MasterError):
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND
 
 
 class JobEnded(MasterError):
     """The job reached a terminal state; its leases are void."""
 
-    code = "job_ended"
+    code = ErrorCode.JOB_ENDED
 
 
 class NoCommitRecord(MasterError):
     """`commit` came before the shard's commit record exists in the output."""
 
-    code = "no_commit_record"
+    code = ErrorCode.NO_COMMIT_RECORD
 
 
 class ForeignCommit(MasterError):
@@ -40,20 +42,25 @@ class ForeignCommit(MasterError):
     the same output root before). Records are never replaced, so no attempt of this job can
     commit the shard: it is quarantined."""
 
-    code = "quarantined"
+    code = ErrorCode.QUARANTINED
 
 
 class PlanningError(MasterError):
     """The input cannot be split into shards (missing, unreadable, empty)."""
 
-    code = "bad_request"
+    code = ErrorCode.BAD_REQUEST
 
 
 class OutputTaken(PlanningError):
     """The output root belongs to another job."""
 
 
+class IllegalTransition(MasterError):
+    """A shard was about to make a move section 4 of the design does not allow: a bug in the
+    master, refused before anything is written."""
+
+
 class Deposed(MasterError):
     """Another master wrote the state we hold: we are no longer the only writer. Stop now."""
 
-    code = "not_leader"
+    code = ErrorCode.NOT_LEADER

@@ -30,7 +30,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from ebb.common import bus, schema
 from ebb.common.bus import NatsConfig, RequestServer
-from ebb.common.errors import SchemaError, SpecError
+from ebb.common.errors import ErrorCode, SchemaError, SpecError
 from ebb.common.messages import (
     CancelRequest,
     CommitRequest,
@@ -208,8 +208,8 @@ class ShardMaster:
                 request = schema.decode(request_type, data)
             except SchemaError as e:
                 metrics.INVALID_MESSAGES.labels(op).inc()
-                metrics.OPS.labels(op, "bad_request").inc()
-                return bus.error_reply("bad_request", str(e))
+                metrics.OPS.labels(op, ErrorCode.BAD_REQUEST).inc()
+                return bus.error_reply(ErrorCode.BAD_REQUEST, str(e))
             try:
                 reply = await serve(request)
             except Deposed as e:
@@ -223,8 +223,8 @@ class ShardMaster:
                 metrics.OPS.labels(op, e.code).inc()
                 return bus.error_reply(e.code, str(e))
             except (nats.errors.Error, TimeoutError) as e:
-                metrics.OPS.labels(op, "unavailable").inc()
-                return bus.error_reply("unavailable", f"state store unavailable: {e}")
+                metrics.OPS.labels(op, ErrorCode.UNAVAILABLE).inc()
+                return bus.error_reply(ErrorCode.UNAVAILABLE, f"state store unavailable: {e}")
             metrics.OPS.labels(op, "ok").inc()
             metrics.OP_SECONDS.labels(op).observe(time.perf_counter() - started)
             return schema.encode(reply)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import nats.errors
 import nats.js.errors
@@ -82,6 +82,21 @@ class JobRecord:
 
 def shard_key(job: str, index: int) -> str:
     return f"{job}.{index:07d}"
+
+
+class RecordStore(Protocol):
+    """Where the lease table keeps its records: JetStream KV in service, memory in tests.
+
+    `update_*` is a compare-and-set on `last`, raising Deposed when the record has moved on;
+    `create_*` returns None when the record exists already."""
+
+    async def create_job(self, record: JobRecord) -> int | None: ...
+    async def update_job(self, record: JobRecord, *, last: int) -> int: ...
+    async def get_job(self, job: str) -> tuple[JobRecord, int] | None: ...
+    async def create_shard(self, record: ShardRecord) -> int | None: ...
+    async def update_shard(self, record: ShardRecord, *, last: int) -> int: ...
+    async def load_jobs(self) -> list[tuple[JobRecord, int]]: ...
+    async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]: ...
 
 
 class Store:

@@ -2,7 +2,9 @@
 
 State lives in two places with one rule between them: a transition is written to KV
 (compare-and-set) first, and only then applied in memory and answered. The memory side is
-what makes it fast; the KV side is what lets a restarted master carry on.
+what makes it fast; the KV side is what lets a restarted master carry on. Every change of a
+shard's record goes through `LeaseTable.apply`, which checks the move against the transition
+map (`transitions.py`), writes it, and then updates every index the job keeps of its shards.
 
 Concurrency: the service runs on one event loop. A transition on a shard holds that shard's
 lock across its KV write, so two transitions of one shard never interleave, while different
@@ -24,26 +26,22 @@ import logging
 import secrets
 import statistics
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Literal
 
 from ebb.common.messages import (
-    TERMINAL_JOB_STATES,
     CancelReply,
     CommitReply,
     JobEvent,
     JobState,
-    JobStatus,
-    LeaseInfo,
     LeaseReply,
     ReleaseReply,
     RenewReply,
     ShardState,
     StatusReply,
 )
-from ebb.common.output import MANIFEST, CommitRecord, Manifest, ManifestFile, OutputStore
+from ebb.common.output import CommitRecord, OutputStore
 from ebb.common.spec import JobSpec, parse_job
 
 from . import metrics
@@ -57,124 +55,19 @@ from .errors import (
     OutputTaken,
     StaleToken,
 )
+from .finish import failure_reason, write_manifest
+from .jobs import Job, Shard
 from .planner import plan_input
-from .store import JobRecord, LeaseRecord, ShardRecord, Store
+from .status import EventKind, describe, job_event
+from .store import JobRecord, LeaseRecord, RecordStore, ShardRecord
+from .transitions import check_transition
 
 log = logging.getLogger(__name__)
 
 _KEEP_ERRORS = 5
-_KEEP_DURATIONS = 256
 _LEASE_REPLY_CACHE = 4096
 _CREATE_CHUNK = 256
 _FINISH_TRIES = 5
-
-
-class Shard:
-    __slots__ = ("deadlines", "granted", "lock", "record", "revision")
-
-    def __init__(self, record: ShardRecord, revision: int) -> None:
-        self.record = record
-        self.revision = revision
-        self.lock = asyncio.Lock()
-        self.deadlines: dict[str, float] = {}
-        """Active lease tokens and when each expires (monotonic)."""
-        self.granted: dict[str, float] = {}
-        """Active lease tokens and when each was granted (monotonic)."""
-
-    @property
-    def index(self) -> int:
-        return self.record.spec.index
-
-
-class Job:
-    def __init__(self, record: JobRecord, revision: int, spec: JobSpec) -> None:
-        self.record = record
-        self.revision = revision
-        self.spec = spec
-        self.lock = asyncio.Lock()
-        self.shards: list[Shard] = []
-        self.todo: deque[int] = deque()
-        self.doing: set[int] = set()
-        self.counts: Counter[str] = Counter()
-        self.rows_done = 0
-        self.error_rows = 0
-        self.quarantined_rows = 0
-        self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
-        self.next_seq = 0
-        self.finish_failures = 0
-
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    @property
-    def state(self) -> str:
-        return self.record.state
-
-    @property
-    def ended(self) -> bool:
-        return self.record.state in TERMINAL_JOB_STATES
-
-    def adopt_shards(
-        self,
-        entries: list[tuple[ShardRecord, int]],
-        *,
-        now: float,
-        wall_now: float,
-        lease_s: float,
-        grace_s: float,
-    ) -> None:
-        """Build the in-memory table from persisted shard records (after planning or a restart).
-
-        `now` is the monotonic clock, `wall_now` the wall clock the records' times are on."""
-        self.shards = [
-            Shard(rec, rev) for rec, rev in sorted(entries, key=lambda e: e[0].spec.index)
-        ]
-        self.todo.clear()
-        self.doing.clear()
-        self.counts.clear()
-        self.rows_done = self.error_rows = self.quarantined_rows = 0
-        todo: list[tuple[int, int]] = []
-        for shard in self.shards:
-            rec = shard.record
-            self.counts[rec.state] += 1
-            self.next_seq = max(self.next_seq, rec.seq + 1)
-            if rec.state == "TODO":
-                todo.append((rec.seq, shard.index))
-            elif rec.state == "DOING":
-                self.doing.add(shard.index)
-                for lease in rec.leases:
-                    left = lease_s
-                    if lease.expires_at:
-                        left = min(lease_s, max(0.0, lease.expires_at - wall_now) + grace_s)
-                    shard.deadlines[lease.token] = now + left
-                    ran = max(0.0, wall_now - lease.granted_at) if lease.granted_at else 0.0
-                    shard.granted[lease.token] = now - ran
-            elif rec.state == "DONE":
-                self.rows_done += rec.rows
-                self.error_rows += rec.error_rows
-                if rec.seconds > 0:
-                    self.durations.append(rec.seconds)
-            elif rec.state == "QUARANTINED":
-                self.quarantined_rows += rec.spec.rows
-        self.todo.extend(index for _, index in sorted(todo))
-        self.publish_gauges()
-
-    def release_shards(self) -> None:
-        """Forget the shards of an ended job: its record keeps the final counts."""
-        self.shards = []
-        self.todo.clear()
-        self.doing.clear()
-
-    def publish_gauges(self) -> None:
-        for state in ("TODO", "DOING", "DONE", "QUARANTINED"):
-            metrics.SHARDS.labels(self.id, state).set(self.counts[state])
-
-    def move(self, old: str, new: str) -> None:
-        self.counts[old] -= 1
-        self.counts[new] += 1
-        metrics.SHARDS.labels(self.id, old).set(self.counts[old])
-        metrics.SHARDS.labels(self.id, new).set(self.counts[new])
 
 
 def make_token(epoch: int, job: str, shard: int, attempt: int) -> str:
@@ -192,7 +85,6 @@ def parse_token(token: str) -> tuple[str, int]:
         raise StaleToken("malformed lease token") from None
 
 
-EventKind = Literal["accepted", "rejected", "progress", "state"]
 EventSink = Callable[[JobEvent], None]
 OutputOpener = Callable[[str], OutputStore]
 
@@ -201,7 +93,7 @@ class LeaseTable:
     def __init__(
         self,
         *,
-        store: Store,
+        store: RecordStore,
         epoch: int,
         on_event: EventSink,
         open_output: OutputOpener = OutputStore,
@@ -349,6 +241,39 @@ class LeaseTable:
             raise StaleToken("lease token of an unknown shard")
         return job, job.shards[index]
 
+    async def apply(
+        self, job: Job, shard: Shard, new: ShardRecord, *, lease: tuple[str, float] | None = None
+    ) -> None:
+        """Move a shard to its new record (caller holds the shard's lock): the one place a
+        shard changes. The move is checked against the transition map, written to KV
+        (compare-and-set), and only then applied to the shard and the job's indexes.
+
+        `lease`: (token, lease_s) of a lease this record grants or renews, whose deadline
+        starts now. Tokens the new record no longer holds lose their deadlines."""
+        old = shard.record
+        check_transition(old.state, new.state)
+        requeued = new.state == "TODO" and old.state != "TODO"
+        if requeued:  # behind every shard queued so far, after a restart too
+            new = replace(new, seq=job.next_seq)
+        shard.revision = await self._store.update_shard(new, last=shard.revision)
+        shard.record = new
+        if requeued:
+            job.next_seq += 1
+        if old.state != new.state:
+            job.leave(shard, old.state)
+            job.enter(shard)
+            job.publish_gauges(old.state, new.state)
+        held = {ls.token for ls in new.leases}
+        for token in [t for t in shard.deadlines if t not in held]:
+            del shard.deadlines[token]
+            shard.granted.pop(token, None)
+        if lease is not None:
+            token, lease_s = lease
+            now = self._clock()
+            shard.deadlines[token] = now + lease_s
+            shard.granted.setdefault(token, now)
+            heapq.heappush(self._expiries, (now + lease_s, job.id, shard.index, token))
+
     async def lease(self, job_id: str, worker: str, request_id: str = "") -> LeaseReply:
         cache_key = (worker, request_id)
         if request_id and cache_key in self._lease_replies:
@@ -396,19 +321,11 @@ class LeaseTable:
             )
             new = replace(record, state="DOING", attempts=attempt, leases=[*record.leases, lease])
             try:
-                shard.revision = await self._store.update_shard(new, last=shard.revision)
+                await self.apply(job, shard, new, lease=(token, lease_s))
             except BaseException:
                 if not speculative:
                     job.todo.appendleft(shard.index)
                 raise
-            shard.record = new
-            now = self._clock()
-            shard.deadlines[token] = now + lease_s
-            shard.granted[token] = now
-            heapq.heappush(self._expiries, (now + lease_s, job.id, shard.index, token))
-            if not speculative:
-                job.doing.add(shard.index)
-                job.move("TODO", "DOING")
         if speculative:
             log.info("job %s: speculative attempt %d of shard %d", job.id, attempt, shard.index)
         return LeaseReply(
@@ -457,18 +374,13 @@ class LeaseTable:
                 raise JobEnded(f"job {job.id} is {job.state}")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
-            deadline = self._clock() + lease_s
             expires_at = time.time() + lease_s
             record = shard.record
             leases = [
                 replace(lease, expires_at=expires_at) if lease.token == token else lease
                 for lease in record.leases
             ]
-            new = replace(record, leases=leases)
-            shard.revision = await self._store.update_shard(new, last=shard.revision)
-            shard.record = new
-            shard.deadlines[token] = deadline
-            heapq.heappush(self._expiries, (deadline, job.id, shard.index, token))
+            await self.apply(job, shard, replace(record, leases=leases), lease=(token, lease_s))
         metrics.LEASE_RENEWALS.labels(job.id).inc()
         return RenewReply(lease_s=lease_s)
 
@@ -501,7 +413,6 @@ class LeaseTable:
                     )
                 now = self._clock()
                 seconds = now - shard.granted.get(token, now)
-                job.durations.append(seconds)
                 await self._record_done(job, shard, commit, seconds=seconds)
         await self.settle(job)
         if foreign is not None:
@@ -523,7 +434,6 @@ class LeaseTable:
     ) -> None:
         """The shard's output is the commit record's (caller holds the shard's lock).
         `seconds`: how long the winning attempt ran, if known."""
-        previous = shard.record.state
         new = replace(
             shard.record,
             state="DONE",
@@ -534,14 +444,7 @@ class LeaseTable:
             error_rows=commit.error_rows,
             files=commit.files,
         )
-        shard.revision = await self._store.update_shard(new, last=shard.revision)
-        shard.record = new
-        shard.deadlines.clear()
-        shard.granted.clear()
-        job.doing.discard(shard.index)
-        job.move(previous, "DONE")
-        job.rows_done += commit.rows
-        job.error_rows += commit.error_rows
+        await self.apply(job, shard, new)
         metrics.SHARDS_DONE.labels(job.id).inc()
         metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
         metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
@@ -586,30 +489,16 @@ class LeaseTable:
                 return "DONE"
         failures = record.failures + (1 if failed else 0)
         errors = [*record.errors, reason][-_KEEP_ERRORS:] if reason else record.errors
-        seq = record.seq
         state: ShardState
         if remaining:
             state = "DOING"  # another attempt still runs; it may yet succeed
         elif foreign or failures >= job.spec.fault.max_attempts:
             state = "QUARANTINED"
         else:
-            state = "TODO"
-            seq = job.next_seq
-        new = replace(
-            record, state=state, leases=remaining, failures=failures, errors=errors, seq=seq
-        )
-        shard.revision = await self._store.update_shard(new, last=shard.revision)
-        shard.record = new
-        shard.deadlines.pop(token, None)
-        shard.granted.pop(token, None)
-        if state != "DOING":
-            job.doing.discard(shard.index)
-            job.move("DOING", state)
-        if state == "TODO":
-            job.next_seq += 1
-            job.todo.append(shard.index)  # the tail: others get their turn first
-        elif state == "QUARANTINED":
-            job.quarantined_rows += record.spec.rows
+            state = "TODO"  # at the tail of the queue: others get their turn first
+        new = replace(record, state=state, leases=remaining, failures=failures, errors=errors)
+        await self.apply(job, shard, new)
+        if state == "QUARANTINED":
             log.warning(
                 "job %s: shard %d quarantined after %d failed attempts: %s",
                 job.id,
@@ -713,64 +602,16 @@ class LeaseTable:
             errors = job.error_rows + job.quarantined_rows
             budget = job.spec.fault.max_error_fraction * max(job.record.rows_total, 1)
             if errors > budget:
-                await self._end(job, "FAILED", self._failure_reason(job, errors))
+                await self._end(job, "FAILED", failure_reason(job, errors))
             elif settled == total:
                 if job.counts["DONE"] == 0:
-                    await self._end(job, "FAILED", self._failure_reason(job, errors))
+                    await self._end(job, "FAILED", failure_reason(job, errors))
                 else:
                     await self._succeed(job)
 
-    def _failure_reason(self, job: Job, errors: int) -> str:
-        parts = [
-            f"{errors} failed rows exceed max_error_fraction "
-            f"{job.spec.fault.max_error_fraction} of {job.record.rows_total} rows"
-        ]
-        quarantined = [s for s in job.shards if s.record.state == "QUARANTINED"]
-        if quarantined and len(quarantined) == job.record.shards_total:
-            parts = ["every shard was quarantined"]
-        for shard in quarantined[:3]:
-            last = shard.record.errors[-1] if shard.record.errors else "?"
-            parts.append(f"shard {shard.index} quarantined: {last}")
-        return "; ".join(parts)
-
     async def _succeed(self, job: Job) -> None:
-        output = self._open_output(job.spec.output.uri)
-        files: list[ManifestFile] = []
-        winners: dict[int, int] = {}
-        quarantined: list[int] = []
-        for shard in job.shards:
-            record = shard.record
-            if record.state == "QUARANTINED":
-                quarantined.append(shard.index)
-                continue
-            winners[shard.index] = record.done_attempt
-            files += [
-                ManifestFile(
-                    path=f.path,
-                    shard=shard.index,
-                    attempt=record.done_attempt,
-                    rows=f.rows,
-                    error_rows=f.error_rows,
-                )
-                for f in record.files
-            ]
-        manifest = Manifest(
-            job=job.id,
-            files=files,
-            rows=job.rows_done,
-            error_rows=job.error_rows,
-            shards=job.record.shards_total,
-            quarantined_shards=quarantined,
-            created_at=time.time(),
-        )
-        await asyncio.to_thread(output.write_manifest, manifest)
-        try:
-            removed = await asyncio.to_thread(output.remove_uncommitted, winners)
-            if removed:
-                log.info("job %s: removed %d uncommitted attempt folders", job.id, removed)
-        except OSError as e:  # garbage left behind is harmless: readers use the manifest
-            log.warning("job %s: could not remove uncommitted attempts: %s", job.id, e)
-        await self._end(job, "SUCCEEDED", "", manifest=output.url(MANIFEST))
+        manifest = await write_manifest(job, self._open_output(job.spec.output.uri))
+        await self._end(job, "SUCCEEDED", "", manifest=manifest)
 
     async def _end(self, job: Job, state: JobState, reason: str, *, manifest: str = "") -> None:
         """Persist a terminal state (caller holds the job's lock)."""
@@ -822,69 +663,20 @@ class LeaseTable:
             jobs = [job]
         else:
             jobs = [j for j in self.jobs.values() if not (active_only and j.ended)]
+        now = self._clock()
         return StatusReply(
-            jobs=[self._describe(j, include_spec, include_leases) for j in jobs],
+            jobs=[
+                describe(j, now=now, include_spec=include_spec, include_leases=include_leases)
+                for j in jobs
+            ],
             rejected={} if job_id else dict(self.rejected),
-        )
-
-    def _describe(self, job: Job, include_spec: bool, include_leases: bool) -> JobStatus:
-        record = job.record
-        live = job.state == "RUNNING"
-        if live:
-            shards = {s: job.counts[s] for s in ("TODO", "DOING", "DONE", "QUARANTINED")}
-            rows_done, error_rows = job.rows_done, job.error_rows
-        else:
-            shards = {"DONE": record.shards_done, "QUARANTINED": record.shards_quarantined}
-            rows_done, error_rows = record.rows_done, record.error_rows
-        leases: list[LeaseInfo] = []
-        if include_leases and live:
-            now = self._clock()
-            for index in sorted(job.doing):
-                shard = job.shards[index]
-                for lease in shard.record.leases:
-                    if lease.token in shard.deadlines:
-                        leases.append(
-                            LeaseInfo(
-                                shard=index,
-                                attempt=lease.attempt,
-                                worker=lease.worker,
-                                expires_in_s=shard.deadlines[lease.token] - now,
-                            )
-                        )
-        return JobStatus(
-            id=job.id,
-            name=job.spec.name,
-            state=record.state,
-            reason=record.reason,
-            priority=job.spec.priority,
-            shards_total=record.shards_total,
-            shards=shards,
-            rows_total=record.rows_total,
-            rows_done=rows_done,
-            error_rows=error_rows,
-            submitted_at=record.submitted_at,
-            finished_at=record.finished_at,
-            min_workers=job.spec.resources.min_workers,
-            max_workers=job.spec.resources.max_workers,
-            manifest=record.manifest,
-            spec=record.spec if include_spec else None,
-            leases=leases,
         )
 
     def running_jobs(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state == "RUNNING"]
 
     def _event(self, job: Job, kind: EventKind) -> JobEvent:
-        return JobEvent(
-            job=job.id,
-            kind=kind,
-            state=job.state,
-            reason=job.record.reason,
-            shards_done=job.counts["DONE"],
-            shards_total=job.record.shards_total,
-            rows_done=job.rows_done,
-            error_rows=job.error_rows,
-        )
+        return job_event(job, kind)
 
     def _publish_job_gauges(self) -> None:
         counts = Counter(j.state for j in self.jobs.values())

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 
+from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.bus import add_nats_arguments, nats_config_from_args
@@ -23,13 +24,13 @@ log = logging.getLogger("ebb.worker")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m ebb.worker", description=__doc__)
-    p.add_argument("--job", default=env("EBB_JOB"), required=env("EBB_JOB") is None)
-    p.add_argument("--id", default=env("EBB_WORKER_ID") or default_worker_id())
+    p.add_argument("--job", default=env(envvars.JOB), required=env(envvars.JOB) is None)
+    p.add_argument("--id", default=env(envvars.WORKER_ID) or default_worker_id())
     add_nats_arguments(p)
     p.add_argument("--shards-in-flight", type=int, default=2)
-    p.add_argument("--grace", type=float, default=float(env("EBB_SHUTDOWN_GRACE_S", "30")))
+    p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "30")))
     metricsserver.add_metrics_argument(p)
-    p.add_argument("--log-level", default=env("EBB_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)
 
 
@@ -44,7 +45,7 @@ async def amain(args: argparse.Namespace) -> int:
         )
     )
     install_stop_signals(worker.request_drain)
-    parent = os.environ.get(PARENT_PID_ENV)
+    parent = os.environ.get(envvars.PARENT_PID)
     watch = None
     if parent:
         watch = asyncio.create_task(drain_when_orphaned(worker, int(parent)), name="orphan-watch")
@@ -60,10 +61,6 @@ async def amain(args: argparse.Namespace) -> int:
     if worker.fatal_reason:
         write_termination_message(worker.fatal_reason)
     return code
-
-
-PARENT_PID_ENV = "EBB_PARENT_PID"
-"""Set by a controller that starts workers as its own processes: the pid they belong to."""
 
 
 async def drain_when_orphaned(worker: Worker, parent_pid: int, *, interval_s: float = 0.5) -> None:
@@ -82,7 +79,7 @@ async def drain_when_orphaned(worker: Worker, parent_pid: int, *, interval_s: fl
 def write_termination_message(reason: str) -> None:
     """On Kubernetes the pod's status then says why (terminationMessagePath), so that the
     controller can fail the job with the reason rather than with an exit code."""
-    path = os.environ.get("EBB_TERMINATION_LOG", "/dev/termination-log")
+    path = os.environ.get(envvars.TERMINATION_LOG, "/dev/termination-log")
     with contextlib.suppress(OSError), open(path, "w") as f:  # OSError: not on Kubernetes
         f.write(reason[:4000])
 

@@ -72,6 +72,17 @@ router seldom waits to write to a busy stage."""
 
 
 @dataclass(frozen=True, slots=True)
+class Frame:
+    """Rows on their way to a stage, as the bytes that will be sent (see `pack`), with what
+    the router needs of their header kept beside them."""
+
+    buf: bytes
+    uids: np.ndarray
+    flags: int
+    segment: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Header:
     kind: int
     flags: int

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .columns import VALUE, Columns, is_plain
-from .modelet import Modelet
+from .modelet_api import Modelet
 
 
 def _matrix(column: np.ndarray, dtype: np.dtype[Any] | None = None) -> np.ndarray:

@@ -53,16 +53,6 @@ ResultsCallback = Callable[[np.ndarray, Columns], None]
 ErrorsCallback = Callable[[np.ndarray, list[str]], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """Rows on their way to a stage, as the bytes that will be sent."""
-
-    buf: bytes
-    uids: np.ndarray
-    flags: int
-    segment: str = ""
-
-
 @dataclass(eq=False, slots=True)
 class Source:
     """Rows as they were submitted, kept until each is out, to send them again if needed."""
@@ -94,7 +84,7 @@ class Router:
         self.on_fatal = on_fatal
         self.ctx = mp.get_context("spawn")
         self.procs: list[list[StageProcess]] = [[] for _ in self.specs]
-        self.backlog: list[deque[Frame]] = [deque() for _ in self.specs]
+        self.backlog: list[deque[frames.Frame]] = [deque() for _ in self.specs]
         self.arena = Arena()
         swept = sweep_orphans()
         if swept:
@@ -298,7 +288,7 @@ class Router:
             p.holding.remove(uids)
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
             try:
-                self._route(p.stage, Frame(buf, uids, h.flags, h.segment))
+                self._route(p.stage, frames.Frame(buf, uids, h.flags, h.segment))
             except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
                 message = f"stage {p.name!r}: its result could not be read: {e!r}"
                 self._fail_items(uids, [message] * len(uids))
@@ -337,7 +327,7 @@ class Router:
 
     # -- where rows go next ------------------------------------------------------------------
 
-    def _route(self, stage: int, frame: Frame) -> None:
+    def _route(self, stage: int, frame: frames.Frame) -> None:
         """Rows that came out of `stage`: on to the next stage, back to their family, or out
         of the pipeline."""
         after = stage + 1
@@ -362,7 +352,7 @@ class Router:
     def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
         """Pack rows for `stage` (large buffers into shared memory) and queue them."""
         buf = frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
-        self.backlog[stage].append(Frame(buf, uids, flags, frames.header(buf).segment))
+        self.backlog[stage].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
 
     def _enqueue_source(self, uids: np.ndarray, data: pa.RecordBatch | Columns, flags: int) -> None:
         if not isinstance(data, pa.RecordBatch):
@@ -372,7 +362,7 @@ class Router:
         # turns it into columns (zero-copy for numbers and tensors), in parallel with us.
         payload = (data.schema, data.serialize())
         buf = frames.pack(frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena)
-        self.backlog[0].append(Frame(buf, uids, flags, frames.header(buf).segment))
+        self.backlog[0].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
 
     def _segments_in_flight(self) -> set[str]:
         in_backlog = {f.segment for b in self.backlog for f in b if f.segment}
@@ -427,7 +417,7 @@ class Router:
         if children:
             ids = np.asarray(children, dtype=np.int64)
             forwarded = frames.splice(buf, frames.ITEMS, ids)
-            self.backlog[stage + 1].append(Frame(forwarded, ids, h.flags, h.segment))
+            self.backlog[stage + 1].append(frames.Frame(forwarded, ids, h.flags, h.segment))
         elif h.segment:
             self._segment_done(h.segment)
 

@@ -19,7 +19,7 @@ import numpy as np
 from ebb.common.spec import StageSpec
 
 from .columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
-from .modelet import Modelet, StageError
+from .modelet_api import Modelet, StageError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from nats.aio.client import Client as NATS
 from ebb.common import bus
 from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
-from ebb.common.errors import BusError, RemoteError
+from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
 from ebb.common.output import CommitRecord, OutputStore, new_commit
 from ebb.common.runner import EXIT_CONFIG, EXIT_OK
@@ -46,8 +46,18 @@ from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
 
-_LOST_CODES = frozenset({"stale_token", "job_ended", "not_found", "quarantined"})
-_RETRY_CODES = frozenset({"unavailable", "not_leader", "internal", "bad_reply", "no_commit_record"})
+_LOST_CODES = frozenset(
+    {ErrorCode.STALE_TOKEN, ErrorCode.JOB_ENDED, ErrorCode.NOT_FOUND, ErrorCode.QUARANTINED}
+)
+_RETRY_CODES = frozenset(
+    {
+        ErrorCode.UNAVAILABLE,
+        ErrorCode.NOT_LEADER,
+        ErrorCode.INTERNAL,
+        ErrorCode.BAD_REPLY,
+        ErrorCode.NO_COMMIT_RECORD,
+    }
+)
 """Answers that say "not now": the master is restarting, its store timed out, or (on an
 eventually consistent object store) it cannot see our commit record yet."""
 
@@ -182,7 +192,7 @@ class Worker:
                     reply = await self._lease()
                 except RemoteError as e:
                     slots.release()
-                    if e.code == "not_found":
+                    if e.code == ErrorCode.NOT_FOUND:
                         log.error("job %s is unknown to the master: stopping", self.spec.id)
                         break
                     log.warning("lease refused (%s); retrying", e)

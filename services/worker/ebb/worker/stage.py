@@ -32,7 +32,7 @@ from ebb.common.spec import StageSpec
 from . import frames
 from .batcher import AdaptiveBatchSize, Batch, Batcher
 from .columns import VALUE, Columns, concat, from_arrow, from_rows, is_plain, take, to_rows
-from .modelet import StageError, columns_callable, resolve_class, rows_callable
+from .modelet_api import StageError, columns_callable, resolve_class, rows_callable
 from .runtimes import load_runtime
 from .shm import Arena
 

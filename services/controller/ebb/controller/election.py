@@ -31,7 +31,7 @@ def _stamp(t: datetime.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class LeaseElector:
+class LeaderElector:
     def __init__(
         self,
         api: ApiClient,

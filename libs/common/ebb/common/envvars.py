@@ -1,0 +1,62 @@
+"""The names of every EBB_* environment variable, in one place.
+
+Environment variables are read only at the edge (entrypoints, the CLI) and written only where
+a process starts another (the local backend, the embedded stack, the worker pod template).
+Both sides name them from here, so that a rename cannot leave one side behind.
+"""
+
+from __future__ import annotations
+
+# NATS connection, shared by every service and the CLI (see bus.NATS_ENVIRONMENT).
+NATS_URL = "EBB_NATS_URL"
+PREFIX = "EBB_PREFIX"
+NATS_USER = "EBB_NATS_USER"
+NATS_PASSWORD = "EBB_NATS_PASSWORD"  # noqa: S105 - the variable's name, not a secret
+NATS_TOKEN = "EBB_NATS_TOKEN"  # noqa: S105 - the variable's name, not a secret
+NATS_CREDS = "EBB_NATS_CREDS"
+NATS_TLS_CA = "EBB_NATS_TLS_CA"
+NATS_TLS_CERT = "EBB_NATS_TLS_CERT"
+NATS_TLS_KEY = "EBB_NATS_TLS_KEY"
+NATS_NAME_PREFIX = "EBB_NATS_"
+"""Every variable of the connection starts so: none is inherited by a child as it is."""
+
+# The NATS identity a controller gives the workers it starts.
+WORKER_NATS_USER = "EBB_WORKER_NATS_USER"
+WORKER_NATS_PASSWORD = "EBB_WORKER_NATS_PASSWORD"  # noqa: S105 - a name, not a secret
+WORKER_NATS_NAME_PREFIX = "EBB_WORKER_NATS_"
+
+# Every service.
+LOG_LEVEL = "EBB_LOG_LEVEL"
+METRICS_PORT = "EBB_METRICS_PORT"
+
+# The worker.
+JOB = "EBB_JOB"
+WORKER_ID = "EBB_WORKER_ID"
+SHUTDOWN_GRACE_S = "EBB_SHUTDOWN_GRACE_S"
+PARENT_PID = "EBB_PARENT_PID"
+"""Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
+process is gone."""
+TERMINATION_LOG = "EBB_TERMINATION_LOG"
+
+# The shard master.
+MASTER_ID = "EBB_MASTER_ID"
+DATA_ROOTS = "EBB_DATA_ROOTS"
+LEADER_TTL_S = "EBB_LEADER_TTL_S"
+
+# The controller.
+BACKEND = "EBB_BACKEND"
+MAX_WORKERS = "EBB_MAX_WORKERS"
+WORKER_LOG_DIR = "EBB_WORKER_LOG_DIR"
+CONTROLLER_CONFIG = "EBB_CONTROLLER_CONFIG"
+CONTROLLER_ID = "EBB_CONTROLLER_ID"
+NAMESPACE = "EBB_NAMESPACE"
+POD_NAME = "EBB_POD_NAME"
+
+# The CLI.
+CREDENTIALS = "EBB_CREDENTIALS"
+CLI_LOG_LEVEL = "EBB_CLI_LOG_LEVEL"
+
+
+def role_password(role: str) -> str:
+    """The variable that holds the NATS password of a role (`ebb.common.auth`)."""
+    return f"EBB_{role.upper()}_PASSWORD"

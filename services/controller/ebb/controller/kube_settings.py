@@ -1,0 +1,53 @@
+"""The Kubernetes backend's settings: where and how worker pods run, and the tide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ebb.common.bus import NatsConfig
+
+from .tidal import TidalConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class KubeConfig:
+    namespace: str = "ebb"
+    image: str = ""
+    """Workers' image; empty: the controller's own (see `from_cluster`), so that a new
+    release rolls workers forward with the controller."""
+    image_pull_policy: str = "IfNotPresent"
+    service_account: str | None = "ebb-worker"
+    priority_class: str | None = None
+    """priorityClassName of worker pods (a low one, so that online pods preempt them)."""
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    """How workers reach NATS (URL, prefix). Credentials come from `nats_secret`."""
+    nats_secret: str | None = "ebb-nats-worker"  # noqa: S105 - the Secret's name
+    """A Secret with keys user/password/token/creds (each optional) for workers."""
+    grace_s: int = 60
+    """terminationGracePeriodSeconds: the time a worker has to drain on SIGTERM."""
+    pool_label: str = "ebb.io/pool"
+    online_selector: str = "ebb.io/workload=online"
+    """Labels that mark online pods (whose load the tide follows)."""
+    tidal: TidalConfig | None = field(default_factory=TidalConfig)
+    """None: the mixed pool is never lent."""
+    oom_factor: float = 1.5
+    """An OOMKilled worker's successors ask for this much more memory..."""
+    max_memory_gb: float = 64.0
+    """...up to this."""
+    avoid_after: int = 3
+    """Failed worker pods on one node within `avoid_window_s` that make it one to avoid..."""
+    avoid_window_s: float = 600.0
+    avoid_for_s: float = 1800.0
+    """...for this long."""
+    owner: dict[str, str] | None = None
+    """An ownerReference for worker pods (apiVersion, kind, name, uid)."""
+    owner_deployment: str | None = None
+    """Or: the Deployment (the controller's own) that owns worker pods, looked up at start,
+    so that deleting Ebb deletes its workers too."""
+    labels: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage"])
+    """Secrets whose keys become workers' environment, if they exist: object-store
+    credentials (AWS_ACCESS_KEY_ID...), for fsspec to read inputs and write outputs."""
+    metrics_port: int | None = 9400
+    """Workers serve /metrics here (annotated for Prometheus' pod discovery); None: not."""

@@ -1,0 +1,132 @@
+"""Typed, read-only views of the Kubernetes objects the informers keep as JSON maps.
+
+The informers keep what the API sent, untouched (no model classes on the hot path); a view
+wraps one map and answers the questions the backend asks of it, each field's absence (the
+API leaves out what is empty) handled here, once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+from .capacity import Resources, add, quantities
+from .informer import Obj
+
+RESOURCES = ("cpu", "memory", "nvidia.com/gpu")
+"""The resources capacity is counted in."""
+
+
+def _map(obj: Obj, key: str) -> Obj:
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _list(obj: Obj, key: str) -> list[Obj]:
+    value = obj.get(key)
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def parse_time(value: str | None) -> float:
+    """An API timestamp as wall-clock seconds; now when there is none."""
+    if not value:
+        return time.time()
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+class Meta:
+    """An object's metadata."""
+
+    __slots__ = ("_meta",)
+
+    def __init__(self, obj: Obj) -> None:
+        self._meta = _map(obj, "metadata")
+
+    @property
+    def name(self) -> str:
+        return str(self._meta.get("name") or "")
+
+    @property
+    def namespace(self) -> str:
+        return str(self._meta.get("namespace") or "")
+
+    @property
+    def uid(self) -> str:
+        return str(self._meta.get("uid") or "")
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return _map(self._meta, "labels")
+
+    @property
+    def created(self) -> str:
+        """creationTimestamp as the API wrote it (RFC 3339, sorts as time does); "" if unset."""
+        return str(self._meta.get("creationTimestamp") or "")
+
+    @property
+    def deleting(self) -> bool:
+        """A deletion was asked for (deletionTimestamp is set): the object is on its way out."""
+        return bool(self._meta.get("deletionTimestamp"))
+
+
+class PodView:
+    __slots__ = ("meta", "obj")
+
+    def __init__(self, obj: Obj) -> None:
+        self.obj = obj
+        self.meta = Meta(obj)
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def node(self) -> str:
+        """The node the pod is bound to; "" while unscheduled."""
+        return str(_map(self.obj, "spec").get("nodeName") or "")
+
+    @property
+    def phase(self) -> str:
+        return str(_map(self.obj, "status").get("phase") or "Pending")
+
+    def requests(self) -> Resources:
+        """What its containers request, in the resources capacity is counted in."""
+        total: Resources = {}
+        for container in _list(_map(self.obj, "spec"), "containers"):
+            requests = _map(_map(container, "resources"), "requests")
+            total = add(total, quantities({k: v for k, v in requests.items() if k in RESOURCES}))
+        return total
+
+    def cpu(self) -> float:
+        return self.requests().get("cpu", 0.0)
+
+
+class NodeView:
+    __slots__ = ("meta", "obj")
+
+    def __init__(self, obj: Obj) -> None:
+        self.obj = obj
+        self.meta = Meta(obj)
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def ready(self) -> bool:
+        """Schedulable and reporting Ready."""
+        if _map(self.obj, "spec").get("unschedulable"):
+            return False
+        for condition in _list(_map(self.obj, "status"), "conditions"):
+            if condition.get("type") == "Ready":
+                return bool(condition.get("status") == "True")
+        return False
+
+    def allocatable(self) -> Resources:
+        allocatable: Any = _map(self.obj, "status").get("allocatable")
+        return quantities(allocatable)
+
+    def cpu(self, default: float) -> float:
+        """Allocatable CPU cores; `default` if the node does not say."""
+        return self.allocatable().get("cpu", default)

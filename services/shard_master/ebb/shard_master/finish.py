@@ -1,0 +1,74 @@
+"""Finishing a job that succeeded: the manifest of exactly the committed files."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ebb.common.output import MANIFEST, Manifest, ManifestFile, OutputStore
+
+from .jobs import Job
+
+log = logging.getLogger(__name__)
+
+
+def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, int]]:
+    """The job's manifest, and the winning attempt of each shard that is DONE."""
+    files: list[ManifestFile] = []
+    winners: dict[int, int] = {}
+    quarantined: list[int] = []
+    for shard in job.shards:
+        record = shard.record
+        if record.state == "QUARANTINED":
+            quarantined.append(shard.index)
+            continue
+        winners[shard.index] = record.done_attempt
+        files += [
+            ManifestFile(
+                path=f.path,
+                shard=shard.index,
+                attempt=record.done_attempt,
+                rows=f.rows,
+                error_rows=f.error_rows,
+            )
+            for f in record.files
+        ]
+    manifest = Manifest(
+        job=job.id,
+        files=files,
+        rows=job.rows_done,
+        error_rows=job.error_rows,
+        shards=job.record.shards_total,
+        quarantined_shards=quarantined,
+        created_at=created_at,
+    )
+    return manifest, winners
+
+
+async def write_manifest(job: Job, output: OutputStore) -> str:
+    """Write the job's manifest, then remove the attempts that lost. Returns its URL."""
+    manifest, winners = build_manifest(job, created_at=time.time())
+    await asyncio.to_thread(output.write_manifest, manifest)
+    try:
+        removed = await asyncio.to_thread(output.remove_uncommitted, winners)
+        if removed:
+            log.info("job %s: removed %d uncommitted attempt folders", job.id, removed)
+    except OSError as e:  # garbage left behind is harmless: readers use the manifest
+        log.warning("job %s: could not remove uncommitted attempts: %s", job.id, e)
+    return output.url(MANIFEST)
+
+
+def failure_reason(job: Job, errors: int) -> str:
+    """Why a job failed: its error rows over budget, or its quarantined shards."""
+    parts = [
+        f"{errors} failed rows exceed max_error_fraction "
+        f"{job.spec.fault.max_error_fraction} of {job.record.rows_total} rows"
+    ]
+    quarantined = [s for s in job.shards if s.record.state == "QUARANTINED"]
+    if quarantined and len(quarantined) == job.record.shards_total:
+        parts = ["every shard was quarantined"]
+    for shard in quarantined[:3]:
+        last = shard.record.errors[-1] if shard.record.errors else "?"
+        parts.append(f"shard {shard.index} quarantined: {last}")
+    return "; ".join(parts)

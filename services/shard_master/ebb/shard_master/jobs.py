@@ -1,0 +1,138 @@
+"""A job and its shards in the master's memory: the records, and the indexes kept from them.
+
+The indexes (the TODO queue, the DOING set, the count of shards per state, the row totals)
+are derived from the shard records alone. They change in exactly two places: `adopt_shards`
+builds them from scratch, and `LeaseTable.apply` moves one shard with `leave` and `enter`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+
+from ebb.common.messages import TERMINAL_JOB_STATES, ShardState
+from ebb.common.spec import JobSpec
+
+from . import metrics
+from .store import JobRecord, ShardRecord
+
+_KEEP_DURATIONS = 256
+
+
+class Shard:
+    __slots__ = ("deadlines", "granted", "lock", "record", "revision")
+
+    def __init__(self, record: ShardRecord, revision: int) -> None:
+        self.record = record
+        self.revision = revision
+        self.lock = asyncio.Lock()
+        self.deadlines: dict[str, float] = {}
+        """Active lease tokens and when each expires (monotonic)."""
+        self.granted: dict[str, float] = {}
+        """Active lease tokens and when each was granted (monotonic)."""
+
+    @property
+    def index(self) -> int:
+        return self.record.spec.index
+
+
+class Job:
+    def __init__(self, record: JobRecord, revision: int, spec: JobSpec) -> None:
+        self.record = record
+        self.revision = revision
+        self.spec = spec
+        self.lock = asyncio.Lock()
+        self.shards: list[Shard] = []
+        self.todo: deque[int] = deque()
+        """Indexes of TODO shards in the order they are served. Taking from it is how a shard
+        is picked, so an index may stay here a while after its shard left TODO: skip those."""
+        self.doing: set[int] = set()
+        self.counts: Counter[str] = Counter()
+        self.rows_done = 0
+        self.error_rows = 0
+        self.quarantined_rows = 0
+        self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
+        self.next_seq = 0
+        self.finish_failures = 0
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    @property
+    def ended(self) -> bool:
+        return self.record.state in TERMINAL_JOB_STATES
+
+    def adopt_shards(
+        self,
+        entries: list[tuple[ShardRecord, int]],
+        *,
+        now: float,
+        wall_now: float,
+        lease_s: float,
+        grace_s: float,
+    ) -> None:
+        """Build the in-memory table from persisted shard records (after planning or a restart).
+
+        `now` is the monotonic clock, `wall_now` the wall clock the records' times are on."""
+        self.shards = [
+            Shard(rec, rev) for rec, rev in sorted(entries, key=lambda e: e[0].spec.index)
+        ]
+        self.todo.clear()
+        self.doing.clear()
+        self.counts.clear()
+        self.rows_done = self.error_rows = self.quarantined_rows = 0
+        for shard in self.shards:
+            rec = shard.record
+            self.next_seq = max(self.next_seq, rec.seq + 1)
+            if rec.state != "TODO":  # queued below, in the order of their seq
+                self.enter(shard)
+            for lease in rec.leases:
+                left = lease_s
+                if lease.expires_at:
+                    left = min(lease_s, max(0.0, lease.expires_at - wall_now) + grace_s)
+                shard.deadlines[lease.token] = now + left
+                ran = max(0.0, wall_now - lease.granted_at) if lease.granted_at else 0.0
+                shard.granted[lease.token] = now - ran
+        for shard in sorted(
+            (s for s in self.shards if s.record.state == "TODO"), key=lambda s: s.record.seq
+        ):
+            self.enter(shard)
+        self.publish_gauges()
+
+    def enter(self, shard: Shard) -> None:
+        """Add the shard to the indexes of the state its record is in."""
+        rec = shard.record
+        self.counts[rec.state] += 1
+        if rec.state == "TODO":
+            self.todo.append(shard.index)  # the tail: others get their turn first
+        elif rec.state == "DOING":
+            self.doing.add(shard.index)
+        elif rec.state == "DONE":
+            self.rows_done += rec.rows
+            self.error_rows += rec.error_rows
+            if rec.seconds > 0:
+                self.durations.append(rec.seconds)
+        elif rec.state == "QUARANTINED":
+            self.quarantined_rows += rec.spec.rows
+
+    def leave(self, shard: Shard, state: ShardState) -> None:
+        """Take the shard out of the indexes of `state`, the state it is leaving. (TODO's
+        queue needs nothing: the shard was taken from it when it was picked.)"""
+        self.counts[state] -= 1
+        if state == "DOING":
+            self.doing.discard(shard.index)
+
+    def release_shards(self) -> None:
+        """Forget the shards of an ended job: its record keeps the final counts."""
+        self.shards = []
+        self.todo.clear()
+        self.doing.clear()
+
+    def publish_gauges(self, *states: ShardState) -> None:
+        for state in states or ("TODO", "DOING", "DONE", "QUARANTINED"):
+            metrics.SHARDS.labels(self.id, state).set(self.counts[state])

@@ -1,0 +1,121 @@
+"""A worker's pod as a pure function, against golden specs; the views; node avoidance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ebb.common.bus import NatsConfig
+from ebb.controller.avoidance import NodeAvoidance
+from ebb.controller.capacity import Resources
+from ebb.controller.failures import Failure
+from ebb.controller.kube import KubeConfig
+from ebb.controller.podspec import pod_name, worker_pod
+from ebb.controller.views import NodeView, PodView
+
+GOLDEN = Path(__file__).parent / "golden"
+
+CASES: dict[str, tuple[KubeConfig, Resources, list[str]]] = {
+    "default": (KubeConfig(tidal=None), {"cpu": 2.0, "memory": 4.0 * 2**30}, []),
+    "everything": (
+        KubeConfig(
+            namespace="batch",
+            image="registry.example/ebb:1.2",
+            image_pull_policy="Always",
+            service_account=None,
+            priority_class="ebb-batch",
+            nats=NatsConfig(url="nats://nats.batch:4222", prefix="p2"),
+            nats_secret=None,
+            grace_s=120,
+            pool_label="example.io/pool",
+            tidal=None,
+            owner={
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": "ebb-controller",
+                "uid": "u-1",
+            },
+            labels={"team": "search"},
+            env={"HF_HOME": "/cache"},
+            env_from_secrets=["s3", "gcs"],
+            metrics_port=None,
+        ),
+        {"cpu": 0.5, "memory": 1.5 * 2**30, "nvidia.com/gpu": 1.0},
+        ["node-b", "node-a"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_worker_pod_is_its_golden_spec(case: str) -> None:
+    config, shape, avoid = CASES[case]
+    pod = worker_pod("job-7f3a", config, worker_id="Worker_7F3A.host-1", shape=shape, avoid=avoid)
+    golden = json.loads((GOLDEN / f"worker_pod_{case}.json").read_text())
+    assert pod == golden
+    # Pure: the same arguments give the same pod, and the arguments are left as they were.
+    assert worker_pod(
+        "job-7f3a", config, worker_id="Worker_7F3A.host-1", shape=shape, avoid=avoid
+    ) == json.loads(json.dumps(pod))
+    assert avoid == CASES[case][2]
+
+
+def test_the_pod_names_its_worker_as_a_pod_name_may_be_spelled() -> None:
+    assert pod_name("Worker_7F3A.host-1") == "worker-7f3a-host-1"
+    assert pod_name("x" * 70 + "-y") == "x" * 63
+    assert pod_name("__") == "ebb-worker"
+
+
+def test_views_answer_for_fields_the_api_left_out() -> None:
+    bare = PodView({})
+    assert (bare.name, bare.node, bare.phase, bare.requests()) == ("", "", "Pending", {})
+    assert (bare.meta.labels, bare.meta.deleting, bare.meta.created) == ({}, False, "")
+    pod = PodView(
+        {
+            "metadata": {
+                "name": "p",
+                "labels": {"a": "b"},
+                "deletionTimestamp": "2026-01-01T00:00:00Z",
+            },
+            "spec": {
+                "nodeName": "n1",
+                "containers": [
+                    {"resources": {"requests": {"cpu": "500m", "ephemeral-storage": "1Gi"}}},
+                    {"resources": {"requests": {"cpu": "1", "memory": "1Gi"}}},
+                    {},
+                ],
+            },
+            "status": {"phase": "Running"},
+        }
+    )
+    assert (pod.name, pod.node, pod.phase, pod.meta.deleting) == ("p", "n1", "Running", True)
+    assert pod.requests() == {"cpu": 1.5, "memory": 2.0**30}
+    assert NodeView({}).ready is False
+    assert NodeView({}).cpu(default=1.0) == 1.0
+    node = {
+        "metadata": {"name": "n1"},
+        "status": {
+            "allocatable": {"cpu": "4", "memory": "8Gi"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    assert NodeView(node).ready and NodeView(node).cpu(default=1.0) == 4.0
+    assert not NodeView({**node, "spec": {"unschedulable": True}}).ready
+
+
+def test_a_node_is_avoided_after_failures_within_the_window_and_only_for_a_while() -> None:
+    avoidance = NodeAvoidance(after=2, window_s=10.0, for_s=100.0)
+    crash = Failure("crash", "exit code 1")
+    avoidance.note_failure(pod_uid="a", node="n1", failure=crash, now=0.0)
+    avoidance.note_failure(pod_uid="a", node="n1", failure=crash, now=1.0)  # the same pod
+    evicted = Failure("capacity", "Evicted")
+    avoidance.note_failure(pod_uid="b", node="n1", failure=evicted, now=2.0)  # not the node's
+    avoidance.note_failure(pod_uid="c", node="", failure=crash, now=2.0)  # never scheduled
+    assert avoidance.avoided(3.0) == []
+    avoidance.note_failure(pod_uid="d", node="n1", failure=crash, now=20.0)  # window passed
+    assert avoidance.avoided(21.0) == []
+    avoidance.note_failure(pod_uid="e", node="n1", failure=None, now=25.0)
+    assert avoidance.avoided(26.0) == ["n1"]
+    assert avoidance.avoids("n1", 124.9) and not avoidance.avoids("n1", 125.0)
+    assert not avoidance.avoids("n2", 26.0)

@@ -1,0 +1,329 @@
+"""The lease table on its own: an in-memory record store and a clock the test moves.
+
+What the master does over NATS is tested in test_master.py against a real nats-server; here
+every transition is driven directly, so expiry, speculation and a restart take no real time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ebb.common.messages import JobEvent, LeaseReply, ShardState
+from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.spec import JobSpec, parse_job
+from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
+from ebb.shard_master.jobs import Job
+from ebb.shard_master.store import JobRecord, ShardRecord, shard_key
+from ebb.shard_master.table import LeaseTable
+from ebb.shard_master.transitions import SHARD_STATES, TRANSITIONS, check_transition
+
+from .helpers import job_spec, write_dataset, write_model
+
+
+class MemoryStore:
+    """The RecordStore contract in memory: revisions, compare-and-set, Deposed on a conflict."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, tuple[JobRecord, int]] = {}
+        self.shards: dict[str, tuple[ShardRecord, int]] = {}
+        self._revision = itertools.count(1)
+
+    async def create_job(self, record: JobRecord) -> int | None:
+        if record.id in self.jobs:
+            return None
+        self.jobs[record.id] = (record, revision := next(self._revision))
+        return revision
+
+    async def update_job(self, record: JobRecord, *, last: int) -> int:
+        if self.jobs[record.id][1] != last:
+            raise Deposed(f"job {record.id} was written by someone else")
+        self.jobs[record.id] = (record, revision := next(self._revision))
+        return revision
+
+    async def get_job(self, job: str) -> tuple[JobRecord, int] | None:
+        return self.jobs.get(job)
+
+    async def create_shard(self, record: ShardRecord) -> int | None:
+        key = shard_key(record.job, record.spec.index)
+        if key in self.shards:
+            return None
+        self.shards[key] = (record, revision := next(self._revision))
+        return revision
+
+    async def update_shard(self, record: ShardRecord, *, last: int) -> int:
+        key = shard_key(record.job, record.spec.index)
+        if self.shards[key][1] != last:
+            raise Deposed(f"shard {key} was written by someone else")
+        self.shards[key] = (record, revision := next(self._revision))
+        return revision
+
+    async def load_jobs(self) -> list[tuple[JobRecord, int]]:
+        return list(self.jobs.values())
+
+    async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
+        return [entry for key, entry in self.shards.items() if key.startswith(f"{job}.")]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def new_table(store: MemoryStore, clock: Clock, events: list[JobEvent] | None = None) -> LeaseTable:
+    sink = events.append if events is not None else (lambda _event: None)
+    return LeaseTable(
+        store=store, epoch=1, on_event=sink, clock=clock, speculate_after_s=5.0, lease_grace_s=2.0
+    )
+
+
+def make_job(tmp_path: Path, *, shards: int = 3, **fault: object) -> JobSpec:
+    write_dataset(tmp_path / "data", rows=100 * shards, row_group_size=100)
+    write_model(tmp_path / "model.onnx")
+    return parse_job(job_spec(tmp_path, rows_per_shard=100, fault=dict(fault))).with_id()
+
+
+def commit_record(spec: JobSpec, reply: LeaseReply, *, rows: int = 100) -> None:
+    """What a worker does before `commit`: write its file and create the commit record."""
+    assert reply.shard is not None
+    store = OutputStore(spec.output.uri)
+    path = f"{attempt_dir(reply.shard.index, reply.attempt)}/part-00000.parquet"
+    store.write_file(path, b"data")
+    store.create_commit(
+        new_commit(
+            job=spec.id,
+            shard=reply.shard.index,
+            attempt=reply.attempt,
+            files=[OutputFile(path=path, rows=rows)],
+            worker="w",
+        )
+    )
+
+
+def assert_indexes_match_records(job: Job, store: MemoryStore) -> None:
+    """Every index the job keeps is what its shard records, in memory and stored, say."""
+    for shard in job.shards:
+        assert store.shards[shard_key(job.id, shard.index)] == (shard.record, shard.revision)
+    records = [s.record for s in job.shards]
+    assert +job.counts == Counter(r.state for r in records)
+    assert job.doing == {r.spec.index for r in records if r.state == "DOING"}
+    queued = [i for i in job.todo if job.shards[i].record.state == "TODO"]
+    assert sorted(queued) == sorted(r.spec.index for r in records if r.state == "TODO")
+    assert [job.shards[i].record.seq for i in queued] == sorted(
+        job.shards[i].record.seq for i in queued
+    )
+    assert job.rows_done == sum(r.rows for r in records if r.state == "DONE")
+    assert job.quarantined_rows == sum(r.spec.rows for r in records if r.state == "QUARANTINED")
+    for shard in job.shards:
+        assert set(shard.deadlines) == {lease.token for lease in shard.record.leases}
+
+
+@pytest.mark.parametrize(("old", "new"), list(itertools.product(SHARD_STATES, SHARD_STATES)))
+def test_the_transition_map_allows_only_the_moves_of_the_design(
+    old: ShardState, new: ShardState
+) -> None:
+    legal = {
+        ("TODO", "DOING"),
+        ("DOING", "DOING"),
+        ("DOING", "TODO"),
+        ("DOING", "DONE"),
+        ("DOING", "QUARANTINED"),
+    }
+    assert (new in TRANSITIONS[old]) == ((old, new) in legal)
+    if (old, new) in legal:
+        check_transition(old, new)
+    else:
+        with pytest.raises(IllegalTransition, match=f"from {old} to {new}"):
+            check_transition(old, new)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(o, n) for o, n in itertools.product(SHARD_STATES, SHARD_STATES) if n not in TRANSITIONS[o]],
+)
+async def test_an_illegal_move_is_refused_before_anything_is_written(
+    tmp_path: Path, old: ShardState, new: ShardState
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    # Two shards, so that shard 0 ending leaves the job running.
+    spec = make_job(tmp_path, shards=2, max_attempts=1, max_error_fraction=1.0)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    shard = job.shards[0]
+    # Put the shard in `old` the way the table would: through its one transition point.
+    if old != "TODO":
+        reply = await table.lease(spec.id, "w1")
+        if old == "DONE":
+            commit_record(spec, reply)
+            await table.commit(reply.token)
+        elif old == "QUARANTINED":
+            await table.release(reply.token, "poison", retryable=False)
+    assert shard.record.state == old
+    stored = dict(store.shards)
+    indexes = (Counter(job.counts), set(job.doing), list(job.todo))
+
+    async with shard.lock:
+        with pytest.raises(IllegalTransition):
+            await table.apply(job, shard, replace(shard.record, state=new))
+
+    assert store.shards == stored
+    assert shard.record.state == old
+    assert (Counter(job.counts), set(job.doing), list(job.todo)) == indexes
+
+
+async def test_every_move_of_a_job_keeps_its_indexes_equal_to_its_records(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    events: list[JobEvent] = []
+    table = new_table(store, clock, events)
+    spec = make_job(tmp_path, shards=4, max_attempts=2, max_error_fraction=1.0)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    assert_indexes_match_records(job, store)
+
+    a, b, c, d = [await table.lease(spec.id, f"w{i}") for i in range(4)]
+    assert [r.shard.index for r in (a, b, c, d) if r.shard] == [0, 1, 2, 3]
+    assert job.counts["DOING"] == 4
+    assert_indexes_match_records(job, store)
+
+    await table.renew(a.token)
+    commit_record(spec, a)
+    assert (await table.commit(a.token)).status == "done"
+    assert_indexes_match_records(job, store)
+    assert (await table.release(b.token, "busy", retryable=True)).state == "TODO"
+    assert (await table.release(c.token, "bad row", retryable=False)).state == "TODO"
+    assert_indexes_match_records(job, store)
+    # Both went to the tail in the order they came back, after their first seq.
+    assert [job.shards[i].record.seq for i in job.todo] == [4, 5]
+    assert list(job.todo) == [1, 2]
+
+    retry = await table.lease(spec.id, "w5")
+    assert retry.shard is not None and retry.shard.index == 1 and retry.attempt == 2
+    assert (await table.release(d.token, "bad", retryable=False)).state == "TODO"
+    again = await table.lease(spec.id, "w6")  # shard 2, its second failure quarantines it
+    assert (await table.release(again.token, "bad", retryable=False)).state == "QUARANTINED"
+    assert_indexes_match_records(job, store)
+    assert job.shards[2].record.errors == ["bad row", "bad"]
+    assert progress_rows(events) == [100]
+
+
+def progress_rows(events: list[JobEvent]) -> list[int]:
+    return [e.rows_done for e in events if e.kind == "progress"]
+
+
+async def test_an_expired_lease_goes_to_the_tail_and_the_last_one_quarantines(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2, lease_s=30, max_attempts=2, max_error_fraction=1.0)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    first = await table.lease(spec.id, "w1")
+    assert table.next_expiry() == clock.now + 30
+
+    clock.now += 29.9
+    assert await table.expire_due() == 0
+    await table.renew(first.token)  # a renewal moves the deadline a full period on
+    clock.now += 29.9
+    assert await table.expire_due() == 0
+    clock.now += 0.2
+    assert await table.expire_due() == 1
+    assert job.shards[0].record.state == "TODO"
+    assert list(job.todo) == [1, 0]  # the tail
+    assert job.shards[0].record.errors == ["lease of attempt 1 expired (worker w1)"]
+    with pytest.raises(StaleToken):
+        await table.renew(first.token)
+    assert_indexes_match_records(job, store)
+
+    await table.lease(spec.id, "w2")  # shard 1
+    second = await table.lease(spec.id, "w3")
+    assert second.shard is not None and second.shard.index == 0
+    clock.now += 31
+    assert await table.expire_due() == 2
+    assert [s.record.state for s in job.shards] == ["QUARANTINED", "TODO"]
+    assert_indexes_match_records(job, store)
+
+
+async def test_an_idle_worker_gets_a_speculative_attempt_and_the_first_commit_wins(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2, lease_s=600)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    fast = await table.lease(spec.id, "fast")
+    slow = await table.lease(spec.id, "slow")
+    clock.now += 2
+    commit_record(spec, fast)
+    await table.commit(fast.token)
+    assert list(job.durations) == [2]
+
+    # Running 4 s is not long past the usual 2 s yet: speculation waits speculate_after_s.
+    clock.now += 2
+    assert (await table.lease(spec.id, "fast")).status == "wait"
+    clock.now += 2
+    assert (await table.lease(spec.id, "slow")).status == "wait"  # never its own shard
+    backup = await table.lease(spec.id, "fast")
+    assert backup.speculative and backup.shard is not None and backup.shard.index == 1
+    assert backup.attempt == 2
+    assert_indexes_match_records(job, store)
+
+    commit_record(spec, backup)
+    assert (await table.commit(backup.token)).status == "done"
+    assert job.ended and job.record.state == "SUCCEEDED"
+    with pytest.raises(JobEnded):  # the losing attempt's leases went with the job
+        await table.commit(slow.token)
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None
+    assert sorted((f.shard, f.attempt) for f in manifest.files) == [(0, 1), (1, 2)]
+
+
+async def test_a_restarted_table_keeps_each_lease_no_longer_than_its_deadline_plus_a_grace(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=3, lease_s=60)
+    assert await table.submit(spec)
+    held = await table.lease(spec.id, "w1")
+    await table.lease(spec.id, "w2")
+    await table.release((await table.lease(spec.id, "w3")).token, "busy", retryable=True)
+
+    restarted_clock = Clock()
+    restarted_clock.now = 5.0
+    restarted = new_table(store, restarted_clock)
+    await restarted.load()
+    job = restarted.jobs[spec.id]
+    assert_indexes_match_records(job, store)
+    assert list(job.todo) == [2]
+    left = job.shards[0].deadlines[held.token] - restarted_clock.now
+    assert 60 - 1 < left <= 60  # what it had left (nearly all of it); never more than a period
+    # The restarted table carries on where the first left off: fencing, queue order, seq.
+    await restarted.renew(held.token)
+    nxt = await restarted.lease(spec.id, "w4")
+    assert nxt.shard is not None and nxt.shard.index == 2 and nxt.attempt == 2
+
+
+async def test_a_record_someone_else_wrote_deposes_the_table(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1)
+    assert await table.submit(spec)
+    reply = await table.lease(spec.id, "w1")
+    key = shard_key(spec.id, 0)
+    record, revision = store.shards[key]
+    await store.update_shard(record, last=revision)  # another master's write
+    job = table.jobs[spec.id]
+    with pytest.raises(Deposed):
+        await table.renew(reply.token)
+    assert job.shards[0].revision == revision
+    assert job.counts["DOING"] == 1
