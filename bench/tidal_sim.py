@@ -5,7 +5,7 @@ API server of the tests, a real shard master on a real nats-server, and the real
 (Kubernetes backend, reconciler, tide). Time is compressed: one simulated minute lasts a
 fraction of a second. The simulator turns a trace of online load on the mixed pool into online
 pods (2 cores each, priority 0) that the fake scheduler places, preempting batch pods for them
-when there is no room (batch pods run at the `ebb-batch` PriorityClass of k8s/, -10, never
+when there is no room (batch pods run at the `ebb-batch` PriorityClass of k8s/, -20, never
 preempting), or leaves Pending when even that finds none.
 
 One long batch job asks for as many workers (2 cores each) as it can get. A worker finishes a

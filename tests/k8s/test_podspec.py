@@ -38,6 +38,8 @@ CASES: dict[str, tuple[KubeConfig, Resources, list[str]]] = {
                 "uid": "u-1",
             },
             labels={"team": "search"},
+            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            node_selector={"nvidia.com/gpu.product": "H100"},
             env={"HF_HOME": "/cache"},
             env_from_secrets=["s3", "gcs"],
             metrics_port=None,

@@ -124,3 +124,24 @@ def test_images_are_pinned_and_nats_is_the_release_the_tests_run() -> None:
         if o["kind"] in ("Deployment", "StatefulSet"):
             for c in o["spec"]["template"]["spec"]["containers"]:
                 assert not c["image"].endswith(":latest"), o["metadata"]["name"]
+
+
+def test_worker_pods_meet_the_restricted_level_too() -> None:
+    from ebb.controller.kube import KubeConfig
+    from ebb.controller.podspec import worker_pod
+
+    pod = worker_pod(
+        "job-1",
+        KubeConfig(tidal=None),
+        worker_id="w-1",
+        shape={"cpu": 1.0, "memory": 2**30},
+        avoid=[],
+    )
+    assert restricted_violations(pod["spec"]) == []
+
+
+def test_batch_workers_are_expendable_to_the_cluster_autoscaler() -> None:
+    """The autoscaler's default expendable-pods-priority-cutoff is -10: a Pending pod below it
+    waits for capacity instead of making the autoscaler add nodes for batch work."""
+    batch = find("PriorityClass", "ebb-batch")
+    assert batch["value"] < -10 and batch["preemptionPolicy"] == "Never"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ebb.common.bus import NatsConfig
 
@@ -44,6 +45,10 @@ class KubeConfig:
     owner_deployment: str | None = None
     """Or: the Deployment (the controller's own) that owns worker pods, looked up at start,
     so that deleting Ebb deletes its workers too."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Workers' pod tolerations (Kubernetes' own form): onto tainted nodes, a GPU pool say."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels a worker's node must have, besides the pool (a GPU model, say)."""
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage"])

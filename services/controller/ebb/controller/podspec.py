@@ -65,6 +65,11 @@ def worker_pod(
         # The worker writes why it gave up there; a crash without a word leaves the tail of
         # its log instead. Either way the controller can say why.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # The Pod Security "restricted" level: workers run user code.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        # Stage processes hand tensors over in shared memory; a container's own /dev/shm is
+        # 64 MiB, too little for a batch of images.
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # noqa: S108 - a mount point
     }
     if c.metrics_port is not None:
         container["ports"] = [{"name": "metrics", "containerPort": c.metrics_port}]
@@ -72,8 +77,14 @@ def worker_pod(
         "restartPolicy": "Never",  # we relaunch, knowing why it ended
         "terminationGracePeriodSeconds": c.grace_s,
         "affinity": {"nodeAffinity": _node_affinity(c.pool_label, sorted(avoid))},
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
+    if c.tolerations:
+        spec["tolerations"] = [dict(t) for t in c.tolerations]
+    if c.node_selector:
+        spec["nodeSelector"] = dict(c.node_selector)
     if c.service_account:
         spec["serviceAccountName"] = c.service_account
     if c.priority_class:
