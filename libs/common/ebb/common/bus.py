@@ -227,28 +227,44 @@ def error_reply(code: ErrorCode, message: str) -> bytes:
 
 
 async def ensure_jetstream(
-    js: JetStreamContext, subjects: Subjects, *, leader_ttl_s: float
+    js: JetStreamContext, subjects: Subjects, *, leader_ttl_s: float, replicas: int = 1
 ) -> None:
-    """Create the stream and buckets Ebb needs, or check they exist. Idempotent."""
+    """Create the stream and buckets Ebb needs, or check they exist. Idempotent.
+
+    `replicas`: copies of each on a NATS cluster (3 on a three-node cluster: any one server
+    may go down, for an upgrade or for good, without losing or stopping anything)."""
     stream = StreamConfig(
         name=subjects.jobs_stream,
         subjects=[subjects.submit],
         storage=StorageType.FILE,
         # A submitted job is work to do exactly once: acked messages are removed.
         retention=RetentionPolicy.WORK_QUEUE,
-        discard=DiscardPolicy.OLD,
+        # Bounded: past these, a submission is refused (the submitter hears it), never an
+        # unplanned one dropped.
+        discard=DiscardPolicy.NEW,
+        max_msgs=JOBS_STREAM_MAX_MSGS,
+        max_bytes=JOBS_STREAM_MAX_BYTES,
         duplicate_window=120.0,
         max_msg_size=1024 * 1024,
+        num_replicas=replicas,
     )
     try:
         await js.stream_info(subjects.jobs_stream)
     except nats.js.errors.NotFoundError:
         await js.add_stream(stream)
-    await ensure_bucket(js, KeyValueConfig(bucket=subjects.jobs_bucket, history=1))
-    await ensure_bucket(js, KeyValueConfig(bucket=subjects.shards_bucket, history=1))
-    await ensure_bucket(
-        js, KeyValueConfig(bucket=subjects.leader_bucket, history=1, ttl=leader_ttl_s)
-    )
+    for bucket, ttl in (
+        (subjects.jobs_bucket, None),
+        (subjects.shards_bucket, None),
+        (subjects.leader_bucket, leader_ttl_s),
+    ):
+        await ensure_bucket(
+            js, KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=replicas)
+        )
+
+
+JOBS_STREAM_MAX_MSGS = 100_000
+"""Submissions waiting for the master at most (they leave the stream once planned)."""
+JOBS_STREAM_MAX_BYTES = 1024**3
 
 
 async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:

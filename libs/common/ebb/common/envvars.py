@@ -42,6 +42,8 @@ TERMINATION_LOG = "EBB_TERMINATION_LOG"
 MASTER_ID = "EBB_MASTER_ID"
 DATA_ROOTS = "EBB_DATA_ROOTS"
 LEADER_TTL_S = "EBB_LEADER_TTL_S"
+JS_REPLICAS = "EBB_JS_REPLICAS"
+"""Copies of the jobs stream and the KV buckets on a NATS cluster (3 on three servers)."""
 
 # The controller.
 BACKEND = "EBB_BACKEND"

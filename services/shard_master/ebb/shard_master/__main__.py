@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a root under which job inputs, outputs and models may lie (repeatable)",
     )
     p.add_argument("--leader-ttl", type=float, default=float(env(envvars.LEADER_TTL_S, "10")))
+    p.add_argument(
+        "--js-replicas",
+        type=int,
+        default=int(env(envvars.JS_REPLICAS, "1")),
+        help="copies of the jobs stream and KV buckets (3 on a three-node NATS cluster)",
+    )
     p.add_argument("--speculate-after", type=float, default=5.0)
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
@@ -44,6 +50,7 @@ async def amain(args: argparse.Namespace) -> int:
         id=args.id,
         data_roots=args.data_root,
         leader_ttl_s=args.leader_ttl,
+        js_replicas=args.js_replicas,
         speculate_after_s=args.speculate_after,
         metrics_port=args.metrics_port,
     )

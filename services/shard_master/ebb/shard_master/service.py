@@ -69,6 +69,9 @@ class MasterConfig:
     """Input, output, model and code paths of a job must lie under one of these."""
     leader_ttl_s: float = 10.0
     """A dead leader is replaced after at most this long."""
+    js_replicas: int = 1
+    """Copies of the jobs stream and the KV buckets, when the master creates them: 1 for one
+    nats-server, 3 on a three-node cluster (any one server may then go down)."""
     wait_retry_s: float = 1.0
     """Told to workers that find no shard free, yet the job unfinished."""
     speculate_after_s: float = 5.0
@@ -136,7 +139,12 @@ class ShardMaster:
 
     async def _run(self, nc: NATS) -> None:
         js = nc.jetstream()
-        await bus.ensure_jetstream(js, self.subjects, leader_ttl_s=self.config.leader_ttl_s)
+        await bus.ensure_jetstream(
+            js,
+            self.subjects,
+            leader_ttl_s=self.config.leader_ttl_s,
+            replicas=self.config.js_replicas,
+        )
         leadership = Leadership(
             await js.key_value(self.subjects.leader_bucket),
             holder=self.config.id,
