@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -83,14 +84,24 @@ class NatsConfig:
         return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
-async def connect(config: NatsConfig, *, name: str) -> NATS:
+_FIRST_CONNECT_WARN_EVERY_S = 5.0
+
+
+class ConnectAborted(BusError):
+    """Asked to stop while still waiting for the first connection to NATS."""
+
+
+async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None = None) -> NATS:
     """Connect; until the first connection, retry (nats-py does, every half second) for up to
-    `first_connect_timeout_s`; later drops reconnect forever. Credentials the server refuses
-    fail at once: waiting will not change a wrong password."""
+    `first_connect_timeout_s`, saying why at WARNING every few seconds; later drops reconnect
+    forever. Credentials the server refuses fail at once: waiting will not change a wrong
+    password. `stop` set before the first connection ends the wait (ConnectAborted): a
+    service told to stop while NATS is away stops, rather than wait for NATS first."""
 
     connected: list[NATS] = []
     loop = asyncio.get_running_loop()
     refused: asyncio.Future[Exception] = loop.create_future()
+    warned_at = [-math.inf]
 
     def closing() -> bool:
         return bool(connected) and (connected[0].is_closed or connected[0].is_draining)
@@ -100,8 +111,13 @@ async def connect(config: NatsConfig, *, name: str) -> NATS:
             if not refused.done():
                 refused.set_result(e)
             return
-        quiet = closing() or (not connected and isinstance(e, OSError | TimeoutError))
-        log.log(logging.DEBUG if quiet else logging.WARNING, "nats error (%s): %s", name, e)
+        if not connected and isinstance(e, OSError | TimeoutError):
+            # The first connection, still failing: say so, with where and why, now and then.
+            if loop.time() - warned_at[0] >= _FIRST_CONNECT_WARN_EVERY_S:
+                warned_at[0] = loop.time()
+                log.warning("%s cannot reach NATS at %s (%s); retrying", name, config.url, e)
+            return
+        log.log(logging.DEBUG if closing() else logging.WARNING, "nats error (%s): %s", name, e)
 
     async def on_disconnect() -> None:
         quiet = closing() or not connected  # not yet connected: a failed first attempt
@@ -143,19 +159,28 @@ async def connect(config: NatsConfig, *, name: str) -> NATS:
     nc = NATS()
     connecting = asyncio.ensure_future(nc.connect(**options))
     log.debug("connecting to NATS at %s as %s", config.url, name)
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
     try:
         waits: list[asyncio.Future[Any]] = [connecting, refused]
+        if stopping is not None:
+            waits.append(stopping)
         await asyncio.wait(
             waits,
             timeout=config.first_connect_timeout_s,
             return_when=asyncio.FIRST_COMPLETED,
         )
     finally:
+        if stopping is not None:
+            stopping.cancel()
         if not connecting.done():
             connecting.cancel()
             await asyncio.wait([connecting])
             with contextlib.suppress(Exception):
                 await nc.close()
+    if stop is not None and stop.is_set() and not connected:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise ConnectAborted(f"{name}: asked to stop before NATS at {config.url} answered")
     if refused.done():
         who = f"user {config.user!r}" if config.user else "these credentials"
         raise BusError(f"NATS at {config.url} refused {who}: {refused.result()}")

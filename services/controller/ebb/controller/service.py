@@ -63,7 +63,13 @@ class Controller:
         self.supervisor.request_stop()
 
     async def run(self) -> None:
-        nc = await bus.connect(self.config.nats, name="ebb-controller")
+        try:
+            nc = await bus.connect(
+                self.config.nats, name="ebb-controller", stop=self.supervisor.stop_requested
+            )
+        except bus.ConnectAborted as e:
+            log.info("%s", e)
+            return
         subjects = Subjects(self.config.nats.prefix)
         # One try per request: a pass that cannot reach the master is skipped, not stalled.
         master = MasterClient(nc, self.config.nats, backoff=Backoff(attempts=1))

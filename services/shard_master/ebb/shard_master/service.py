@@ -105,7 +105,15 @@ class ShardMaster:
         under an agent (NATS away longer than the leader TTL, another master writing), steps
         down and campaigns again with state reloaded from KV, rather than exit and wait for
         someone to restart it."""
-        nc = await bus.connect(self.config.nats, name=f"ebb-master-{self.config.id}")
+        try:
+            nc = await bus.connect(
+                self.config.nats,
+                name=f"ebb-master-{self.config.id}",
+                stop=self.supervisor.stop_requested,
+            )
+        except bus.ConnectAborted as e:
+            log.info("%s", e)
+            return
         try:
             while True:
                 try:

@@ -130,7 +130,13 @@ class Worker:
         self.draining.set()
 
     async def run(self) -> int:
-        nc = await bus.connect(self.config.nats, name=f"ebb-worker-{self.config.id}")
+        try:
+            nc = await bus.connect(
+                self.config.nats, name=f"ebb-worker-{self.config.id}", stop=self.draining
+            )
+        except bus.ConnectAborted as e:
+            log.info("%s", e)
+            return EXIT_OK
         try:
             return await self._run(nc)
         finally:
