@@ -3,6 +3,7 @@ error) within seconds, keeps retrying, and stops on SIGTERM with exit code 0."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import selectors
 import signal
@@ -10,9 +11,17 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+from ebb.common import metrics
+from ebb.common.bus import NatsConfig
+from ebb.shard_master.service import MasterConfig, ShardMaster
+
+from .helpers import wait_until
 
 
 def _unused_port() -> int:
@@ -41,6 +50,33 @@ def _read_until(process: subprocess.Popen[bytes], text: str, timeout_s: float) -
     return seen.decode(errors="replace")
 
 
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+            return reply.status, reply.read().decode().strip()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode().strip()
+
+
+async def test_a_master_connected_and_leading_is_ready(nats_config: NatsConfig) -> None:
+    master = ShardMaster(MasterConfig(nats=nats_config, id="probe-master", leader_ttl_s=3.0))
+    port = metrics.serve(0)
+    assert port is not None
+    task = asyncio.create_task(master.run())
+    try:
+
+        async def ready() -> bool:
+            status, _ = await asyncio.to_thread(_get, port, "/readyz")
+            return status == 200
+
+        await wait_until(ready, timeout=30, what="the master to be ready")
+        assert await asyncio.to_thread(_get, port, "/readyz") == (200, "leading")
+    finally:
+        master.request_stop()
+        await task
+        metrics.set_readiness(lambda: (False, "stopped"))
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -54,7 +90,8 @@ def test_a_service_with_nats_away_says_so_and_stops_on_sigterm(
     command: list[str], tmp_path: Path
 ) -> None:
     url = f"nats://127.0.0.1:{_unused_port()}"
-    env = {**os.environ, "EBB_NATS_URL": url, "EBB_METRICS_PORT": "0"}
+    port = _unused_port()
+    env = {**os.environ, "EBB_NATS_URL": url, "EBB_METRICS_PORT": str(port)}
     process = subprocess.Popen(
         [sys.executable, *command], env=env, cwd=tmp_path, stderr=subprocess.PIPE
     )
@@ -62,6 +99,9 @@ def test_a_service_with_nats_away_says_so_and_stops_on_sigterm(
         said = _read_until(process, url, timeout_s=10)
         assert "WARNING" in said and url in said, said
         assert process.poll() is None  # still trying, as configured (no budget set)
+        # Alive, but not ready: the probes tell Kubernetes the truth about it.
+        assert _get(port, "/healthz") == (200, "alive")
+        assert _get(port, "/readyz")[0] == 503
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0
     finally:

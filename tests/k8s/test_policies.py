@@ -145,3 +145,19 @@ def test_batch_workers_are_expendable_to_the_cluster_autoscaler() -> None:
     waits for capacity instead of making the autoscaler add nodes for batch work."""
     batch = find("PriorityClass", "ebb-batch")
     assert batch["value"] < -10 and batch["preemptionPolicy"] == "Never"
+
+
+def test_master_and_controller_have_probes_on_their_health_endpoints() -> None:
+    for name in ("ebb-master", "ebb-controller"):
+        (container,) = find("Deployment", name)["spec"]["template"]["spec"]["containers"]
+        paths = {
+            probe: container[probe]["httpGet"]["path"]
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe")
+        }
+        assert paths == {
+            "startupProbe": "/healthz",
+            "livenessProbe": "/healthz",
+            "readinessProbe": "/readyz",
+        }, name
+        ports = {p["name"] for p in container["ports"]}
+        assert {container[p]["httpGet"]["port"] for p in paths} <= ports

@@ -18,6 +18,7 @@ from typing import Any
 import nats.errors
 
 from ebb.common import bus
+from ebb.common import metrics as metrics_server
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, RemoteError
@@ -70,6 +71,9 @@ class Controller:
         except bus.ConnectAborted as e:
             log.info("%s", e)
             return
+        metrics_server.set_readiness(
+            lambda: (nc.is_connected, "connected" if nc.is_connected else "NATS not connected")
+        )
         subjects = Subjects(self.config.nats.prefix)
         # One try per request: a pass that cannot reach the master is skipped, not stalled.
         master = MasterClient(nc, self.config.nats, backoff=Backoff(attempts=1))

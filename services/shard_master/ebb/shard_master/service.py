@@ -29,6 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ebb.common import bus, schema
+from ebb.common import metrics as metrics_server
 from ebb.common.bus import NatsConfig, RequestServer
 from ebb.common.errors import ErrorCode, SchemaError, SpecError
 from ebb.common.messages import (
@@ -114,6 +115,14 @@ class ShardMaster:
         except bus.ConnectAborted as e:
             log.info("%s", e)
             return
+        metrics_server.set_readiness(
+            lambda: (
+                nc.is_connected,
+                ("leading" if self.ready.is_set() else "standing by")
+                if nc.is_connected
+                else "NATS not connected",
+            )
+        )
         try:
             while True:
                 try:

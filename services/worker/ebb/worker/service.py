@@ -28,6 +28,7 @@ import pyarrow as pa
 from nats.aio.client import Client as NATS
 
 from ebb.common import bus
+from ebb.common import metrics as metrics_server
 from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
 from ebb.common.errors import BusError, ErrorCode, RemoteError
@@ -137,6 +138,9 @@ class Worker:
         except bus.ConnectAborted as e:
             log.info("%s", e)
             return EXIT_OK
+        metrics_server.set_readiness(
+            lambda: (nc.is_connected, "connected" if nc.is_connected else "NATS not connected")
+        )
         try:
             return await self._run(nc)
         finally:
