@@ -6,6 +6,7 @@ every transition is driven directly, so expiry, speculation and a restart take n
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import replace
@@ -67,6 +68,11 @@ class MemoryStore:
 
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
         return [entry for key, entry in self.shards.items() if key.startswith(f"{job}.")]
+
+    async def forget_job(self, job: str) -> None:
+        self.jobs.pop(job, None)
+        for key in [k for k in self.shards if k.startswith(f"{job}.")]:
+            del self.shards[key]
 
 
 class Clock:
@@ -327,3 +333,41 @@ async def test_a_record_someone_else_wrote_deposes_the_table(tmp_path: Path) -> 
         await table.renew(reply.token)
     assert job.shards[0].revision == revision
     assert job.counts["DOING"] == 1
+
+
+async def test_jobs_ended_past_the_retention_are_forgotten_and_others_kept(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    specs = []
+    for k in range(3):
+        spec = dataclasses.replace(make_job(tmp_path / f"j{k}", shards=2), id=f"job-{k}")
+        assert await table.submit(spec)
+        specs.append(spec)
+    await table.cancel("job-0", "done with it")
+    await table.cancel("job-1", "done with it")
+    ended_at = store.jobs["job-0"][0].finished_at
+    assert ended_at > 0
+    # Not yet: ended less than the retention ago.
+    assert await table.forget_ended(now=ended_at + 10, retention_s=60) == []
+    gone = await table.forget_ended(now=ended_at + 61, retention_s=60)
+    assert sorted(gone) == ["job-0", "job-1"]
+    assert set(table.jobs) == {"job-2"}  # the running job stays, whatever its age
+    assert set(store.jobs) == {"job-2"}
+    assert all(key.startswith("job-2.") for key in store.shards)
+    assert [j.id for j in table.status().jobs] == ["job-2"]
+
+
+async def test_status_comes_a_page_at_a_time_in_id_order(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    for k in (3, 1, 4, 2, 0):
+        spec = dataclasses.replace(make_job(tmp_path / f"j{k}", shards=1), id=f"job-{k}")
+        assert await table.submit(spec)
+    first = table.status(limit=2)
+    assert [j.id for j in first.jobs] == ["job-0", "job-1"] and first.next == "job-1"
+    second = table.status(limit=2, after=first.next)
+    assert [j.id for j in second.jobs] == ["job-2", "job-3"]
+    last = table.status(limit=2, after=second.next)
+    assert [j.id for j in last.jobs] == ["job-4"] and last.next == ""

@@ -32,3 +32,30 @@ async def test_snapshots_taken_under_load_hold_every_live_key_and_only_those(nc:
     assert await _snapshot(js, "snap", "nothing.*") == []
     # Every consumer a snapshot made is gone.
     assert (await js.stream_info("KV_snap")).state.consumer_count == 0
+
+
+async def test_a_forgotten_job_leaves_no_record_of_itself_or_its_shards(nc: NATS) -> None:
+    from ebb.common import bus
+    from ebb.common.messages import ShardSpec
+    from ebb.common.subjects import Subjects
+    from ebb.shard_master.store import JobRecord, ShardRecord, Store
+
+    subjects = Subjects("forget")
+    js = nc.jetstream()
+    await bus.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
+    store = Store(
+        js,
+        jobs=await js.key_value(subjects.jobs_bucket),
+        shards=await js.key_value(subjects.shards_bucket),
+        buckets=(subjects.jobs_bucket, subjects.shards_bucket),
+    )
+    for job in ("old", "older", "kept"):
+        assert await store.create_job(JobRecord(id=job, spec={}))
+        for index in range(3):
+            spec = ShardSpec(index=index, path="/x", format="parquet", rows=1)
+            assert await store.create_shard(ShardRecord(job=job, spec=spec))
+    await store.forget_job("old")
+    assert sorted(r.id for r, _ in await store.load_jobs()) == ["kept", "older"]
+    assert await store.load_shards("old") == []
+    assert len(await store.load_shards("older")) == 3  # a name it begins: not its shards
+    assert await store.get_job("old") is None

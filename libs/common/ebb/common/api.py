@@ -78,13 +78,26 @@ class MasterClient:
         include_leases: bool = False,
         active_only: bool = False,
     ) -> StatusReply:
-        req = StatusRequest(
-            job=job,
-            include_spec=include_spec,
-            include_leases=include_leases,
-            active_only=active_only,
+        """One job's status, or every job's, the master's pages gathered into one reply."""
+        pages: list[StatusReply] = []
+        after = ""
+        while True:
+            req = StatusRequest(
+                job=job,
+                include_spec=include_spec,
+                include_leases=include_leases,
+                active_only=active_only,
+                after=after,
+            )
+            pages.append(await self._call("status", req, StatusReply))
+            after = pages[-1].next
+            if not after:
+                break
+        if len(pages) == 1:
+            return pages[0]
+        return StatusReply(
+            jobs=[j for page in pages for j in page.jobs], rejected=pages[0].rejected
         )
-        return await self._call("status", req, StatusReply)
 
     async def job(self, job: str, *, include_spec: bool = False) -> JobStatus:
         """One job's status. RemoteError `rejected` if its submission was refused."""

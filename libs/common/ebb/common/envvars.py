@@ -42,6 +42,8 @@ TERMINATION_LOG = "EBB_TERMINATION_LOG"
 MASTER_ID = "EBB_MASTER_ID"
 DATA_ROOTS = "EBB_DATA_ROOTS"
 LEADER_TTL_S = "EBB_LEADER_TTL_S"
+JOB_RETENTION_S = "EBB_JOB_RETENTION_S"
+"""Seconds a finished job stays in the master's memory and KV (its output stays)."""
 JS_REPLICAS = "EBB_JS_REPLICAS"
 """Copies of the jobs stream and the KV buckets on a NATS cluster (3 on three servers)."""
 

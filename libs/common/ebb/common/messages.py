@@ -137,6 +137,10 @@ class StatusRequest(Message):
     include_leases: bool = False
     active_only: bool = False
     """Only jobs that are not finished."""
+    limit: int = 0
+    """Jobs in the reply at most (0: the master's page size)."""
+    after: str = ""
+    """The page of jobs after this id: the `next` of the previous reply."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +183,8 @@ class StatusReply(Message):
     jobs: list[JobStatus]
     rejected: dict[str, str] = field(default_factory=dict)
     """Recently rejected submissions by job id, with the reason (kept in memory only)."""
+    next: str = ""
+    """More jobs follow: ask again with `after` set to this."""
 
 
 @dataclass(frozen=True, kw_only=True)

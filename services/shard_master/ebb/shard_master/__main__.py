@@ -33,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--leader-ttl", type=float, default=float(env(envvars.LEADER_TTL_S, "10")))
     p.add_argument(
+        "--job-retention",
+        type=float,
+        default=float(env(envvars.JOB_RETENTION_S, str(7 * 86400))),
+        help="seconds a finished job is kept (its output stays): default 7 days",
+    )
+    p.add_argument(
         "--js-replicas",
         type=int,
         default=int(env(envvars.JS_REPLICAS, "1")),
@@ -51,6 +57,7 @@ async def amain(args: argparse.Namespace) -> int:
         data_roots=args.data_root,
         leader_ttl_s=args.leader_ttl,
         js_replicas=args.js_replicas,
+        job_retention_s=args.job_retention,
         speculate_after_s=args.speculate_after,
         metrics_port=args.metrics_port,
     )

@@ -70,6 +70,9 @@ class MasterConfig:
     """Input, output, model and code paths of a job must lie under one of these."""
     leader_ttl_s: float = 10.0
     """A dead leader is replaced after at most this long."""
+    job_retention_s: float = 7 * 86400.0
+    """A job that ended leaves the master's memory and KV this long after (its output and
+    manifest stay): nothing grows without bound with the number of jobs run."""
     js_replicas: int = 1
     """Copies of the jobs stream and the KV buckets, when the master creates them: 1 for one
     nats-server, 3 on a three-node cluster (any one server may then go down)."""
@@ -278,6 +281,8 @@ class ShardMaster:
             include_spec=r.include_spec,
             include_leases=r.include_leases,
             active_only=r.active_only,
+            limit=r.limit,
+            after=r.after,
         )
 
     async def _cancel(self, r: CancelRequest) -> Message:
@@ -392,12 +397,25 @@ class ShardMaster:
         """Expire overdue leases; finish jobs whose shards are all settled."""
         table = self._table()
         loop = asyncio.get_running_loop()
+        forget_at = loop.time()
         while True:
             try:
                 await table.expire_due()
                 for job in table.running_jobs():
                     if job.counts["DONE"] + job.counts["QUARANTINED"] == job.record.shards_total:
                         await table.settle(job)
+                if loop.time() >= forget_at:
+                    forget_at = loop.time() + min(60.0, self.config.job_retention_s / 10)
+                    # Finished-at times are wall-clock ones (written by whichever master).
+                    gone = await table.forget_ended(
+                        now=time.time(), retention_s=self.config.job_retention_s
+                    )
+                    if gone:
+                        log.info(
+                            "forgot %d jobs ended over %gs ago",
+                            len(gone),
+                            self.config.job_retention_s,
+                        )
             except Deposed:
                 raise
             except Exception:

@@ -97,6 +97,7 @@ class RecordStore(Protocol):
     async def update_shard(self, record: ShardRecord, *, last: int) -> int: ...
     async def load_jobs(self) -> list[tuple[JobRecord, int]]: ...
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]: ...
+    async def forget_job(self, job: str) -> None: ...
 
 
 class Store:
@@ -152,6 +153,16 @@ class Store:
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
         entries = await _snapshot(self._js, self._shards_bucket, f"{job}.*")
         return [(schema.decode(ShardRecord, v), rev) for v, rev in entries]
+
+    async def forget_job(self, job: str) -> None:
+        """Remove a job's record and its shards' records for good (no delete markers left:
+        a purge of their subjects in the buckets' streams)."""
+        await self._js.purge_stream(
+            f"KV_{self._shards_bucket}", subject=f"$KV.{self._shards_bucket}.{job}.*"
+        )
+        await self._js.purge_stream(
+            f"KV_{self._jobs_bucket}", subject=f"$KV.{self._jobs_bucket}.{job}"
+        )
 
 
 async def _snapshot(

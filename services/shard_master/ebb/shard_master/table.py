@@ -89,6 +89,10 @@ EventSink = Callable[[JobEvent], None]
 OutputOpener = Callable[[str], OutputStore]
 
 
+STATUS_PAGE = 500
+"""Jobs in one status reply at most (about 350 bytes each without their specs)."""
+
+
 class LeaseTable:
     def __init__(
         self,
@@ -653,7 +657,11 @@ class LeaseTable:
         include_spec: bool = False,
         include_leases: bool = False,
         active_only: bool = False,
+        limit: int = 0,
+        after: str = "",
     ) -> StatusReply:
+        if limit < 0:
+            raise BadRequest(f"limit must be 0 (the page size) or more, not {limit}")
         if job_id:
             job = self.jobs.get(job_id)
             if job is None:
@@ -662,15 +670,36 @@ class LeaseTable:
                 raise JobNotFound(f"no job {job_id!r}")
             jobs = [job]
         else:
-            jobs = [j for j in self.jobs.values() if not (active_only and j.ended)]
+            # A page at a time, in id order: every job in one reply would outgrow NATS's
+            # largest message once a few thousand jobs are kept.
+            ids = sorted(i for i in self.jobs if i > after)
+            chosen = [self.jobs[i] for i in ids if not (active_only and self.jobs[i].ended)]
+            jobs, more = chosen[: limit or STATUS_PAGE], chosen[limit or STATUS_PAGE :]
         now = self._clock()
         return StatusReply(
             jobs=[
                 describe(j, now=now, include_spec=include_spec, include_leases=include_leases)
                 for j in jobs
             ],
-            rejected={} if job_id else dict(self.rejected),
+            rejected={} if job_id or after else dict(self.rejected),
+            next=jobs[-1].id if not job_id and more else "",
         )
+
+    async def forget_ended(self, *, now: float, retention_s: float) -> list[str]:
+        """Forget jobs that ended more than `retention_s` ago (`now`: wall-clock seconds, as
+        their records say when they finished): their records leave the store and this
+        table; their output and manifest stay where they are. Returns their ids."""
+        gone = [
+            j.id
+            for j in self.jobs.values()
+            if j.ended and j.record.finished_at and now - j.record.finished_at > retention_s
+        ]
+        for job_id in gone:
+            await self._store.forget_job(job_id)
+            del self.jobs[job_id]
+        if gone:
+            self._publish_job_gauges()
+        return gone
 
     def running_jobs(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state == "RUNNING"]
