@@ -86,7 +86,9 @@ async def test_a_slow_stage_scales_out_under_load_and_back_in_when_idle() -> Non
         PipelineConfig(
             stages=[stage],
             code_paths=[str(ASSETS)],
-            elastic=ElasticSettings(tick_s=0.2, cooldown_s=0.3, confirm=1),
+            # The machine's CPU may be busy with other work (a CI neighbour): that veto of
+            # the device is tested on its own; here the stage's own load decides.
+            elastic=ElasticSettings(tick_s=0.2, cooldown_s=0.3, confirm=1, device_full=1.01),
         )
     )
     try:
