@@ -53,7 +53,7 @@ def paragraphs(path: Path, *, max_chars: int) -> Iterator[tuple[str, str]]:
     for paragraph in text.split("\n\n"):
         block.append(paragraph)
         size += len(paragraph)
-        if size >= max_chars // 2:
+        if size >= max_chars // 4:
             number += 1
             yield f"#{number}", "\n\n".join(block)
             block, size = [], 0
