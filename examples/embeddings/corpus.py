@@ -43,7 +43,7 @@ def docstrings(path: Path) -> Iterator[tuple[str, str]]:
 
 
 def paragraphs(path: Path, *, max_chars: int) -> Iterator[tuple[str, str]]:
-    """A documentation file in blocks of whole paragraphs of up to about `max_chars`."""
+    """A documentation file in blocks of whole paragraphs, cut once past `max_chars` / 8."""
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
@@ -53,7 +53,7 @@ def paragraphs(path: Path, *, max_chars: int) -> Iterator[tuple[str, str]]:
     for paragraph in text.split("\n\n"):
         block.append(paragraph)
         size += len(paragraph)
-        if size >= max_chars // 4:
+        if size >= max_chars // 8:
             number += 1
             yield f"#{number}", "\n\n".join(block)
             block, size = [], 0
