@@ -18,6 +18,7 @@ from . import (
     embedding,
     fanout,
     master_scale,
+    minilm,
     mlp,
     overhead,
     report,
@@ -38,6 +39,7 @@ ORDER = [
     "mlp",
     "overhead",
     "embedding",
+    "minilm",
 ]
 
 
@@ -86,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                 section = mlp.run(ctx)
             elif name == "overhead":
                 section = overhead.run(ctx)
-            else:
+            elif name == "embedding":
                 section = embedding.run(ctx)
+            else:
+                section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
             for t in section.tables:
                 print(t, flush=True)

@@ -37,6 +37,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 7. A million rows through a small MLP",
         "## 8. The pipeline's own cost per row",
         "## 9. Text embedding",
+        "## 10. MiniLM embeddings",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report

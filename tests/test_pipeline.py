@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 from ebb.common.spec import StageSpec
 from ebb.worker import shm
 from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
+from ebb.worker.runtimes import TorchScriptStage
 
 from .helpers import ASSETS, FEATURES, wait_until, write_model
 
@@ -453,3 +454,16 @@ stage_main(StageConfig(spec=spec, code_paths=[]), inbox_r, outbox_w, BatchBoard(
     )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_sequences_of_one_length_still_get_an_attention_mask(stacked: bool) -> None:
+    """A batch cut from rows sorted by length often holds rows of one length (no padding):
+    a model that takes an attention mask must get one all the same."""
+    stage = TorchScriptStage(StageSpec(name="m", model="encoder.pt"))
+    stage.input_names = ["input_ids", "attention_mask"]
+    column = np.empty(2, dtype=object)
+    column[0], column[1] = np.array([101, 7, 102]), np.array([101, 8, 102])
+    feeds = stage._feeds({"input_ids": np.stack(list(column)) if stacked else column})
+    assert feeds["input_ids"].tolist() == [[101, 7, 102], [101, 8, 102]]
+    assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]

@@ -135,6 +135,10 @@ class _ModelStage(Modelet):
                 lengths = found if lengths is None else lengths
         missing = [n for n in self.input_names if n not in feeds]
         masks = [n for n in missing if n in MASK_NAMES]
+        if masks and lengths is None:
+            # Sequences that came as one 2-D array (rows stacked upstream) have no padding.
+            widths = [f.shape for f in feeds.values() if f.ndim == 2]
+            lengths = np.full(widths[0][0], widths[0][1], dtype=np.int64) if widths else None
         if masks and lengths is not None:
             longest = max(f.shape[1] for f in feeds.values() if f.ndim > 1)
             mask = (np.arange(longest)[None, :] < lengths[:, None]).astype(np.int64)
@@ -153,14 +157,16 @@ MASK_NAMES = frozenset({"attention_mask", "mask"})
 
 
 def _padded(column: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """A column of sequences of uneven length, padded with zeros at the end into one array,
-    and each row's length (None when the column needed no padding)."""
+    """A column of sequences (an object column of 1-D arrays), padded with zeros at the end
+    into one array, and each row's length (None when the column holds no sequences). Rows of
+    one length still give their lengths: a batch cut from rows sorted by length often has no
+    padding, yet a model that takes an attention mask needs one all the same."""
     if column.dtype != object or not len(column):
         return column, None
     rows = [np.asarray(v) for v in column]
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    if rows[0].ndim != 1 or (lengths == lengths[0]).all():
+    if rows[0].ndim != 1:
         return column, None
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     out = np.zeros((len(rows), int(lengths.max())), dtype=np.result_type(*rows))
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
