@@ -259,15 +259,22 @@ def to_arrow(column: np.ndarray, missing: np.ndarray | None = None) -> pa.Array[
     return tensors
 
 
+def _strings_to_arrow(column: np.ndarray, missing: np.ndarray | None) -> pa.Array[Any] | None:
+    """A column of strings in one conversion; None when it holds something else too."""
+    mask = missing if missing is not None and missing.any() else None
+    try:
+        text: pa.Array[Any] = pa.array(column, type=pa.string(), mask=mask, from_pandas=True)
+    except (pa.ArrowException, TypeError):
+        return None
+    return text
+
+
 def _objects_to_arrow(column: np.ndarray, missing: np.ndarray | None) -> pa.Array[Any]:
     if len(column) and type(column[0]) is str:
         # Strings (labels, text): converted by Arrow itself, not value by value here.
-        try:
-            mask = missing if missing is not None and missing.any() else None
-            text: pa.Array[Any] = pa.array(column, type=pa.string(), mask=mask, from_pandas=True)
+        text = _strings_to_arrow(column, missing)
+        if text is not None:
             return text
-        except (pa.ArrowException, TypeError):
-            pass  # not strings all the way down: the general path below
     values: list[Any] = list(column)
     if missing is not None:
         values = [None if m else v for v, m in zip(values, missing.tolist(), strict=True)]
