@@ -64,13 +64,16 @@ async def test_a_master_connected_and_leading_is_ready(nats_config: NatsConfig) 
     assert port is not None
     task = asyncio.create_task(master.run())
     try:
+        seen: list[tuple[int, str]] = []
 
-        async def ready() -> bool:
-            status, _ = await asyncio.to_thread(_get, port, "/readyz")
-            return status == 200
+        async def leading() -> bool:
+            seen.append(await asyncio.to_thread(_get, port, "/readyz"))
+            return seen[-1] == (200, "leading")
 
-        await wait_until(ready, timeout=30, what="the master to be ready")
-        assert await asyncio.to_thread(_get, port, "/readyz") == (200, "leading")
+        await wait_until(leading, timeout=30, what="the master to lead")
+        # Not ready before its connection (503), ready from then on (standing by, leading).
+        statuses = [status for status, _ in seen]
+        assert statuses[statuses.index(200) :] == [200] * len(statuses[statuses.index(200) :])
     finally:
         master.request_stop()
         await task
