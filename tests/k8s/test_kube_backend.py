@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 async def _within_the_controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]:
-    """Every request the controller made in a test, k8s/rbac.yaml lets it make."""
+    """Every request the controller made in a test, k8s/base/rbac.yaml lets it make."""
     yield
     denied = sorted(
         {
@@ -39,7 +39,7 @@ async def _within_the_controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]
             if (a := access(r.method, r.path, r.query)) and not allowed("ebb-controller", NS, a)
         }
     )
-    assert not denied, f"k8s/rbac.yaml does not let the controller do: {denied}"
+    assert not denied, f"k8s/base/rbac.yaml does not let the controller do: {denied}"
 
 
 async def test_scales_out_to_the_capacity_of_the_offline_pool(

@@ -1,4 +1,4 @@
-"""The `k8s/` base holds together: what each manifest names exists, the controller's
+"""The `k8s/base` holds together: what each manifest names exists, the controller's
 configuration loads, NATS accepts its configuration and lets each role in with its Secret's
 password, and the image is built the way the project pins it."""
 
@@ -40,8 +40,7 @@ def secrets_made() -> list[Obj]:
 def test_every_file_the_kustomization_names_exists_and_parses() -> None:
     k = kustomization()
     assert k["namespace"] == "ebb"
-    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects()}
-    for expected in [
+    for kind, name in [
         ("Namespace", "ebb"),
         ("StatefulSet", "ebb-nats"),
         ("Deployment", "ebb-master"),
@@ -50,7 +49,7 @@ def test_every_file_the_kustomization_names_exists_and_parses() -> None:
         ("ConfigMap", "ebb-controller"),
         ("ConfigMap", "ebb-grafana-dashboard"),
     ]:
-        assert expected in kinds
+        find(kind, name)
 
 
 def test_the_controller_configuration_loads_and_names_what_exists() -> None:
@@ -69,7 +68,8 @@ def test_the_controller_configuration_loads_and_names_what_exists() -> None:
     (controller,) = containers(deployment)
     assert controller["args"][-1] == "/etc/ebb/controller.yaml"
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "config", "configMap": {"name": "ebb-controller"}} in volumes
+    generated = find("ConfigMap", "ebb-controller")["metadata"]["name"]
+    assert {"name": "config", "configMap": {"name": generated}} in volumes
 
 
 def test_every_secret_a_pod_reads_is_one_make_secrets_writes_or_optional() -> None:
@@ -103,8 +103,8 @@ def test_each_service_connects_as_its_own_role() -> None:
         assert ref == {"name": f"ebb-nats-{role}", "key": "user"}
 
 
-def nats_conf() -> str:
-    text: str = find("ConfigMap", "ebb-nats-config")["data"]["nats.conf"]
+def nats_conf(name: str = "nats.conf") -> str:
+    text: str = find("ConfigMap", "ebb-nats-config")["data"][name]
     return text
 
 
@@ -123,6 +123,7 @@ def k8s_nats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("POD_NAME", "ebb-nats-0")
     conf = tmp_path / "nats.conf"
     conf.write_text(nats_conf().replace("http_port: 8222\n", ""))
+    (tmp_path / "cluster.conf").write_text(nats_conf("cluster.conf"))
     checked = subprocess.run(
         [find_nats_server(), "--config", str(conf), "-t"],
         check=False,
@@ -159,6 +160,10 @@ def test_the_image_pins_torch_as_the_project_does() -> None:
     (torch,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     assert f'"{torch}"' in dockerfile
+    (image,) = kustomization()["images"]
     for obj in objects():
         if obj["kind"] in ("Deployment",):
-            assert all(c["image"] == "ebb" for c in containers(obj))  # set by `images:`
+            # set by `images:`
+            assert all(
+                c["image"] == f"{image['newName']}:{image['newTag']}" for c in containers(obj)
+            )
