@@ -96,7 +96,8 @@ def access(method: str, path: str, query: dict[str, str]) -> Access | None:
     if m["sub"]:
         resource = f"{resource}/{m['sub']}"  # pods/status, pods/eviction...
     if method == "GET":
-        verb = "watch" if query.get("watch") in ("true", "1") else ("get" if name else "list")
+        watch = query.get("watch", "").lower() in ("true", "1")  # the client sends "True"
+        verb = "watch" if watch else ("get" if name else "list")
     else:
         verb = {
             "POST": "create",

@@ -46,14 +46,14 @@ def test_every_file_the_kustomization_names_exists_and_parses() -> None:
         ("Deployment", "ebb-master"),
         ("Deployment", "ebb-controller"),
         ("PriorityClass", "ebb-batch"),
-        ("ConfigMap", "ebb-controller"),
+        ("ConfigMap", "ebb-controller-config"),
         ("ConfigMap", "ebb-grafana-dashboard"),
     ]:
         find(kind, name)
 
 
 def test_the_controller_configuration_loads_and_names_what_exists() -> None:
-    text = find("ConfigMap", "ebb-controller")["data"]["controller.yaml"]
+    text = find("ConfigMap", "ebb-controller-config")["data"]["controller.yaml"]
     config = schema.load(KubeConfig, yaml.safe_load(text))  # strict: a typo is an error
     assert config.owner_deployment == "ebb-controller"
     find("Deployment", config.owner_deployment)
@@ -68,7 +68,7 @@ def test_the_controller_configuration_loads_and_names_what_exists() -> None:
     (controller,) = containers(deployment)
     assert controller["args"][-1] == "/etc/ebb/controller.yaml"
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
-    generated = find("ConfigMap", "ebb-controller")["metadata"]["name"]
+    generated = find("ConfigMap", "ebb-controller-config")["metadata"]["name"]
     assert {"name": "config", "configMap": {"name": generated}} in volumes
 
 
