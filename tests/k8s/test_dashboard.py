@@ -55,8 +55,51 @@ MAY_BE_EMPTY = {
 }
 
 
-def panels() -> list[dict[str, Any]]:
+# What prometheus-nats-exporter (-jsz=all, the sidecar on the NATS pods) exports: the names
+# its JetStream collector defines.
+NATS_EXPORTER_METRICS = {
+    f"jetstream_{name}"
+    for name in (
+        "server_jetstream_disabled",
+        "server_total_streams",
+        "server_total_consumers",
+        "server_total_messages",
+        "server_total_message_bytes",
+        "server_max_memory",
+        "server_max_storage",
+        "stream_total_messages",
+        "stream_total_bytes",
+        "stream_first_seq",
+        "stream_last_seq",
+        "stream_consumer_count",
+        "consumer_delivered_consumer_seq",
+        "consumer_delivered_stream_seq",
+        "consumer_num_ack_pending",
+        "consumer_num_redelivered",
+        "consumer_num_waiting",
+        "consumer_num_pending",
+        "consumer_ack_floor_stream_seq",
+        "consumer_ack_floor_consumer_seq",
+    )
+}
+
+
+def all_panels() -> list[dict[str, Any]]:
     return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+def is_nats(panel: dict[str, Any]) -> bool:
+    return any("jetstream_" in t["expr"] for t in panel["targets"])
+
+
+def panels() -> list[dict[str, Any]]:
+    """The panels of Ebb's own metrics."""
+    return [p for p in all_panels() if not is_nats(p)]
+
+
+def nats_panels() -> list[dict[str, Any]]:
+    """The panels of NATS's metrics, from its exporter."""
+    return [p for p in all_panels() if is_nats(p)]
 
 
 def as_prometheus(expr: str) -> str:
@@ -239,3 +282,47 @@ async def test_every_panel_queries_metrics_ebb_exports(
         controller.request_stop()
         await running
         await client.close()
+
+
+def test_the_nats_panels_show_jetstream_storage_and_consumer_lag() -> None:
+    exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in nats_panels()}
+    assert any("max_storage" in e and "total_message_bytes" in e for e in exprs.values()), exprs
+    assert any("consumer_num_pending" in e for e in exprs.values()), exprs
+    for title, expr in exprs.items():
+        named = set(re.findall(r"\bjetstream_[a-z_]+", expr))
+        assert named and named <= NATS_EXPORTER_METRICS, (title, named - NATS_EXPORTER_METRICS)
+        assert not re.findall(r"\bebb_[a-z_]+", expr), title
+
+
+async def test_prometheus_evaluates_every_nats_panel_query(
+    prometheus: tuple[str, list[str]],
+) -> None:
+    """Valid PromQL that Prometheus evaluates (without an exporter to scrape here, on no
+    data: a query that does not parse, or mixes types wrongly, is refused all the same)."""
+    url, _ = prometheus
+    queries = {
+        (p["title"], t["refId"]): as_prometheus(t["expr"])
+        for p in nats_panels()
+        for t in p["targets"]
+    }
+    assert queries
+
+    async def answers() -> dict[tuple[str, str], Any] | None:
+        try:
+            return {
+                key: await asyncio.to_thread(
+                    _get, f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+                )
+                for key, expr in queries.items()
+            }
+        except OSError:  # Prometheus still starting
+            return None
+
+    found = await wait_until(answers, timeout=60, interval=0.5, what="Prometheus answering")
+    refused = {k: a.get("error") for k, a in found.items() if a["status"] != "success"}
+    assert not refused, f"queries Prometheus refused: {refused}"
+    # The same Prometheus refuses a broken one: the check can fail.
+    broken = await asyncio.to_thread(
+        _get, f"{url}/api/v1/query?{urllib.parse.urlencode({'query': 'max by (x (y)'})}"
+    )
+    assert broken["status"] == "error"
