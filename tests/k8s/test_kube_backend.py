@@ -67,7 +67,7 @@ async def test_scales_out_to_the_capacity_of_the_offline_pool(
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert container["envFrom"] == [{"secretRef": {"name": "ebb-storage", "optional": True}}]
+    assert container["envFrom"] == [{"secretRef": {"name": "ebb-storage-worker", "optional": True}}]
     # Prometheus finds each worker's /metrics through the pod's annotations.
     assert env["EBB_METRICS_PORT"]["value"] == "9400"
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from ebb.common import schema
 from ebb.common.bus import NatsConfig
 from ebb.controller.avoidance import NodeAvoidance
 from ebb.controller.capacity import Resources
@@ -14,6 +17,8 @@ from ebb.controller.failures import Failure
 from ebb.controller.kube import KubeConfig
 from ebb.controller.podspec import pod_name, worker_pod
 from ebb.controller.views import NodeView, PodView
+
+from .manifests import find
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -121,3 +126,41 @@ def test_a_node_is_avoided_after_failures_within_the_window_and_only_for_a_while
     assert avoidance.avoided(26.0) == ["n1"]
     assert avoidance.avoids("n1", 124.9) and not avoidance.avoids("n1", 125.0)
     assert not avoidance.avoids("n2", 26.0)
+
+
+def _secrets_read(pod_spec: dict[str, Any]) -> set[str]:
+    """Every Secret a pod's containers read, through envFrom or env."""
+    names: set[str] = set()
+    for c in pod_spec["containers"]:
+        names |= {s["secretRef"]["name"] for s in c.get("envFrom") or [] if "secretRef" in s}
+        for e in c.get("env") or []:
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                names.add(ref["name"])
+    return names
+
+
+def test_workers_get_their_own_storage_credentials_never_the_masters() -> None:
+    """k8s/base as deployed: the controller's configuration decides the Secrets worker pods
+    read; the master reads its own, which no worker pod is given."""
+    text = find("ConfigMap", "ebb-controller-config")["data"]["controller.yaml"]
+    config = schema.load(KubeConfig, yaml.safe_load(text))
+    pod = worker_pod(
+        "job-1", config, worker_id="w-1", shape={"cpu": 1.0, "memory": 2**30}, avoid=[]
+    )
+    worker_secrets = _secrets_read(pod["spec"])
+    master = find("Deployment", "ebb-master")["spec"]["template"]["spec"]
+    master_storage = {s["secretRef"]["name"] for s in master["containers"][0]["envFrom"]}
+    assert master_storage == {"ebb-storage-master"}
+    assert worker_secrets == {"ebb-storage-worker", "ebb-nats-worker"}
+    assert not worker_secrets & _secrets_read(master)
+
+
+def test_the_configuration_names_the_secrets_workers_get() -> None:
+    config = KubeConfig(tidal=None, env_from_secrets=["team-a-storage"], nats_secret=None)
+    pod = worker_pod(
+        "job-1", config, worker_id="w-1", shape={"cpu": 1.0, "memory": 2**30}, avoid=[]
+    )
+    (container,) = pod["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": "team-a-storage", "optional": True}}]
+    assert _secrets_read(pod["spec"]) == {"team-a-storage"}

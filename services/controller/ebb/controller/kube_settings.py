@@ -51,8 +51,9 @@ class KubeConfig:
     """Node labels a worker's node must have, besides the pool (a GPU model, say)."""
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
-    env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage"])
-    """Secrets whose keys become workers' environment, if they exist: object-store
-    credentials (AWS_ACCESS_KEY_ID...), for fsspec to read inputs and write outputs."""
+    env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage-worker"])
+    """Secrets whose keys become workers' environment, if they exist: the workers' own
+    object-store credentials (AWS_ACCESS_KEY_ID...), for fsspec to read inputs and write
+    outputs. Never the master's (ebb-storage-master): workers run user code."""
     metrics_port: int | None = 9400
     """Workers serve /metrics here (annotated for Prometheus' pod discovery); None: not."""
