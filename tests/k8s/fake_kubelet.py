@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import secrets
 from collections import Counter
@@ -872,7 +873,7 @@ class FakeKubelet:
         status: Obj = {
             "name": container["name"],
             "image": container["image"],
-            "imageID": f"{container['image']}@sha256:{'0' * 64}" if ran else "",
+            "imageID": _image_id(container["image"]) if ran else "",
             "ready": ready,
             "started": "running" in state,
             "restartCount": 0,
@@ -890,3 +891,15 @@ class FakeKubelet:
         if not pod["spec"].get("nodeName"):
             raise ValueError(f"pod {namespace}/{name} is not on a node: no kubelet runs it")
         return pod
+
+
+def _image_id(image: str) -> str:
+    """What a kubelet reports as the image a container runs: the repository and the digest of
+    what the tag resolved to when it was pulled (here: a digest made from the reference)."""
+    repository = image.split("@", 1)[0]
+    last = repository.rsplit("/", 1)[-1]
+    if ":" in last:
+        repository = repository[: len(repository) - len(last)] + last.split(":", 1)[0]
+    if "@sha256:" in image:
+        return f"{repository}@{image.split('@', 1)[1]}"
+    return f"{repository}@sha256:{hashlib.sha256(image.encode()).hexdigest()}"

@@ -15,7 +15,14 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient
 from ebb.common.bus import NatsConfig
 from ebb.controller.election import LeaderElector
-from ebb.controller.kube import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
+from ebb.controller.kube import (
+    JOB_LABEL,
+    KubeConfig,
+    KubernetesBackend,
+    from_cluster,
+    repository,
+    running_image,
+)
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
 from tests.helpers import wait_until
@@ -129,6 +136,57 @@ async def test_worker_pods_run_the_controllers_image_and_belong_to_its_deploymen
     assert worker["spec"]["containers"][0]["image"] == "registry.example/ebb:1.2"
     (ref,) = worker["metadata"]["ownerReferences"]
     assert ref["uid"] == deployment["metadata"]["uid"] and ref["controller"] is True
+
+
+async def test_worker_pods_run_the_very_build_the_controller_runs_by_digest(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    kube.add_namespace(NS)
+    offline(kube, "off-0")
+    me = kube.add_pod(
+        {
+            "metadata": {"name": "ebb-controller-0"},
+            "spec": {
+                "containers": [{"name": "controller", "image": "registry.example:5000/ebb:1.2"}]
+            },
+        },
+        NS,
+    )
+
+    def image_id() -> str | None:
+        pod = kube.get_pod(me["metadata"]["name"], NS) or {}
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        return next((s["imageID"] for s in statuses if s.get("imageID")), None)
+
+    running = await kube.wait_for(image_id, timeout=20, what="the controller's pod running")
+    repo, digest = running.split("@")
+    assert repo == "registry.example:5000/ebb" and digest.startswith("sha256:")
+    async with kube.api_client() as api:
+        found = await from_cluster(KubeConfig(namespace=NS), api, pod_name="ebb-controller-0")
+        # An image the configuration names is used as it is; the pod is not even read.
+        named = await from_cluster(
+            KubeConfig(namespace=NS, image="registry.example/other:3"), api, pod_name="nope"
+        )
+    assert found.image == f"registry.example:5000/ebb@{digest}"
+    assert named.image == "registry.example/other:3"
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    h = harness_factory(tidal=None, image=found.image)
+    await h.converge(lambda: len(h.pods(job)) == 1, what="a worker pod")
+    (worker,) = h.pods(job)
+    assert worker["spec"]["containers"][0]["image"] == found.image
+
+
+def test_an_image_by_digest_is_told_from_its_tag_and_registry_port() -> None:
+    digest = "sha256:" + "ab" * 32
+    assert repository("registry.example:5000/team/ebb:1.2") == "registry.example:5000/team/ebb"
+    assert repository(f"ebb@{digest}") == "ebb"
+    assert repository("localhost:5000/ebb") == "localhost:5000/ebb"
+    assert running_image("ebb:0.1.0", f"docker-pullable://docker.io/library/ebb@{digest}") == (
+        f"ebb@{digest}"
+    )
+    # No digest reported (an image built on the node): the reference as given.
+    assert running_image("ebb:0.1.0", "sha256:" + "cd" * 32) == "ebb:0.1.0"
+    assert running_image("ebb:0.1.0", "") == "ebb:0.1.0"
 
 
 async def test_jobs_share_capacity_by_priority_then_equally(

@@ -40,25 +40,52 @@ from .tidal import STATES, ForecastTide, MixedNode, State, Tide
 from .views import RESOURCES, NodeView, PodView, parse_time
 
 __all__ = ["APP", "APP_LABEL", "JOB_LABEL", "WORKER_LABEL", "KubeConfig", "KubernetesBackend"]
-__all__ += ["from_cluster", "pod_name", "selector_matches"]
+__all__ += ["from_cluster", "pod_name", "repository", "running_image", "selector_matches"]
 
 log = logging.getLogger(__name__)
 
 _MERGE_PATCH = {"_content_type": "application/merge-patch+json"}
 
 
+def repository(image: str) -> str:
+    """An image reference without its tag or digest: `registry:5000/ebb:1.2` ->
+    `registry:5000/ebb` (a registry's port is not a tag)."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
+def running_image(spec_image: str, image_id: str) -> str:
+    """The image a container runs, by digest: `repo@sha256:...` from the kubelet's imageID
+    (`[docker-pullable://]repo@sha256:...`), so that pods made from it run the very same
+    build even after the tag moves; the reference as given where the runtime reported no
+    digest (an image built on the node, say)."""
+    _, at, digest = image_id.rpartition("@")
+    if not at or not digest.startswith("sha256:"):
+        return spec_image
+    return f"{repository(spec_image)}@{digest}"
+
+
 async def from_cluster(
     config: KubeConfig, api: ApiClient, *, pod_name: str | None = None
 ) -> KubeConfig:
-    """`config` completed from the cluster: the image of our own pod `pod_name` if none is
-    set; the ownerReference of `owner_deployment`. What cannot be read stays unset, with a
-    warning: workers run without either, they only outlive an uninstall or lag a release."""
+    """`config` completed from the cluster: if it names no image, the image our own pod
+    `pod_name` runs, by digest; the ownerReference of `owner_deployment`. What cannot be read
+    stays unset, with a warning: workers run without either, they only outlive an uninstall
+    or lag a release."""
     if not config.image and pod_name:
         try:
             pod = await CoreV1Api(api).read_namespaced_pod(pod_name, config.namespace)
-            config = dataclasses.replace(config, image=str(pod.spec.containers[0].image))
         except ApiException as e:
             log.warning("cannot read our pod %s (%s %s)", pod_name, e.status, e.reason)
+        else:
+            ours = pod.spec.containers[0]
+            statuses = (pod.status and pod.status.container_statuses) or []
+            image_id = next((str(s.image_id or "") for s in statuses if s.name == ours.name), "")
+            image = running_image(str(ours.image), image_id)
+            if "@" not in image:
+                log.warning("no digest for our image %s: workers run it by tag", image)
+            config = dataclasses.replace(config, image=image)
     if config.owner or not config.owner_deployment:
         return config
     try:

@@ -14,8 +14,9 @@ from .tidal import TidalConfig
 class KubeConfig:
     namespace: str = "ebb"
     image: str = ""
-    """Workers' image; empty: the controller's own (see `from_cluster`), so that a new
-    release rolls workers forward with the controller."""
+    """Workers' image; empty: the one the controller's own pod runs, by digest (see
+    `from_cluster`), so that a new release rolls workers forward with the controller and
+    no worker runs an older or newer build than its controller."""
     image_pull_policy: str = "IfNotPresent"
     service_account: str | None = "ebb-worker"
     priority_class: str | None = None
