@@ -27,7 +27,7 @@ from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.service import MasterConfig, ShardMaster
-from ebb.shard_master.table import LeaseTable
+from ebb.shard_master.table import REASON_CHARS, REJECTIONS_KEPT, LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
@@ -320,6 +320,29 @@ async def test_a_bad_spec_is_rejected_with_its_reason(
         await client.submit(outside)
     assert (await api.status()).jobs == []
     await assert_no_job_records(nc, subjects)
+
+
+async def test_rejections_are_remembered_within_bounds(
+    tmp_path: Path, api: MasterClient, nc: NATS, subjects: Subjects
+) -> None:
+    """More refused submissions than are kept, each with a reason that quotes a 20 kB path:
+    the newest are kept, their reasons cut, and the status reply that carries them all fits in
+    one NATS message."""
+    body = make_job(tmp_path).to_dict()
+    body["v"] = 1
+    body["output"]["uri"] = "/elsewhere/" + "x" * 20_000
+    count = REJECTIONS_KEPT + 44
+    js = nc.jetstream()
+    for n in range(count):
+        await js.publish(subjects.submit, msgpack.packb({**body, "id": f"bad-{n:04d}"}))
+    last = f"bad-{count - 1:04d}"
+    reason = await wait_until(lambda: _rejection(api, last), timeout=60, what="the last one")
+    assert "outside the allowed data roots" in reason and len(reason) == REASON_CHARS
+    reply = await api.status()
+    assert len(reply.rejected) == REJECTIONS_KEPT
+    assert set(reply.rejected) == {f"bad-{n:04d}" for n in range(count - REJECTIONS_KEPT, count)}
+    assert all(len(r) <= REASON_CHARS for r in reply.rejected.values())
+    assert reply.jobs == []
 
 
 async def _rejection(api: MasterClient, job: str) -> str:

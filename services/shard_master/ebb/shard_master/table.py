@@ -91,6 +91,11 @@ OutputOpener = Callable[[str], OutputStore]
 
 STATUS_PAGE = 500
 """Jobs in one status reply at most (about 350 bytes each without their specs)."""
+REJECTIONS_KEPT = 256
+"""Refused submissions remembered (the newest), for `status` to say why."""
+REASON_CHARS = 512
+"""A refusal's reason kept at most: all REJECTIONS_KEPT of them, with their ids, stay far
+below NATS's largest message (1 MiB) in the status reply that carries them."""
 
 
 class LeaseTable:
@@ -147,9 +152,15 @@ class LeaseTable:
         )
 
     def reject(self, job_id: str, reason: str) -> None:
-        """Remember a refused submission for a while, so `status` can say why."""
+        """Remember a refused submission for a while, so `status` can say why: the newest
+        REJECTIONS_KEPT, each reason cut to REASON_CHARS (a reason may quote the spec, and
+        every unpaged `status` reply carries them all)."""
+        if len(reason) > REASON_CHARS:  # the middle goes: a quoted value, most likely
+            half = REASON_CHARS // 2
+            reason = reason[: half - 1] + "…" + reason[-half:]
+        self.rejected.pop(job_id, None)  # refused again: the newest again
         self.rejected[job_id] = reason
-        while len(self.rejected) > 256:
+        while len(self.rejected) > REJECTIONS_KEPT:
             self.rejected.popitem(last=False)
         self._emit(JobEvent(job=job_id, kind="rejected", reason=reason))
 
