@@ -359,6 +359,22 @@ async def test_jobs_ended_past_the_retention_are_forgotten_and_others_kept(
     assert [j.id for j in table.status().jobs] == ["job-2"]
 
 
+async def test_forgetting_goes_a_bounded_number_of_jobs_a_pass(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    for k in range(7):
+        spec = dataclasses.replace(make_job(tmp_path / f"j{k}", shards=2), id=f"job-{k}")
+        assert await table.submit(spec)
+        await table.cancel(spec.id, "done with it")
+    ended_at = max(record.finished_at for record, _ in store.jobs.values())
+    first = await table.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
+    second = await table.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
+    third = await table.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
+    assert (len(first), len(second), len(third)) == (3, 3, 1)
+    assert sorted(first + second + third) == [f"job-{k}" for k in range(7)]
+    assert table.jobs == {} and store.jobs == {} and store.shards == {}
+
+
 async def test_status_comes_a_page_at_a_time_in_id_order(tmp_path: Path) -> None:
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)

@@ -51,7 +51,7 @@ from . import metrics
 from .errors import Deposed, MasterError, PlanningError
 from .leader import Leadership
 from .store import Store
-from .table import LeaseTable
+from .table import FORGET_PER_PASS, LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +410,8 @@ class ShardMaster:
                     gone = await table.forget_ended(
                         now=time.time(), retention_s=self.config.job_retention_s
                     )
+                    if len(gone) == FORGET_PER_PASS:
+                        forget_at = loop.time()  # more left: the next pass goes on with them
                     if gone:
                         log.info(
                             "forgot %d jobs ended over %gs ago",

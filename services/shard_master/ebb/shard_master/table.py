@@ -91,6 +91,10 @@ OutputOpener = Callable[[str], OutputStore]
 
 STATUS_PAGE = 500
 """Jobs in one status reply at most (about 350 bytes each without their specs)."""
+FORGET_PER_PASS = 500
+"""Jobs past their retention forgotten in one reaper pass at most..."""
+FORGET_AT_ONCE = 32
+"""...their purges this many jobs at a time (each job: two requests to NATS)."""
 REJECTIONS_KEPT = 256
 """Refused submissions remembered (the newest), for `status` to say why."""
 REASON_CHARS = 512
@@ -696,18 +700,25 @@ class LeaseTable:
             next=jobs[-1].id if not job_id and more else "",
         )
 
-    async def forget_ended(self, *, now: float, retention_s: float) -> list[str]:
+    async def forget_ended(
+        self, *, now: float, retention_s: float, limit: int = FORGET_PER_PASS
+    ) -> list[str]:
         """Forget jobs that ended more than `retention_s` ago (`now`: wall-clock seconds, as
         their records say when they finished): their records leave the store and this
-        table; their output and manifest stay where they are. Returns their ids."""
+        table; their output and manifest stay where they are. Returns their ids: `limit` at
+        most, so that a pass stays short (the reaper expires leases between passes) even
+        when a master starts with thousands of jobs past their retention."""
         gone = [
             j.id
             for j in self.jobs.values()
             if j.ended and j.record.finished_at and now - j.record.finished_at > retention_s
-        ]
-        for job_id in gone:
-            await self._store.forget_job(job_id)
-            del self.jobs[job_id]
+        ][:limit]
+        for start in range(0, len(gone), FORGET_AT_ONCE):
+            chunk = gone[start : start + FORGET_AT_ONCE]
+            # Purges are idempotent: if one fails, the next pass purges the chunk again.
+            await asyncio.gather(*(self._store.forget_job(job_id) for job_id in chunk))
+            for job_id in chunk:
+                del self.jobs[job_id]
         if gone:
             self._publish_job_gauges()
         return gone
