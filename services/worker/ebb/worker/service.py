@@ -77,6 +77,12 @@ def _output(
     return build_output(data.table, results, errors, spec.output)
 
 
+def _since(mark: float) -> tuple[float, float]:
+    """Seconds since `mark`, and now as the next mark."""
+    now = time.perf_counter()
+    return now - mark, now
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -168,7 +174,7 @@ class Worker:
             )
         )
         # Stage processes start (models load) while the first shard is leased and read.
-        self._pipeline_started = asyncio.create_task(self.pipeline.start(), name="pipeline-start")
+        self._pipeline_started = asyncio.create_task(self._start_pipeline(), name="pipeline-start")
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
             async with self.supervisor as sup:
@@ -183,6 +189,12 @@ class Worker:
             await self.pipeline.stop(grace_s=self.config.stage_stop_grace_s)
         log.info("worker %s exits after %d shards", self.config.id, self.shards_done)
         return self.exit_code
+
+    async def _start_pipeline(self) -> None:
+        assert self.pipeline is not None
+        started = time.perf_counter()
+        await self.pipeline.start()
+        log.debug("stage processes ready in %.2fs", time.perf_counter() - started)
 
     # -- leasing ---------------------------------------------------------------------------
 
@@ -343,6 +355,7 @@ class Worker:
         columns = None
         if spec.input.columns is not None:
             columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
+        phase = time.perf_counter()
         data = await asyncio.to_thread(
             read_shard,
             shard,
@@ -358,9 +371,12 @@ class Worker:
         if data.bad_rows:
             good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
             inputs = inputs.take(pa.array(good, type=pa.int64()))
+        read_s, phase = _since(phase)
         await asyncio.shield(self._pipeline_started)
+        waited_s, phase = _since(phase)
         # The rows travel as Arrow and become columns in the first stage's processes.
         result = await self.pipeline.run_columns(inputs)
+        computed_s, phase = _since(phase)
         table, error_rows = await asyncio.to_thread(_output, data, good, result, spec)
         files = await asyncio.to_thread(
             write_attempt,
@@ -378,6 +394,15 @@ class Worker:
             worker=self.config.id,
         )
         won, record = await asyncio.to_thread(store.create_commit, record)
+        written_s, _ = _since(phase)
+        log.debug(
+            "shard %d: read %.2fs, waited for the stages %.2fs, computed %.2fs, written %.2fs",
+            shard.index,
+            read_s,
+            waited_s,
+            computed_s,
+            written_s,
+        )
         if not won:
             log.info(
                 "shard %d: attempt %d committed first; ours is garbage", shard.index, record.attempt
