@@ -17,8 +17,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from ebb.common import envvars
 from ebb.common.spec import StageSpec
-from ebb.worker import shm
+from ebb.worker import shm, stageserver
 from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
 from ebb.worker.runtimes import TorchScriptStage
 
@@ -467,3 +468,12 @@ def test_sequences_of_one_length_still_get_an_attention_mask(stacked: bool) -> N
     feeds = stage._feeds({"input_ids": np.stack(list(column)) if stacked else column})
     assert feeds["input_ids"].tolist() == [[101, 7, 102], [101, 8, 102]]
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]
+
+
+def test_the_fork_server_imports_only_the_runtimes_it_knows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(envvars.STAGE_PRELOAD, "torch, os ,onnxruntime,evil_module")
+    assert stageserver.preload() == [*stageserver.BASE, "onnxruntime", "torch"]
+    monkeypatch.delenv(envvars.STAGE_PRELOAD)
+    assert stageserver.preload() == stageserver.BASE

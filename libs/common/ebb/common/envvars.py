@@ -37,6 +37,9 @@ PARENT_PID = "EBB_PARENT_PID"
 """Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
 process is gone."""
 TERMINATION_LOG = "EBB_TERMINATION_LOG"
+STAGE_PRELOAD = "EBB_STAGE_PRELOAD"
+"""Set by the controller from the job's spec: the model runtimes (comma-separated modules,
+`JobSpec.runtime_modules`) that the fork server of the worker's stage processes imports once."""
 
 # The shard master.
 MASTER_ID = "EBB_MASTER_ID"

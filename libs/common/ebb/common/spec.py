@@ -35,6 +35,9 @@ MODEL_SUFFIXES: dict[str, Runtime] = {
     ".ts": "torchscript",
     ".torchscript": "torchscript",
 }
+RUNTIME_MODULES: dict[Runtime, str] = {"onnx": "onnxruntime", "torchscript": "torch"}
+"""The module each runtime imports: what a worker's stage processes can have imported for them,
+once, before they start (see `JobSpec.runtime_modules`)."""
 FORMAT_SUFFIXES: dict[str, InputFormat] = {
     ".parquet": "parquet",
     ".pq": "parquet",
@@ -242,6 +245,11 @@ class PipelineSpec:
         if fanins and (not fanouts or fanins[0] <= fanouts[0]):
             raise _bad(f"stages[{fanins[0]}].fanin", "a fan-in stage comes after a fan-out stage")
         object.__setattr__(self, "stages", named)
+
+    def runtime_modules(self) -> list[str]:
+        """The model runtimes' modules the stages import (not user modelets': their imports
+        may do anything, a GPU's set-up included)."""
+        return sorted({RUNTIME_MODULES[s.runtime] for s in self.stages if s.runtime is not None})
 
 
 @dataclass(frozen=True, kw_only=True)

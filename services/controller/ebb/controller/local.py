@@ -20,7 +20,7 @@ from ebb.common import envvars
 from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.messages import JobStatus
 
-from .backend import Capacity, Phase, WorkerInfo
+from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .failures import EXIT_CONFIG
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class LocalBackend:
         # In a session of its own, a worker would outlive us if we were killed: this tells
         # it whom to watch, to drain when we are gone.
         env[envvars.PARENT_PID] = str(os.getpid())
+        env.update(job_environment(job))
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:
