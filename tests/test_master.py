@@ -26,6 +26,8 @@ from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
+from ebb.shard_master.errors import Deposed
+from ebb.shard_master.leader import KEY, Leadership
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.table import LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig
@@ -699,3 +701,59 @@ async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl
         async with await EbbClient.connect(nats_config) as client:
             await client.submit(spec)
             assert (await client.job(spec.id)).state == "RUNNING"
+
+
+async def test_a_refresh_written_though_its_reply_was_lost_is_not_a_deposition(
+    nc: NATS, subjects: Subjects
+) -> None:
+    await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=0.9)
+    kv = await nc.jetstream().key_value(subjects.leader_bucket)
+    ours = Leadership(kv, holder="m", ttl_s=0.9)
+    await ours.acquire()
+    # Our refresh went through, but its reply never came back (a server killed under it):
+    # the next refresh meets a revision it has not seen.
+    landed = await kv.update(KEY, ours.value, last=ours.revision)
+    keepalive = asyncio.create_task(ours.keepalive())
+    try:
+        await wait_until(
+            lambda: keepalive.done() or ours.revision > landed,
+            timeout=10,
+            what="the leader to refresh past its own lost write",
+        )
+        assert not keepalive.done(), keepalive.exception()
+        # A restarted process under the same id takes the key back: this one is deposed.
+        restarted = Leadership(kv, holder="m", ttl_s=0.9)
+        await restarted.acquire()
+        with pytest.raises(Deposed):
+            await asyncio.wait_for(keepalive, 10)
+    finally:
+        keepalive.cancel()
+        await asyncio.wait([keepalive])
+
+
+async def test_a_master_that_cannot_set_up_on_nats_keeps_trying_and_then_leads(
+    tmp_path: Path, nats_config: NatsConfig, nc: NATS, subjects: Subjects, prefix: str
+) -> None:
+    """Set-up failing (here: a stream already holds the submission subject, so the jobs
+    stream cannot be made) is retried with backoff, never the end of the master."""
+    js = nc.jetstream()
+    await js.add_stream(name=f"{prefix}-squatter", subjects=[subjects.submit])
+    config = MasterConfig(nats=nats_config, id="patient", data_roots=[str(tmp_path)])
+
+    def failures() -> float:
+        return REGISTRY.get_sample_value("ebb_master_setup_failures_total") or 0.0
+
+    before = failures()
+    service = ShardMaster(config)
+    task = asyncio.create_task(service.run())
+    try:
+        await wait_until(lambda: failures() >= before + 2, timeout=30, what="failed set-ups")
+        assert not task.done() and not service.ready.is_set()
+        await js.delete_stream(f"{prefix}-squatter")
+        await wait_until(
+            lambda: task.done() or service.ready.is_set(), timeout=30, what="the master to lead"
+        )
+        assert not task.done(), task.exception()
+    finally:
+        service.request_stop()
+        await asyncio.wait_for(task, 30)

@@ -127,6 +127,7 @@ class ShardMaster:
             )
         )
         try:
+            failures = 0
             while True:
                 try:
                     await self._run(nc)
@@ -138,6 +139,19 @@ class ShardMaster:
                     ):
                         raise
                     log.warning("stepping down (%s): campaigning again", e)
+                    failures = 0
+                except (nats.errors.Error, TimeoutError) as e:
+                    # Setting up (the stream, the buckets, the leader key, the state) while
+                    # NATS fails over: a server gone, a stream electing its leader. Not a
+                    # reason to exit: try again, backing off.
+                    if self.supervisor.stop_requested.is_set():
+                        raise
+                    metrics.SETUP_FAILURES.inc()
+                    delay = bus.Backoff(first_s=0.5).delay(failures)
+                    failures += 1
+                    log.warning("could not set up on NATS (%s); again in %.1fs", e or repr(e), delay)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.supervisor.stop_requested.wait(), delay)
                 self.ready.clear()
                 self.table = None
                 self.deposed = None

@@ -30,6 +30,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
+import nats.errors
+
 from ebb.common.messages import (
     CancelReply,
     CommitReply,
@@ -117,6 +119,10 @@ class LeaseTable:
         self.jobs: dict[str, Job] = {}
         self.rejected: OrderedDict[str, str] = OrderedDict()
         self._expiries: list[tuple[float, str, int, str]] = []
+        self._expiry_failures = 0
+        self._expiry_retry_at = 0.0
+        """After a failed expiry (the store away: a NATS server down, a stream electing its
+        leader), none is tried again before this, backing off; not every few milliseconds."""
         self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
 
     # -- loading and intake ----------------------------------------------------------------
@@ -513,7 +519,7 @@ class LeaseTable:
         return state
 
     def next_expiry(self) -> float | None:
-        return self._expiries[0][0] if self._expiries else None
+        return max(self._expiries[0][0], self._expiry_retry_at) if self._expiries else None
 
     async def expire_due(self) -> int:
         """Expire every lease whose deadline has passed. Returns how many expired.
@@ -523,9 +529,12 @@ class LeaseTable:
         """
         now = self._clock()
         due: list[tuple[float, str, int, str]] = []
+        if now < self._expiry_retry_at:
+            return 0
         while self._expiries and self._expiries[0][0] <= now:
             due.append(heapq.heappop(self._expiries))
         expired = 0
+        failed = False
         try:
             while due:
                 entry = due[0]
@@ -534,10 +543,21 @@ class LeaseTable:
                         expired += 1
                 except Deposed:
                     raise
+                except (nats.errors.Error, TimeoutError) as e:
+                    failed = True
+                    log.warning("could not expire a lease of job %s (%s); retrying", entry[1], e)
+                    heapq.heappush(self._expiries, entry)
                 except Exception:
+                    failed = True
                     log.exception("could not expire a lease of job %s; retrying", entry[1])
                     heapq.heappush(self._expiries, entry)
                 due.pop(0)
+            if failed:
+                self._expiry_failures += 1
+                delay = min(5.0, 0.1 * 2 ** min(self._expiry_failures, 6))
+                self._expiry_retry_at = self._clock() + delay
+            else:
+                self._expiry_failures = 0
         finally:
             for entry in due:  # not reached: a Deposed master stops, but leaves them due
                 heapq.heappush(self._expiries, entry)
