@@ -20,7 +20,8 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, RemoteError
 from ebb.common.spec import parse_job
-from ebb.common.subjects import WORKER_OPS, Subjects
+from ebb.common.subjects import WORKER_OPS, Subjects, check_worker_id
+from ebb.worker.service import default_worker_id
 
 from .helpers import (
     ASSETS,
@@ -264,3 +265,29 @@ async def test_a_job_runs_exactly_once_with_a_credential_per_worker(
     ids = table.column("id").to_numpy().tolist()
     assert sorted(ids) == list(range(rows)), "every id exactly once"
     assert {f["path"] for f in manifest["files"]} == committed_files(tmp_path / "out")
+
+
+def test_a_worker_id_is_one_subject_token() -> None:
+    assert check_worker_id("job-1_a2") == "job-1_a2"
+    for bad in ("a.b", "w*", "w>", "", "-w", "w 1", "x" * 129):
+        with pytest.raises(ValueError, match="bad worker id"):
+            check_worker_id(bad)
+    # Whatever the host is called (dots and all), the default id is a valid one.
+    check_worker_id(default_worker_id())
+
+
+def test_a_minted_credential_names_its_worker_and_the_template_binds_to_the_name() -> None:
+    signer = identity.Trust.new("ebb").worker_signer()
+    creds = signer.credentials("w7", ttl_s=60)
+    assert identity.credentials_name(creds) == "w7"
+    jwt = creds.splitlines()[1]
+    claims = identity.decode_jwt(jwt)
+    assert claims["iss"] == signer.signing_key.public
+    assert claims["nats"]["issuer_account"] == signer.account
+    assert "pub" not in claims["nats"]  # permissions come from the key's template alone
+    assert claims["exp"] > claims["iat"]
+    template = auth.worker_template("ebb")
+    assert "ebb.master.commit.{{name()}}" in template.publish
+    assert template.subscribe == ("_INBOX.ebb.worker.{{name()}}.>",)
+    with pytest.raises(ValueError, match="bad worker id"):
+        signer.credentials("a.b")

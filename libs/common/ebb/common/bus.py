@@ -10,6 +10,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
@@ -148,7 +149,7 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
         options["user"] = config.user
         options["password"] = config.password
     # Ebb's roles may subscribe only to their own inboxes (see auth.py).
-    user = config.user or (credentials_name(config.creds) if config.creds else None)
+    user = config.user or _credentials_user(config)
     inbox = inbox_for_user(config.prefix, user) if user else None
     if inbox is not None:
         options["inbox_prefix"] = inbox
@@ -207,6 +208,17 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
         raise BusError(f"cannot connect to NATS at {config.url}: {e}") from e
     connected.append(nc)
     return nc
+
+
+def _credentials_user(config: NatsConfig) -> str | None:
+    """The user name the JWT of this connection's credentials gives, if it has one."""
+    creds = config.creds
+    if creds is None and config.creds_file is not None:
+        try:
+            creds = Path(config.creds_file).read_text()
+        except OSError:
+            return None  # nats-py says why, when it reads the file to connect
+    return credentials_name(creds) if creds else None
 
 
 def _refused(e: BaseException) -> bool:
