@@ -226,7 +226,9 @@ def _worker_credentials(controller: int) -> dict[str, str]:
         if "ebb.worker" not in cmdline or "--id" not in cmdline:
             continue
         creds = environ.get(envvars.NATS_CREDENTIALS, "")
+        # Neither a role's password nor the key that mints workers' credentials.
         assert envvars.NATS_USER not in environ and envvars.NATS_PASSWORD not in environ
+        assert envvars.WORKER_NATS_SIGNING_KEY not in environ
         found[cmdline[cmdline.index("--id") + 1]] = identity.credentials_name(creds) or ""
     return found
 
