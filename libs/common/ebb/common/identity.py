@@ -31,7 +31,7 @@ from typing import Any
 
 import nkeys
 
-from .auth import ROLES, Permissions, Role, permissions, user_name, worker_template
+from .auth import Permissions, Role, permissions, user_name, worker_template
 from .subjects import check_worker_id
 
 _KINDS = {
@@ -250,6 +250,3 @@ class Trust:
             f"  {self.account.public}: {account}\n"
             "}\n"
         )
-
-
-__all__ = ["ROLES", "Key", "Trust", "WorkerSigner", "credentials", "decode_jwt", "encode_jwt"]
