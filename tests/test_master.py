@@ -29,6 +29,7 @@ from ebb.common.subjects import Subjects
 from ebb.shard_master.errors import Deposed
 from ebb.shard_master.leader import KEY, Leadership
 from ebb.shard_master.service import MasterConfig, ShardMaster
+from ebb.shard_master.store import shard_key
 from ebb.shard_master.table import LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
@@ -139,17 +140,73 @@ async def test_lease_renew_commit(tmp_path: Path, client: EbbClient, api: Master
     reply = await api.lease(spec.id, "w1")
     assert reply.status == "granted" and reply.shard is not None
     assert (reply.shard.index, reply.attempt) == (0, 1)
-    assert (await api.renew(reply.token)).lease_s == 10.0
+    assert (await api.renew(reply.token, worker="w1")).lease_s == 10.0
 
     with pytest.raises(RemoteError) as e:
-        await api.commit(reply.token, rows=1_000, error_rows=0)
+        await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
     assert e.value.code == "no_commit_record"
 
     commit_record(spec, reply)
-    assert (await api.commit(reply.token, rows=1_000, error_rows=0)).status == "done"
-    assert (await api.commit(reply.token, rows=1_000, error_rows=0)).status == "already_done"
+    assert (await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
+    assert (
+        await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
+    ).status == "already_done"
     status = await api.job(spec.id)
     assert status.shards["DONE"] == 1 and status.rows_done == 1_000
+
+
+async def test_a_lease_token_used_by_another_worker_is_refused_and_changes_nothing(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert held.shard is not None
+    # The holder wrote its output and commit record: a commit would now make the shard DONE.
+    commit_record(spec, held)
+    kv = await nc.jetstream().key_value(subjects.shards_bucket)
+    key = shard_key(spec.id, held.shard.index)
+    before = await kv.get(key)
+
+    # Another worker that learnt the token (it saw the reply, say) uses it as its own.
+    for call in (
+        api.renew(held.token, worker="thief"),
+        api.commit(held.token, worker="thief", rows=1_000, error_rows=0),
+        api.release(held.token, "mine now", worker="thief", retryable=False),
+        api.release(held.token, "mine now", worker="thief", retryable=True),
+    ):
+        with pytest.raises(RemoteError) as e:
+            await call
+        assert e.value.code == "not_holder"
+        assert "not granted to worker 'thief'" in e.value.message
+
+    # Not a byte of the shard's record moved, and the holder carries on.
+    after = await kv.get(key)
+    assert (after.revision, after.value) == (before.revision, before.value)
+    (lease,) = (await api.status(spec.id, include_leases=True)).jobs[0].leases
+    assert (lease.worker, lease.attempt) == ("w1", 1)
+    assert (await api.renew(held.token, worker="w1")).lease_s == 10.0
+    assert (await api.commit(held.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
+
+
+async def test_the_lease_protocol_is_asked_on_the_callers_own_subject(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    before = await api.job(spec.id)
+    # A lease asked on one worker's subject for another worker: refused.
+    asked = schema.encode(LeaseRequest(job=spec.id, worker="w1"))
+    reply = await nc.request(subjects.worker_op("lease", "thief"), asked, timeout=5)
+    error = schema.decode(ErrorReply, reply.data)
+    assert error.code == "bad_request" and "for worker 'w1'" in error.message
+    # The subject without a worker (which named no caller) says where to ask instead.
+    for op in ("lease", "renew", "commit", "release"):
+        reply = await nc.request(subjects.master(op), asked, timeout=5)
+        error = schema.decode(ErrorReply, reply.data)
+        assert error.code == "bad_request"
+        assert f"{subjects.prefix}.master.{op}.<worker id>" in error.message
+    assert await api.job(spec.id) == before
 
 
 async def test_the_whole_job_ends_with_a_manifest_of_winners(
@@ -162,7 +219,7 @@ async def test_the_whole_job_ends_with_a_manifest_of_winners(
     for _ in range(3):
         reply = await api.lease(spec.id, "w1")
         commit_record(spec, reply)
-        await api.commit(reply.token, rows=1_000, error_rows=0)
+        await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
     assert (await api.lease(spec.id, "w1")).status == "end"
     final = await client.wait(spec.id)
     assert final.state == "SUCCEEDED"
@@ -183,7 +240,10 @@ async def test_an_expired_token_can_neither_renew_nor_commit(
     # Nobody renews: the lease expires and the shard goes back to the queue.
     await wait_until(lambda: _is_todo(api, spec.id), timeout=10, what="the lease to expire")
 
-    for call in (api.renew(zombie.token), api.commit(zombie.token, rows=1, error_rows=0)):
+    for call in (
+        api.renew(zombie.token, worker="zombie"),
+        api.commit(zombie.token, worker="zombie", rows=1, error_rows=0),
+    ):
         with pytest.raises(RemoteError) as e:
             await call
         assert e.value.code == "stale_token"
@@ -194,12 +254,12 @@ async def test_an_expired_token_can_neither_renew_nor_commit(
     # shard stays with its current holder.
     commit_record(spec, zombie)
     with pytest.raises(RemoteError) as e:
-        await api.commit(zombie.token, rows=1, error_rows=0)
+        await api.commit(zombie.token, worker="zombie", rows=1, error_rows=0)
     assert e.value.code == "stale_token"
     assert (await shards(api, spec.id))["DOING"] == 1
     # The holder finds the commit record (the zombie's attempt won the race to create it) and
     # reports it: the shard is done exactly once, with the zombie's files.
-    assert (await api.commit(fresh.token, rows=1, error_rows=0)).status == "done"
+    assert (await api.commit(fresh.token, worker="w2", rows=1, error_rows=0)).status == "done"
     final = await client.wait(spec.id)
     manifest = json.loads(Path(final.manifest).read_text())
     assert [f["attempt"] for f in manifest["files"]] == [1]
@@ -220,7 +280,11 @@ async def test_poisoned_shard_is_quarantined_and_fails_the_job(
         assert reply.shard is not None and reply.shard.index == expected
         poisoned = expected == 0
         if poisoned:
-            states.append((await api.release(reply.token, "model crashed", retryable=False)).state)
+            states.append(
+                (
+                    await api.release(reply.token, "model crashed", worker="w1", retryable=False)
+                ).state
+            )
     assert states == ["TODO", "QUARANTINED"]
     # One shard in three lost is far over the 1% of rows allowed to fail: the job fails now,
     # without waiting for the rest.
@@ -236,7 +300,7 @@ async def test_retryable_release_goes_to_the_tail(
     spec = make_job(tmp_path)
     await client.submit(spec)
     first = await api.lease(spec.id, "w1")
-    assert (await api.release(first.token, "draining", retryable=True)).state == "TODO"
+    assert (await api.release(first.token, "draining", worker="w1", retryable=True)).state == "TODO"
     order = []
     for _ in range(3):
         reply = await api.lease(spec.id, "w1")
@@ -251,7 +315,7 @@ async def test_a_retried_lease_request_gets_the_same_lease(
     spec = make_job(tmp_path)
     await client.submit(spec)
     request = schema.encode(LeaseRequest(job=spec.id, worker="w1", request_id="r-1"))
-    subject = subjects.master("lease")
+    subject = subjects.worker_op("lease", "w1")
     first = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
     again = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
     assert first.token == again.token
@@ -270,7 +334,7 @@ async def test_malformed_requests_get_an_error_and_change_nothing(
         ("renew", msgpack.packb({"v": 42, "token": "x"})),
         ("release", msgpack.packb({"v": 1, "token": "not:a:real:token:at", "reason": "x"})),
     ]:
-        reply = await nc.request(subjects.master(op), payload, timeout=5)
+        reply = await nc.request(subjects.worker_op(op, "w1"), payload, timeout=5)
         error = schema.decode(ErrorReply, reply.data)
         assert error.code in ("bad_request", "stale_token"), (op, error)
     after = await api.job(spec.id)
@@ -379,7 +443,7 @@ async def test_cancel_voids_every_lease(
     assert (await api.cancel(spec.id)).state == "CANCELLED"
     assert (await api.lease(spec.id, "w2")).status == "end"
     with pytest.raises(RemoteError) as e:
-        await api.renew(held.token)
+        await api.renew(held.token, worker="w1")
     assert e.value.code == "job_ended"
 
 
@@ -391,7 +455,7 @@ async def test_a_restarted_master_resumes_every_lease(
     held = await api.lease(spec.id, "w1")
     done = await api.lease(spec.id, "w1")
     commit_record(spec, done)
-    await api.commit(done.token, rows=1_000, error_rows=0)
+    await api.commit(done.token, worker="w1", rows=1_000, error_rows=0)
 
     await master.stop()
     restarted = await master.start()
@@ -399,9 +463,9 @@ async def test_a_restarted_master_resumes_every_lease(
     status = await api.job(spec.id)
     assert status.shards == {"TODO": 1, "DOING": 1, "DONE": 1, "QUARANTINED": 0}
     # The lease survived, with a fresh full period, and its holder carries on.
-    assert (await api.renew(held.token)).lease_s == 10.0
+    assert (await api.renew(held.token, worker="w1")).lease_s == 10.0
     commit_record(spec, held)
-    assert (await api.commit(held.token, rows=1_000, error_rows=0)).status == "done"
+    assert (await api.commit(held.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
     assert (await api.lease(spec.id, "w1")).attempt == 1
 
 
@@ -413,7 +477,7 @@ async def test_speculative_attempt_at_the_tail_first_commit_wins(
     slow = await api.lease(spec.id, "slow")
     fast = await api.lease(spec.id, "fast")
     commit_record(spec, fast)
-    await api.commit(fast.token, rows=1_000, error_rows=0)
+    await api.commit(fast.token, worker="fast", rows=1_000, error_rows=0)
     # Nothing left in the queue: the idle worker gets a second attempt of the straggler, once
     # it has run longer than the other shards did.
     backup = await wait_until(
@@ -421,10 +485,12 @@ async def test_speculative_attempt_at_the_tail_first_commit_wins(
     )
     assert backup.speculative and backup.shard == slow.shard and backup.attempt == 2
     commit_record(spec, backup)
-    assert (await api.commit(backup.token, rows=1_000, error_rows=0)).status == "done"
+    assert (
+        await api.commit(backup.token, worker="fast", rows=1_000, error_rows=0)
+    ).status == "done"
     # That was the last shard: the job is over, and the straggler's late commit is void.
     with pytest.raises(RemoteError) as e:
-        await api.commit(slow.token, rows=1_000, error_rows=0)
+        await api.commit(slow.token, worker="slow", rows=1_000, error_rows=0)
     assert e.value.code == "job_ended"
     final = await client.wait(spec.id)
     assert final.state == "SUCCEEDED" and final.rows_done == 2_000
@@ -527,14 +593,14 @@ async def test_another_jobs_commit_record_quarantines_the_shard_with_the_reason(
     committing = await api.lease(spec.id, "w1")
     commit_record(straggler, committing)
     with pytest.raises(RemoteError) as e:
-        await api.commit(committing.token, rows=1_000, error_rows=0)
+        await api.commit(committing.token, worker="w1", rows=1_000, error_rows=0)
     assert e.value.code == "quarantined"
     assert "belongs to job straggler-job" in e.value.message
     # A worker that hands the shard back as retryable (its record lost the race to create)
     # does not send it round again.
     releasing = await api.lease(spec.id, "w2")
     commit_record(straggler, releasing)
-    reply = await api.release(releasing.token, "commit not taken", retryable=True)
+    reply = await api.release(releasing.token, "commit not taken", worker="w2", retryable=True)
     assert reply.state == "QUARANTINED"
     final = await client.wait(spec.id)
     assert final.state == "FAILED"
@@ -568,7 +634,7 @@ async def test_speculation_survives_a_master_restart(
     slow = await api.lease(spec.id, "slow")
     fast = await api.lease(spec.id, "fast")
     commit_record(spec, fast)
-    await api.commit(fast.token, rows=1_000, error_rows=0)
+    await api.commit(fast.token, worker="fast", rows=1_000, error_rows=0)
     # The shard times that speculation compares with, and the straggler's age, are not lost.
     await master.stop()
     await master.start()

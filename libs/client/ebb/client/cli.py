@@ -257,10 +257,21 @@ async def cmd_up(args: argparse.Namespace) -> int:
 
 def write_credentials(path: Path, stack: LocalStack) -> Path:
     """The client's connection settings for this stack, readable by its owner only."""
+    environment = stack.client_environment()
+    creds = environment.pop(envvars.NATS_CREDENTIALS, None)
+    if creds is not None:
+        # A .creds text spans lines: it goes in a file of its own, named by the variables.
+        creds_file = path.with_suffix(".creds")
+        _write_private(creds_file, creds)
+        environment[envvars.NATS_CREDS] = str(creds_file)
+    _write_private(path, "".join(f"{k}={v}\n" for k, v in environment.items()))
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
     path.touch(mode=0o600)
     path.chmod(0o600)
-    path.write_text("".join(f"{k}={v}\n" for k, v in stack.client_environment().items()))
-    return path
+    path.write_text(text)
 
 
 def read_credentials(path: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ebb.common import auth, envvars
+from ebb.common import auth, envvars, identity
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, connect, nats_environment
 from ebb.common.embedded import EmbeddedNats
@@ -40,8 +40,9 @@ class StackConfig:
     max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     prefix: str = "ebb"
     auth: bool = True
-    """Each service, the workers and clients connect as their own NATS user, with only the
-    permissions their role needs (ebb.common.auth); passwords are new at every start."""
+    """Each service and client connects with a NATS identity of its own, with only the
+    permissions its role needs (ebb.common.auth), and each worker with one minted for it
+    alone (ebb.common.identity); keys are new at every start."""
     log_level: str = "INFO"
     worker_grace_s: float = 30.0
     start_timeout_s: float = 60.0
@@ -57,13 +58,16 @@ class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.logs = config.state_dir / "logs"
-        self.passwords = auth.new_passwords() if config.auth else None
+        self.trust = identity.Trust.new(config.prefix) if config.auth else None
+        self._credentials = (
+            {r: self.trust.role_credentials(r) for r in auth.ROLES if r != "worker"}
+            if self.trust
+            else {}
+        )
         self.nats = EmbeddedNats(
             state_dir=config.state_dir / "nats",
             port=config.port,
-            authorization=(
-                auth.authorization_config(config.prefix, self.passwords) if self.passwords else None
-            ),
+            authorization=self.trust.server_config() if self.trust else None,
         )
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
@@ -76,13 +80,22 @@ class LocalStack:
         return self.nats_config_for("client")
 
     def nats_config_for(self, role: auth.Role) -> NatsConfig:
-        if self.passwords is None:
+        """How one of the roles connects (a worker: `worker_nats_config`)."""
+        if self.trust is None:
             return NatsConfig(url=self.nats.url, prefix=self.config.prefix)
+        if role == "worker":
+            raise ValueError("each worker has a credential of its own: worker_nats_config(id)")
+        return NatsConfig(
+            url=self.nats.url, prefix=self.config.prefix, creds=self._credentials[role]
+        )
+
+    def worker_nats_config(self, worker: str) -> NatsConfig:
+        """How the worker `worker` connects: as itself, and no other worker."""
         return NatsConfig(
             url=self.nats.url,
             prefix=self.config.prefix,
-            user=auth.user_name(self.config.prefix, role),
-            password=self.passwords[role],
+            creds=self.trust.worker_signer().credentials(worker) if self.trust else None,
+            inbox_prefix=auth.worker_inbox(self.config.prefix, worker),
         )
 
     def client_environment(self) -> dict[str, str]:
@@ -133,11 +146,11 @@ class LocalStack:
         if name == "master":
             return {**env, **nats_environment(self.nats_config_for("master"))}
         env.update(nats_environment(self.nats_config_for("controller")))
-        worker = self.nats_config_for("worker")
-        if worker.user and worker.password:
-            # For the workers the controller launches: their own, lesser, credentials.
-            env[envvars.WORKER_NATS_USER] = worker.user
-            env[envvars.WORKER_NATS_PASSWORD] = worker.password
+        if self.trust is not None:
+            # For the workers the controller launches: a credential for each, minted with a
+            # key that can sign nothing but one worker's own permissions.
+            env[envvars.WORKER_NATS_SIGNING_KEY] = self.trust.worker_signing_key.seed
+            env[envvars.WORKER_NATS_ACCOUNT] = self.trust.account.public
         return env
 
     async def kill(self, name: str) -> None:

@@ -23,6 +23,9 @@ class ErrorCode(StrEnum):
     """The job was refused at submission; the message says why."""
     STALE_TOKEN = "stale_token"  # noqa: S105 - a code, not a secret
     """The lease token is no longer current: expired, released, superseded, or a zombie's."""
+    NOT_HOLDER = "not_holder"
+    """The lease token was granted to another worker than the one asking: refused, nothing
+    changed (a worker may renew, commit or release only its own leases)."""
     JOB_ENDED = "job_ended"
     """The job reached a terminal state; its leases are void."""
     NO_COMMIT_RECORD = "no_commit_record"

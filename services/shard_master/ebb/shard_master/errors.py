@@ -21,6 +21,12 @@ class StaleToken(MasterError):
     code = ErrorCode.STALE_TOKEN
 
 
+class NotHolder(MasterError):
+    """A current lease token, used by a worker other than the one it was granted to."""
+
+    code = ErrorCode.NOT_HOLDER
+
+
 class JobNotFound(MasterError):
     code = ErrorCode.NOT_FOUND
 

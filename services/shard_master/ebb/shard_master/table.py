@@ -54,6 +54,7 @@ from .errors import (
     JobEnded,
     JobNotFound,
     NoCommitRecord,
+    NotHolder,
     OutputTaken,
     StaleToken,
 )
@@ -376,7 +377,20 @@ class LeaseTable:
                 best, best_age = shard, age
         return best
 
-    async def renew(self, token: str) -> RenewReply:
+    def _check_holder(self, shard: Shard, token: str, caller: str | None) -> None:
+        """Refuse a current lease token used by anyone but the worker it was granted to
+        (caller holds the shard's lock). `caller` None: the caller's identity is not known
+        (an in-process use of the table), and not checked."""
+        if caller is None:
+            return
+        lease = next((ls for ls in shard.record.leases if ls.token == token), None)
+        if lease is not None and lease.worker != caller:
+            raise NotHolder(
+                f"the lease on shard {shard.index} (attempt {lease.attempt}) was not granted "
+                f"to worker {caller!r}"
+            )
+
+    async def renew(self, token: str, *, caller: str | None = None) -> RenewReply:
         job, shard = self._locate(token)
         lease_s = job.spec.fault.lease_s
         async with shard.lock:
@@ -384,6 +398,7 @@ class LeaseTable:
                 raise JobEnded(f"job {job.id} is {job.state}")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
+            self._check_holder(shard, token, caller)
             expires_at = time.time() + lease_s
             record = shard.record
             leases = [
@@ -394,7 +409,7 @@ class LeaseTable:
         metrics.LEASE_RENEWALS.labels(job.id).inc()
         return RenewReply(lease_s=lease_s)
 
-    async def commit(self, token: str) -> CommitReply:
+    async def commit(self, token: str, *, caller: str | None = None) -> CommitReply:
         job_id, index = parse_token(token)
         job = self.jobs.get(job_id)
         if (
@@ -410,6 +425,7 @@ class LeaseTable:
                 return CommitReply(status="already_done")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
+            self._check_holder(shard, token, caller)
             foreign: ForeignCommit | None = None
             try:
                 commit = await self._read_commit(job, shard)
@@ -460,13 +476,16 @@ class LeaseTable:
         metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
         self._emit(self._event(job, "progress"))
 
-    async def release(self, token: str, reason: str, *, retryable: bool) -> ReleaseReply:
+    async def release(
+        self, token: str, reason: str, *, retryable: bool, caller: str | None = None
+    ) -> ReleaseReply:
         job, shard = self._locate(token)
         async with shard.lock:
             if token not in shard.deadlines:
                 if shard.record.state == "DONE":
                     return ReleaseReply(state="DONE")
                 raise StaleToken("lease is no longer current")
+            self._check_holder(shard, token, caller)
             state = await self._drop_lease(job, shard, token, reason=reason, failed=not retryable)
         metrics.RETRIES.labels(job.id, "released" if retryable else "poisoned").inc()
         if state in ("QUARANTINED", "DONE"):
