@@ -151,7 +151,8 @@ class ShardMaster:
                     metrics.SETUP_FAILURES.inc()
                     delay = bus.Backoff(first_s=0.5).delay(failures)
                     failures += 1
-                    log.warning("could not set up on NATS (%s); again in %.1fs", e or repr(e), delay)
+                    why = str(e) or repr(e)  # some of nats-py's errors have no message
+                    log.warning("could not set up on NATS (%s); again in %.1fs", why, delay)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.supervisor.stop_requested.wait(), delay)
                 self.ready.clear()
