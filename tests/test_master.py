@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -699,3 +700,119 @@ async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl
         async with await EbbClient.connect(nats_config) as client:
             await client.submit(spec)
             assert (await client.job(spec.id)).state == "RUNNING"
+
+
+# -- resume --------------------------------------------------------------------------------
+
+
+async def test_resume_of_a_failed_job_keeps_its_commits_and_retries_the_rest(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=3_000, max_attempts=1)
+    await client.submit(spec)
+    done = await api.lease(spec.id, "w1")
+    commit_record(spec, done)
+    assert (await api.commit(done.token, rows=1_000, error_rows=0)).status == "done"
+    poisoned = await api.lease(spec.id, "w1")
+    zombie = await api.lease(spec.id, "w2")  # its holder will outlive the job's first run
+    assert (await api.release(poisoned.token, "disk error", retryable=False)).state == (
+        "QUARANTINED"
+    )
+    failed = await client.wait(spec.id)
+    assert failed.state == "FAILED" and "shard 1 quarantined: disk error" in failed.reason
+
+    # A restarted master knows the ended job from KV alone, and resumes it from there.
+    await master.stop()
+    await master.start()
+    reply = await client.resume(spec.id)
+    assert (reply.state, reply.shards_done, reply.shards_retried, reply.shards_todo) == (
+        "RUNNING",
+        1,
+        1,
+        2,
+    )
+    status = await api.job(spec.id)
+    assert status.state == "RUNNING" and status.reason == "" and status.finished_at == 0
+    assert status.shards == {"TODO": 2, "DOING": 0, "DONE": 1, "QUARANTINED": 0}
+    # The first run's leases stay void: a zombie can neither renew nor commit.
+    for op in (api.renew(zombie.token), api.commit(zombie.token, rows=1_000, error_rows=0)):
+        with pytest.raises(RemoteError) as e:
+            await op
+        assert e.value.code == "stale_token"
+    # Only the unfinished shards are handed out, as attempts after every earlier one.
+    leased = []
+    for _ in range(2):
+        reply_ = await api.lease(spec.id, "w3")
+        assert reply_.shard is not None
+        leased.append((reply_.shard.index, reply_.attempt))
+        commit_record(spec, reply_)
+        assert (await api.commit(reply_.token, rows=1_000, error_rows=0)).status == "done"
+    assert sorted(leased) == [(1, 2), (2, 2)]
+    final = await client.wait(spec.id)
+    assert final.state == "SUCCEEDED" and final.rows_done == 3_000
+    manifest = json.loads(Path(final.manifest).read_text())
+    assert sorted((f["shard"], f["attempt"]) for f in manifest["files"]) == [
+        (0, 1),
+        (1, 2),
+        (2, 2),
+    ]
+
+
+async def test_resume_of_a_cancelled_job_runs_it_again(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert (await api.cancel(spec.id)).state == "CANCELLED"
+    reply = await client.resume(spec.id)
+    assert (reply.state, reply.shards_done, reply.shards_retried, reply.shards_todo) == (
+        "RUNNING",
+        0,
+        0,
+        2,
+    )
+    with pytest.raises(RemoteError):
+        await api.renew(held.token)
+    for _ in range(2):
+        again = await api.lease(spec.id, "w1")
+        commit_record(spec, again)
+        await api.commit(again.token, rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+
+
+async def test_resume_refuses_a_running_a_succeeded_and_an_unknown_job(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=1_000)
+    await client.submit(spec)
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable"
+    assert f"job {spec.id} is RUNNING: only a FAILED or CANCELLED job" in e.value.message
+    reply = await api.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    await api.commit(reply.token, rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable" and "is SUCCEEDED" in e.value.message
+    assert (await api.job(spec.id)).state == "SUCCEEDED"
+    with pytest.raises(RemoteError) as e:
+        await client.resume("no-such-job")
+    assert e.value.code == "not_found" and "no job 'no-such-job'" in e.value.message
+
+
+async def test_a_job_forgotten_after_its_retention_cannot_be_resumed(
+    tmp_path: Path, client: EbbClient, master: Master
+) -> None:
+    spec = make_job(tmp_path, rows=1_000)
+    await client.submit(spec)
+    await client.cancel(spec.id)
+    assert master.service is not None and master.service.table is not None
+    table = master.service.table
+    gone = await table.forget_ended(now=time.time() + 10, retention_s=1.0)
+    assert gone == [spec.id]
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_found" and "forgotten" in e.value.message

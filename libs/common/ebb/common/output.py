@@ -149,6 +149,13 @@ class OutputStore:
         owner = json.loads(self.fs.cat_file(path)).get("job")
         return str(owner)
 
+    def owner(self) -> str:
+        """The id of the job this output root belongs to; "" if none claimed it yet."""
+        try:
+            return str(json.loads(self.fs.cat_file(self.full(OWNER))).get("job") or "")
+        except FileNotFoundError:
+            return ""
+
     # -- commit records --------------------------------------------------------------------
 
     def create_commit(self, record: CommitRecord) -> tuple[bool, CommitRecord]:

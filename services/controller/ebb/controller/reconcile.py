@@ -151,6 +151,7 @@ class Reconciler:
                 self.account(w, now, rows_done=done.get(w.job, 0))
                 await self.backend.forget(w.id)
         await self._fail_jobs(running)
+        self.forget_ended({j.id for j in running})
         jobs = [j for j in jobs if j.id not in self.failed_jobs]
         live = [w for w in workers if not w.ended]
         capacity = await self.backend.capacity(jobs, live)
@@ -236,6 +237,13 @@ class Reconciler:
         """The job's workers are not crash-looping: start counting again."""
         self.failures.pop(job, None)
         self.crashes.pop(job, None)
+
+    def forget_ended(self, running: set[str]) -> None:
+        """Drop what we learnt of jobs that no longer run. A job that is resumed starts
+        with a clean slate: the crashes that ended its first run do not count again."""
+        for table in (self.failures, self.crashes, self.progress, self.not_before):
+            for job in [j for j in table if j not in running]:
+                del table[job]
 
     async def _fail_jobs(self, running: list[JobStatus]) -> None:
         """Tell the master about jobs that cannot run. Until it has heard, ask again."""
