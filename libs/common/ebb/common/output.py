@@ -73,6 +73,16 @@ class ManifestFile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class QuarantinedShard:
+    """A shard no attempt could finish (its rows are in no file): where it is, and why."""
+
+    shard: int
+    path: str
+    rows: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     job: str
     files: list[ManifestFile]
@@ -80,6 +90,9 @@ class Manifest:
     error_rows: int
     shards: int
     quarantined_shards: list[int] = field(default_factory=list)
+    quarantined: list[QuarantinedShard] = field(default_factory=list)
+    """The quarantined shards with their input and their last error (within the job's
+    error threshold, or the job would have failed)."""
     created_at: float = 0.0
 
 

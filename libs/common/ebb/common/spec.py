@@ -173,6 +173,10 @@ class StageSpec:
     length_column: str | None = None
     """With batch_tokens: the column that gives each row's length: a column of sequences
     (token ids), or a column of lengths."""
+    finite_inputs: bool = True
+    """Model stages: a row whose floating-point model input holds NaN or inf fails alone (an
+    error row that says so) instead of giving a NaN prediction. False for a model that reads
+    NaN as "missing" (tree ensembles)."""
 
     def __post_init__(self) -> None:
         if (self.modelet is None) == (self.model is None):
