@@ -36,7 +36,7 @@ def write_bad_dataset(folder: Path) -> Path:
     for f in range(3):
         table = feature_table(ROWS_PER_FILE, features=8, seed=f, start_id=f * ROWS_PER_FILE)
         if f == 0:
-            features = np.stack(table.column("features").to_numpy(zero_copy_only=False))
+            features = np.stack(list(table.column("features").to_numpy(zero_copy_only=False)))
             features[NAN_ID, 3] = np.nan
             features[INF_ID, 0] = np.inf
             kind = table.schema.field("features").type
@@ -96,7 +96,7 @@ async def test_bad_rows_and_an_undecodable_row_group_fail_alone_and_the_threshol
     [lost] = manifest["quarantined"]
     assert lost["path"].endswith("part-1.parquet") and lost["rows"] == 500
     assert "cannot read shard" in lost["reason"] and "thrift" in lost["reason"]
-    ids = table.column("id").to_pylist()
+    ids = table.column("id").to_numpy().tolist()
     unreadable = set(range(3_000, 3_500))
     assert sorted(ids) == sorted(set(range(3 * ROWS_PER_FILE)) - unreadable)
     errors = {r["id"]: r["_error"] for r in table.to_pylist() if r["_error"] is not None}
