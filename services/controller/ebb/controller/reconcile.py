@@ -19,7 +19,7 @@ from typing import Any
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import ErrorCode, RemoteError
-from ebb.common.messages import JobStatus
+from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
@@ -253,7 +253,10 @@ class Reconciler:
                 del self.failed_jobs[job]  # ended (by us, or otherwise)
                 continue
             log.error("job %s cannot run: %s", job, reason)
-            await self.master.fail(job, reason)
+            reply = await self.master.fail(job, reason)
+            if reply.state in TERMINAL_JOB_STATES:
+                # Heard: asking again could fail the job a second time once it is resumed.
+                del self.failed_jobs[job]
 
     def _publish(self, jobs: list[JobStatus], workers: list[WorkerInfo], decided: Plan) -> None:
         actual: dict[str, int] = defaultdict(int)
