@@ -340,6 +340,21 @@ async def test_another_jobs_output_folder_is_refused(
         await client.submit(spec)
 
 
+async def test_a_job_carries_on_in_its_own_output_only_with_the_spec_it_began_with(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """As `ebb run --resume` on a new stack does: the same id, its earlier output kept."""
+    spec = make_job(tmp_path)
+    changed = replace(spec, input=replace(spec.input, rows_per_shard=500))
+    OutputStore(spec.output.uri).claim(spec.id, spec_digest=changed.output_digest())
+    with pytest.raises(SubmitError, match="this spec differs from it in its input, pipeline"):
+        await client.submit(spec)
+    again = replace(spec, id=f"{spec.id}-2", output=replace(spec.output, uri=str(tmp_path / "o2")))
+    OutputStore(again.output.uri).claim(again.id, spec_digest=again.output_digest())
+    await client.submit(again)  # the very spec it claimed the root with: welcome back
+    assert (await api.job(again.id)).state == "RUNNING"
+
+
 async def test_submitting_twice_runs_one_job(
     tmp_path: Path, client: EbbClient, api: MasterClient
 ) -> None:

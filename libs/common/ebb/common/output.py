@@ -151,23 +151,32 @@ class OutputStore:
             raise
         _fsync_dir(directory)
 
-    def claim(self, job: str) -> str:
+    def claim(self, job: str, *, spec_digest: str = "") -> str:
         """Make `job` the owner of this output root, unless another job owns it already.
 
         Returns the owner's id: `job` itself, or whoever claimed the root first.
+        `spec_digest` (what the job computes: see JobSpec.output_digest) is kept with it.
         """
         path = self.full(OWNER)
-        if self._create_exclusive(path, json.dumps({"job": job, "claimed_at": time.time()})):
+        owner = {"job": job, "claimed_at": time.time(), "spec_digest": spec_digest}
+        if self._create_exclusive(path, json.dumps(owner)):
             return job
-        owner = json.loads(self.fs.cat_file(path)).get("job")
-        return str(owner)
+        return str(self._owner_record().get("job"))
 
     def owner(self) -> str:
         """The id of the job this output root belongs to; "" if none claimed it yet."""
+        return str(self._owner_record().get("job") or "")
+
+    def owner_digest(self) -> str:
+        """The spec digest the owner claimed the root with ("" if none, or an older root)."""
+        return str(self._owner_record().get("spec_digest") or "")
+
+    def _owner_record(self) -> dict[str, Any]:
         try:
-            return str(json.loads(self.fs.cat_file(self.full(OWNER))).get("job") or "")
+            record = json.loads(self.fs.cat_file(self.full(OWNER)))
         except FileNotFoundError:
-            return ""
+            return {}
+        return record if isinstance(record, dict) else {}
 
     # -- commit records --------------------------------------------------------------------
 

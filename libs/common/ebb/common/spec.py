@@ -7,6 +7,8 @@ spec is refused with the path of the first bad field before any state changes an
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import posixpath
@@ -344,6 +346,15 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = schema.dump(self)
         return body
+
+    def output_digest(self) -> str:
+        """A digest of what decides the output's contents: the input, the pipeline and the
+        output sections. A job run again into the output it wrote (a resume on a new stack)
+        must match it, or its new shards would not be like the ones committed before."""
+        body = self.to_dict()
+        decisive = {k: body[k] for k in ("input", "pipeline", "output")}
+        text = json.dumps(decisive, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def parse_job(data: object) -> JobSpec:

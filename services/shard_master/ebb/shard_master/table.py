@@ -172,6 +172,7 @@ class LeaseTable:
             return False
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
+        digest = spec.output_digest()  # of the spec as submitted, before planning types it
         required = [*(spec.input.columns or []), *spec.output.carryover]
         plan = await asyncio.to_thread(
             plan_input, spec.input, required_columns=list(dict.fromkeys(required))
@@ -181,10 +182,20 @@ class LeaseTable:
             # The spec workers get says how to type each column: every shard alike.
             spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
         # The output root becomes this job's, atomically: no other job can write into it.
+        output = self._open_output(spec.output.uri)
         try:
-            owner = await asyncio.to_thread(self._open_output(spec.output.uri).claim, spec.id)
+            owner = await asyncio.to_thread(output.claim, spec.id, spec_digest=digest)
+            claimed_with = await asyncio.to_thread(output.owner_digest)
         except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
             raise OutputTaken(f"cannot write to {spec.output.uri}: {e}") from e
+        if owner == spec.id and claimed_with and claimed_with != digest:
+            # The same job id again (a resume on a new stack), but another input, pipeline or
+            # output: its shards would not match the ones it committed before.
+            raise OutputTaken(
+                f"{spec.output.uri} holds the output of job {owner} as first submitted; this "
+                "spec differs from it in its input, pipeline or output, so it cannot carry "
+                "on there: choose another output.uri"
+            )
         if owner != spec.id:
             raise OutputTaken(
                 f"{spec.output.uri} holds the output of job {owner}: `ebb resume {owner}` "
