@@ -13,11 +13,14 @@ and injects faults one after another at random moments (the seed decides which, 
 - master_kill   SIGKILL of the leading shard master: the standby takes over
 - nats_restart  SIGKILL of nats-server, down 1-4 s, then started again on the same store
 - stage_hang    a stage process hangs in a batch: the batch timeout kills and restarts it
+- input_vanish  an input file disappears (moved aside) until the job has FAILED on it (its
+                shards quarantined), then comes back: the job is resumed (`resume`)
 
 After each fault the campaign waits for the job to recover before the next. Recovery time:
 for a fault aimed at a worker, until every shard that worker held is committed (by anyone);
-for the others, from the kill (the restart, for NATS; the hang, for a stage) until the master
-has recorded one more shard DONE.
+for input_vanish, from the `resume` request until one more shard is DONE; for the others, from
+the kill (the restart, for NATS; the hang, for a stage) until the master has recorded one
+more shard DONE.
 
 When the job ends: a FAILED job is resumed (`resume`) and followed to its end. Then every
 input id must be in the output exactly once (as a result, or as an error row), the job's
@@ -61,7 +64,19 @@ from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
 
 REPO = Path(__file__).resolve().parent.parent
-FAULTS = ("worker_kill", "stage_kill", "worker_stop", "master_kill", "nats_restart", "stage_hang")
+FAULTS = (
+    "worker_kill",
+    "stage_kill",
+    "worker_stop",
+    "master_kill",
+    "nats_restart",
+    "stage_hang",
+    "input_vanish",
+)
+VANISH_P = 0.3
+"""The share of runs that begin with input_vanish (a job that fails, to be resumed)."""
+VANISHING = "part-1.parquet"
+"""The input file input_vanish takes away (the second half of the rows: shards not done yet)."""
 LEASE_S = 4.0
 LEADER_TTL_S = 3.0
 BATCH_TIMEOUT_S = 4.0
@@ -260,21 +275,21 @@ class Injector:
             return time.monotonic() - started
         return None
 
-    async def _done(self) -> int:
+    async def done_count(self) -> int:
         """Shards DONE as the master says, -1 while no master answers."""
         try:
             return (await self.probe.job(self.job)).shards.get("DONE", 0)
         except (BusError, RemoteError):
             return -1
 
-    async def _next_done(self, before: int, started: float) -> float | None:
+    async def next_done(self, before: int, started: float) -> float | None:
         """Seconds from `started` until the master has recorded one more shard DONE."""
 
         async def progressed() -> bool:
-            return self.ended.is_set() or await self._done() > before
+            return self.ended.is_set() or await self.done_count() > before
 
         await _until(progressed, RECOVERY_TIMEOUT_S, interval_s=0.2)
-        if self.ended.is_set() and await self._done() <= before:
+        if self.ended.is_set() and await self.done_count() <= before:
             return None
         return time.monotonic() - started
 
@@ -303,14 +318,14 @@ class Injector:
                     worker.send_signal(signal.SIGCONT)
                 note = f"pid {worker.pid} stopped {stopped:.0f}s, shards {sorted(shards)}"
             return await self._shards_done(shards), note
-        before = await self._done()
+        before = await self.done_count()
         if kind == "master_kill":
             leader = await _leader(self.stack)
             self.stack.held.add(leader)
             try:
                 await self.stack.kill(leader)
                 started = time.monotonic()
-                recovery = await self._next_done(before, started)
+                recovery = await self.next_done(before, started)
             finally:
                 await self.stack.restart(leader)
                 self.stack.held.discard(leader)
@@ -324,14 +339,27 @@ class Injector:
                 await asyncio.to_thread(self.stack.nats.start)
             finally:
                 self.stack.held.discard("nats")
-            return await self._next_done(before, time.monotonic()), f"down {outage:.1f}s"
+            return await self.next_done(before, time.monotonic()), f"down {outage:.1f}s"
+        if kind == "input_vanish":
+            # The file's shards fail to read, are quarantined, and the job fails on them:
+            # the failure this fault is for. The file comes back once the job has ended.
+            target = self.out.parent / "data" / VANISHING
+            aside = self.out.parent / f"{VANISHING}.aside"
+            target.rename(aside)
+            try:
+                await _until(self.ended.is_set, 30.0)
+            finally:
+                aside.rename(target)
+            if not self.ended.is_set():
+                return None, "no shard of the file was left to fail"
+            return None, "the job failed on it"  # the run resumes it, and times that
         if kind == "stage_hang":
             (self.hang_dir / "hang").write_text("")
             taken = await _until(lambda: not (self.hang_dir / "hang").exists(), 30)
             if not taken:
                 (self.hang_dir / "hang").unlink(missing_ok=True)
                 return None, "no stage took the hang"
-            return await self._next_done(await self._done(), time.monotonic()), "one batch hung"
+            return await self.next_done(await self.done_count(), time.monotonic()), "one batch hung"
         raise ValueError(f"unknown fault {kind}")
 
 
@@ -368,9 +396,10 @@ async def run_one(
         async with await EbbClient.connect(stack.nats_config) as client:
             job = await client.submit(spec)
             injector = Injector(stack, client, job, folder / "out", folder / "hang")
-            waiting = asyncio.create_task(_wait(client, job))
-            waiting.add_done_callback(lambda _: injector.ended.set())
-            kinds = [rng.choice(FAULTS) for _ in range(faults)]
+            waiting = _follow(client, job, injector)
+            kinds = [rng.choice(FAULTS[:-1]) for _ in range(faults)]
+            if rng.random() < VANISH_P:  # early, while the file still has shards to do
+                kinds.insert(0, "input_vanish")
             for kind in kinds:
                 await _sleep_unless(injector.ended, rng.uniform(0.5, 4.0))
                 if injector.ended.is_set():
@@ -380,13 +409,27 @@ async def run_one(
                 if note.startswith("no "):
                     log(f"  seed {seed}: {kind} not injected ({note})")
                     continue
+                if kind == "input_vanish":
+                    # The job FAILED, as this fault means it to: resume it, and go on.
+                    first = await waiting
+                    result.first_state, result.first_reason = first.state, first.reason
+                    if VANISHING not in first.reason:
+                        result.problems.append(f"failed for another reason: {first.reason}")
+                    before = await injector.done_count()
+                    resumed_at = time.monotonic()
+                    await client.resume(job)
+                    result.resumed = True
+                    injector.ended.clear()
+                    waiting = _follow(client, job, injector)
+                    recovery = await injector.next_done(before, resumed_at)
                 result.injections.append(Injection(kind, at, recovery, note))
                 shown = "-" if recovery is None else f"{recovery:.1f}s"
                 log(f"  seed {seed}: {kind} at {at:.1f}s ({note}), recovered in {shown}")
-            first = await waiting
-            result.first_state, result.first_reason = first.state, first.reason
-            final = first
-            if first.state in ("FAILED", "CANCELLED"):
+            final = await waiting
+            if not result.first_state:
+                result.first_state, result.first_reason = final.state, final.reason
+            if final.state in ("FAILED", "CANCELLED"):
+                result.problems.append(f"failed for a reason not injected: {final.reason}")
                 result.resumed = True
                 await client.resume(job)
                 final = await _wait(client, job)
@@ -402,6 +445,13 @@ async def run_one(
         await stack.stop()
     result.seconds = time.monotonic() - started
     return result
+
+
+def _follow(client: EbbClient, job: str, injector: Injector) -> asyncio.Task[JobStatus]:
+    """A task that waits for the job to end, and tells the injector when it has."""
+    task = asyncio.create_task(_wait(client, job))
+    task.add_done_callback(lambda _: injector.ended.set())
+    return task
 
 
 async def _wait(client: EbbClient, job: str) -> JobStatus:
@@ -574,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     from .common import machine
+
+    # SIGTERM as Ctrl-C: the run in progress stops its stack on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ebb-chaos-"))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
