@@ -723,16 +723,19 @@ async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl
 async def test_resume_of_a_failed_job_keeps_its_commits_and_retries_the_rest(
     tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
 ) -> None:
-    spec = make_job(tmp_path, rows=3_000, max_attempts=1)
+    spec = make_job(tmp_path, rows=4_000, max_attempts=2)
     await client.submit(spec)
     done = await api.lease(spec.id, "w1")
     commit_record(spec, done)
     assert (await api.commit(done.token, rows=1_000, error_rows=0)).status == "done"
     poisoned = await api.lease(spec.id, "w1")
     zombie = await api.lease(spec.id, "w2")  # its holder will outlive the job's first run
-    assert (await api.release(poisoned.token, "disk error", retryable=False)).state == (
-        "QUARANTINED"
-    )
+    once = await api.lease(spec.id, "w1")  # shard 3: fails once, and stays TODO
+    assert (await api.release(poisoned.token, "disk error", retryable=False)).state == "TODO"
+    assert (await api.release(once.token, "disk error", retryable=False)).state == "TODO"
+    again = await api.lease(spec.id, "w1")
+    assert again.shard == poisoned.shard
+    assert (await api.release(again.token, "disk error", retryable=False)).state == ("QUARANTINED")
     failed = await client.wait(spec.id)
     assert failed.state == "FAILED" and "shard 1 quarantined: disk error" in failed.reason
 
@@ -744,32 +747,37 @@ async def test_resume_of_a_failed_job_keeps_its_commits_and_retries_the_rest(
         "RUNNING",
         1,
         1,
-        2,
+        3,
     )
     status = await api.job(spec.id)
     assert status.state == "RUNNING" and status.reason == "" and status.finished_at == 0
-    assert status.shards == {"TODO": 2, "DOING": 0, "DONE": 1, "QUARANTINED": 0}
+    assert status.shards == {"TODO": 3, "DOING": 0, "DONE": 1, "QUARANTINED": 0}
     # The first run's leases stay void: a zombie can neither renew nor commit.
     for op in (api.renew(zombie.token), api.commit(zombie.token, rows=1_000, error_rows=0)):
         with pytest.raises(RemoteError) as e:
             await op
         assert e.value.code == "stale_token"
-    # Only the unfinished shards are handed out, as attempts after every earlier one.
-    leased = []
-    for _ in range(2):
+    # Only the unfinished shards are handed out, as attempts after every earlier one, each
+    # with a fresh max_attempts: shard 3 failed once in the first run, and may fail once more.
+    leased = {}
+    for _ in range(3):
         reply_ = await api.lease(spec.id, "w3")
         assert reply_.shard is not None
-        leased.append((reply_.shard.index, reply_.attempt))
+        leased[reply_.shard.index] = reply_
+    assert sorted((i, r.attempt) for i, r in leased.items()) == [(1, 3), (2, 2), (3, 2)]
+    assert (await api.release(leased[3].token, "flaky", retryable=False)).state == "TODO"
+    leased[3] = await api.lease(spec.id, "w3")
+    for reply_ in leased.values():
         commit_record(spec, reply_)
         assert (await api.commit(reply_.token, rows=1_000, error_rows=0)).status == "done"
-    assert sorted(leased) == [(1, 2), (2, 2)]
     final = await client.wait(spec.id)
-    assert final.state == "SUCCEEDED" and final.rows_done == 3_000
+    assert final.state == "SUCCEEDED" and final.rows_done == 4_000
     manifest = json.loads(Path(final.manifest).read_text())
     assert sorted((f["shard"], f["attempt"]) for f in manifest["files"]) == [
         (0, 1),
-        (1, 2),
+        (1, 3),
         (2, 2),
+        (3, 3),
     ]
 
 

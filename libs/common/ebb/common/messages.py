@@ -213,8 +213,8 @@ class CancelReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class ResumeRequest(Message):
-    """Re-open a FAILED or CANCELLED job: its committed shards stay done, its quarantined
-    shards get a fresh set of attempts, and it runs again."""
+    """Re-open a FAILED or CANCELLED job: its committed shards stay done, every other shard
+    (quarantined ones included) gets a fresh set of attempts, and it runs again."""
 
     KIND: ClassVar[str] = "resume"
     job: str

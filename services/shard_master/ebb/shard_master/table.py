@@ -664,8 +664,8 @@ class LeaseTable:
 
     async def resume(self, job_id: str) -> ResumeReply:
         """Re-open a FAILED or CANCELLED job: its DONE shards stay done (their output is
-        never redone), its QUARANTINED shards are retried with their failures forgotten,
-        and those that never finished are queued again. The job is RUNNING once more.
+        never redone); every other shard, QUARANTINED ones included, is queued again with
+        its failures forgotten (a fresh max_attempts). The job is RUNNING once more.
 
         Every old lease stays void: its token is not among the reopened shards' leases, so a
         zombie of the first run is refused (StaleToken), and new attempts get numbers after
@@ -708,13 +708,15 @@ class LeaseTable:
                 if rec.state == "QUARANTINED":
                     retried += 1
                 new = rec
-                if state != rec.state or rec.leases:
+                # Every shard not done starts with a fresh set of attempts: failures of the
+                # first run (what made it fail, often) must not count against the second.
+                if state != rec.state or rec.leases or (state == "TODO" and rec.failures):
                     requeued = state == "TODO" and rec.state != "TODO"
                     new = replace(
                         rec,
                         state=state,
                         leases=[],
-                        failures=0 if rec.state == "QUARANTINED" else rec.failures,
+                        failures=0 if state == "TODO" else rec.failures,
                         seq=next_seq if requeued else rec.seq,
                     )
                     next_seq += requeued
