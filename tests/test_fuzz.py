@@ -26,6 +26,7 @@ from ebb.common.messages import (
     LeaseRequest,
     ReleaseRequest,
     RenewRequest,
+    ResumeRequest,
     StatusRequest,
 )
 from ebb.common.schema import Message
@@ -179,7 +180,7 @@ def _garbage(rng: random.Random, valid: bytes) -> list[bytes]:
     return out
 
 
-REFUSALS = {"bad_request", "stale_token", "not_found", "job_ended", "not_holder"}
+REFUSALS = {"bad_request", "stale_token", "not_found", "job_ended", "not_holder", "not_resumable"}
 
 
 async def test_the_master_answers_every_malformed_or_forged_request_and_keeps_its_state(
@@ -199,6 +200,7 @@ async def test_the_master_answers_every_malformed_or_forged_request_and_keeps_it
         "status": StatusRequest(),
         "cancel": CancelRequest(job="no-such-job"),
         "fail": FailRequest(job="no-such-job", reason="x"),
+        "resume": ResumeRequest(job=spec.id),  # running: refused, and must stay as it is
     }
     rng = random.Random(7)
     for op, message in valid.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -403,6 +404,21 @@ async def test_another_jobs_output_folder_is_refused(
     assert OutputStore(spec.output.uri).claim("someone-else") == "someone-else"
     with pytest.raises(SubmitError, match="holds the output of job someone-else"):
         await client.submit(spec)
+
+
+async def test_a_job_carries_on_in_its_own_output_only_with_the_spec_it_began_with(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """As `ebb run --resume` on a new stack does: the same id, its earlier output kept."""
+    spec = make_job(tmp_path)
+    changed = replace(spec, input=replace(spec.input, rows_per_shard=500))
+    OutputStore(spec.output.uri).claim(spec.id, spec_digest=changed.output_digest())
+    with pytest.raises(SubmitError, match="this spec differs from it in its input, pipeline"):
+        await client.submit(spec)
+    again = replace(spec, id=f"{spec.id}-2", output=replace(spec.output, uri=str(tmp_path / "o2")))
+    OutputStore(again.output.uri).claim(again.id, spec_digest=again.output_digest())
+    await client.submit(again)  # the very spec it claimed the root with: welcome back
+    assert (await api.job(again.id)).state == "RUNNING"
 
 
 async def test_submitting_twice_runs_one_job(
@@ -823,3 +839,140 @@ async def test_a_master_that_cannot_set_up_on_nats_keeps_trying_and_then_leads(
     finally:
         service.request_stop()
         await asyncio.wait_for(task, 30)
+
+
+# -- resume --------------------------------------------------------------------------------
+
+
+async def test_resume_of_a_failed_job_keeps_its_commits_and_retries_the_rest(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=4_000, max_attempts=2)
+    await client.submit(spec)
+    done = await api.lease(spec.id, "w1")
+    commit_record(spec, done)
+    assert (await api.commit(done.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
+    poisoned = await api.lease(spec.id, "w1")
+    zombie = await api.lease(spec.id, "w2")  # its holder will outlive the job's first run
+    once = await api.lease(spec.id, "w1")  # shard 3: fails once, and stays TODO
+    assert (
+        await api.release(poisoned.token, "disk error", worker="w1", retryable=False)
+    ).state == "TODO"
+    assert (
+        await api.release(once.token, "disk error", worker="w1", retryable=False)
+    ).state == "TODO"
+    again = await api.lease(spec.id, "w1")
+    assert again.shard == poisoned.shard
+    assert (await api.release(again.token, "disk error", worker="w1", retryable=False)).state == (
+        "QUARANTINED"
+    )
+    failed = await client.wait(spec.id)
+    assert failed.state == "FAILED" and "shard 1 quarantined: disk error" in failed.reason
+
+    # A restarted master knows the ended job from KV alone, and resumes it from there.
+    await master.stop()
+    await master.start()
+    reply = await client.resume(spec.id)
+    assert (reply.state, reply.shards_done, reply.shards_retried, reply.shards_todo) == (
+        "RUNNING",
+        1,
+        1,
+        3,
+    )
+    status = await api.job(spec.id)
+    assert status.state == "RUNNING" and status.reason == "" and status.finished_at == 0
+    assert status.shards == {"TODO": 3, "DOING": 0, "DONE": 1, "QUARANTINED": 0}
+    # The first run's leases stay void: a zombie can neither renew nor commit.
+    for op in (
+        api.renew(zombie.token, worker="w2"),
+        api.commit(zombie.token, worker="w2", rows=1_000, error_rows=0),
+    ):
+        with pytest.raises(RemoteError) as e:
+            await op
+        assert e.value.code == "stale_token"
+    # Only the unfinished shards are handed out, as attempts after every earlier one, each
+    # with a fresh max_attempts: shard 3 failed once in the first run, and may fail once more.
+    leased = {}
+    for _ in range(3):
+        reply_ = await api.lease(spec.id, "w3")
+        assert reply_.shard is not None
+        leased[reply_.shard.index] = reply_
+    assert sorted((i, r.attempt) for i, r in leased.items()) == [(1, 3), (2, 2), (3, 2)]
+    assert (
+        await api.release(leased[3].token, "flaky", worker="w3", retryable=False)
+    ).state == "TODO"
+    leased[3] = await api.lease(spec.id, "w3")
+    for reply_ in leased.values():
+        commit_record(spec, reply_)
+        assert (
+            await api.commit(reply_.token, worker="w3", rows=1_000, error_rows=0)
+        ).status == "done"
+    final = await client.wait(spec.id)
+    assert final.state == "SUCCEEDED" and final.rows_done == 4_000
+    manifest = json.loads(Path(final.manifest).read_text())
+    assert sorted((f["shard"], f["attempt"]) for f in manifest["files"]) == [
+        (0, 1),
+        (1, 3),
+        (2, 2),
+        (3, 3),
+    ]
+
+
+async def test_resume_of_a_cancelled_job_runs_it_again(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert (await api.cancel(spec.id)).state == "CANCELLED"
+    reply = await client.resume(spec.id)
+    assert (reply.state, reply.shards_done, reply.shards_retried, reply.shards_todo) == (
+        "RUNNING",
+        0,
+        0,
+        2,
+    )
+    with pytest.raises(RemoteError):
+        await api.renew(held.token, worker="w1")
+    for _ in range(2):
+        again = await api.lease(spec.id, "w1")
+        commit_record(spec, again)
+        await api.commit(again.token, worker="w1", rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+
+
+async def test_resume_refuses_a_running_a_succeeded_and_an_unknown_job(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=1_000)
+    await client.submit(spec)
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable"
+    assert f"job {spec.id} is RUNNING: only a FAILED or CANCELLED job" in e.value.message
+    reply = await api.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable" and "is SUCCEEDED" in e.value.message
+    assert (await api.job(spec.id)).state == "SUCCEEDED"
+    with pytest.raises(RemoteError) as e:
+        await client.resume("no-such-job")
+    assert e.value.code == "not_found" and "no job 'no-such-job'" in e.value.message
+
+
+async def test_a_job_forgotten_after_its_retention_cannot_be_resumed(
+    tmp_path: Path, client: EbbClient, master: Master
+) -> None:
+    spec = make_job(tmp_path, rows=1_000)
+    await client.submit(spec)
+    await client.cancel(spec.id)
+    assert master.service is not None and master.service.table is not None
+    table = master.service.table
+    gone = await table.forget_ended(now=time.time() + 10, retention_s=1.0)
+    assert gone == [spec.id]
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_found" and "forgotten" in e.value.message

@@ -48,6 +48,8 @@ class StackConfig:
     start_timeout_s: float = 60.0
     controller: bool = True
     """Start a controller (with local workers). Without one, workers are someone else's."""
+    standby_masters: int = 0
+    """More shard masters (`master-2`, ...) beside the first, standing by to take over."""
 
 
 class LocalStack:
@@ -71,6 +73,8 @@ class LocalStack:
         )
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
+        self.held: set[str] = set()
+        """Services (or "nats") that `supervise()` leaves down for now: a drill's lost node."""
         self._log_files: list[IO[bytes]] = []
         self._stopping = False
 
@@ -102,13 +106,19 @@ class LocalStack:
         """EBB_* variables with which `ebb submit/status/cancel` reach this stack."""
         return nats_environment(self.nats_config)
 
+    @property
+    def masters(self) -> list[str]:
+        """The names of the master processes: `master`, then each standby's."""
+        return ["master", *(f"master-{i + 2}" for i in range(self.config.standby_masters))]
+
     def _command(self, name: str) -> list[str]:
         common = ["--log-level", self.config.log_level]
-        if name == "master":
+        if name in self.masters:
             roots: list[str] = []
             for root in self.config.data_roots:
                 roots += ["--data-root", root]
-            return ["-m", "ebb.shard_master", *common, "--id", "embedded", *roots]
+            master_id = "embedded" if name == "master" else f"embedded-{name}"
+            return ["-m", "ebb.shard_master", *common, "--id", master_id, *roots]
         return [
             "-m",
             "ebb.controller",
@@ -124,7 +134,7 @@ class LocalStack:
     async def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.nats.start)
-        for name in ("master", "controller") if self.config.controller else ("master",):
+        for name in [*self.masters, *(["controller"] if self.config.controller else [])]:
             await self._spawn(name)
         await self._wait_for_master()
 
@@ -143,7 +153,7 @@ class LocalStack:
 
     def _environment(self, name: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
-        if name == "master":
+        if name in self.masters:
             return {**env, **nats_environment(self.nats_config_for("master"))}
         env.update(nats_environment(self.nats_config_for("controller")))
         if self.trust is not None:
@@ -170,7 +180,7 @@ class LocalStack:
         """Restart a service that exits, for as long as the stack runs. Runs until cancelled."""
         while not self._stopping:
             for name, process in list(self.processes.items()):
-                if process.returncode is None or self._stopping:
+                if process.returncode is None or self._stopping or name in self.held:
                     continue
                 count = self.restarts.get(name, 0)
                 self.restarts[name] = count + 1
@@ -185,7 +195,7 @@ class LocalStack:
                 await asyncio.sleep(delay)
                 if not self._stopping:
                     await self._spawn(name)
-            if not self.nats.running() and not self._stopping:
+            if not self.nats.running() and not self._stopping and "nats" not in self.held:
                 log.warning("nats-server exited; restarting it")
                 await asyncio.to_thread(self.nats.start)
             await asyncio.sleep(0.5)
@@ -207,7 +217,8 @@ class LocalStack:
         """In order: controller (it drains the workers), master, then NATS."""
         self._stopping = True
         await _terminate(self.processes.get("controller"), self.config.worker_grace_s + 15)
-        await _terminate(self.processes.get("master"), 15)
+        for name in self.masters:
+            await _terminate(self.processes.get(name), 15)
         await asyncio.to_thread(self.nats.stop)
         for f in self._log_files:
             f.close()

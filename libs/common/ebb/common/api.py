@@ -22,6 +22,8 @@ from .messages import (
     ReleaseRequest,
     RenewReply,
     RenewRequest,
+    ResumeReply,
+    ResumeRequest,
     StatusReply,
     StatusRequest,
 )
@@ -117,6 +119,9 @@ class MasterClient:
 
     async def fail(self, job: str, reason: str) -> CancelReply:
         return await self._call("fail", FailRequest(job=job, reason=reason), CancelReply)
+
+    async def resume(self, job: str) -> ResumeReply:
+        return await self._call("resume", ResumeRequest(job=job), ResumeReply)
 
     async def _call(self, op: str, message: Message, reply_type: type[M], *, worker: str = "") -> M:
         return await request(

@@ -5,7 +5,7 @@
 - controller: reads job status, fails jobs its workers cannot run; hears job events.
 - worker: the lease protocol only (lease, renew, commit, release, status). Workers run user
   code, so they get the least: no job submission, no JetStream API, no KV.
-- client: submits jobs, reads their status, cancels them; hears job events.
+- client: submits jobs, reads their status, cancels and resumes them; hears job events.
 
 Each role also gets its own inbox prefix, so that one role cannot read the replies meant for
 another (a worker cannot see the master's KV reads, nor a client's job listings); a
@@ -102,7 +102,7 @@ def permissions(prefix: str, role: Role) -> Permissions:
         ops = tuple(s.worker_op(op, "*") for op in WORKER_OPS)
         return Permissions(publish=(*ops, s.master("status")), subscribe=(inbox,))
     return Permissions(
-        publish=(s.submit, s.master("status"), s.master("cancel")),
+        publish=(s.submit, s.master("status"), s.master("cancel"), s.master("resume")),
         subscribe=(s.all_events, inbox),
     )
 

@@ -32,6 +32,8 @@ class ErrorCode(StrEnum):
     """`commit` came before the shard's commit record could be read: try again."""
     QUARANTINED = "quarantined"
     """The shard can never be committed by this job (another job's commit record holds it)."""
+    NOT_RESUMABLE = "not_resumable"
+    """`resume` of a job that is not FAILED or CANCELLED (or never got as far as its shards)."""
     NOT_LEADER = "not_leader"
     """The master answering is not (or no longer) the leader."""
     UNAVAILABLE = "unavailable"

@@ -7,6 +7,8 @@ spec is refused with the path of the first bad field before any state changes an
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import posixpath
@@ -176,6 +178,10 @@ class StageSpec:
     length_column: str | None = None
     """With batch_tokens: the column that gives each row's length: a column of sequences
     (token ids), or a column of lengths."""
+    finite_inputs: bool = True
+    """Model stages: a row whose floating-point model input holds NaN or inf fails alone (an
+    error row that says so) instead of giving a NaN prediction. False for a model that reads
+    NaN as "missing" (tree ensembles)."""
 
     def __post_init__(self) -> None:
         if (self.modelet is None) == (self.model is None):
@@ -348,6 +354,15 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = schema.dump(self)
         return body
+
+    def output_digest(self) -> str:
+        """A digest of what decides the output's contents: the input, the pipeline and the
+        output sections. A job run again into the output it wrote (a resume on a new stack)
+        must match it, or its new shards would not be like the ones committed before."""
+        body = self.to_dict()
+        decisive = {k: body[k] for k in ("input", "pipeline", "output")}
+        text = json.dumps(decisive, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def parse_job(data: object) -> JobSpec:

@@ -37,6 +37,12 @@ class JobEnded(MasterError):
     code = ErrorCode.JOB_ENDED
 
 
+class NotResumable(MasterError):
+    """`resume` of a job that is running, succeeded, or never got as far as its shards."""
+
+    code = ErrorCode.NOT_RESUMABLE
+
+
 class NoCommitRecord(MasterError):
     """`commit` came before the shard's commit record exists in the output."""
 

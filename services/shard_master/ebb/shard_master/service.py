@@ -42,6 +42,7 @@ from ebb.common.messages import (
     LeaseRequest,
     ReleaseRequest,
     RenewRequest,
+    ResumeRequest,
     StatusRequest,
 )
 from ebb.common.schema import Message
@@ -231,6 +232,7 @@ class ShardMaster:
         await server.add(self.subjects.master("status"), self._handler(StatusRequest, self._status))
         await server.add(self.subjects.master("cancel"), self._handler(CancelRequest, self._cancel))
         await server.add(self.subjects.master("fail"), self._handler(FailRequest, self._fail))
+        await server.add(self.subjects.master("resume"), self._handler(ResumeRequest, self._resume))
         # Our subscriptions reach the server with the next flush: only then do we serve.
         await nc.flush()
         self.ready.set()
@@ -339,6 +341,9 @@ class ShardMaster:
 
     async def _fail(self, r: FailRequest, subject: str) -> Message:
         return await self._table().cancel(r.job, r.reason, state="FAILED")
+
+    async def _resume(self, r: ResumeRequest, subject: str) -> Message:
+        return await self._table().resume(r.job)
 
     # -- agents ----------------------------------------------------------------------------
 

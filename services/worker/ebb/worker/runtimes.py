@@ -83,6 +83,27 @@ def _check_rows(outputs: dict[str, np.ndarray], n: int) -> None:
             raise ValueError(f"model output {name!r} has shape {value.shape}, batch is {n}")
 
 
+class NonFiniteInput(ValueError):
+    """A row's model input holds NaN or inf."""
+
+
+def _check_finite(feeds: dict[str, np.ndarray], n: int) -> None:
+    """Raise NonFiniteInput if any row's floating-point input is NaN or inf. The batch fails
+    before the model runs; the stage then splits it, so only the rows at fault fail (and
+    each sub-batch without one runs once)."""
+    for name, value in feeds.items():
+        if value.dtype.kind != "f" or value.shape[:1] != (n,):
+            continue
+        finite = np.isfinite(value.reshape(n, -1)).all(axis=1)
+        if not finite.all():
+            bad = int(np.count_nonzero(~finite))
+            which = "this row's" if n == 1 else f"{bad} of {n} rows'"
+            raise NonFiniteInput(
+                f"{which} model input {name!r} holds NaN or inf (finite_inputs: false lets "
+                "a model that reads NaN as missing take it)"
+            )
+
+
 class _ModelStage(Modelet):
     """A model file as a columnar modelet: the input columns go to the runtime as they are
     (one contiguous array each), its outputs come back as columns."""
@@ -98,7 +119,10 @@ class _ModelStage(Modelet):
 
     def process_columns(self, batch: Columns) -> Columns:
         n = num_rows(batch)
-        outputs = self.infer(self._feeds(batch))
+        feeds = self._feeds(batch)
+        if self.spec.finite_inputs:
+            _check_finite(feeds, n)
+        outputs = self.infer(feeds)
         _check_rows(outputs, n)
         only = next(iter(outputs.values())) if len(outputs) == 1 else None
         key = self.spec.output
