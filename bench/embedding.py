@@ -82,8 +82,15 @@ def write_encoder(path: Path, *, layers: int, width: int, heads: int) -> Path:
             pooled: torch.Tensor = (x * mask).sum(1) / mask.sum(1).clamp(min=1.0)
             return pooled
 
+    from ebb.worker.runtimes import warm_up_extra_files
+
     torch.manual_seed(0)
-    torch.jit.save(torch.jit.script(Encoder().eval()), str(path))
+    example = {
+        name: torch.ones(32, 64, dtype=torch.int64) for name in ("input_ids", "attention_mask")
+    }
+    torch.jit.save(
+        torch.jit.script(Encoder().eval()), str(path), _extra_files=warm_up_extra_files(example)
+    )
     return path
 
 

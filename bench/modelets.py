@@ -172,3 +172,25 @@ def hash_word(word: str) -> int:
     for byte in word.encode():
         h = ((h ^ byte) * 16777619) & 0xFFFFFFFF
     return h
+
+
+class ChaosFeatures:
+    """The `features` vector, `seconds_per_batch` slower per batch (so that a small job is in
+    flight long enough to be hurt), and hanging once whenever the chaos campaign drops a file
+    named `hang` into `hang_dir`: the process that takes the file (a rename, so exactly one
+    does) sleeps until the pipeline's batch timeout kills it."""
+
+    def __init__(self, seconds_per_batch: float, hang_dir: str) -> None:
+        self.seconds = seconds_per_batch
+        self.hang_dir = hang_dir
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        trigger = os.path.join(self.hang_dir, "hang")
+        try:
+            os.rename(trigger, os.path.join(self.hang_dir, f"hung-{os.getpid()}"))
+        except FileNotFoundError:
+            pass
+        else:
+            time.sleep(3600)
+        time.sleep(self.seconds)
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]

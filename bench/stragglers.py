@@ -88,13 +88,13 @@ async def _once(
             )
             started = time.perf_counter()
             job_id = await client.submit(job)
-            base_env = {
-                **os.environ,
-                **nats_environment(stack.nats_config_for("worker")),
-                "EBB_LOG_LEVEL": "WARNING",
-            }
+            base_env = {**os.environ, "EBB_LOG_LEVEL": "WARNING"}
             for n in range(WORKERS):
-                env = {**base_env, "EBB_BENCH_SLOWDOWN": str(SLOWDOWN if n == 0 else 1.0)}
+                env = {
+                    **base_env,
+                    **nats_environment(stack.worker_nats_config(f"w{n}")),
+                    "EBB_BENCH_SLOWDOWN": str(SLOWDOWN if n == 0 else 1.0),
+                }
                 # One shard at a time: with prefetch a worker would hold two of the four.
                 args = [
                     "-m",

@@ -31,12 +31,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason="needs a real cluster: set EBB_TEST_CLUSTER=1"))
 
 
-def _is_resource_tracker(p: psutil.Process) -> bool:
-    """multiprocessing's resource tracker lives as long as this process, by design."""
+def _lives_with_this_process(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker, and the fork server stage processes come from,
+    live as long as this process, by design (the stage processes they start do not)."""
     try:
-        return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+        command = " ".join(p.cmdline())
     except psutil.Error:
         return False
+    return "multiprocessing.resource_tracker" in command or "multiprocessing.forkserver" in command
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +49,7 @@ def _no_leftover_processes() -> Iterator[None]:
     new = [
         p
         for p in me.children(recursive=True)
-        if p.pid not in before and not _is_resource_tracker(p)
+        if p.pid not in before and not _lives_with_this_process(p)
     ]
     _, alive = psutil.wait_procs(new, timeout=5)
     leftover = [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in alive if p.is_running()]

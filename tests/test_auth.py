@@ -9,19 +9,29 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats.errors
+import psutil
 import pytest
 from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common import auth, bus
+from ebb.common import auth, bus, envvars, identity
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
-from ebb.common.errors import BusError
+from ebb.common.errors import BusError, RemoteError
 from ebb.common.spec import parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.subjects import WORKER_OPS, Subjects, check_worker_id
+from ebb.worker.service import default_worker_id
 
-from .helpers import ASSETS, job_spec, wait_until, write_dataset
+from .helpers import (
+    ASSETS,
+    committed_files,
+    job_spec,
+    read_output,
+    wait_until,
+    write_dataset,
+    write_model,
+)
 
 
 @pytest.fixture
@@ -71,20 +81,21 @@ async def test_each_role_may_do_its_work_and_no_more(
         job = await client.submit(spec)
         assert (await client.job(job)).state == "RUNNING"
 
-    worker_nc = await bus.connect(stack.nats_config_for("worker"), name="worker")
+    worker_config = stack.worker_nats_config("w1")
+    worker_nc = await bus.connect(worker_config, name="worker")
     controller_nc = await bus.connect(stack.nats_config_for("controller"), name="controller")
     try:
         # worker: the lease protocol works...
-        worker = MasterClient(worker_nc, stack.nats_config_for("worker"))
+        worker = MasterClient(worker_nc, worker_config)
         lease = await worker.lease(job, "w1")
         assert lease.shard is not None
-        assert (await worker.renew(lease.token)).ok
+        assert (await worker.renew(lease.token, worker="w1")).ok
         # ...but it cannot submit a job,
         await worker_nc.publish(subjects.submit, b"{}")
         await denied(stack, "Publish", subjects.submit)
         # nor cancel one,
         with pytest.raises(BusError):
-            await once(worker_nc, stack.nats_config_for("worker")).cancel(job)
+            await once(worker_nc, worker_config).cancel(job)
         await denied(stack, "Publish", subjects.master("cancel"))
         # nor read or write the lease table behind the master's back,
         with pytest.raises((nats.errors.Error, TimeoutError)):
@@ -110,12 +121,17 @@ async def test_each_role_may_do_its_work_and_no_more(
         await controller_nc.close()
 
 
-async def test_a_wrong_password_is_refused_at_once(stack: LocalStack) -> None:
-    config = stack.nats_config_for("worker")
-    wrong = dataclasses.replace(config, password="guess")
-    # No first_connect_timeout_s: without the refusal this would wait for ever.
+async def test_credentials_this_installation_did_not_sign_are_refused_at_once(
+    stack: LocalStack, prefix: str
+) -> None:
+    # No first_connect_timeout_s: without the refusal these would wait for ever.
+    stranger = identity.Trust.new(prefix).worker_signer().credentials("w1")
+    forged = dataclasses.replace(stack.worker_nats_config("w1"), creds=stranger)
     with pytest.raises(BusError, match="refused"):
-        await asyncio.wait_for(bus.connect(wrong, name="stranger"), 30)
+        await asyncio.wait_for(bus.connect(forged, name="stranger"), 30)
+    guess = NatsConfig(url=stack.nats.url, prefix=prefix, user=f"{prefix}-worker", password="x")
+    with pytest.raises(BusError, match="refused"):
+        await asyncio.wait_for(bus.connect(guess, name="guesser"), 30)
 
 
 def test_the_configuration_reads_passwords_from_the_environment() -> None:
@@ -124,3 +140,156 @@ def test_the_configuration_reads_passwords_from_the_environment() -> None:
     assert '"ebb-worker"' in text and '"_INBOX.ebb.worker.>"' in text
     literal = auth.authorization_config("ebb", dict.fromkeys(auth.ROLES, 'a"b'))
     assert 'password: "a\\"b"' in literal
+
+
+async def test_a_worker_can_neither_hear_nor_act_for_another(
+    stack: LocalStack, tmp_path: Path, prefix: str
+) -> None:
+    subjects = Subjects(prefix)
+    write_dataset(tmp_path / "data", rows=200, row_group_size=100)
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=100))
+    async with await EbbClient.connect(stack.nats_config_for("client")) as client:
+        job = await client.submit(spec)
+        a_config, b_config = stack.worker_nats_config("wa"), stack.worker_nats_config("wb")
+        a_nc = await bus.connect(a_config, name="worker-a")
+        b_nc = await bus.connect(b_config, name="worker-b")
+        try:
+            lease = await MasterClient(b_nc, b_config).lease(job, "wb")
+            assert lease.status == "granted"
+            # A cannot listen where B's replies (its lease tokens) come, nor to all workers'.
+            for snoop in (
+                f"{auth.worker_inbox(prefix, 'wb')}.>",
+                f"{auth.inbox_prefix(prefix, 'worker')}.>",
+                ">",
+            ):
+                await a_nc.subscribe(snoop)
+                await denied(stack, "Subscription", snoop)
+            # Nor ask anything in B's name.
+            for op in WORKER_OPS:
+                await a_nc.publish(subjects.worker_op(op, "wb"), b"{}")
+                await denied(stack, "Publish", subjects.worker_op(op, "wb"))
+
+            # B's token, come by some other way, and used by A as A: the master refuses it.
+            before = (await client.master.status(job, include_leases=True)).jobs[0]
+            a = once(a_nc, a_config)
+            for call in (
+                a.renew(lease.token, worker="wa"),
+                a.commit(lease.token, worker="wa", rows=100, error_rows=0),
+                a.release(lease.token, "mine", worker="wa", retryable=False),
+            ):
+                with pytest.raises(RemoteError) as e:
+                    await call
+                assert e.value.code == "not_holder"
+            after = (await client.master.status(job, include_leases=True)).jobs[0]
+            assert after.shards == before.shards == {**after.shards, "DOING": 1}
+            assert (
+                [(x.shard, x.attempt, x.worker) for x in after.leases]
+                == [(x.shard, x.attempt, x.worker) for x in before.leases]
+                == [(0, 1, "wb")]
+            )
+            # B itself carries on.
+            assert (await MasterClient(b_nc, b_config).renew(lease.token, worker="wb")).ok
+        finally:
+            await a_nc.close()
+            await b_nc.close()
+
+
+@pytest.fixture
+async def full_stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
+    s = LocalStack(
+        StackConfig(
+            state_dir=tmp_path / "state",
+            data_roots=[str(tmp_path), str(ASSETS)],
+            max_workers=2,
+            worker_grace_s=10,
+            prefix=prefix,
+        )
+    )
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+    assert s.nats.violations == []
+
+
+def _worker_credentials(controller: int) -> dict[str, str]:
+    """Worker id -> the user name its NATS credential gives, for each worker the controller
+    (pid `controller`) runs."""
+    found = {}
+    for proc in psutil.Process(controller).children():
+        try:
+            cmdline = proc.cmdline()
+            environ = proc.environ()
+        except psutil.Error:
+            continue
+        if "ebb.worker" not in cmdline or "--id" not in cmdline:
+            continue
+        creds = environ.get(envvars.NATS_CREDENTIALS, "")
+        # Neither a role's password nor the key that mints workers' credentials.
+        assert envvars.NATS_USER not in environ and envvars.NATS_PASSWORD not in environ
+        assert envvars.WORKER_NATS_SIGNING_KEY not in environ
+        found[cmdline[cmdline.index("--id") + 1]] = identity.credentials_name(creds) or ""
+    return found
+
+
+async def test_a_job_runs_exactly_once_with_a_credential_per_worker(
+    full_stack: LocalStack, tmp_path: Path
+) -> None:
+    rows = 2_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=200)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {
+            "name": "slow",
+            "modelet": "ebbtest_modelets:Slow",
+            "params": {"seconds_per_batch": 0.2},
+            "batch_size": 100,
+        },
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 200},
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=200, stages=stages, workers=(2, 2)))
+    async with await EbbClient.connect(full_stack.nats_config) as client:
+        job = await client.submit(spec)
+        # Each worker the controller started connects as itself: its credential names it.
+        controller = full_stack.processes["controller"].pid
+
+        def two_workers() -> dict[str, str] | None:
+            found = _worker_credentials(controller)
+            return found if len(found) == 2 else None
+
+        seen = await wait_until(two_workers, timeout=60, what="two workers running")
+        assert all(worker == name for worker, name in seen.items()), seen
+        final = await client.wait(job)
+    assert final.state == "SUCCEEDED", final.reason
+    table, manifest = read_output(tmp_path / "out")
+    ids = table.column("id").to_numpy().tolist()
+    assert sorted(ids) == list(range(rows)), "every id exactly once"
+    assert {f["path"] for f in manifest["files"]} == committed_files(tmp_path / "out")
+
+
+def test_a_worker_id_is_one_subject_token() -> None:
+    assert check_worker_id("job-1_a2") == "job-1_a2"
+    for bad in ("a.b", "w*", "w>", "", "-w", "w 1", "x" * 129):
+        with pytest.raises(ValueError, match="bad worker id"):
+            check_worker_id(bad)
+    # Whatever the host is called (dots and all), the default id is a valid one.
+    check_worker_id(default_worker_id())
+
+
+def test_a_minted_credential_names_its_worker_and_the_template_binds_to_the_name() -> None:
+    signer = identity.Trust.new("ebb").worker_signer()
+    creds = signer.credentials("w7", ttl_s=60)
+    assert identity.credentials_name(creds) == "w7"
+    jwt = creds.splitlines()[1]
+    claims = identity.decode_jwt(jwt)
+    assert claims["iss"] == signer.signing_key.public
+    assert claims["nats"]["issuer_account"] == signer.account
+    assert "pub" not in claims["nats"]  # permissions come from the key's template alone
+    assert claims["exp"] > claims["iat"]
+    template = auth.worker_template("ebb")
+    assert "ebb.master.commit.{{name()}}" in template.publish
+    assert template.subscribe == ("_INBOX.ebb.worker.{{name()}}.>",)
+    with pytest.raises(ValueError, match="bad worker id"):
+        signer.credentials("a.b")

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,13 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
         detail = ebb("status", job_id, *creds, cwd=tmp_path)
         assert "CANCELLED" in detail.stdout and "cancelled by user" in detail.stdout
 
+        resumed = ebb("resume", job_id, *creds, cwd=tmp_path)
+        assert resumed.returncode == 0 and "RUNNING" in resumed.stdout, resumed.stderr
+        again = ebb("resume", job_id, *creds, cwd=tmp_path)
+        assert again.returncode == 1 and "is RUNNING" in again.stderr
+        assert "not_resumable" in again.stderr
+        assert ebb("cancel", job_id, *creds, cwd=tmp_path).returncode == 0
+
         missing = ebb("status", "no-such-job", *creds, cwd=tmp_path)
         assert missing.returncode == 1 and "no job 'no-such-job'" in missing.stderr
     finally:
@@ -172,3 +180,45 @@ def test_submit_to_a_nats_server_without_ebb_says_so(
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
     assert f"no Ebb stack answers at {nats_server.url}" in result.stdout + result.stderr
+
+
+def test_a_run_interrupted_is_refused_again_but_finished_with_resume(tmp_path: Path) -> None:
+    write_dataset(tmp_path / "data", rows=6_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    slow = {"seconds_per_batch": 0.2}
+    stages = [{"modelet": "ebbtest_modelets:Slow", "params": slow, "batch_size": 100}]
+    job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(1, 1))
+    roots = ["--data-root", str(Path(__file__).parent), "--max-workers", "1"]
+    first = subprocess.Popen(
+        [*EBB, "run", "job.yaml", "--quiet", *roots],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    commits = tmp_path / "out" / "_commits"
+    try:
+        deadline = time.monotonic() + 180
+        while not (commits.exists() and any(commits.iterdir())):
+            assert first.poll() is None and time.monotonic() < deadline, "no shard committed"
+            time.sleep(0.1)
+    finally:
+        first.send_signal(signal.SIGINT)
+        output = first.communicate(timeout=120)[0]
+    assert first.returncode == 130, output
+    assert "CANCELLED" in output
+    before = {p.name: p.read_text() for p in commits.iterdir()}
+
+    refused = ebb("run", "job.yaml", *roots, cwd=tmp_path)
+    assert refused.returncode == 1
+    said = refused.stdout + refused.stderr
+    assert "holds the output of job" in said and "--resume" in said, said
+
+    resumed = ebb("run", "job.yaml", "--resume", *roots, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed" in resumed.stderr and "SUCCEEDED" in resumed.stdout
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["rows"] == 6_000 and manifest["error_rows"] == 0
+    after = {p.name: p.read_text() for p in commits.iterdir()}
+    assert {name: after[name] for name in before} == before  # the first run's shards kept
+    assert len(after) == 6

@@ -304,3 +304,16 @@ def test_workers_killed_from_outside_are_not_crashes() -> None:
     r.account(_ended(1), 10.0, rows_done=0)
     assert r.failed_jobs == {}
     assert r.failures["j"] == 1  # the kills cleared the two crashes before them
+
+
+def test_a_resumed_job_starts_with_a_clean_crash_count() -> None:
+    r = _reconciler()
+    for _ in range(3):
+        r.account(_ended(1), 10.0, rows_done=0)
+    assert "j" in r.failed_jobs and r.failures["j"] == 3
+    r.forget_ended({"other"})  # "j" no longer runs: it FAILED
+    assert ("j" in r.failures, "j" in r.crashes, "j" in r.not_before) == (False, False, False)
+    # Resumed: one more crash is its first, not its fourth.
+    r.failed_jobs.clear()
+    r.account(_ended(1), 20.0, rows_done=0)
+    assert r.failures["j"] == 1 and r.failed_jobs == {}

@@ -154,10 +154,18 @@ async def test_sigkill_of_a_worker_holding_a_lease_loses_nothing(
         return None
 
     lease, pid = await wait_until(a_held_lease, timeout=60, what="a worker holding a lease")
+    # Its stage processes (and the fork server they came from) must not outlive it.
+    worker = psutil.Process(pid)
+    descendants = worker.children(recursive=True)
+    (server,) = [p for p in worker.children() if "forkserver" in " ".join(p.cmdline())]
+    # The controller told it the job's model runtime, which it imported once for every stage.
+    assert "onnxruntime" in " ".join(server.cmdline())
     os.kill(pid, signal.SIGKILL)
     final = await client.wait(job_id)
     assert final.state == "SUCCEEDED", final.reason
     assert_exactly_once(tmp_path, rows)
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not alive, f"processes of the killed worker still running: {alive}"
     # The killed worker's shard was done again, by another attempt.
     record = json.loads(
         (tmp_path / "out" / COMMITS_DIR / f"shard={lease.shard:05d}.json").read_text()

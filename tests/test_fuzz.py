@@ -26,11 +26,12 @@ from ebb.common.messages import (
     LeaseRequest,
     ReleaseRequest,
     RenewRequest,
+    ResumeRequest,
     StatusRequest,
 )
 from ebb.common.schema import Message
 from ebb.common.spec import JobSpec, parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.subjects import WORKER_OPS, Subjects
 
 from . import test_master as _master_tests
 from .test_master import make_job
@@ -179,7 +180,7 @@ def _garbage(rng: random.Random, valid: bytes) -> list[bytes]:
     return out
 
 
-REFUSALS = {"bad_request", "stale_token", "not_found", "job_ended"}
+REFUSALS = {"bad_request", "stale_token", "not_found", "job_ended", "not_holder", "not_resumable"}
 
 
 async def test_the_master_answers_every_malformed_or_forged_request_and_keeps_its_state(
@@ -199,11 +200,13 @@ async def test_the_master_answers_every_malformed_or_forged_request_and_keeps_it
         "status": StatusRequest(),
         "cancel": CancelRequest(job="no-such-job"),
         "fail": FailRequest(job="no-such-job", reason="x"),
+        "resume": ResumeRequest(job=spec.id),  # running: refused, and must stay as it is
     }
     rng = random.Random(7)
     for op, message in valid.items():
         for payload in _garbage(rng, schema.encode(message)):
-            reply = await client.nc.request(subjects.master(op), payload, timeout=5)
+            subject = subjects.worker_op(op, "w2") if op in WORKER_OPS else subjects.master(op)
+            reply = await client.nc.request(subject, payload, timeout=5)
             body = msgpack.unpackb(reply.data)
             if op in ("lease", "status") and "code" not in body:
                 continue  # a request that is still valid, answered as one
@@ -214,4 +217,4 @@ async def test_the_master_answers_every_malformed_or_forged_request_and_keeps_it
     assert after.state == before.state == "RUNNING"
     assert after.shards["DONE"] == before.shards["DONE"] == 0
     assert after.shards["QUARANTINED"] == 0
-    assert (await api.renew(granted.token)).lease_s > 0  # the real holder is untouched
+    assert (await api.renew(granted.token, worker="w1")).lease_s > 0  # the real holder is untouched

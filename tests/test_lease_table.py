@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from ebb.common.messages import JobEvent, LeaseReply, ShardState
@@ -387,3 +388,39 @@ async def test_status_comes_a_page_at_a_time_in_id_order(tmp_path: Path) -> None
     assert [j.id for j in second.jobs] == ["job-2", "job-3"]
     last = table.status(limit=2, after=second.next)
     assert [j.id for j in last.jobs] == ["job-4"] and last.next == ""
+
+
+async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path: Path) -> None:
+    """A NATS server down or a stream electing its leader: the expiry is kept and tried
+    again after a backoff that grows, not in a loop that spins the master."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1, lease_s=30, max_attempts=3)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    await table.lease(spec.id, "w1")
+    writes = store.update_shard
+
+    async def refused(record: ShardRecord, *, last: int) -> int:
+        raise nats.errors.NoRespondersError
+
+    store.update_shard = refused  # type: ignore[method-assign]
+    clock.now += 31
+    failed_at = clock.now
+    assert await table.expire_due() == 0
+    first_retry = table.next_expiry()
+    assert first_retry is not None and first_retry > failed_at
+    assert await table.expire_due() == 0  # not yet: nothing is tried before the retry time
+    clock.now = first_retry
+    assert await table.expire_due() == 0
+    second_retry = table.next_expiry()
+    assert second_retry is not None
+    assert second_retry - first_retry > first_retry - failed_at  # backing off
+    # Nothing changed while the store was away.
+    assert [s.record.state for s in job.shards] == ["DOING"]
+
+    store.update_shard = writes  # type: ignore[method-assign]
+    clock.now = second_retry
+    assert await table.expire_due() == 1
+    assert [s.record.state for s in job.shards] == ["TODO"]
+    assert_indexes_match_records(job, store)

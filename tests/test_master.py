@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,10 @@ from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
+from ebb.shard_master.errors import Deposed
+from ebb.shard_master.leader import KEY, Leadership
 from ebb.shard_master.service import MasterConfig, ShardMaster
+from ebb.shard_master.store import shard_key
 from ebb.shard_master.table import REASON_CHARS, REJECTIONS_KEPT, LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
@@ -137,17 +141,73 @@ async def test_lease_renew_commit(tmp_path: Path, client: EbbClient, api: Master
     reply = await api.lease(spec.id, "w1")
     assert reply.status == "granted" and reply.shard is not None
     assert (reply.shard.index, reply.attempt) == (0, 1)
-    assert (await api.renew(reply.token)).lease_s == 10.0
+    assert (await api.renew(reply.token, worker="w1")).lease_s == 10.0
 
     with pytest.raises(RemoteError) as e:
-        await api.commit(reply.token, rows=1_000, error_rows=0)
+        await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
     assert e.value.code == "no_commit_record"
 
     commit_record(spec, reply)
-    assert (await api.commit(reply.token, rows=1_000, error_rows=0)).status == "done"
-    assert (await api.commit(reply.token, rows=1_000, error_rows=0)).status == "already_done"
+    assert (await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
+    assert (
+        await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
+    ).status == "already_done"
     status = await api.job(spec.id)
     assert status.shards["DONE"] == 1 and status.rows_done == 1_000
+
+
+async def test_a_lease_token_used_by_another_worker_is_refused_and_changes_nothing(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert held.shard is not None
+    # The holder wrote its output and commit record: a commit would now make the shard DONE.
+    commit_record(spec, held)
+    kv = await nc.jetstream().key_value(subjects.shards_bucket)
+    key = shard_key(spec.id, held.shard.index)
+    before = await kv.get(key)
+
+    # Another worker that learnt the token (it saw the reply, say) uses it as its own.
+    for call in (
+        api.renew(held.token, worker="thief"),
+        api.commit(held.token, worker="thief", rows=1_000, error_rows=0),
+        api.release(held.token, "mine now", worker="thief", retryable=False),
+        api.release(held.token, "mine now", worker="thief", retryable=True),
+    ):
+        with pytest.raises(RemoteError) as e:
+            await call
+        assert e.value.code == "not_holder"
+        assert "not granted to worker 'thief'" in e.value.message
+
+    # Not a byte of the shard's record moved, and the holder carries on.
+    after = await kv.get(key)
+    assert (after.revision, after.value) == (before.revision, before.value)
+    (lease,) = (await api.status(spec.id, include_leases=True)).jobs[0].leases
+    assert (lease.worker, lease.attempt) == ("w1", 1)
+    assert (await api.renew(held.token, worker="w1")).lease_s == 10.0
+    assert (await api.commit(held.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
+
+
+async def test_the_lease_protocol_is_asked_on_the_callers_own_subject(
+    tmp_path: Path, client: EbbClient, api: MasterClient, nc: NATS, subjects: Subjects
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    before = await api.job(spec.id)
+    # A lease asked on one worker's subject for another worker: refused.
+    asked = schema.encode(LeaseRequest(job=spec.id, worker="w1"))
+    reply = await nc.request(subjects.worker_op("lease", "thief"), asked, timeout=5)
+    error = schema.decode(ErrorReply, reply.data)
+    assert error.code == "bad_request" and "for worker 'w1'" in error.message
+    # The subject without a worker (which named no caller) says where to ask instead.
+    for op in ("lease", "renew", "commit", "release"):
+        reply = await nc.request(subjects.master(op), asked, timeout=5)
+        error = schema.decode(ErrorReply, reply.data)
+        assert error.code == "bad_request"
+        assert f"{subjects.prefix}.master.{op}.<worker id>" in error.message
+    assert await api.job(spec.id) == before
 
 
 async def test_the_whole_job_ends_with_a_manifest_of_winners(
@@ -160,7 +220,7 @@ async def test_the_whole_job_ends_with_a_manifest_of_winners(
     for _ in range(3):
         reply = await api.lease(spec.id, "w1")
         commit_record(spec, reply)
-        await api.commit(reply.token, rows=1_000, error_rows=0)
+        await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
     assert (await api.lease(spec.id, "w1")).status == "end"
     final = await client.wait(spec.id)
     assert final.state == "SUCCEEDED"
@@ -181,7 +241,10 @@ async def test_an_expired_token_can_neither_renew_nor_commit(
     # Nobody renews: the lease expires and the shard goes back to the queue.
     await wait_until(lambda: _is_todo(api, spec.id), timeout=10, what="the lease to expire")
 
-    for call in (api.renew(zombie.token), api.commit(zombie.token, rows=1, error_rows=0)):
+    for call in (
+        api.renew(zombie.token, worker="zombie"),
+        api.commit(zombie.token, worker="zombie", rows=1, error_rows=0),
+    ):
         with pytest.raises(RemoteError) as e:
             await call
         assert e.value.code == "stale_token"
@@ -192,12 +255,12 @@ async def test_an_expired_token_can_neither_renew_nor_commit(
     # shard stays with its current holder.
     commit_record(spec, zombie)
     with pytest.raises(RemoteError) as e:
-        await api.commit(zombie.token, rows=1, error_rows=0)
+        await api.commit(zombie.token, worker="zombie", rows=1, error_rows=0)
     assert e.value.code == "stale_token"
     assert (await shards(api, spec.id))["DOING"] == 1
     # The holder finds the commit record (the zombie's attempt won the race to create it) and
     # reports it: the shard is done exactly once, with the zombie's files.
-    assert (await api.commit(fresh.token, rows=1, error_rows=0)).status == "done"
+    assert (await api.commit(fresh.token, worker="w2", rows=1, error_rows=0)).status == "done"
     final = await client.wait(spec.id)
     manifest = json.loads(Path(final.manifest).read_text())
     assert [f["attempt"] for f in manifest["files"]] == [1]
@@ -218,7 +281,11 @@ async def test_poisoned_shard_is_quarantined_and_fails_the_job(
         assert reply.shard is not None and reply.shard.index == expected
         poisoned = expected == 0
         if poisoned:
-            states.append((await api.release(reply.token, "model crashed", retryable=False)).state)
+            states.append(
+                (
+                    await api.release(reply.token, "model crashed", worker="w1", retryable=False)
+                ).state
+            )
     assert states == ["TODO", "QUARANTINED"]
     # One shard in three lost is far over the 1% of rows allowed to fail: the job fails now,
     # without waiting for the rest.
@@ -234,7 +301,7 @@ async def test_retryable_release_goes_to_the_tail(
     spec = make_job(tmp_path)
     await client.submit(spec)
     first = await api.lease(spec.id, "w1")
-    assert (await api.release(first.token, "draining", retryable=True)).state == "TODO"
+    assert (await api.release(first.token, "draining", worker="w1", retryable=True)).state == "TODO"
     order = []
     for _ in range(3):
         reply = await api.lease(spec.id, "w1")
@@ -249,7 +316,7 @@ async def test_a_retried_lease_request_gets_the_same_lease(
     spec = make_job(tmp_path)
     await client.submit(spec)
     request = schema.encode(LeaseRequest(job=spec.id, worker="w1", request_id="r-1"))
-    subject = subjects.master("lease")
+    subject = subjects.worker_op("lease", "w1")
     first = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
     again = schema.decode(LeaseReply, (await nc.request(subject, request, timeout=5)).data)
     assert first.token == again.token
@@ -268,7 +335,7 @@ async def test_malformed_requests_get_an_error_and_change_nothing(
         ("renew", msgpack.packb({"v": 42, "token": "x"})),
         ("release", msgpack.packb({"v": 1, "token": "not:a:real:token:at", "reason": "x"})),
     ]:
-        reply = await nc.request(subjects.master(op), payload, timeout=5)
+        reply = await nc.request(subjects.worker_op(op, "w1"), payload, timeout=5)
         error = schema.decode(ErrorReply, reply.data)
         assert error.code in ("bad_request", "stale_token"), (op, error)
     after = await api.job(spec.id)
@@ -362,6 +429,21 @@ async def test_another_jobs_output_folder_is_refused(
         await client.submit(spec)
 
 
+async def test_a_job_carries_on_in_its_own_output_only_with_the_spec_it_began_with(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """As `ebb run --resume` on a new stack does: the same id, its earlier output kept."""
+    spec = make_job(tmp_path)
+    changed = replace(spec, input=replace(spec.input, rows_per_shard=500))
+    OutputStore(spec.output.uri).claim(spec.id, spec_digest=changed.output_digest())
+    with pytest.raises(SubmitError, match="this spec differs from it in its input, pipeline"):
+        await client.submit(spec)
+    again = replace(spec, id=f"{spec.id}-2", output=replace(spec.output, uri=str(tmp_path / "o2")))
+    OutputStore(again.output.uri).claim(again.id, spec_digest=again.output_digest())
+    await client.submit(again)  # the very spec it claimed the root with: welcome back
+    assert (await api.job(again.id)).state == "RUNNING"
+
+
 async def test_submitting_twice_runs_one_job(
     tmp_path: Path, client: EbbClient, api: MasterClient
 ) -> None:
@@ -406,7 +488,7 @@ async def test_cancel_voids_every_lease(
     assert (await api.cancel(spec.id)).state == "CANCELLED"
     assert (await api.lease(spec.id, "w2")).status == "end"
     with pytest.raises(RemoteError) as e:
-        await api.renew(held.token)
+        await api.renew(held.token, worker="w1")
     assert e.value.code == "job_ended"
 
 
@@ -418,7 +500,7 @@ async def test_a_restarted_master_resumes_every_lease(
     held = await api.lease(spec.id, "w1")
     done = await api.lease(spec.id, "w1")
     commit_record(spec, done)
-    await api.commit(done.token, rows=1_000, error_rows=0)
+    await api.commit(done.token, worker="w1", rows=1_000, error_rows=0)
 
     await master.stop()
     restarted = await master.start()
@@ -426,9 +508,9 @@ async def test_a_restarted_master_resumes_every_lease(
     status = await api.job(spec.id)
     assert status.shards == {"TODO": 1, "DOING": 1, "DONE": 1, "QUARANTINED": 0}
     # The lease survived, with a fresh full period, and its holder carries on.
-    assert (await api.renew(held.token)).lease_s == 10.0
+    assert (await api.renew(held.token, worker="w1")).lease_s == 10.0
     commit_record(spec, held)
-    assert (await api.commit(held.token, rows=1_000, error_rows=0)).status == "done"
+    assert (await api.commit(held.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
     assert (await api.lease(spec.id, "w1")).attempt == 1
 
 
@@ -440,7 +522,7 @@ async def test_speculative_attempt_at_the_tail_first_commit_wins(
     slow = await api.lease(spec.id, "slow")
     fast = await api.lease(spec.id, "fast")
     commit_record(spec, fast)
-    await api.commit(fast.token, rows=1_000, error_rows=0)
+    await api.commit(fast.token, worker="fast", rows=1_000, error_rows=0)
     # Nothing left in the queue: the idle worker gets a second attempt of the straggler, once
     # it has run longer than the other shards did.
     backup = await wait_until(
@@ -448,10 +530,12 @@ async def test_speculative_attempt_at_the_tail_first_commit_wins(
     )
     assert backup.speculative and backup.shard == slow.shard and backup.attempt == 2
     commit_record(spec, backup)
-    assert (await api.commit(backup.token, rows=1_000, error_rows=0)).status == "done"
+    assert (
+        await api.commit(backup.token, worker="fast", rows=1_000, error_rows=0)
+    ).status == "done"
     # That was the last shard: the job is over, and the straggler's late commit is void.
     with pytest.raises(RemoteError) as e:
-        await api.commit(slow.token, rows=1_000, error_rows=0)
+        await api.commit(slow.token, worker="slow", rows=1_000, error_rows=0)
     assert e.value.code == "job_ended"
     final = await client.wait(spec.id)
     assert final.state == "SUCCEEDED" and final.rows_done == 2_000
@@ -554,14 +638,14 @@ async def test_another_jobs_commit_record_quarantines_the_shard_with_the_reason(
     committing = await api.lease(spec.id, "w1")
     commit_record(straggler, committing)
     with pytest.raises(RemoteError) as e:
-        await api.commit(committing.token, rows=1_000, error_rows=0)
+        await api.commit(committing.token, worker="w1", rows=1_000, error_rows=0)
     assert e.value.code == "quarantined"
     assert "belongs to job straggler-job" in e.value.message
     # A worker that hands the shard back as retryable (its record lost the race to create)
     # does not send it round again.
     releasing = await api.lease(spec.id, "w2")
     commit_record(straggler, releasing)
-    reply = await api.release(releasing.token, "commit not taken", retryable=True)
+    reply = await api.release(releasing.token, "commit not taken", worker="w2", retryable=True)
     assert reply.state == "QUARANTINED"
     final = await client.wait(spec.id)
     assert final.state == "FAILED"
@@ -595,7 +679,7 @@ async def test_speculation_survives_a_master_restart(
     slow = await api.lease(spec.id, "slow")
     fast = await api.lease(spec.id, "fast")
     commit_record(spec, fast)
-    await api.commit(fast.token, rows=1_000, error_rows=0)
+    await api.commit(fast.token, worker="fast", rows=1_000, error_rows=0)
     # The shard times that speculation compares with, and the straggler's age, are not lost.
     await master.stop()
     await master.start()
@@ -728,3 +812,196 @@ async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl
         async with await EbbClient.connect(nats_config) as client:
             await client.submit(spec)
             assert (await client.job(spec.id)).state == "RUNNING"
+
+
+async def test_a_refresh_written_though_its_reply_was_lost_is_not_a_deposition(
+    nc: NATS, subjects: Subjects
+) -> None:
+    await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=0.9)
+    kv = await nc.jetstream().key_value(subjects.leader_bucket)
+    ours = Leadership(kv, holder="m", ttl_s=0.9)
+    await ours.acquire()
+    # Our refresh went through, but its reply never came back (a server killed under it):
+    # the next refresh meets a revision it has not seen.
+    landed = await kv.update(KEY, ours.value, last=ours.revision)
+    keepalive = asyncio.create_task(ours.keepalive())
+    try:
+        await wait_until(
+            lambda: keepalive.done() or ours.revision > landed,
+            timeout=10,
+            what="the leader to refresh past its own lost write",
+        )
+        assert not keepalive.done(), keepalive.exception()
+        # A restarted process under the same id takes the key back: this one is deposed.
+        restarted = Leadership(kv, holder="m", ttl_s=0.9)
+        await restarted.acquire()
+        with pytest.raises(Deposed):
+            await asyncio.wait_for(keepalive, 10)
+    finally:
+        keepalive.cancel()
+        await asyncio.wait([keepalive])
+
+
+async def test_a_master_that_cannot_set_up_on_nats_keeps_trying_and_then_leads(
+    tmp_path: Path, nats_config: NatsConfig, nc: NATS, subjects: Subjects, prefix: str
+) -> None:
+    """Set-up failing (here: a stream already holds the submission subject, so the jobs
+    stream cannot be made) is retried with backoff, never the end of the master."""
+    js = nc.jetstream()
+    await js.add_stream(name=f"{prefix}-squatter", subjects=[subjects.submit])
+    config = MasterConfig(nats=nats_config, id="patient", data_roots=[str(tmp_path)])
+
+    def failures() -> float:
+        return REGISTRY.get_sample_value("ebb_master_setup_failures_total") or 0.0
+
+    before = failures()
+    service = ShardMaster(config)
+    task = asyncio.create_task(service.run())
+    try:
+        await wait_until(lambda: failures() >= before + 2, timeout=30, what="failed set-ups")
+        assert not task.done() and not service.ready.is_set()
+        await js.delete_stream(f"{prefix}-squatter")
+        await wait_until(
+            lambda: task.done() or service.ready.is_set(), timeout=30, what="the master to lead"
+        )
+        assert not task.done(), task.exception()
+    finally:
+        service.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
+# -- resume --------------------------------------------------------------------------------
+
+
+async def test_resume_of_a_failed_job_keeps_its_commits_and_retries_the_rest(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=4_000, max_attempts=2)
+    await client.submit(spec)
+    done = await api.lease(spec.id, "w1")
+    commit_record(spec, done)
+    assert (await api.commit(done.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
+    poisoned = await api.lease(spec.id, "w1")
+    zombie = await api.lease(spec.id, "w2")  # its holder will outlive the job's first run
+    once = await api.lease(spec.id, "w1")  # shard 3: fails once, and stays TODO
+    assert (
+        await api.release(poisoned.token, "disk error", worker="w1", retryable=False)
+    ).state == "TODO"
+    assert (
+        await api.release(once.token, "disk error", worker="w1", retryable=False)
+    ).state == "TODO"
+    again = await api.lease(spec.id, "w1")
+    assert again.shard == poisoned.shard
+    assert (await api.release(again.token, "disk error", worker="w1", retryable=False)).state == (
+        "QUARANTINED"
+    )
+    failed = await client.wait(spec.id)
+    assert failed.state == "FAILED" and "shard 1 quarantined: disk error" in failed.reason
+
+    # A restarted master knows the ended job from KV alone, and resumes it from there.
+    await master.stop()
+    await master.start()
+    reply = await client.resume(spec.id)
+    assert (reply.state, reply.shards_done, reply.shards_retried, reply.shards_todo) == (
+        "RUNNING",
+        1,
+        1,
+        3,
+    )
+    status = await api.job(spec.id)
+    assert status.state == "RUNNING" and status.reason == "" and status.finished_at == 0
+    assert status.shards == {"TODO": 3, "DOING": 0, "DONE": 1, "QUARANTINED": 0}
+    # The first run's leases stay void: a zombie can neither renew nor commit.
+    for op in (
+        api.renew(zombie.token, worker="w2"),
+        api.commit(zombie.token, worker="w2", rows=1_000, error_rows=0),
+    ):
+        with pytest.raises(RemoteError) as e:
+            await op
+        assert e.value.code == "stale_token"
+    # Only the unfinished shards are handed out, as attempts after every earlier one, each
+    # with a fresh max_attempts: shard 3 failed once in the first run, and may fail once more.
+    leased = {}
+    for _ in range(3):
+        reply_ = await api.lease(spec.id, "w3")
+        assert reply_.shard is not None
+        leased[reply_.shard.index] = reply_
+    assert sorted((i, r.attempt) for i, r in leased.items()) == [(1, 3), (2, 2), (3, 2)]
+    assert (
+        await api.release(leased[3].token, "flaky", worker="w3", retryable=False)
+    ).state == "TODO"
+    leased[3] = await api.lease(spec.id, "w3")
+    for reply_ in leased.values():
+        commit_record(spec, reply_)
+        assert (
+            await api.commit(reply_.token, worker="w3", rows=1_000, error_rows=0)
+        ).status == "done"
+    final = await client.wait(spec.id)
+    assert final.state == "SUCCEEDED" and final.rows_done == 4_000
+    manifest = json.loads(Path(final.manifest).read_text())
+    assert sorted((f["shard"], f["attempt"]) for f in manifest["files"]) == [
+        (0, 1),
+        (1, 3),
+        (2, 2),
+        (3, 3),
+    ]
+
+
+async def test_resume_of_a_cancelled_job_runs_it_again(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert (await api.cancel(spec.id)).state == "CANCELLED"
+    reply = await client.resume(spec.id)
+    assert (reply.state, reply.shards_done, reply.shards_retried, reply.shards_todo) == (
+        "RUNNING",
+        0,
+        0,
+        2,
+    )
+    with pytest.raises(RemoteError):
+        await api.renew(held.token, worker="w1")
+    for _ in range(2):
+        again = await api.lease(spec.id, "w1")
+        commit_record(spec, again)
+        await api.commit(again.token, worker="w1", rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+
+
+async def test_resume_refuses_a_running_a_succeeded_and_an_unknown_job(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=1_000)
+    await client.submit(spec)
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable"
+    assert f"job {spec.id} is RUNNING: only a FAILED or CANCELLED job" in e.value.message
+    reply = await api.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    await api.commit(reply.token, worker="w1", rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable" and "is SUCCEEDED" in e.value.message
+    assert (await api.job(spec.id)).state == "SUCCEEDED"
+    with pytest.raises(RemoteError) as e:
+        await client.resume("no-such-job")
+    assert e.value.code == "not_found" and "no job 'no-such-job'" in e.value.message
+
+
+async def test_a_job_forgotten_after_its_retention_cannot_be_resumed(
+    tmp_path: Path, client: EbbClient, master: Master
+) -> None:
+    spec = make_job(tmp_path, rows=1_000)
+    await client.submit(spec)
+    await client.cancel(spec.id)
+    assert master.service is not None and master.service.table is not None
+    table = master.service.table
+    gone = await table.forget_ended(now=time.time() + 10, retention_s=1.0)
+    assert gone == [spec.id]
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_found" and "forgotten" in e.value.message

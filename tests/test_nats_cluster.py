@@ -4,8 +4,11 @@ server that comes back catches up."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,11 +17,23 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from ebb.common import bus
+from ebb.client.sdk import EbbClient
+from ebb.common import bus, envvars
+from ebb.common.bus import NatsConfig
 from ebb.common.embedded import find_nats_server
+from ebb.common.errors import BusError, RemoteError
+from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
 
-from .helpers import wait_until
+from .helpers import (
+    ASSETS,
+    committed_files,
+    job_spec,
+    read_output,
+    wait_until,
+    write_dataset,
+    write_model,
+)
 
 
 def _free_port() -> int:
@@ -157,3 +172,85 @@ async def test_state_at_three_replicas_survives_a_server_down(cluster: Cluster, 
         await wait_until(caught_up, timeout=60, what="the restarted server to catch up")
     finally:
         await alone.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_job_runs_exactly_once_through_a_server_killed_and_restarted(
+    cluster: Cluster, nc: NATS, tmp_path: Path, prefix: str
+) -> None:
+    """The shard master, the controller and its workers on the three-node cluster at three
+    replicas; one server is SIGKILLed mid-job and later comes back. Every row exactly once."""
+    subjects = Subjects(prefix)
+
+    async def jetstream_ready() -> bool:
+        try:
+            await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=5.0, replicas=3)
+        except (nats.errors.Error, TimeoutError):
+            return False  # the cluster is still electing its meta leader
+        return True
+
+    await wait_until(jetstream_ready, timeout=60, what="JetStream on the cluster")
+    rows = 12_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    slow = {"name": "slow", "modelet": "ebbtest_modelets:Slow", "batch_size": 100}
+    stages = [
+        {**slow, "params": {"seconds_per_batch": 0.05}},
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 200},
+    ]
+    spec = parse_job(
+        job_spec(
+            tmp_path, rows_per_shard=1_000, stages=stages, workers=(2, 2), fault={"lease_s": 5}
+        )
+    )
+    env = {
+        **os.environ,
+        envvars.NATS_URL: cluster.urls,
+        envvars.PREFIX: prefix,
+        envvars.JS_REPLICAS: "3",
+    }
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    roots = ["--data-root", str(tmp_path), "--data-root", str(ASSETS)]
+    services = [
+        ["-m", "ebb.shard_master", "--id", "m", *roots],
+        ["-m", "ebb.controller", "--max-workers", "2", "--log-dir", str(logs / "workers")],
+    ]
+    processes = []
+    for k, args in enumerate(services):
+        with open(logs / f"service{k}.log", "ab") as log:  # the child keeps its own copy
+            processes.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable, *args, env=env, stdout=log, stderr=log
+                )
+            )
+    client = await EbbClient.connect(NatsConfig(url=cluster.urls, prefix=prefix))
+    try:
+        job_id = await client.submit(spec)
+
+        async def done_shards(at_least: int) -> bool:
+            try:
+                status = await client.job(job_id)
+            except (BusError, RemoteError):
+                return False  # a request caught by the server going down
+            return status.shards.get("DONE", 0) >= at_least
+
+        await wait_until(lambda: done_shards(2), timeout=120, what="two shards done")
+        cluster.stop(0)  # SIGKILL: no goodbye to its clients or its peers
+        await wait_until(lambda: done_shards(6), timeout=120, what="progress with n0 down")
+        cluster.start(0)
+        cluster.wait_listening(0)
+        final = await client.wait(job_id)
+    finally:
+        await client.close()
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            await asyncio.wait_for(process.wait(), 60)
+    assert final.state == "SUCCEEDED", final.reason
+    table, manifest = read_output(tmp_path / "out")
+    ids = sorted(table.column("id").to_numpy().tolist())
+    assert ids == list(range(rows)), "every row exactly once"
+    assert {f["path"] for f in manifest["files"]} == committed_files(tmp_path / "out")

@@ -17,10 +17,12 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from ebb.common import envvars
 from ebb.common.spec import StageSpec
-from ebb.worker import shm
+from ebb.worker import shm, stageserver
+from ebb.worker.columns import VALUE
 from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
-from ebb.worker.runtimes import TorchScriptStage
+from ebb.worker.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
 
 from .helpers import ASSETS, FEATURES, wait_until, write_model
 
@@ -467,3 +469,54 @@ def test_sequences_of_one_length_still_get_an_attention_mask(stacked: bool) -> N
     feeds = stage._feeds({"input_ids": np.stack(list(column)) if stacked else column})
     assert feeds["input_ids"].tolist() == [[101, 7, 102], [101, 8, 102]]
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]
+
+
+def test_the_fork_server_imports_only_the_runtimes_it_knows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(envvars.STAGE_PRELOAD, "torch, os ,onnxruntime,evil_module")
+    assert stageserver.preload() == [*stageserver.BASE, "onnxruntime", "torch"]
+    monkeypatch.delenv(envvars.STAGE_PRELOAD)
+    assert stageserver.preload() == stageserver.BASE
+
+
+class _CountingNet(torch.nn.Module):
+    """Counts its forward passes and the batch shapes it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.last_rows = 0
+        self.last_width = 0
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last_rows, self.last_width = ids.shape[0], ids.shape[1]
+        return (ids * attention_mask).float().sum(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("described", ["example", "none", "garbled"])
+def test_a_torchscript_model_is_warmed_up_with_its_archives_example(
+    tmp_path: Path, described: str
+) -> None:
+    path = tmp_path / "counting.pt"
+    extra: dict[str, str] = {}
+    if described == "example":
+        extra = warm_up_extra_files(
+            {"ids": torch.ones(8, 16, dtype=torch.int64), "attention_mask": np.ones((8, 16))}
+        )
+    elif described == "garbled":
+        extra = {WARM_UP_FILE: "{not json"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(_CountingNet()), str(path), _extra_files=extra)
+    stage = TorchScriptStage(StageSpec(name="m", model=str(path)))
+    stage.setup()
+    # TorchScript profiles its first run and optimises the second: both happen at load time.
+    expected_calls = 2 if described == "example" else 0
+    assert stage.model.calls == expected_calls
+    if described == "example":
+        assert (stage.model.last_rows, stage.model.last_width) == (8, 16)
+    # Whatever the archive said, the model serves rows.
+    out = stage.process_columns({"ids": np.array([[1, 2, 3]], dtype=np.int64)})
+    assert out[VALUE].tolist() == [[6.0]]

@@ -33,6 +33,19 @@ def test_defaults_and_inference() -> None:
     assert spec.resources.min_workers == 1
 
 
+def test_runtime_modules_are_those_of_model_stages_only() -> None:
+    stages = [
+        {"model": "/models/a.onnx"},
+        {"modelet": "mine:Tokenize"},
+        {"model": "/models/b.pt"},
+        {"model": "/models/c.onnx"},
+    ]
+    spec = parse_job(minimal(pipeline={"stages": stages}))
+    assert spec.pipeline.runtime_modules() == ["onnxruntime", "torch"]
+    only_modelets = parse_job(minimal(pipeline={"stages": [{"modelet": "mine:Tokenize"}]}))
+    assert only_modelets.pipeline.runtime_modules() == []
+
+
 def test_with_id_is_stable_once_set() -> None:
     spec = parse_job(minimal(name="My Job!")).with_id()
     assert spec.id.startswith("My-Job-")

@@ -151,6 +151,14 @@ def export_torchscript(path: Path) -> Path:
     """Write the scripted encoder to `path` (a `.pt` file a model stage loads)."""
     import torch
 
+    from ebb.worker.runtimes import warm_up_extra_files
+
     scripted = torch.jit.script(build_encoder())
-    torch.jit.save(scripted, str(path))
+    # One example batch's shapes travel in the archive: a worker warms the model up with it
+    # while it reads its first shard.
+    example = {
+        "input_ids": torch.ones(32, 128, dtype=torch.int64),
+        "attention_mask": torch.ones(32, 128, dtype=torch.int64),
+    }
+    torch.jit.save(scripted, str(path), _extra_files=warm_up_extra_files(example))
     return path

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
+from ebb.common import envvars
 from ebb.common.bus import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube import (
@@ -134,6 +135,9 @@ async def test_worker_pods_run_the_controllers_image_and_belong_to_its_deploymen
     await h.converge(lambda: len(h.pods(job)) == 1, what="a worker pod")
     (worker,) = h.pods(job)
     assert worker["spec"]["containers"][0]["image"] == "registry.example/ebb:1.2"
+    # Its stages' model runtime is imported once, before they start (the job's model is ONNX).
+    env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    assert env[envvars.STAGE_PRELOAD] == "onnxruntime"
     (ref,) = worker["metadata"]["ownerReferences"]
     assert ref["uid"] == deployment["metadata"]["uid"] and ref["controller"] is True
 

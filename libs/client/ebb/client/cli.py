@@ -6,6 +6,8 @@ ebb up                        the embedded stack in the foreground, for submit/s
 ebb submit JOB.yaml           submit to a running stack (--nats URL, or --credentials FILE)
 ebb status [JOB]              jobs, or one job in detail
 ebb cancel JOB                cancel a job
+ebb resume JOB                finish a FAILED or CANCELLED job: committed shards are kept
+ebb run JOB.yaml --resume     finish, on this machine, the job whose output JOB.yaml names
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -28,8 +31,9 @@ from rich.table import Table
 from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common.bus import NatsConfig, nats_config_from_env
-from ebb.common.errors import BusError, EbbError, RemoteError, SpecError
-from ebb.common.messages import JobStatus
+from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SpecError
+from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
+from ebb.common.output import OutputStore
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
 from ebb.common.spec import JobSpec, check_roots, load_job_file
 
@@ -150,8 +154,11 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             await stack.start()
         supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
         async with await EbbClient.connect(stack.nats_config) as client:
-            job_id = await client.submit(spec)
-            console.print(f"job {job_id} submitted ({spec.input.uri} -> {spec.output.uri})")
+            if getattr(args, "resume", False):
+                job_id = await resume_here(client, spec)
+            else:
+                job_id = await client.submit(spec)
+                console.print(f"job {job_id} submitted ({spec.input.uri} -> {spec.output.uri})")
             with ProgressView(spec, enabled=not args.quiet) as view:
                 waiting = asyncio.ensure_future(client.wait(job_id, on_update=view.update))
                 stopper = asyncio.ensure_future(interrupted.wait())
@@ -193,6 +200,34 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             shutil.rmtree(state_dir, ignore_errors=True)
         elif temporary:
             console.print(f"state and logs kept in {state_dir}")
+
+
+async def resume_here(client: EbbClient, spec: JobSpec) -> str:
+    """Carry on with the job that owns the spec's output root, on this stack.
+
+    A stack that still knows the job (the same --state-dir) resumes it; a new one gets the
+    job submitted again under its own id. Either way the shards that job committed are kept:
+    their commit records in the output root are what every attempt checks first."""
+    owner = await asyncio.to_thread(OutputStore(spec.output.uri).owner)
+    if not owner:
+        raise EbbError(f"nothing to resume: no job has written into {spec.output.uri} yet")
+    try:
+        status = await client.job(owner)
+    except RemoteError as e:
+        if e.code not in (ErrorCode.NOT_FOUND, ErrorCode.REJECTED):
+            raise
+        job_id = await client.submit(replace(spec, id=owner))
+        console.print(f"job {job_id} resumed from its output in {spec.output.uri}")
+        return job_id
+    if status.state in ("FAILED", "CANCELLED"):
+        reply = await client.resume(owner)
+        console.print(
+            f"job {owner} resumed: {reply.shards_done} shards kept, "
+            f"{reply.shards_retried} quarantined ones retried, {reply.shards_todo} to run"
+        )
+    elif status.state in TERMINAL_JOB_STATES:
+        console.print(f"job {owner} is {status.state} already")
+    return owner
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -257,10 +292,21 @@ async def cmd_up(args: argparse.Namespace) -> int:
 
 def write_credentials(path: Path, stack: LocalStack) -> Path:
     """The client's connection settings for this stack, readable by its owner only."""
+    environment = stack.client_environment()
+    creds = environment.pop(envvars.NATS_CREDENTIALS, None)
+    if creds is not None:
+        # A .creds text spans lines: it goes in a file of its own, named by the variables.
+        creds_file = path.with_suffix(".creds")
+        _write_private(creds_file, creds)
+        environment[envvars.NATS_CREDS] = str(creds_file)
+    _write_private(path, "".join(f"{k}={v}\n" for k, v in environment.items()))
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
     path.touch(mode=0o600)
     path.chmod(0o600)
-    path.write_text("".join(f"{k}={v}\n" for k, v in stack.client_environment().items()))
-    return path
+    path.write_text(text)
 
 
 def read_credentials(path: str) -> dict[str, str]:
@@ -351,6 +397,21 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+async def cmd_resume(args: argparse.Namespace) -> int:
+    async with await EbbClient.connect(_nats(args)) as client:
+        reply = await client.resume(args.job)
+        out.print(
+            f"job {args.job} {reply.state}: {reply.shards_done} shards kept, "
+            f"{reply.shards_retried} quarantined ones retried, {reply.shards_todo} to run"
+        )
+        if not args.wait:
+            return EXIT_OK
+        started = time.monotonic()
+        final = await client.wait(args.job)
+        summarize(final, time.monotonic() - started, None)
+        return EXIT_OK if final.state == "SUCCEEDED" else EXIT_FAILED
+
+
 # -- wiring --------------------------------------------------------------------------------
 
 
@@ -386,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("run", help="run a job on an embedded stack and wait for it")
     c.add_argument("job", help="job spec (YAML or JSON)")
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish the job that owns the output root instead (committed shards are kept)",
+    )
     local_options(c)
     c.set_defaults(handler=cmd_run)
 
@@ -419,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job")
     remote_options(c)
     c.set_defaults(handler=cmd_cancel)
+
+    c = sub.add_parser("resume", help="finish a FAILED or CANCELLED job, keeping its output")
+    c.add_argument("job")
+    c.add_argument("--wait", action="store_true", help="follow it to the end")
+    remote_options(c)
+    c.set_defaults(handler=cmd_resume)
     return p
 
 

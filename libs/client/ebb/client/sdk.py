@@ -1,4 +1,4 @@
-"""The Python SDK: submit a job, follow it, cancel it.
+"""The Python SDK: submit a job, follow it, cancel or resume it.
 
 async with await EbbClient.connect(NatsConfig(url="nats://ebb-nats:4222")) as ebb:
     job_id = await ebb.submit(load_job_file("job.yaml"))
@@ -21,7 +21,14 @@ from ebb.common import bus, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SchemaError
-from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobEvent, JobStatus, StatusReply
+from ebb.common.messages import (
+    TERMINAL_JOB_STATES,
+    CancelReply,
+    JobEvent,
+    JobStatus,
+    ResumeReply,
+    StatusReply,
+)
 from ebb.common.spec import JobSpec
 from ebb.common.subjects import Subjects
 
@@ -142,6 +149,12 @@ class EbbClient:
 
     async def cancel(self, job: str, reason: str = "cancelled by user") -> CancelReply:
         return await self.master.cancel(job, reason)
+
+    async def resume(self, job: str) -> ResumeReply:
+        """Re-open a FAILED or CANCELLED job: committed shards are kept, quarantined ones
+        retried. RemoteError `not_resumable` for a job that runs or succeeded, `not_found`
+        for one the master does not know (or has forgotten)."""
+        return await self.master.resume(job)
 
     async def wait(
         self,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ebb.common import auth, envvars
+from ebb.common import auth, envvars, identity
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig, connect, nats_environment
 from ebb.common.embedded import EmbeddedNats
@@ -40,13 +40,16 @@ class StackConfig:
     max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     prefix: str = "ebb"
     auth: bool = True
-    """Each service, the workers and clients connect as their own NATS user, with only the
-    permissions their role needs (ebb.common.auth); passwords are new at every start."""
+    """Each service and client connects with a NATS identity of its own, with only the
+    permissions its role needs (ebb.common.auth), and each worker with one minted for it
+    alone (ebb.common.identity); keys are new at every start."""
     log_level: str = "INFO"
     worker_grace_s: float = 30.0
     start_timeout_s: float = 60.0
     controller: bool = True
     """Start a controller (with local workers). Without one, workers are someone else's."""
+    standby_masters: int = 0
+    """More shard masters (`master-2`, ...) beside the first, standing by to take over."""
 
 
 class LocalStack:
@@ -57,16 +60,21 @@ class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.logs = config.state_dir / "logs"
-        self.passwords = auth.new_passwords() if config.auth else None
+        self.trust = identity.Trust.new(config.prefix) if config.auth else None
+        self._credentials = (
+            {r: self.trust.role_credentials(r) for r in auth.ROLES if r != "worker"}
+            if self.trust
+            else {}
+        )
         self.nats = EmbeddedNats(
             state_dir=config.state_dir / "nats",
             port=config.port,
-            authorization=(
-                auth.authorization_config(config.prefix, self.passwords) if self.passwords else None
-            ),
+            authorization=self.trust.server_config() if self.trust else None,
         )
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
+        self.held: set[str] = set()
+        """Services (or "nats") that `supervise()` leaves down for now: a drill's lost node."""
         self._log_files: list[IO[bytes]] = []
         self._stopping = False
 
@@ -76,26 +84,41 @@ class LocalStack:
         return self.nats_config_for("client")
 
     def nats_config_for(self, role: auth.Role) -> NatsConfig:
-        if self.passwords is None:
+        """How one of the roles connects (a worker: `worker_nats_config`)."""
+        if self.trust is None:
             return NatsConfig(url=self.nats.url, prefix=self.config.prefix)
+        if role == "worker":
+            raise ValueError("each worker has a credential of its own: worker_nats_config(id)")
+        return NatsConfig(
+            url=self.nats.url, prefix=self.config.prefix, creds=self._credentials[role]
+        )
+
+    def worker_nats_config(self, worker: str) -> NatsConfig:
+        """How the worker `worker` connects: as itself, and no other worker."""
         return NatsConfig(
             url=self.nats.url,
             prefix=self.config.prefix,
-            user=auth.user_name(self.config.prefix, role),
-            password=self.passwords[role],
+            creds=self.trust.worker_signer().credentials(worker) if self.trust else None,
+            inbox_prefix=auth.worker_inbox(self.config.prefix, worker),
         )
 
     def client_environment(self) -> dict[str, str]:
         """EBB_* variables with which `ebb submit/status/cancel` reach this stack."""
         return nats_environment(self.nats_config)
 
+    @property
+    def masters(self) -> list[str]:
+        """The names of the master processes: `master`, then each standby's."""
+        return ["master", *(f"master-{i + 2}" for i in range(self.config.standby_masters))]
+
     def _command(self, name: str) -> list[str]:
         common = ["--log-level", self.config.log_level]
-        if name == "master":
+        if name in self.masters:
             roots: list[str] = []
             for root in self.config.data_roots:
                 roots += ["--data-root", root]
-            return ["-m", "ebb.shard_master", *common, "--id", "embedded", *roots]
+            master_id = "embedded" if name == "master" else f"embedded-{name}"
+            return ["-m", "ebb.shard_master", *common, "--id", master_id, *roots]
         return [
             "-m",
             "ebb.controller",
@@ -111,7 +134,7 @@ class LocalStack:
     async def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.nats.start)
-        for name in ("master", "controller") if self.config.controller else ("master",):
+        for name in [*self.masters, *(["controller"] if self.config.controller else [])]:
             await self._spawn(name)
         await self._wait_for_master()
 
@@ -130,14 +153,14 @@ class LocalStack:
 
     def _environment(self, name: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
-        if name == "master":
+        if name in self.masters:
             return {**env, **nats_environment(self.nats_config_for("master"))}
         env.update(nats_environment(self.nats_config_for("controller")))
-        worker = self.nats_config_for("worker")
-        if worker.user and worker.password:
-            # For the workers the controller launches: their own, lesser, credentials.
-            env[envvars.WORKER_NATS_USER] = worker.user
-            env[envvars.WORKER_NATS_PASSWORD] = worker.password
+        if self.trust is not None:
+            # For the workers the controller launches: a credential for each, minted with a
+            # key that can sign nothing but one worker's own permissions.
+            env[envvars.WORKER_NATS_SIGNING_KEY] = self.trust.worker_signing_key.seed
+            env[envvars.WORKER_NATS_ACCOUNT] = self.trust.account.public
         return env
 
     async def kill(self, name: str) -> None:
@@ -157,7 +180,7 @@ class LocalStack:
         """Restart a service that exits, for as long as the stack runs. Runs until cancelled."""
         while not self._stopping:
             for name, process in list(self.processes.items()):
-                if process.returncode is None or self._stopping:
+                if process.returncode is None or self._stopping or name in self.held:
                     continue
                 count = self.restarts.get(name, 0)
                 self.restarts[name] = count + 1
@@ -172,7 +195,7 @@ class LocalStack:
                 await asyncio.sleep(delay)
                 if not self._stopping:
                     await self._spawn(name)
-            if not self.nats.running() and not self._stopping:
+            if not self.nats.running() and not self._stopping and "nats" not in self.held:
                 log.warning("nats-server exited; restarting it")
                 await asyncio.to_thread(self.nats.start)
             await asyncio.sleep(0.5)
@@ -194,7 +217,8 @@ class LocalStack:
         """In order: controller (it drains the workers), master, then NATS."""
         self._stopping = True
         await _terminate(self.processes.get("controller"), self.config.worker_grace_s + 15)
-        await _terminate(self.processes.get("master"), 15)
+        for name in self.masters:
+            await _terminate(self.processes.get(name), 15)
         await asyncio.to_thread(self.nats.stop)
         for f in self._log_files:
             f.close()

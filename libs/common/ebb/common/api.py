@@ -22,6 +22,8 @@ from .messages import (
     ReleaseRequest,
     RenewReply,
     RenewRequest,
+    ResumeReply,
+    ResumeRequest,
     StatusReply,
     StatusRequest,
 )
@@ -51,24 +53,29 @@ class MasterClient:
         # One id for every retry of this request: a reply lost in transit is answered again
         # with the same lease instead of a second one.
         req = LeaseRequest(job=job, worker=worker, request_id=secrets.token_hex(8))
-        return await self._call("lease", req, LeaseReply)
+        return await self._call("lease", req, LeaseReply, worker=worker)
 
-    async def renew(self, token: str, *, timeout_s: float | None = None) -> RenewReply:
+    # The lease protocol goes to subjects that name the worker asking: the master refuses a
+    # token used by any worker but the one it was leased to.
+
+    async def renew(self, token: str, *, worker: str, timeout_s: float | None = None) -> RenewReply:
         return await request(
             self.nc,
-            self.subjects.master("renew"),
+            self.subjects.worker_op("renew", worker),
             RenewRequest(token=token),
             RenewReply,
             timeout_s=timeout_s or self.timeout_s,
         )
 
-    async def commit(self, token: str, *, rows: int, error_rows: int) -> CommitReply:
+    async def commit(self, token: str, *, worker: str, rows: int, error_rows: int) -> CommitReply:
         req = CommitRequest(token=token, rows=rows, error_rows=error_rows)
-        return await self._call("commit", req, CommitReply)
+        return await self._call("commit", req, CommitReply, worker=worker)
 
-    async def release(self, token: str, reason: str, *, retryable: bool) -> ReleaseReply:
+    async def release(
+        self, token: str, reason: str, *, worker: str, retryable: bool
+    ) -> ReleaseReply:
         req = ReleaseRequest(token=token, reason=reason, retryable=retryable)
-        return await self._call("release", req, ReleaseReply)
+        return await self._call("release", req, ReleaseReply, worker=worker)
 
     async def status(
         self,
@@ -113,10 +120,13 @@ class MasterClient:
     async def fail(self, job: str, reason: str) -> CancelReply:
         return await self._call("fail", FailRequest(job=job, reason=reason), CancelReply)
 
-    async def _call(self, op: str, message: Message, reply_type: type[M]) -> M:
+    async def resume(self, job: str) -> ResumeReply:
+        return await self._call("resume", ResumeRequest(job=job), ResumeReply)
+
+    async def _call(self, op: str, message: Message, reply_type: type[M], *, worker: str = "") -> M:
         return await request(
             self.nc,
-            self.subjects.master(op),
+            self.subjects.worker_op(op, worker) if worker else self.subjects.master(op),
             message,
             reply_type,
             timeout_s=self.timeout_s,

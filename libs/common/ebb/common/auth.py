@@ -5,7 +5,7 @@
 - controller: reads job status, fails jobs its workers cannot run; hears job events.
 - worker: the lease protocol only (lease, renew, commit, release, status). Workers run user
   code, so they get the least: no job submission, no JetStream API, no KV.
-- client: submits jobs, reads their status, cancels them; hears job events.
+- client: submits jobs, reads their status, cancels and resumes them; hears job events.
 
 Each role also gets its own inbox prefix, so that one role cannot read the replies meant for
 another (a worker cannot see the master's KV reads, nor a client's job listings); a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from . import envvars
-from .subjects import Subjects
+from .subjects import WORKER_OPS, Subjects
 
 Role = Literal["master", "controller", "worker", "client"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -45,6 +45,11 @@ def user_name(prefix: str, role: Role) -> str:
 
 def inbox_prefix(prefix: str, role: Role) -> str:
     return f"_INBOX.{prefix}.{role}"
+
+
+def worker_inbox(prefix: str, worker: str) -> str:
+    """One worker's own inbox prefix, under the worker role's."""
+    return f"{inbox_prefix(prefix, 'worker')}.{worker}"
 
 
 def inbox_for_user(prefix: str, user: str) -> str | None:
@@ -91,11 +96,30 @@ def permissions(prefix: str, role: Role) -> Permissions:
             subscribe=(s.all_events, inbox),
         )
     if role == "worker":
-        ops = ("lease", "renew", "commit", "release", "status")
-        return Permissions(publish=tuple(s.master(op) for op in ops), subscribe=(inbox,))
+        # Any worker's subjects: with one user for every worker, NATS cannot tell them
+        # apart; the master still refuses a lease token used by another worker than its
+        # holder. Per-worker credentials narrow these to the worker's own id (see below).
+        ops = tuple(s.worker_op(op, "*") for op in WORKER_OPS)
+        return Permissions(publish=(*ops, s.master("status")), subscribe=(inbox,))
     return Permissions(
-        publish=(s.submit, s.master("status"), s.master("cancel")),
+        publish=(s.submit, s.master("status"), s.master("cancel"), s.master("resume")),
         subscribe=(s.all_events, inbox),
+    )
+
+
+WORKER_NAME = "{{name()}}"
+"""In a scoped signing key's template (ebb.common.identity), nats-server puts the user's
+name there: the worker id its JWT names."""
+
+
+def worker_template(prefix: str) -> Permissions:
+    """One worker's permissions, templated on its name: the lease protocol on its own
+    subjects, the status of jobs, replies on its own inbox. Nothing of any other worker's."""
+    s = Subjects(prefix)
+    ops = tuple(s.worker_op(op, WORKER_NAME) for op in WORKER_OPS)
+    return Permissions(
+        publish=(*ops, s.master("status")),
+        subscribe=(f"{worker_inbox(prefix, WORKER_NAME)}.>",),
     )
 
 

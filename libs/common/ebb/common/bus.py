@@ -9,13 +9,15 @@ import math
 import os
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.client import RawCredentials
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -29,6 +31,7 @@ from nats.js.kv import KeyValue
 from . import envvars, schema
 from .auth import inbox_for_user
 from .errors import BusError, ErrorCode, RemoteError, SchemaError
+from .identity import credentials_name
 from .messages import ErrorReply
 from .schema import Message
 from .subjects import Subjects
@@ -70,6 +73,11 @@ class NatsConfig:
     token: str | None = None
     creds_file: str | None = None
     """A NATS .creds file (JWT + nkey seed)."""
+    creds: str | None = field(default=None, repr=False)
+    """The text of a .creds file: a credential minted for this process (ebb.common.identity)."""
+    inbox_prefix: str | None = None
+    """Where replies to this connection's requests come; None: its role's (ebb.common.auth)
+    for a role user, else NATS's default."""
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -140,14 +148,19 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
     if config.user is not None:
         options["user"] = config.user
         options["password"] = config.password
-        # Ebb's roles may subscribe only to their own inboxes (see auth.py).
-        inbox = inbox_for_user(config.prefix, config.user)
-        if inbox is not None:
-            options["inbox_prefix"] = inbox
+    # Ebb's roles may subscribe only to their own inboxes (see auth.py).
+    user = config.user or _credentials_user(config)
+    inbox = inbox_for_user(config.prefix, user) if user else None
+    if inbox is not None:
+        options["inbox_prefix"] = inbox
+    if config.inbox_prefix is not None:
+        options["inbox_prefix"] = config.inbox_prefix
     if config.token is not None:
         options["token"] = config.token
     if config.creds_file is not None:
         options["user_credentials"] = config.creds_file
+    if config.creds is not None:
+        options["user_credentials"] = RawCredentials(config.creds)
     if config.tls_ca or config.tls_cert:
         import ssl
 
@@ -195,6 +208,17 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
         raise BusError(f"cannot connect to NATS at {config.url}: {e}") from e
     connected.append(nc)
     return nc
+
+
+def _credentials_user(config: NatsConfig) -> str | None:
+    """The user name the JWT of this connection's credentials gives, if it has one."""
+    creds = config.creds
+    if creds is None and config.creds_file is not None:
+        try:
+            creds = Path(config.creds_file).read_text()
+        except OSError:
+            return None  # nats-py says why, when it reads the file to connect
+    return credentials_name(creds) if creds else None
 
 
 def _refused(e: BaseException) -> bool:
@@ -300,11 +324,13 @@ async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValu
         return await js.create_key_value(config=config)
 
 
-Handler = Callable[[bytes], Awaitable[bytes]]
+Handler = Callable[[bytes, str], Awaitable[bytes]]
+"""Answers a request: (payload, the subject it came on) -> reply payload."""
 
 
 class RequestServer:
-    """Serves request/reply subjects: one handler per subject, up to `concurrency` at a time.
+    """Serves request/reply subjects (wildcards too): one handler per subject, up to
+    `concurrency` at a time.
 
     A handler that raises gets an `internal` error reply: a bug in one request never takes the
     service down, and the requester learns why it failed. Handlers run as tasks this object
@@ -337,7 +363,7 @@ class RequestServer:
 
     async def _answer(self, subject: str, handler: Handler, msg: Any) -> None:
         try:
-            answer = await handler(msg.data)
+            answer = await handler(msg.data, msg.subject)
         except Exception as e:
             log.exception("handler for %s failed", subject)
             answer = error_reply(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
@@ -376,6 +402,7 @@ NATS_ENVIRONMENT: dict[str, str] = {
     "password": envvars.NATS_PASSWORD,
     "token": envvars.NATS_TOKEN,
     "creds_file": envvars.NATS_CREDS,
+    "creds": envvars.NATS_CREDENTIALS,
     "tls_ca": envvars.NATS_TLS_CA,
     "tls_cert": envvars.NATS_TLS_CERT,
     "tls_key": envvars.NATS_TLS_KEY,

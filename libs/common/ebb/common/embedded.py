@@ -71,9 +71,10 @@ class EmbeddedNats:
         self.port = port
         self.config_file = config_file
         self.authorization = authorization
-        """An `authorization { ... }` block (see ebb.common.auth): who may connect, and to do
-        what. Also keeps out strays, e.g. a process left over from an earlier run that
-        reconnects to whichever new server took its old port."""
+        """Who may connect, and to do what: an `authorization { ... }` block (see
+        ebb.common.auth), or an operator with its accounts (ebb.common.identity). Also keeps
+        out strays, e.g. a process left over from an earlier run that reconnects to
+        whichever new server took its old port."""
         self.binary = binary or find_nats_server()
         self._proc: subprocess.Popen[str] | None = None
         self._drain: threading.Thread | None = None

@@ -14,6 +14,8 @@ NATS_USER = "EBB_NATS_USER"
 NATS_PASSWORD = "EBB_NATS_PASSWORD"  # noqa: S105 - the variable's name, not a secret
 NATS_TOKEN = "EBB_NATS_TOKEN"  # noqa: S105 - the variable's name, not a secret
 NATS_CREDS = "EBB_NATS_CREDS"
+NATS_CREDENTIALS = "EBB_NATS_CREDENTIALS"
+"""The text of a .creds file (JWT and nkey seed), for a credential that is minted, not filed."""
 NATS_TLS_CA = "EBB_NATS_TLS_CA"
 NATS_TLS_CERT = "EBB_NATS_TLS_CERT"
 NATS_TLS_KEY = "EBB_NATS_TLS_KEY"
@@ -23,6 +25,11 @@ NATS_NAME_PREFIX = "EBB_NATS_"
 # The NATS identity a controller gives the workers it starts.
 WORKER_NATS_USER = "EBB_WORKER_NATS_USER"
 WORKER_NATS_PASSWORD = "EBB_WORKER_NATS_PASSWORD"  # noqa: S105 - a name, not a secret
+WORKER_NATS_SIGNING_KEY = "EBB_WORKER_NATS_SIGNING_KEY"
+"""The seed of the account's scoped signing key with which a controller mints one credential
+per worker it starts (ebb.common.identity)."""
+WORKER_NATS_ACCOUNT = "EBB_WORKER_NATS_ACCOUNT"
+"""The public key of the account those workers belong to."""
 WORKER_NATS_NAME_PREFIX = "EBB_WORKER_NATS_"
 
 # Every service.
@@ -37,6 +44,9 @@ PARENT_PID = "EBB_PARENT_PID"
 """Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
 process is gone."""
 TERMINATION_LOG = "EBB_TERMINATION_LOG"
+STAGE_PRELOAD = "EBB_STAGE_PRELOAD"
+"""Set by the controller from the job's spec: the model runtimes (comma-separated modules,
+`JobSpec.runtime_modules`) that the fork server of the worker's stage processes imports once."""
 
 # The shard master.
 MASTER_ID = "EBB_MASTER_ID"

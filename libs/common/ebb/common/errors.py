@@ -23,12 +23,17 @@ class ErrorCode(StrEnum):
     """The job was refused at submission; the message says why."""
     STALE_TOKEN = "stale_token"  # noqa: S105 - a code, not a secret
     """The lease token is no longer current: expired, released, superseded, or a zombie's."""
+    NOT_HOLDER = "not_holder"
+    """The lease token was granted to another worker than the one asking: refused, nothing
+    changed (a worker may renew, commit or release only its own leases)."""
     JOB_ENDED = "job_ended"
     """The job reached a terminal state; its leases are void."""
     NO_COMMIT_RECORD = "no_commit_record"
     """`commit` came before the shard's commit record could be read: try again."""
     QUARANTINED = "quarantined"
     """The shard can never be committed by this job (another job's commit record holds it)."""
+    NOT_RESUMABLE = "not_resumable"
+    """`resume` of a job that is not FAILED or CANCELLED (or never got as far as its shards)."""
     NOT_LEADER = "not_leader"
     """The master answering is not (or no longer) the leader."""
     UNAVAILABLE = "unavailable"

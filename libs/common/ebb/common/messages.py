@@ -212,6 +212,28 @@ class CancelReply(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResumeRequest(Message):
+    """Re-open a FAILED or CANCELLED job: its committed shards stay done, every other shard
+    (quarantined ones included) gets a fresh set of attempts, and it runs again."""
+
+    KIND: ClassVar[str] = "resume"
+    job: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeReply(Message):
+    KIND: ClassVar[str] = "resume_reply"
+    ok: bool = True
+    state: JobState
+    shards_done: int = 0
+    """Shards kept as they were: committed, never redone."""
+    shards_retried: int = 0
+    """Shards that were quarantined and get max_attempts new attempts."""
+    shards_todo: int = 0
+    """Shards to run: the retried ones and those never finished."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobEvent(Message):
     """Published on `<prefix>.jobs.<job>.events`: a hint to look, never the source of truth."""
 

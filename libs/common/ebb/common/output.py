@@ -73,6 +73,16 @@ class ManifestFile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class QuarantinedShard:
+    """A shard no attempt could finish (its rows are in no file): where it is, and why."""
+
+    shard: int
+    path: str
+    rows: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     job: str
     files: list[ManifestFile]
@@ -80,6 +90,9 @@ class Manifest:
     error_rows: int
     shards: int
     quarantined_shards: list[int] = field(default_factory=list)
+    quarantined: list[QuarantinedShard] = field(default_factory=list)
+    """The quarantined shards with their input and their last error (within the job's
+    error threshold, or the job would have failed)."""
     created_at: float = 0.0
 
 
@@ -138,16 +151,32 @@ class OutputStore:
             raise
         _fsync_dir(directory)
 
-    def claim(self, job: str) -> str:
+    def claim(self, job: str, *, spec_digest: str = "") -> str:
         """Make `job` the owner of this output root, unless another job owns it already.
 
         Returns the owner's id: `job` itself, or whoever claimed the root first.
+        `spec_digest` (what the job computes: see JobSpec.output_digest) is kept with it.
         """
         path = self.full(OWNER)
-        if self._create_exclusive(path, json.dumps({"job": job, "claimed_at": time.time()})):
+        owner = {"job": job, "claimed_at": time.time(), "spec_digest": spec_digest}
+        if self._create_exclusive(path, json.dumps(owner)):
             return job
-        owner = json.loads(self.fs.cat_file(path)).get("job")
-        return str(owner)
+        return str(self._owner_record().get("job"))
+
+    def owner(self) -> str:
+        """The id of the job this output root belongs to; "" if none claimed it yet."""
+        return str(self._owner_record().get("job") or "")
+
+    def owner_digest(self) -> str:
+        """The spec digest the owner claimed the root with ("" if none, or an older root)."""
+        return str(self._owner_record().get("spec_digest") or "")
+
+    def _owner_record(self) -> dict[str, Any]:
+        try:
+            record = json.loads(self.fs.cat_file(self.full(OWNER)))
+        except FileNotFoundError:
+            return {}
+        return record if isinstance(record, dict) else {}
 
     # -- commit records --------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ spec is refused with the path of the first bad field before any state changes an
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import posixpath
@@ -35,6 +37,9 @@ MODEL_SUFFIXES: dict[str, Runtime] = {
     ".ts": "torchscript",
     ".torchscript": "torchscript",
 }
+RUNTIME_MODULES: dict[Runtime, str] = {"onnx": "onnxruntime", "torchscript": "torch"}
+"""The module each runtime imports: what a worker's stage processes can have imported for them,
+once, before they start (see `JobSpec.runtime_modules`)."""
 FORMAT_SUFFIXES: dict[str, InputFormat] = {
     ".parquet": "parquet",
     ".pq": "parquet",
@@ -173,6 +178,10 @@ class StageSpec:
     length_column: str | None = None
     """With batch_tokens: the column that gives each row's length: a column of sequences
     (token ids), or a column of lengths."""
+    finite_inputs: bool = True
+    """Model stages: a row whose floating-point model input holds NaN or inf fails alone (an
+    error row that says so) instead of giving a NaN prediction. False for a model that reads
+    NaN as "missing" (tree ensembles)."""
 
     def __post_init__(self) -> None:
         if (self.modelet is None) == (self.model is None):
@@ -242,6 +251,11 @@ class PipelineSpec:
         if fanins and (not fanouts or fanins[0] <= fanouts[0]):
             raise _bad(f"stages[{fanins[0]}].fanin", "a fan-in stage comes after a fan-out stage")
         object.__setattr__(self, "stages", named)
+
+    def runtime_modules(self) -> list[str]:
+        """The model runtimes' modules the stages import (not user modelets': their imports
+        may do anything, a GPU's set-up included)."""
+        return sorted({RUNTIME_MODULES[s.runtime] for s in self.stages if s.runtime is not None})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,6 +354,15 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = schema.dump(self)
         return body
+
+    def output_digest(self) -> str:
+        """A digest of what decides the output's contents: the input, the pipeline and the
+        output sections. A job run again into the output it wrote (a resume on a new stack)
+        must match it, or its new shards would not be like the ones committed before."""
+        body = self.to_dict()
+        decisive = {k: body[k] for k in ("input", "pipeline", "output")}
+        text = json.dumps(decisive, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def parse_job(data: object) -> JobSpec:

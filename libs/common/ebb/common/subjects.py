@@ -2,6 +2,23 @@
 
 from __future__ import annotations
 
+import re
+
+WORKER_OPS: tuple[str, ...] = ("lease", "renew", "commit", "release")
+"""The lease protocol: asked by one worker, on a subject that names it (`worker_op`)."""
+
+WORKER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+"""A worker id is one NATS subject token (no dots, no wildcards) and a NATS user name."""
+
+
+def check_worker_id(worker: str) -> str:
+    if not WORKER_ID_RE.match(worker):
+        raise ValueError(
+            f"bad worker id {worker!r}: 1-128 letters, digits, - and _, starting with a "
+            "letter or digit"
+        )
+    return worker
+
 
 class Subjects:
     """Every subject, stream and bucket name, derived from one prefix."""
@@ -19,6 +36,16 @@ class Subjects:
 
     def master(self, op: str) -> str:
         return f"{self.prefix}.master.{op}"
+
+    def worker_op(self, op: str, worker: str) -> str:
+        """Where `worker` asks for `op` of the lease protocol: the subject names the caller,
+        so that NATS permissions can bind it to the worker's identity and the master can
+        check that a lease token is used by the worker that holds it."""
+        return f"{self.prefix}.master.{op}.{worker}"
+
+    def worker_ops(self, op: str) -> str:
+        """Every worker's subject for `op` (the master's subscription)."""
+        return f"{self.prefix}.master.{op}.*"
 
     def events(self, job: str) -> str:
         return f"{self.prefix}.jobs.{job}.events"

@@ -21,6 +21,7 @@ from ebb.common import envvars, schema
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.bus import add_nats_arguments, nats_config_from_args
+from ebb.common.identity import Key, WorkerSigner
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
@@ -108,7 +109,19 @@ async def amain(args: argparse.Namespace) -> int:
                 password=os.environ.get(envvars.WORKER_NATS_PASSWORD),
                 token=None,
             )
-        local = LocalConfig(nats=nats, log_dir=args.log_dir, worker_nats=worker_nats)
+        signer = None
+        if os.environ.get(envvars.WORKER_NATS_SIGNING_KEY):
+            # Better still: a credential of its own for each worker (ebb.common.identity).
+            signer = WorkerSigner(
+                account=os.environ.get(envvars.WORKER_NATS_ACCOUNT, ""),
+                signing_key=Key.from_seed(os.environ[envvars.WORKER_NATS_SIGNING_KEY]),
+            )
+            worker_nats = dataclasses.replace(
+                nats, user=None, password=None, token=None, creds=None, creds_file=None
+            )
+        local = LocalConfig(
+            nats=nats, log_dir=args.log_dir, worker_nats=worker_nats, worker_signer=signer
+        )
         if args.max_workers:
             local = dataclasses.replace(local, max_workers=args.max_workers)
         backend = LocalBackend(local)

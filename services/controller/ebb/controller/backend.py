@@ -6,7 +6,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from ebb.common import envvars
+from ebb.common.errors import SpecError
 from ebb.common.messages import JobStatus
+from ebb.common.spec import parse_job
 
 from .capacity import Bin, Resources
 from .failures import Kind
@@ -90,3 +93,13 @@ class ClusterBackend(Protocol):
     def grow_memory(self, job: str) -> None:
         """Workers of `job` were OOMKilled: ask for more memory from now on (if it can)."""
         ...
+
+
+def job_environment(job: JobStatus) -> dict[str, str]:
+    """What a worker of `job` is told besides its connection: the model runtimes its stages
+    will import, for its fork server to import once before any stage starts."""
+    try:
+        modules = parse_job(job.spec).pipeline.runtime_modules() if job.spec else []
+    except SpecError:
+        return {}  # the worker finds out, and says so
+    return {envvars.STAGE_PRELOAD: ",".join(modules)} if modules else {}

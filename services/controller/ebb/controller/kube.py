@@ -29,7 +29,7 @@ from ebb.common.spec import parse_job
 
 from . import metrics
 from .avoidance import NodeAvoidance
-from .backend import Capacity, Phase, WorkerInfo
+from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .capacity import Bin, Resources, add
 from .failures import classify
 from .informer import Informer
@@ -293,6 +293,7 @@ class KubernetesBackend:
             worker_id=worker_id,
             shape=self.shape(status),
             avoid=self.avoidance.avoided(asyncio.get_running_loop().time()),
+            env=job_environment(status),
         )
         try:
             # A plain JSON map: the client sends it as it is (its stubs only know V1Pod).

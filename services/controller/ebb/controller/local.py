@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -18,9 +19,10 @@ import psutil
 
 from ebb.common import envvars
 from ebb.common.bus import NatsConfig, nats_environment
+from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 
-from .backend import Capacity, Phase, WorkerInfo
+from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .failures import EXIT_CONFIG
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ class LocalConfig:
     """Extra environment for workers."""
     worker_nats: NatsConfig | None = None
     """How workers connect, with their own credentials; None: as the controller does."""
+    worker_signer: WorkerSigner | None = None
+    """Mints each worker a credential of its own (ebb.common.identity), used instead of any
+    in `worker_nats`: no worker can then act in another's name."""
     orphan_grace_s: float = 60.0
     """A worker that an earlier controller started and that outlived it (found through the
     pid files in `log_dir`) drains on its own: it is killed if it still runs after this."""
@@ -152,10 +157,13 @@ class LocalBackend:
         # command line (visible in ps).
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
         nats = self.config.worker_nats or self.config.nats
+        if self.config.worker_signer is not None:
+            nats = dataclasses.replace(nats, creds=self.config.worker_signer.credentials(worker_id))
         env = {**inherited, **self.config.env, **nats_environment(nats)}
         # In a session of its own, a worker would outlive us if we were killed: this tells
         # it whom to watch, to drain when we are gone.
         env[envvars.PARENT_PID] = str(os.getpid())
+        env.update(job_environment(job))
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:

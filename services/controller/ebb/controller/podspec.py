@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ebb.common import envvars
@@ -33,6 +33,7 @@ def worker_pod(
     worker_id: str,
     shape: Resources,
     avoid: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Obj:
     """The pod of worker `worker_id` of job `job`: requests `shape`, runs `config.image`,
     on the offline pool or a lent mixed node, never on a node named in `avoid`."""
@@ -59,7 +60,7 @@ def worker_pod(
         "image": c.image or DEFAULT_IMAGE,
         "imagePullPolicy": c.image_pull_policy,
         "command": ["python", "-m", "ebb.worker"],
-        "env": _environment(job, c, name),
+        "env": _environment(job, c, name, env or {}),
         "envFrom": [{"secretRef": {"name": s, "optional": True}} for s in c.env_from_secrets],
         "resources": {"requests": requests, "limits": limits},
         # The worker writes why it gave up there; a crash without a word leaves the tail of
@@ -92,7 +93,9 @@ def worker_pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
-def _environment(job: str, c: KubeConfig, name: str) -> list[dict[str, Any]]:
+def _environment(
+    job: str, c: KubeConfig, name: str, extra: Mapping[str, str]
+) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": envvars.JOB, "value": job},
         {"name": envvars.WORKER_ID, "value": name},
@@ -100,7 +103,7 @@ def _environment(job: str, c: KubeConfig, name: str) -> list[dict[str, Any]]:
         {"name": envvars.PREFIX, "value": c.nats.prefix},
         # Leave the drain a margin inside the pod's grace period.
         {"name": envvars.SHUTDOWN_GRACE_S, "value": str(max(1, c.grace_s - 10))},
-        *({"name": k, "value": v} for k, v in c.env.items()),
+        *({"name": k, "value": v} for k, v in {**c.env, **extra}.items()),
     ]
     if c.metrics_port is not None:
         env.append({"name": envvars.METRICS_PORT, "value": str(c.metrics_port)})

@@ -19,7 +19,7 @@ from typing import Any
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import ErrorCode, RemoteError
-from ebb.common.messages import JobStatus
+from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
@@ -151,6 +151,7 @@ class Reconciler:
                 self.account(w, now, rows_done=done.get(w.job, 0))
                 await self.backend.forget(w.id)
         await self._fail_jobs(running)
+        self.forget_ended({j.id for j in running})
         jobs = [j for j in jobs if j.id not in self.failed_jobs]
         live = [w for w in workers if not w.ended]
         capacity = await self.backend.capacity(jobs, live)
@@ -237,6 +238,13 @@ class Reconciler:
         self.failures.pop(job, None)
         self.crashes.pop(job, None)
 
+    def forget_ended(self, running: set[str]) -> None:
+        """Drop what we learnt of jobs that no longer run. A job that is resumed starts
+        with a clean slate: the crashes that ended its first run do not count again."""
+        for table in (self.failures, self.crashes, self.progress, self.not_before):
+            for job in [j for j in table if j not in running]:
+                del table[job]
+
     async def _fail_jobs(self, running: list[JobStatus]) -> None:
         """Tell the master about jobs that cannot run. Until it has heard, ask again."""
         active = {j.id for j in running}
@@ -245,7 +253,10 @@ class Reconciler:
                 del self.failed_jobs[job]  # ended (by us, or otherwise)
                 continue
             log.error("job %s cannot run: %s", job, reason)
-            await self.master.fail(job, reason)
+            reply = await self.master.fail(job, reason)
+            if reply.state in TERMINAL_JOB_STATES:
+                # Heard: asking again could fail the job a second time once it is resumed.
+                del self.failed_jobs[job]
 
     def _publish(self, jobs: list[JobStatus], workers: list[WorkerInfo], decided: Plan) -> None:
         actual: dict[str, int] = defaultdict(int)

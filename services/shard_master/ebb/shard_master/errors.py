@@ -21,6 +21,12 @@ class StaleToken(MasterError):
     code = ErrorCode.STALE_TOKEN
 
 
+class NotHolder(MasterError):
+    """A current lease token, used by a worker other than the one it was granted to."""
+
+    code = ErrorCode.NOT_HOLDER
+
+
 class JobNotFound(MasterError):
     code = ErrorCode.NOT_FOUND
 
@@ -29,6 +35,12 @@ class JobEnded(MasterError):
     """The job reached a terminal state; its leases are void."""
 
     code = ErrorCode.JOB_ENDED
+
+
+class NotResumable(MasterError):
+    """`resume` of a job that is running, succeeded, or never got as far as its shards."""
+
+    code = ErrorCode.NOT_RESUMABLE
 
 
 class NoCommitRecord(MasterError):

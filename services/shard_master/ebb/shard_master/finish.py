@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 
-from ebb.common.output import MANIFEST, Manifest, ManifestFile, OutputStore
+from ebb.common.output import MANIFEST, Manifest, ManifestFile, OutputStore, QuarantinedShard
 
 from .jobs import Job
 
@@ -17,11 +17,18 @@ def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, 
     """The job's manifest, and the winning attempt of each shard that is DONE."""
     files: list[ManifestFile] = []
     winners: dict[int, int] = {}
-    quarantined: list[int] = []
+    quarantined: list[QuarantinedShard] = []
     for shard in job.shards:
         record = shard.record
         if record.state == "QUARANTINED":
-            quarantined.append(shard.index)
+            quarantined.append(
+                QuarantinedShard(
+                    shard=shard.index,
+                    path=record.spec.path,
+                    rows=record.spec.rows,
+                    reason=record.errors[-1] if record.errors else "",
+                )
+            )
             continue
         winners[shard.index] = record.done_attempt
         files += [
@@ -40,7 +47,8 @@ def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, 
         rows=job.rows_done,
         error_rows=job.error_rows,
         shards=job.record.shards_total,
-        quarantined_shards=quarantined,
+        quarantined_shards=[q.shard for q in quarantined],
+        quarantined=quarantined,
         created_at=created_at,
     )
     return manifest, winners

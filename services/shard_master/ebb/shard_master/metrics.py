@@ -19,6 +19,10 @@ SHARDS_DONE = Counter("ebb_shards_done_total", "Shards committed", ["job_id"])
 ROWS_DONE = Counter("ebb_rows_done_total", "Rows committed (error rows included)", ["job_id"])
 ERROR_ROWS = Counter("ebb_error_rows_total", "Rows committed with an error", ["job_id"])
 JOBS = Gauge("ebb_jobs", "Jobs per state, as this master knows them", ["state"])
+SETUP_FAILURES = Counter(
+    "ebb_master_setup_failures",
+    "Failed attempts to set up on NATS (stream, buckets, leader key, state), retried",
+)
 INVALID_MESSAGES = Counter(
     "ebb_invalid_messages_total", "Messages refused by validation", ["source"]
 )

@@ -6,7 +6,9 @@ again if leadership or NATS was the cause, or exits to be restarted):
 - intake:     pulls job messages from the EBB_JOBS stream, validates, plans, persists, acks.
 - reaper:     expires leases past their deadline and finishes jobs whose shards are settled.
 - publisher:  sends job events (progress, state changes) for the CLI and the controller.
-Requests on `<prefix>.master.<op>` are served beside them by a RequestServer.
+Requests are served beside them by a RequestServer: the lease protocol on
+`<prefix>.master.<op>.<worker id>` (the subject names the caller, and a lease token is honoured
+only from the worker it was granted to), the rest on `<prefix>.master.<op>`.
 """
 
 from __future__ import annotations
@@ -40,15 +42,16 @@ from ebb.common.messages import (
     LeaseRequest,
     ReleaseRequest,
     RenewRequest,
+    ResumeRequest,
     StatusRequest,
 )
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.subjects import WORKER_ID_RE, WORKER_OPS, Subjects
 from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics
-from .errors import Deposed, MasterError, PlanningError
+from .errors import BadRequest, Deposed, MasterError, PlanningError
 from .leader import Leadership
 from .store import Store
 from .table import FORGET_PER_PASS, LeaseTable
@@ -127,6 +130,7 @@ class ShardMaster:
             )
         )
         try:
+            failures = 0
             while True:
                 try:
                     await self._run(nc)
@@ -138,6 +142,20 @@ class ShardMaster:
                     ):
                         raise
                     log.warning("stepping down (%s): campaigning again", e)
+                    failures = 0
+                except (nats.errors.Error, TimeoutError) as e:
+                    # Setting up (the stream, the buckets, the leader key, the state) while
+                    # NATS fails over: a server gone, a stream electing its leader. Not a
+                    # reason to exit: try again, backing off.
+                    if self.supervisor.stop_requested.is_set():
+                        raise
+                    metrics.SETUP_FAILURES.inc()
+                    delay = bus.Backoff(first_s=0.5).delay(failures)
+                    failures += 1
+                    why = str(e) or repr(e)  # some of nats-py's errors have no message
+                    log.warning("could not set up on NATS (%s); again in %.1fs", why, delay)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.supervisor.stop_requested.wait(), delay)
                 self.ready.clear()
                 self.table = None
                 self.deposed = None
@@ -196,15 +214,25 @@ class ShardMaster:
         )
         await table.load()
         server = RequestServer(nc, queue="ebb-master", concurrency=self.config.concurrency)
-        await server.add(self.subjects.master("lease"), self._handler(LeaseRequest, self._lease))
-        await server.add(self.subjects.master("renew"), self._handler(RenewRequest, self._renew))
-        await server.add(self.subjects.master("commit"), self._handler(CommitRequest, self._commit))
         await server.add(
-            self.subjects.master("release"), self._handler(ReleaseRequest, self._release)
+            self.subjects.worker_ops("lease"), self._handler(LeaseRequest, self._lease)
         )
+        await server.add(
+            self.subjects.worker_ops("renew"), self._handler(RenewRequest, self._renew)
+        )
+        await server.add(
+            self.subjects.worker_ops("commit"), self._handler(CommitRequest, self._commit)
+        )
+        await server.add(
+            self.subjects.worker_ops("release"), self._handler(ReleaseRequest, self._release)
+        )
+        for op in WORKER_OPS:
+            # The subject without a worker: answered with where to ask instead.
+            await server.add(self.subjects.master(op), self._moved(op))
         await server.add(self.subjects.master("status"), self._handler(StatusRequest, self._status))
         await server.add(self.subjects.master("cancel"), self._handler(CancelRequest, self._cancel))
         await server.add(self.subjects.master("fail"), self._handler(FailRequest, self._fail))
+        await server.add(self.subjects.master("resume"), self._handler(ResumeRequest, self._resume))
         # Our subscriptions reach the server with the next flush: only then do we serve.
         await nc.flush()
         self.ready.set()
@@ -226,11 +254,12 @@ class ShardMaster:
     # -- requests --------------------------------------------------------------------------
 
     def _handler(
-        self, request_type: type[Req], serve: Callable[[Req], Awaitable[Message]]
-    ) -> Callable[[bytes], Awaitable[bytes]]:
+        self, request_type: type[Req], serve: Callable[[Req, str], Awaitable[Message]]
+    ) -> bus.Handler:
+        """`serve(request, subject)`: the subject names the caller of the lease protocol."""
         op = request_type.KIND
 
-        async def handle(data: bytes) -> bytes:
+        async def handle(data: bytes, subject: str) -> bytes:
             started = time.perf_counter()
             try:
                 request = schema.decode(request_type, data)
@@ -239,7 +268,7 @@ class ShardMaster:
                 metrics.OPS.labels(op, ErrorCode.BAD_REQUEST).inc()
                 return bus.error_reply(ErrorCode.BAD_REQUEST, str(e))
             try:
-                reply = await serve(request)
+                reply = await serve(request, subject)
             except Deposed as e:
                 # Someone else writes our state: answering anything more would be a lie.
                 log.error("deposed: %s", e)
@@ -263,19 +292,41 @@ class ShardMaster:
         assert self.table is not None
         return self.table
 
-    async def _lease(self, r: LeaseRequest) -> Message:
-        return await self._table().lease(r.job, r.worker, r.request_id)
+    def _moved(self, op: str) -> bus.Handler:
+        where = self.subjects.worker_op(op, "<worker id>")
 
-    async def _renew(self, r: RenewRequest) -> Message:
-        return await self._table().renew(r.token)
+        async def handle(data: bytes, subject: str) -> bytes:
+            del data, subject
+            metrics.OPS.labels(op, ErrorCode.BAD_REQUEST).inc()
+            return bus.error_reply(ErrorCode.BAD_REQUEST, f"{op} is asked on {where}")
 
-    async def _commit(self, r: CommitRequest) -> Message:
-        return await self._table().commit(r.token)
+        return handle
 
-    async def _release(self, r: ReleaseRequest) -> Message:
-        return await self._table().release(r.token, r.reason, retryable=r.retryable)
+    def _caller(self, subject: str) -> str:
+        """The worker a lease-protocol subject names (its last token)."""
+        worker = subject.rsplit(".", 1)[-1]
+        if not WORKER_ID_RE.match(worker):
+            raise BadRequest(f"bad worker id {worker!r} in subject {subject}")
+        return worker
 
-    async def _status(self, r: StatusRequest) -> Message:
+    async def _lease(self, r: LeaseRequest, subject: str) -> Message:
+        caller = self._caller(subject)
+        if r.worker != caller:
+            raise BadRequest(f"worker {caller!r} asked for a lease for worker {r.worker!r}")
+        return await self._table().lease(r.job, caller, r.request_id)
+
+    async def _renew(self, r: RenewRequest, subject: str) -> Message:
+        return await self._table().renew(r.token, caller=self._caller(subject))
+
+    async def _commit(self, r: CommitRequest, subject: str) -> Message:
+        return await self._table().commit(r.token, caller=self._caller(subject))
+
+    async def _release(self, r: ReleaseRequest, subject: str) -> Message:
+        return await self._table().release(
+            r.token, r.reason, retryable=r.retryable, caller=self._caller(subject)
+        )
+
+    async def _status(self, r: StatusRequest, subject: str) -> Message:
         return self._table().status(
             r.job,
             include_spec=r.include_spec,
@@ -285,11 +336,14 @@ class ShardMaster:
             after=r.after,
         )
 
-    async def _cancel(self, r: CancelRequest) -> Message:
+    async def _cancel(self, r: CancelRequest, subject: str) -> Message:
         return await self._table().cancel(r.job, r.reason)
 
-    async def _fail(self, r: FailRequest) -> Message:
+    async def _fail(self, r: FailRequest, subject: str) -> Message:
         return await self._table().cancel(r.job, r.reason, state="FAILED")
+
+    async def _resume(self, r: ResumeRequest, subject: str) -> Message:
+        return await self._table().resume(r.job)
 
     # -- agents ----------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
+import nats.errors
+
 from ebb.common.messages import (
     CancelReply,
     CommitReply,
@@ -38,6 +40,7 @@ from ebb.common.messages import (
     LeaseReply,
     ReleaseReply,
     RenewReply,
+    ResumeReply,
     ShardState,
     StatusReply,
 )
@@ -52,6 +55,8 @@ from .errors import (
     JobEnded,
     JobNotFound,
     NoCommitRecord,
+    NotHolder,
+    NotResumable,
     OutputTaken,
     StaleToken,
 )
@@ -60,7 +65,7 @@ from .jobs import Job, Shard
 from .planner import plan_input
 from .status import EventKind, describe, job_event
 from .store import JobRecord, LeaseRecord, RecordStore, ShardRecord
-from .transitions import check_transition
+from .transitions import REOPEN, check_transition
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +131,10 @@ class LeaseTable:
         self.jobs: dict[str, Job] = {}
         self.rejected: OrderedDict[str, str] = OrderedDict()
         self._expiries: list[tuple[float, str, int, str]] = []
+        self._expiry_failures = 0
+        self._expiry_retry_at = 0.0
+        """After a failed expiry (the store away: a NATS server down, a stream electing its
+        leader), none is tried again before this, backing off; not every few milliseconds."""
         self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
 
     # -- loading and intake ----------------------------------------------------------------
@@ -185,6 +194,7 @@ class LeaseTable:
             return False
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
+        digest = spec.output_digest()  # of the spec as submitted, before planning types it
         required = [*(spec.input.columns or []), *spec.output.carryover]
         plan = await asyncio.to_thread(
             plan_input, spec.input, required_columns=list(dict.fromkeys(required))
@@ -194,14 +204,25 @@ class LeaseTable:
             # The spec workers get says how to type each column: every shard alike.
             spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
         # The output root becomes this job's, atomically: no other job can write into it.
+        output = self._open_output(spec.output.uri)
         try:
-            owner = await asyncio.to_thread(self._open_output(spec.output.uri).claim, spec.id)
+            owner = await asyncio.to_thread(output.claim, spec.id, spec_digest=digest)
+            claimed_with = await asyncio.to_thread(output.owner_digest)
         except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
             raise OutputTaken(f"cannot write to {spec.output.uri}: {e}") from e
+        if owner == spec.id and claimed_with and claimed_with != digest:
+            # The same job id again (a resume on a new stack), but another input, pipeline or
+            # output: its shards would not match the ones it committed before.
+            raise OutputTaken(
+                f"{spec.output.uri} holds the output of job {owner} as first submitted; this "
+                "spec differs from it in its input, pipeline or output, so it cannot carry "
+                "on there: choose another output.uri"
+            )
         if owner != spec.id:
             raise OutputTaken(
-                f"{spec.output.uri} holds the output of job {owner}: remove it, or choose "
-                "another output.uri"
+                f"{spec.output.uri} holds the output of job {owner}: `ebb resume {owner}` "
+                "finishes that job (`ebb run JOB.yaml --resume` on a new stack), or remove "
+                "it, or choose another output.uri"
             )
         if job is None:
             record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=time.time())
@@ -385,7 +406,20 @@ class LeaseTable:
                 best, best_age = shard, age
         return best
 
-    async def renew(self, token: str) -> RenewReply:
+    def _check_holder(self, shard: Shard, token: str, caller: str | None) -> None:
+        """Refuse a current lease token used by anyone but the worker it was granted to
+        (caller holds the shard's lock). `caller` None: the caller's identity is not known
+        (an in-process use of the table), and not checked."""
+        if caller is None:
+            return
+        lease = next((ls for ls in shard.record.leases if ls.token == token), None)
+        if lease is not None and lease.worker != caller:
+            raise NotHolder(
+                f"the lease on shard {shard.index} (attempt {lease.attempt}) was not granted "
+                f"to worker {caller!r}"
+            )
+
+    async def renew(self, token: str, *, caller: str | None = None) -> RenewReply:
         job, shard = self._locate(token)
         lease_s = job.spec.fault.lease_s
         async with shard.lock:
@@ -393,6 +427,7 @@ class LeaseTable:
                 raise JobEnded(f"job {job.id} is {job.state}")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
+            self._check_holder(shard, token, caller)
             expires_at = time.time() + lease_s
             record = shard.record
             leases = [
@@ -403,7 +438,7 @@ class LeaseTable:
         metrics.LEASE_RENEWALS.labels(job.id).inc()
         return RenewReply(lease_s=lease_s)
 
-    async def commit(self, token: str) -> CommitReply:
+    async def commit(self, token: str, *, caller: str | None = None) -> CommitReply:
         job_id, index = parse_token(token)
         job = self.jobs.get(job_id)
         if (
@@ -419,6 +454,7 @@ class LeaseTable:
                 return CommitReply(status="already_done")
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
+            self._check_holder(shard, token, caller)
             foreign: ForeignCommit | None = None
             try:
                 commit = await self._read_commit(job, shard)
@@ -469,13 +505,16 @@ class LeaseTable:
         metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
         self._emit(self._event(job, "progress"))
 
-    async def release(self, token: str, reason: str, *, retryable: bool) -> ReleaseReply:
+    async def release(
+        self, token: str, reason: str, *, retryable: bool, caller: str | None = None
+    ) -> ReleaseReply:
         job, shard = self._locate(token)
         async with shard.lock:
             if token not in shard.deadlines:
                 if shard.record.state == "DONE":
                     return ReleaseReply(state="DONE")
                 raise StaleToken("lease is no longer current")
+            self._check_holder(shard, token, caller)
             state = await self._drop_lease(job, shard, token, reason=reason, failed=not retryable)
         metrics.RETRIES.labels(job.id, "released" if retryable else "poisoned").inc()
         if state in ("QUARANTINED", "DONE"):
@@ -528,7 +567,7 @@ class LeaseTable:
         return state
 
     def next_expiry(self) -> float | None:
-        return self._expiries[0][0] if self._expiries else None
+        return max(self._expiries[0][0], self._expiry_retry_at) if self._expiries else None
 
     async def expire_due(self) -> int:
         """Expire every lease whose deadline has passed. Returns how many expired.
@@ -538,9 +577,12 @@ class LeaseTable:
         """
         now = self._clock()
         due: list[tuple[float, str, int, str]] = []
+        if now < self._expiry_retry_at:
+            return 0
         while self._expiries and self._expiries[0][0] <= now:
             due.append(heapq.heappop(self._expiries))
         expired = 0
+        failed = False
         try:
             while due:
                 entry = due[0]
@@ -549,10 +591,21 @@ class LeaseTable:
                         expired += 1
                 except Deposed:
                     raise
+                except (nats.errors.Error, TimeoutError) as e:
+                    failed = True
+                    log.warning("could not expire a lease of job %s (%s); retrying", entry[1], e)
+                    heapq.heappush(self._expiries, entry)
                 except Exception:
+                    failed = True
                     log.exception("could not expire a lease of job %s; retrying", entry[1])
                     heapq.heappush(self._expiries, entry)
                 due.pop(0)
+            if failed:
+                self._expiry_failures += 1
+                delay = min(5.0, 0.1 * 2 ** min(self._expiry_failures, 6))
+                self._expiry_retry_at = self._clock() + delay
+            else:
+                self._expiry_failures = 0
         finally:
             for entry in due:  # not reached: a Deposed master stops, but leaves them due
                 heapq.heappush(self._expiries, entry)
@@ -663,6 +716,105 @@ class LeaseTable:
                 await self._end(job, state, reason)
         return CancelReply(state=job.record.state)
 
+    async def resume(self, job_id: str) -> ResumeReply:
+        """Re-open a FAILED or CANCELLED job: its DONE shards stay done (their output is
+        never redone); every other shard, QUARANTINED ones included, is queued again with
+        its failures forgotten (a fresh max_attempts). The job is RUNNING once more.
+
+        Every old lease stays void: its token is not among the reopened shards' leases, so a
+        zombie of the first run is refused (StaleToken), and new attempts get numbers after
+        every attempt made so far, so their files never mix with an old attempt's.
+
+        Crash-safe in this order: the shard records first, the job's record last. A master
+        that dies in between leaves the job FAILED or CANCELLED with some shards reopened,
+        which a second `resume` completes.
+        """
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise JobNotFound(
+                f"no job {job_id!r} (never submitted here, or forgotten: a job that ended "
+                "leaves the master job_retention_s after; its output is still there)"
+            )
+        async with job.lock:
+            if self.jobs.get(job_id) is not job:
+                raise JobNotFound(f"job {job_id!r} was forgotten (job_retention_s)")
+            if job.state not in ("FAILED", "CANCELLED"):
+                raise NotResumable(
+                    f"job {job_id} is {job.state}: only a FAILED or CANCELLED job can be resumed"
+                )
+            if job.record.shards_total == 0:
+                raise NotResumable(
+                    f"job {job_id} failed before its input was planned ({job.record.reason}): "
+                    "nothing to resume; submit it again"
+                )
+            entries = sorted(await self._store.load_shards(job.id), key=lambda e: e[0].spec.index)
+            if len(entries) != job.record.shards_total:
+                raise NotResumable(
+                    f"job {job_id} has {len(entries)} shard records of "
+                    f"{job.record.shards_total}: cannot resume it"
+                )
+            next_seq = max(rec.seq for rec, _ in entries) + 1
+            reopened: list[tuple[ShardRecord, int]] = []
+            retried = 0
+            for rec, last in entries:
+                state = REOPEN[rec.state]
+                revision = last
+                if rec.state == "QUARANTINED":
+                    retried += 1
+                new = rec
+                # Every shard not done starts with a fresh set of attempts: failures of the
+                # first run (what made it fail, often) must not count against the second.
+                if state != rec.state or rec.leases or (state == "TODO" and rec.failures):
+                    requeued = state == "TODO" and rec.state != "TODO"
+                    new = replace(
+                        rec,
+                        state=state,
+                        leases=[],
+                        failures=0 if state == "TODO" else rec.failures,
+                        seq=next_seq if requeued else rec.seq,
+                    )
+                    next_seq += requeued
+                    revision = await self._store.update_shard(new, last=revision)
+                reopened.append((new, revision))
+            record = replace(
+                job.record,
+                state="RUNNING",
+                reason="",
+                finished_at=0.0,
+                manifest="",
+                shards_done=0,
+                shards_quarantined=0,
+                rows_done=0,
+                error_rows=0,
+            )
+            job.revision = await self._store.update_job(record, last=job.revision)
+            job.record = record
+            job.finish_failures = 0
+            job.adopt_shards(
+                reopened,
+                now=self._clock(),
+                wall_now=time.time(),
+                lease_s=job.spec.fault.lease_s,
+                grace_s=self._lease_grace_s,
+            )
+            self._publish_job_gauges()
+            log.info(
+                "job %s resumed: %d shards done, %d quarantined ones retried, %d to run",
+                job.id,
+                job.counts["DONE"],
+                retried,
+                job.counts["TODO"],
+            )
+            self._emit(self._event(job, "state"))
+        # Nothing may be left to run (a job cancelled as its last shard committed).
+        await self.settle(job)
+        return ResumeReply(
+            state=job.record.state,
+            shards_done=job.record.shards_done if job.ended else job.counts["DONE"],
+            shards_retried=retried,
+            shards_todo=0 if job.ended else job.counts["TODO"],
+        )
+
     # -- reading ---------------------------------------------------------------------------
 
     def status(
@@ -708,17 +860,25 @@ class LeaseTable:
         table; their output and manifest stay where they are. Returns their ids: `limit` at
         most, so that a pass stays short (the reaper expires leases between passes) even
         when a master starts with thousands of jobs past their retention."""
-        gone = [
-            j.id
-            for j in self.jobs.values()
-            if j.ended and j.record.finished_at and now - j.record.finished_at > retention_s
-        ][:limit]
-        for start in range(0, len(gone), FORGET_AT_ONCE):
-            chunk = gone[start : start + FORGET_AT_ONCE]
-            # Purges are idempotent: if one fails, the next pass purges the chunk again.
-            await asyncio.gather(*(self._store.forget_job(job_id) for job_id in chunk))
-            for job_id in chunk:
-                del self.jobs[job_id]
+
+        def expired(j: Job) -> bool:
+            ended_at = j.record.finished_at
+            return bool(j.ended and ended_at and now - ended_at > retention_s)
+
+        async def forget(job: Job) -> str | None:
+            async with job.lock:  # a resume may be under way: look again once it is over
+                if not expired(job) or self.jobs.get(job.id) is not job:
+                    return None
+                await self._store.forget_job(job.id)
+                del self.jobs[job.id]
+                return job.id
+
+        candidates = [j for j in self.jobs.values() if expired(j)][:limit]
+        gone: list[str] = []
+        for start in range(0, len(candidates), FORGET_AT_ONCE):
+            chunk = candidates[start : start + FORGET_AT_ONCE]
+            # Purges are idempotent: if one fails, the next pass purges that job again.
+            gone += [i for i in await asyncio.gather(*(forget(j) for j in chunk)) if i]
         if gone:
             self._publish_job_gauges()
         return gone

@@ -14,6 +14,7 @@ from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.bus import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, run
+from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .service import Worker, WorkerConfig, default_worker_id
@@ -21,11 +22,18 @@ from .service import Worker, WorkerConfig, default_worker_id
 log = logging.getLogger("ebb.worker")
 
 
+def _worker_id(text: str) -> str:
+    try:
+        return check_worker_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m ebb.worker", description=__doc__)
     p.add_argument("--job", default=env(envvars.JOB), required=env(envvars.JOB) is None)
-    p.add_argument("--id", default=env(envvars.WORKER_ID) or default_worker_id())
+    p.add_argument("--id", type=_worker_id, default=env(envvars.WORKER_ID) or default_worker_id())
     add_nats_arguments(p)
     p.add_argument("--shards-in-flight", type=int, default=2)
     p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "30")))

@@ -90,6 +90,7 @@ class StageProcess:
             args=(stage_config, inbox_r, outbox_w, self.board),
             name=f"ebb-stage-{spec.name}-{slot}",
         )
+        self.started = time.monotonic()
         self.process.start()
         # Our copies of the child's ends must go, or we would never see EOF when it dies.
         inbox_r.close()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import multiprocessing as mp
 import queue
 import selectors
 import threading
@@ -44,6 +43,7 @@ from .families import Families
 from .processes import StageProcess
 from .settings import PipelineConfig
 from .shm import Arena, remove_all_of, sweep_orphans, unlink
+from .stageserver import stage_context
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Router:
         self.on_errors = on_errors
         self.on_ready = on_ready
         self.on_fatal = on_fatal
-        self.ctx = mp.get_context("spawn")
+        self.ctx = stage_context()
         self.procs: list[list[StageProcess]] = [[] for _ in self.specs]
         self.backlog: list[deque[frames.Frame]] = [deque() for _ in self.specs]
         self.arena = Arena()
@@ -306,6 +306,9 @@ class Router:
                 self._segment_done(segment)
         elif kind == frames.READY:
             p.ready = True
+            log.debug(
+                "stage %s process %d ready in %.2fs", p.name, p.slot, time.monotonic() - p.started
+            )
             self.startup_failures[p.stage] = 0
             if not self.announced_ready and all(q.ready for s in self.procs for q in s):
                 self.announced_ready = True

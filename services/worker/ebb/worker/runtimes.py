@@ -8,10 +8,12 @@ tensor column); one output comes back as the rows' value, several as a map per r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,21 @@ def _local_copy(uri: str) -> str:
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
 
+WARM_UP_FILE = "ebb-warm-up.json"
+"""An extra file in a TorchScript archive: the shapes and dtypes of one example batch of the
+model's inputs, by name (TorchScript keeps none), for a warm-up at load time."""
+
+
+def warm_up_extra_files(example: Mapping[str, Any]) -> dict[str, str]:
+    """For `torch.jit.save(model, path, _extra_files=...)`: the shapes of one example batch
+    (arrays or tensors, by input name), so that a worker can warm the model up while it reads
+    its first shard. The values themselves are not kept."""
+    inputs = {
+        name: {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        for name, value in example.items()
+    }
+    return {WARM_UP_FILE: json.dumps({"inputs": inputs})}
+
 
 def _tensor(column: np.ndarray, dtype: Any = None) -> np.ndarray:
     """A column as one contiguous array (a column of per-row arrays is stacked)."""
@@ -64,6 +81,27 @@ def _check_rows(outputs: dict[str, np.ndarray], n: int) -> None:
     for name, value in outputs.items():
         if value.shape[:1] != (n,):
             raise ValueError(f"model output {name!r} has shape {value.shape}, batch is {n}")
+
+
+class NonFiniteInput(ValueError):
+    """A row's model input holds NaN or inf."""
+
+
+def _check_finite(feeds: dict[str, np.ndarray], n: int) -> None:
+    """Raise NonFiniteInput if any row's floating-point input is NaN or inf. The batch fails
+    before the model runs; the stage then splits it, so only the rows at fault fail (and
+    each sub-batch without one runs once)."""
+    for name, value in feeds.items():
+        if value.dtype.kind != "f" or value.shape[:1] != (n,):
+            continue
+        finite = np.isfinite(value.reshape(n, -1)).all(axis=1)
+        if not finite.all():
+            bad = int(np.count_nonzero(~finite))
+            which = "this row's" if n == 1 else f"{bad} of {n} rows'"
+            raise NonFiniteInput(
+                f"{which} model input {name!r} holds NaN or inf (finite_inputs: false lets "
+                "a model that reads NaN as missing take it)"
+            )
 
 
 class _ModelStage(Modelet):
@@ -81,7 +119,10 @@ class _ModelStage(Modelet):
 
     def process_columns(self, batch: Columns) -> Columns:
         n = num_rows(batch)
-        outputs = self.infer(self._feeds(batch))
+        feeds = self._feeds(batch)
+        if self.spec.finite_inputs:
+            _check_finite(feeds, n)
+        outputs = self.infer(feeds)
         _check_rows(outputs, n)
         only = next(iter(outputs.values())) if len(outputs) == 1 else None
         key = self.spec.output
@@ -242,12 +283,13 @@ class TorchScriptStage(_ModelStage):
         self.device = torch.device(self.spec.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, self.spec.dtype or "float32")
+        extra_files = {WARM_UP_FILE: ""}
         with warnings.catch_warnings():
             # TorchScript is deprecated upstream, yet it is what many model zoos ship.
             warnings.simplefilter("ignore", DeprecationWarning)
             try:
                 self.model = torch.jit.load(  # type: ignore[no-untyped-call]
-                    _local_copy(self.uri), map_location=self.device
+                    _local_copy(self.uri), map_location=self.device, _extra_files=extra_files
                 )
             except Exception as e:
                 raise StageError(f"cannot load TorchScript model {self.uri}: {e}") from e
@@ -262,6 +304,26 @@ class TorchScriptStage(_ModelStage):
             self.input_names = ["input"]
         self.pinned: dict[str, Any] = {}
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
+        if extra_files[WARM_UP_FILE]:
+            self._warm_up(extra_files[WARM_UP_FILE])
+
+    def _warm_up(self, described: str | bytes) -> None:
+        """Two batches of ones, shaped like the archive's example, while the worker reads
+        its first shard: TorchScript's executor profiles the first run and optimises the
+        second; on a GPU the first also loads kernels and sets up cuBLAS. Neither then falls
+        on the first batch of rows."""
+        try:
+            inputs = json.loads(described)["inputs"]
+            feeds = {
+                # Floating inputs go to the model in its dtype whatever they come in as.
+                name: np.ones(d["shape"], dtype=np.float32 if "float" in d["dtype"] else d["dtype"])
+                for name, d in inputs.items()
+                if name in self.input_names
+            }
+            for _ in range(2):
+                self.infer(feeds)
+        except Exception as e:  # noqa: BLE001 - a model that rejects the example still serves rows
+            log.info("%s: no warm-up (%s)", self.uri, e)
 
     def _to_device(self, name: str, array: np.ndarray) -> Any:
         import torch

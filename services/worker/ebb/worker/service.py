@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 from nats.aio.client import Client as NATS
 
-from ebb.common import bus
+from ebb.common import auth, bus
 from ebb.common import metrics as metrics_server
 from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
@@ -36,6 +38,7 @@ from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
 from ebb.common.output import CommitRecord, OutputStore, new_commit
 from ebb.common.runner import EXIT_CONFIG, EXIT_OK
 from ebb.common.spec import JobSpec, parse_job
+from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
 from . import metrics
@@ -48,7 +51,13 @@ from .writer import build_output, write_attempt
 log = logging.getLogger(__name__)
 
 _LOST_CODES = frozenset(
-    {ErrorCode.STALE_TOKEN, ErrorCode.JOB_ENDED, ErrorCode.NOT_FOUND, ErrorCode.QUARANTINED}
+    {
+        ErrorCode.STALE_TOKEN,
+        ErrorCode.JOB_ENDED,
+        ErrorCode.NOT_FOUND,
+        ErrorCode.QUARANTINED,
+        ErrorCode.NOT_HOLDER,
+    }
 )
 _RETRY_CODES = frozenset(
     {
@@ -77,8 +86,16 @@ def _output(
     return build_output(data.table, results, errors, spec.output)
 
 
+def _since(mark: float) -> tuple[float, float]:
+    """Seconds since `mark`, and now as the next mark."""
+    now = time.perf_counter()
+    return now - mark, now
+
+
 def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    # One subject token: a host name's dots (and anything else) become dashes.
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()).strip("-_") or "worker"
+    return f"{host[:100]}-{os.getpid()}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +109,9 @@ class WorkerConfig:
     """On SIGTERM, time for shards in flight to finish before they are released."""
     stage_stop_grace_s: float = 10.0
     release_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_worker_id(self.id)
 
 
 @dataclass(eq=False)
@@ -132,8 +152,13 @@ class Worker:
 
     async def run(self) -> int:
         try:
+            # Replies come to an inbox of this worker's own: with a credential of its own
+            # (ebb.common.auth), no other worker may listen there.
+            own_inbox = auth.worker_inbox(self.config.nats.prefix, self.config.id)
             nc = await bus.connect(
-                self.config.nats, name=f"ebb-worker-{self.config.id}", stop=self.draining
+                dataclasses.replace(self.config.nats, inbox_prefix=own_inbox),
+                name=f"ebb-worker-{self.config.id}",
+                stop=self.draining,
             )
         except bus.ConnectAborted as e:
             log.info("%s", e)
@@ -168,7 +193,7 @@ class Worker:
             )
         )
         # Stage processes start (models load) while the first shard is leased and read.
-        self._pipeline_started = asyncio.create_task(self.pipeline.start(), name="pipeline-start")
+        self._pipeline_started = asyncio.create_task(self._start_pipeline(), name="pipeline-start")
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
             async with self.supervisor as sup:
@@ -183,6 +208,12 @@ class Worker:
             await self.pipeline.stop(grace_s=self.config.stage_stop_grace_s)
         log.info("worker %s exits after %d shards", self.config.id, self.shards_done)
         return self.exit_code
+
+    async def _start_pipeline(self) -> None:
+        assert self.pipeline is not None
+        started = time.perf_counter()
+        await self.pipeline.start()
+        log.debug("stage processes ready in %.2fs", time.perf_counter() - started)
 
     # -- leasing ---------------------------------------------------------------------------
 
@@ -343,6 +374,7 @@ class Worker:
         columns = None
         if spec.input.columns is not None:
             columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
+        phase = time.perf_counter()
         data = await asyncio.to_thread(
             read_shard,
             shard,
@@ -358,9 +390,12 @@ class Worker:
         if data.bad_rows:
             good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
             inputs = inputs.take(pa.array(good, type=pa.int64()))
+        read_s, phase = _since(phase)
         await asyncio.shield(self._pipeline_started)
+        waited_s, phase = _since(phase)
         # The rows travel as Arrow and become columns in the first stage's processes.
         result = await self.pipeline.run_columns(inputs)
+        computed_s, phase = _since(phase)
         table, error_rows = await asyncio.to_thread(_output, data, good, result, spec)
         files = await asyncio.to_thread(
             write_attempt,
@@ -378,6 +413,15 @@ class Worker:
             worker=self.config.id,
         )
         won, record = await asyncio.to_thread(store.create_commit, record)
+        written_s, _ = _since(phase)
+        log.debug(
+            "shard %d: read %.2fs, waited for the stages %.2fs, computed %.2fs, written %.2fs",
+            shard.index,
+            read_s,
+            waited_s,
+            computed_s,
+            written_s,
+        )
         if not won:
             log.info(
                 "shard %d: attempt %d committed first; ours is garbage", shard.index, record.attempt
@@ -394,7 +438,10 @@ class Worker:
         while True:
             try:
                 reply = await self.master.commit(
-                    active.token, rows=record.rows, error_rows=record.error_rows
+                    active.token,
+                    worker=self.config.id,
+                    rows=record.rows,
+                    error_rows=record.error_rows,
                 )
                 break
             except RemoteError as e:
@@ -432,7 +479,7 @@ class Worker:
         async def release() -> None:
             try:
                 await asyncio.wait_for(
-                    self.master.release(token, reason, retryable=retryable),
+                    self.master.release(token, reason, worker=self.config.id, retryable=retryable),
                     self.config.release_timeout_s,
                 )
             except (RemoteError, BusError, TimeoutError) as e:
@@ -457,7 +504,9 @@ class Worker:
         sent = loop.time()
         try:
             reply = await self.master.renew(
-                active.token, timeout_s=max(0.5, min(5.0, active.lease_s / 4))
+                active.token,
+                worker=self.config.id,
+                timeout_s=max(0.5, min(5.0, active.lease_s / 4)),
             )
         except RemoteError as e:
             if e.code in _LOST_CODES:

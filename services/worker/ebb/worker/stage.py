@@ -88,7 +88,8 @@ class StageConfig:
 
 
 def _die_with_parent() -> None:
-    """Linux: be killed if the worker that spawned us dies, even by SIGKILL."""
+    """Linux: be killed if our parent dies, even by SIGKILL. The parent is the fork server,
+    which leaves as soon as the worker that uses it is gone."""
     if sys.platform != "linux":
         return
     with contextlib.suppress(OSError, AttributeError):
