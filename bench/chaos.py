@@ -63,6 +63,8 @@ from ebb.common.output import COMMITS_DIR, MANIFEST
 from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
 
+from . import soak
+
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = (
     "worker_kill",
@@ -597,8 +599,8 @@ def report(
         "",
         "Not injected by this campaign: a full output disk (a small tmpfs), a slow disk, a",
         "SIGKILL aimed exactly between a shard's commit record and the master's reply (random",
-        "kills land there only by chance; tests/test_master.py covers that window directly), and",
-        "the 10,000,000-row soak with per-process peak memory.",
+        "kills land there only by chance; tests/test_master.py covers that window directly). The",
+        "10,000,000-row soak is below (`python -m bench.soak`).",
         "",
         "## Runs",
         "",
@@ -641,7 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     def write(results: list[RunResult]) -> None:
         # After every run: a campaign cut short still leaves its report.
         text = report(results, command=command.strip(), machine=host, planned=len(seeds))
-        Path(args.out).write_text(text)
+        out = Path(args.out)
+        kept = soak.soak_block(out.read_text()) if out.exists() else None
+        out.write_text(soak.with_soak(text, kept) if kept else text)
 
     results = asyncio.run(
         campaign(

@@ -173,15 +173,28 @@ def render(result: dict[str, object], workers: int, rows_per_shard: int) -> str:
     )
 
 
-def write(doc: Path, block: str) -> None:
-    text = doc.read_text() if doc.exists() else "# Reliability\n"
+HEADING = "## Soak: memory over a long job"
+
+
+def with_soak(text: str, block: str) -> str:
+    """`text` (the reliability report) with the soak's block in its place, or appended."""
     if START in text and END in text:
         head, _, rest = text.partition(START)
         _, _, tail = rest.partition(END)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n## Soak: memory over a long job\n\n" + block + "\n"
-    doc.write_text(text)
+        return head + block + tail
+    return text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
+
+
+def soak_block(text: str) -> str | None:
+    """The soak's block in `text`, if it has one (the chaos report keeps it when it rewrites
+    the file)."""
+    if START not in text or END not in text:
+        return None
+    return START + text.partition(START)[2].partition(END)[0] + END
+
+
+def write(doc: Path, block: str) -> None:
+    doc.write_text(with_soak(doc.read_text() if doc.exists() else "# Reliability\n", block))
 
 
 def main(argv: list[str] | None = None) -> int:

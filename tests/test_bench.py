@@ -52,3 +52,26 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "embedding",
     ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
+
+
+def test_the_soak_reports_every_kind_of_process_and_keeps_the_chaos_report(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "reliability.md"
+    out.write_text("# Reliability: the chaos campaign\n\nThe campaign's report.\n")
+    sizes = ["--rows", "20000", "--rows-per-shard", "5000"]
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.soak", *sizes, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# Reliability: the chaos campaign\n\nThe campaign's report.")
+    assert "A 20,000-row job" in text
+    rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")}
+    for kind in ("nats-server", "shard master", "controller", "worker", "stage process"):
+        assert kind in rows, text
