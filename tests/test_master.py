@@ -101,7 +101,9 @@ def subjects(prefix: str) -> Subjects:
 
 @pytest.fixture
 def api(client: EbbClient, nats_config: NatsConfig) -> MasterClient:
-    return MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
+    # A few quick tries on "no responders" and timeouts, as every real client makes: a master
+    # just (re)started, on a loaded machine, may not be heard on its first request.
+    return MasterClient(client.nc, nats_config, backoff=Backoff(first_s=0.1, attempts=4))
 
 
 def make_job(
