@@ -37,6 +37,8 @@ PARENT_PID = "EBB_PARENT_PID"
 """Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
 process is gone."""
 TERMINATION_LOG = "EBB_TERMINATION_LOG"
+MODEL_CACHE_DIR = "EBB_MODEL_CACHE_DIR"
+"""Where model files from a store are cached, shared by every worker of a node."""
 
 # The shard master.
 MASTER_ID = "EBB_MASTER_ID"
