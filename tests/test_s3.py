@@ -250,12 +250,16 @@ def _upload(fs: Any, local: Path, remote: str) -> None:
         fs.pipe_file(f"{remote}/{path.name}", path.read_bytes())
 
 
+def _read(data: bytes, path: str) -> pa.Table:
+    if path.endswith(".jsonl"):
+        return pa.Table.from_pylist([json.loads(line) for line in data.splitlines()])
+    return pq.read_table(io.BytesIO(data))
+
+
 def _output(fs: Any, root: str) -> tuple[pa.Table, dict[str, Any]]:
     manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
-    tables = [
-        pq.read_table(io.BytesIO(fs.cat_file(f"{root}/{f['path']}"))) for f in manifest["files"]
-    ]
-    return pa.concat_tables(tables), manifest
+    tables = [_read(fs.cat_file(f"{root}/{f['path']}"), f["path"]) for f in manifest["files"]]
+    return pa.concat_tables(tables, promote_options="default"), manifest
 
 
 def _commits(fs: Any, root: str) -> list[dict[str, Any]]:
@@ -311,7 +315,7 @@ async def test_a_parquet_job_from_s3_to_s3_under_faults_exactly_once(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_a_csv_job_from_s3_to_s3_exactly_once(
+async def test_a_csv_job_from_s3_to_jsonl_files_on_s3_exactly_once(
     tmp_path: Path, client: EbbClient, proxy: FaultyProxy, bucket: str
 ) -> None:
     rows = 5_000
@@ -330,9 +334,13 @@ async def test_a_csv_job_from_s3_to_s3_exactly_once(
         carryover=["id", "weight"],
     )
     spec["input"] = {"uri": f"s3://{bucket}/csv/rows.csv", "format": "csv", "rows_per_shard": 700}
+    spec["output"].update(format="jsonl", max_rows_per_file=300)
     final = await client.wait(await client.submit(parse_job(spec)))
     assert final.state == "SUCCEEDED", final.reason
     out = _assert_exactly_once(fs, f"{bucket}/out", rows)
+    manifest = json.loads(fs.cat_file(f"{bucket}/out/{MANIFEST}"))
+    assert all(f["path"].endswith(".jsonl") and f["rows"] <= 300 for f in manifest["files"])
+    assert len(manifest["files"]) > final.shards["DONE"]  # shards of ~700 rows in parts
     by_id = {r["id"]: r for r in out.to_pylist()}
     assert by_id[4_001]["weight"] == 4_001 / 4
 

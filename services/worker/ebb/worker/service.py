@@ -369,6 +369,8 @@ class Worker:
             shard=shard.index,
             attempt=active.attempt,
             error_rows=error_rows,
+            fmt=spec.output.format,
+            max_rows_per_file=spec.output.max_rows_per_file,
         )
         record = new_commit(
             job=spec.id,
