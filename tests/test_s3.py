@@ -403,3 +403,45 @@ async def test_a_worker_killed_mid_upload_leaves_nothing_the_manifest_lists(
         for r in _commits(fs, root)
     )
     assert not fs.exists(f"{root}/{killed_path}part-00000.parquet")
+
+
+# -- a column of URLs --------------------------------------------------------------------------
+
+
+async def test_a_url_column_is_fetched_with_retries_and_per_item_errors(
+    proxy: FaultyProxy, bucket: str
+) -> None:
+    from ebb.common.spec import StageSpec
+    from ebb.worker.pipeline import Pipeline, PipelineConfig
+
+    fs = s3(proxy.url)
+    for i in range(40):
+        fs.pipe_file(f"{bucket}/docs/{i}.txt", f"document {i}".encode())
+    urls = [f"s3://{bucket}/docs/{i}.txt" for i in range(40)]
+    urls[7] = f"s3://{bucket}/docs/missing.txt"
+    proxy.add(Fault("slowdown", method="GET", path=r"/docs/1\d\.txt", times=5))
+    proxy.add(Fault("drop", method="GET", path=r"/docs/2\d\.txt", times=3))
+    proxy.add(Fault("error", method="GET", path=r"/docs/33\.txt", times=100))
+    stage = StageSpec(
+        name="fetch",
+        modelet="ebb.worker.fetch:Fetch",
+        params={"column": "url", "output": "content", "concurrency": 8},
+        batch_size=40,
+        batch_wait_s=0.5,
+    )
+    pipeline = Pipeline(PipelineConfig(stages=[stage]))
+    try:
+        await pipeline.start()
+        outcomes = await pipeline.run([{"id": i, "url": u} for i, u in enumerate(urls)])
+    finally:
+        await pipeline.stop()
+    failed = {i: str(v) for i, (ok, v) in enumerate(outcomes) if not ok}
+    assert sorted(failed) == [7, 33]
+    assert "missing.txt" in failed[7]
+    assert "Access Denied (injected)" in failed[33]
+    for i, (ok, value) in enumerate(outcomes):
+        if ok:
+            assert value["content"] == f"document {i}".encode()
+    # Throttled and dropped reads were retried; the bisection did not read good objects again.
+    good_reads = [p for m, p, s in proxy.seen if m == "GET" and "/docs/" in p and s in (200, 206)]
+    assert len(good_reads) == len(set(good_reads)) == 38
