@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -84,6 +85,8 @@ class FaultyProxy:
     faults: list[Fault] = field(default_factory=list)
     seen: list[tuple[str, str, int]] = field(default_factory=list)
     """Every request: (method, path, status answered; 0 for none)."""
+    arrivals: list[float] = field(default_factory=list)
+    """When each request arrived (time.perf_counter())."""
 
     def __post_init__(self) -> None:
         self.port = free_port()
@@ -159,6 +162,8 @@ class FaultyProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         # Decoded (`shard=3`, not `shard%3D3`) for matching; forwarded as it came.
         method, path = request.method, request.path
+        with self._lock:
+            self.arrivals.append(time.perf_counter())
         body = await request.read()
         if self.latency_s:
             await asyncio.sleep(self.latency_s)

@@ -37,6 +37,8 @@ PARENT_PID = "EBB_PARENT_PID"
 """Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
 process is gone."""
 TERMINATION_LOG = "EBB_TERMINATION_LOG"
+SHARDS_IN_FLIGHT = "EBB_SHARDS_IN_FLIGHT"
+START_JITTER_S = "EBB_START_JITTER_S"
 MODEL_CACHE_DIR = "EBB_MODEL_CACHE_DIR"
 """Where model files from a store are cached, shared by every worker of a node."""
 

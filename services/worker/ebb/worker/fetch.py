@@ -96,8 +96,8 @@ class Fetch(Modelet):
             return cached
 
         def read() -> bytes:
-            with fsspec.open(url, "rb") as f:
-                return bytes(f.read())
+            fs, path = fsspec.core.url_to_fs(url)  # one request: no HEAD before the GET
+            return bytes(fs.cat_file(path))
 
         try:
             data = retrying(f"read {url}", read, policy=self.policy)
