@@ -14,6 +14,8 @@ import io
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -208,21 +210,45 @@ class FaultyProxy:
 
 
 class MotoS3:
-    """moto's S3 server on a free loopback port, in a thread of this process."""
+    """moto's S3 server on a free loopback port: in a thread of this process, or (`process`)
+    as a process of its own, so that its work does not share this process's GIL."""
 
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
+    def __init__(self, *, process: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._server: Any = None
+        if not process:
+            from moto.server import ThreadedMotoServer
+
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
 
     def start(self) -> MotoS3:
-        self._server.start()
-        return self
+        if self._server is not None:
+            self._server.start()
+            return self
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
+            ):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("moto's server did not start listening within 30 s")
 
     def stop(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(10)
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:
