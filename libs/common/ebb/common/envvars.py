@@ -33,14 +33,14 @@ METRICS_PORT = "EBB_METRICS_PORT"
 JOB = "EBB_JOB"
 WORKER_ID = "EBB_WORKER_ID"
 SHUTDOWN_GRACE_S = "EBB_SHUTDOWN_GRACE_S"
-PARENT_PID = "EBB_PARENT_PID"
-"""Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
-process is gone."""
-TERMINATION_LOG = "EBB_TERMINATION_LOG"
 SHARDS_IN_FLIGHT = "EBB_SHARDS_IN_FLIGHT"
 START_JITTER_S = "EBB_START_JITTER_S"
 MODEL_CACHE_DIR = "EBB_MODEL_CACHE_DIR"
 """Where model files from a store are cached, shared by every worker of a node."""
+PARENT_PID = "EBB_PARENT_PID"
+"""Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
+process is gone."""
+TERMINATION_LOG = "EBB_TERMINATION_LOG"
 
 # The shard master.
 MASTER_ID = "EBB_MASTER_ID"
