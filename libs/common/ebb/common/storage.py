@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -111,18 +112,17 @@ _TRANSIENT_TYPES = (
 def _one_retry_layer() -> None:
     """s3fs retries some errors itself, and botocore under it again: three nested schedules
     would multiply (5 x 5 x ours) and hide throttling from our counts. Unless the user's fsspec
-    configuration says otherwise (FSSPEC_S3_* or fsspec's config files), ours is the only one."""
-    s3 = fsspec.config.conf.setdefault("s3", {})
-    s3.setdefault("config_kwargs", {"retries": {"max_attempts": 1, "mode": "standard"}})
-    try:
-        import s3fs
-    except ImportError:  # no S3 support installed (the `s3` extra): nothing to configure
-        return
-    if s3fs.S3FileSystem.retries == 5:  # s3fs's own default: not set by the user
+    configuration says otherwise (FSSPEC_S3_* or fsspec's config files), ours is the only one.
+    s3fs is configured once it is loaded (fsspec loads it for the first s3:// URL): importing it
+    here would cost every process its start-up time, S3 or not."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None and s3fs.S3FileSystem.retries == 5:  # s3fs's default: not the user's
         s3fs.S3FileSystem.retries = 1
 
 
-_one_retry_layer()
+fsspec.config.conf.setdefault("s3", {}).setdefault(
+    "config_kwargs", {"retries": {"max_attempts": 1, "mode": "standard"}}
+)
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -185,6 +185,7 @@ def retrying(
     answers: tuple[type[Exception], ...] = (FileNotFoundError, FileExistsError, *passthrough)
     retry = 0
     while True:
+        _one_retry_layer()
         try:
             return operation()
         except answers:
