@@ -20,6 +20,7 @@ from . import (
     master_scale,
     minilm,
     mlp,
+    objectstore,
     overhead,
     report,
     single_model,
@@ -40,6 +41,7 @@ ORDER = [
     "overhead",
     "embedding",
     "minilm",
+    "objectstore",
 ]
 
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 section = overhead.run(ctx)
             elif name == "embedding":
                 section = embedding.run(ctx)
+            elif name == "objectstore":
+                section = objectstore.run(ctx)
             else:
                 section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)

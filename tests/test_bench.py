@@ -38,6 +38,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 8. The pipeline's own cost per row",
         "## 9. Text embedding",
         "## 10. MiniLM embeddings",
+        "## 11. Object stores",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report

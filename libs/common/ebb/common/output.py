@@ -5,10 +5,16 @@
     <out>/_manifest.json                              written by the master when the job succeeds
 
 A data file is complete before it is visible (local: temp file, fsync, rename; object stores:
-one PUT). The commit record is created exclusively (local: temp file, fsync, `os.link`, which
-fails if the name exists; object stores: fsspec `pipe_file(mode="create")`, a conditional PUT on
-stores that offer one). Whoever creates it decides which attempt's files are the shard's output;
-every other attempt's folder is garbage. Readers read only what `_manifest.json` lists.
+one PUT, or a multipart upload that becomes visible only once completed), and its size is
+checked in the store before any commit record names it. The commit record is created
+exclusively (local: temp file, fsync, `os.link`, which fails if the name exists; object stores:
+fsspec `pipe_file(mode="create")`, which s3fs sends as a conditional PUT, `If-None-Match: *`).
+Whoever creates it decides which attempt's files are the shard's output; every other attempt's
+folder is garbage. Readers read only what `_manifest.json` lists.
+
+Every store operation is retried as `storage.retrying` classifies its errors; a retried
+exclusive create that finds a record naming this very attempt (the first try went through, its
+answer was lost) counts as created.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import schema
+from .storage import retrying
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +142,13 @@ class OutputStore:
         """Write `data` so that the file is either absent or complete, never partial."""
         path = self.full(relpath)
         if not self.local:
-            self.fs.pipe_file(path, data)
+            retrying(f"write {self.url(relpath)}", lambda: self.fs.pipe_file(path, data))
+            # Complete before a commit record may name it: the store holds all of it.
+            size = retrying(f"stat {self.url(relpath)}", lambda: self._size(path))
+            if size != len(data):
+                raise OSError(
+                    f"{self.url(relpath)} holds {size} bytes, not the {len(data)} written"
+                )
             return
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
@@ -173,10 +186,20 @@ class OutputStore:
 
     def _owner_record(self) -> dict[str, Any]:
         try:
-            record = json.loads(self.fs.cat_file(self.full(OWNER)))
+            record = json.loads(self._cat(self.full(OWNER)))
         except FileNotFoundError:
             return {}
         return record if isinstance(record, dict) else {}
+
+    def _size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return int(self.fs.info(path)["size"])
+
+    def _cat(self, path: str) -> bytes:
+        data: bytes = retrying(
+            f"read {self.fs.unstrip_protocol(path)}", lambda: self.fs.cat_file(path)
+        )
+        return data
 
     # -- commit records --------------------------------------------------------------------
 
@@ -192,7 +215,12 @@ class OutputStore:
         existing = self.read_commit(record.shard)
         if existing is None:  # pragma: no cover - a commit record is never deleted
             raise RuntimeError(f"commit record {path} vanished after a conflicting create")
-        return False, existing
+        ours = (existing.job, existing.attempt, existing.worker) == (
+            record.job,
+            record.attempt,
+            record.worker,
+        )
+        return ours, existing
 
     def _create_exclusive(self, path: str, data: bytes | str) -> bool:
         """Create a complete file at `path` unless one exists. True if this call created it."""
@@ -200,7 +228,10 @@ class OutputStore:
         if self.local:
             return self._link_exclusive(path, raw)
         try:
-            self.fs.pipe_file(path, raw, mode="create")
+            retrying(
+                f"create {self.fs.unstrip_protocol(path)}",
+                lambda: self.fs.pipe_file(path, raw, mode="create"),
+            )
         except FileExistsError:
             return False
         return True
@@ -228,7 +259,7 @@ class OutputStore:
     def read_commit(self, shard: int) -> CommitRecord | None:
         path = self.full(commit_path(shard))
         try:
-            raw = self.fs.cat_file(path)
+            raw = self._cat(path)
         except FileNotFoundError:
             return None
         return schema.load(CommitRecord, json.loads(raw), strict=False)
@@ -236,13 +267,25 @@ class OutputStore:
     def first_commit(self) -> CommitRecord | None:
         """Any one commit record under this root (to tell whose output the root holds)."""
         try:
-            names = sorted(self.fs.ls(self.full(COMMITS_DIR), detail=False))
+            names = sorted(self._ls(self.full(COMMITS_DIR)))
         except FileNotFoundError:
             return None
         for name in names:
             if name.endswith(".json"):
-                return schema.load(CommitRecord, json.loads(self.fs.cat_file(name)), strict=False)
+                return schema.load(CommitRecord, json.loads(self._cat(name)), strict=False)
         return None
+
+    def _rm(self, path: str) -> None:
+        retrying(
+            f"remove {self.fs.unstrip_protocol(path)}", lambda: self.fs.rm(path, recursive=True)
+        )
+
+    def _ls(self, path: str) -> list[str]:
+        def listing() -> list[str]:
+            self.fs.invalidate_cache(path)
+            return list(self.fs.ls(path, detail=False))
+
+        return retrying(f"list {self.fs.unstrip_protocol(path)}", listing)
 
     # -- the manifest and garbage ----------------------------------------------------------
 
@@ -251,7 +294,7 @@ class OutputStore:
 
     def read_manifest(self) -> Manifest | None:
         try:
-            raw = self.fs.cat_file(self.full(MANIFEST))
+            raw = self._cat(self.full(MANIFEST))
         except FileNotFoundError:
             return None
         return schema.load(Manifest, json.loads(raw), strict=False)
@@ -264,7 +307,7 @@ class OutputStore:
         removed = 0
         base = self.full(DATA_DIR)
         try:
-            shard_dirs = self.fs.ls(base, detail=False)
+            shard_dirs = self._ls(base)
         except FileNotFoundError:
             return 0
         for sd in shard_dirs:
@@ -275,7 +318,7 @@ class OutputStore:
                 shard = int(name.removeprefix("shard="))
             except ValueError:
                 continue
-            for ad in self.fs.ls(sd, detail=False):
+            for ad in self._ls(sd):
                 attempt_name = posixpath.basename(ad.rstrip("/"))
                 if not attempt_name.startswith("attempt="):
                     continue
@@ -284,7 +327,7 @@ class OutputStore:
                 except ValueError:
                     continue
                 if winners.get(shard) != attempt:
-                    self.fs.rm(ad, recursive=True)
+                    self._rm(ad)
                     removed += 1
         return removed
 

@@ -262,7 +262,12 @@ class PipelineSpec:
 class OutputSpec:
     uri: str
     """Output root: data/, _commits/ and _manifest.json are written under it."""
-    format: Literal["parquet"] = "parquet"
+    format: Literal["parquet", "jsonl", "csv"] = "parquet"
+    """parquet (zstd), jsonl (one JSON object per row) or csv (with a header; columns of
+    lists or maps are written as JSON text)."""
+    max_rows_per_file: int | None = None
+    """Most rows in one output file: a shard's output is split into parts of at most this many
+    rows. None: one file per shard."""
     carryover: list[str] = field(default_factory=list)
     """Input columns copied, untouched, into the output next to the predictions."""
     prediction_column: str = "prediction"
@@ -271,6 +276,8 @@ class OutputSpec:
     def __post_init__(self) -> None:
         if not self.uri:
             raise _bad("uri", "must not be empty")
+        if self.max_rows_per_file is not None:
+            _positive("max_rows_per_file", self.max_rows_per_file)
 
 
 @dataclass(frozen=True, kw_only=True)

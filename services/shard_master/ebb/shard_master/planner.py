@@ -8,6 +8,9 @@
   multiLine) a line start need not be a row start: each file is then read once, tracking
   quotes, and cut where rows end.
 
+Every file is listed and read through `storage.retrying`: a throttled or dropped read plans the
+file again; a store's permanent error refuses the job with the store's message.
+
 CSV columns get their types here, once for the whole job, from the rows at the start of every
 file and just after every cut: a worker typing its own shard would type an all-integer shard of
 a column int64 and the next shard of it double, and the output files would disagree.
@@ -31,6 +34,7 @@ import pyarrow.parquet as pq
 from ebb.common.csvrows import row_ends
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import FORMAT_SUFFIXES, InputFormat, InputSpec
+from ebb.common.storage import StoreError, retrying
 
 from .errors import PlanningError
 
@@ -49,14 +53,20 @@ def list_input_files(uri: str, fmt: InputFormat) -> list[str]:
     Hidden and underscore-prefixed files (`_SUCCESS`, `.crc`, `_manifest.json`) are skipped.
     """
     fs, path = fsspec.core.url_to_fs(uri)
-    if _GLOB_CHARS & set(path):
-        found = [p for p in fs.glob(path) if fs.isfile(p)]
-    elif fs.isdir(path):
-        found = [p for p in fs.find(path) if FORMAT_SUFFIXES.get(_suffix(p)) == fmt]
-    elif fs.isfile(path):
-        found = [path]
-    else:
+
+    def listing() -> list[str]:
+        if _GLOB_CHARS & set(path):
+            return [p for p in fs.glob(path) if fs.isfile(p)]
+        if fs.isdir(path):
+            return [p for p in fs.find(path) if FORMAT_SUFFIXES.get(_suffix(p)) == fmt]
+        if fs.isfile(path):
+            return [path]
         raise PlanningError(f"input {uri!r} does not exist")
+
+    try:
+        found = retrying(f"list {uri}", listing, passthrough=(PlanningError,))
+    except StoreError as e:
+        raise PlanningError(f"cannot {e}") from e
     found = [p for p in found if not posixpath.basename(p).startswith(("_", "."))]
     if not found:
         raise PlanningError(f"input {uri!r} holds no {fmt} files")
@@ -87,12 +97,23 @@ def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> Plan
     shards: list[ShardSpec] = []
     samples = _Samples()
     for path in list_input_files(spec.uri, spec.fmt):
-        if spec.fmt == "parquet":
-            pieces: Iterator[ShardSpec] = _plan_parquet(path, spec.rows_per_shard, required_columns)
-        elif spec.newlines_in_values:
-            pieces = _plan_csv_rows(path, spec.rows_per_shard, samples)
-        else:
-            pieces = _plan_text(path, spec.fmt, spec.rows_per_shard, samples)
+
+        def plan_file(path: str = path) -> list[ShardSpec]:
+            mark = samples.mark()
+            try:
+                if spec.fmt == "parquet":
+                    return list(_plan_parquet(path, spec.rows_per_shard, required_columns))
+                if spec.newlines_in_values:
+                    return list(_plan_csv_rows(path, spec.rows_per_shard, samples))
+                return list(_plan_text(path, spec.fmt, spec.rows_per_shard, samples))
+            except BaseException:
+                samples.reset(mark)  # the file is planned again from its start, or not at all
+                raise
+
+        try:
+            pieces = retrying(f"plan {path}", plan_file, passthrough=(PlanningError,))
+        except StoreError as e:
+            raise PlanningError(f"cannot {e}") from e
         shards += [replace(piece, index=len(shards) + i) for i, piece in enumerate(pieces)]
     if not shards:
         raise PlanningError(f"input {spec.uri!r} holds no rows")
@@ -111,6 +132,13 @@ class _Samples:
         self.header: bytes | None = None
         self.rows: list[bytes] = []
         self.size = 0
+
+    def mark(self) -> tuple[bytes | None, int, int]:
+        return self.header, len(self.rows), self.size
+
+    def reset(self, mark: tuple[bytes | None, int, int]) -> None:
+        self.header, kept, self.size = mark
+        del self.rows[kept:]
 
     def start_file(self, header: bytes) -> bool:
         """Take samples from a file with this header? (Only from files shaped like the first.)"""
@@ -162,7 +190,7 @@ def _plan_parquet(
             parquet = pq.ParquetFile(f)
             metadata = parquet.metadata
             names = set(parquet.schema_arrow.names)
-    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... on a corrupt footer
+    except pa.ArrowInvalid as e:  # a corrupt footer; the store's own errors are retried
         raise PlanningError(f"cannot read Parquet metadata of {path}: {e}") from e
     missing = [c for c in required_columns if c not in names]
     if missing:

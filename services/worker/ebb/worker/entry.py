@@ -35,7 +35,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job", default=env(envvars.JOB), required=env(envvars.JOB) is None)
     p.add_argument("--id", type=_worker_id, default=env(envvars.WORKER_ID) or default_worker_id())
     add_nats_arguments(p)
-    p.add_argument("--shards-in-flight", type=int, default=2)
+    p.add_argument(
+        "--shards-in-flight",
+        type=int,
+        default=int(env(envvars.SHARDS_IN_FLIGHT, "2")),
+        help="shards held at once: 2 reads the next while one computes (prefetch); 1 does not",
+    )
+    p.add_argument(
+        "--start-jitter",
+        type=float,
+        default=float(env(envvars.START_JITTER_S, "0")),
+        help="wait a random 0..this many seconds before the first lease (a fleet starting "
+        "at once spreads its first reads of the store)",
+    )
     p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "30")))
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
@@ -49,6 +61,7 @@ async def amain(args: argparse.Namespace) -> int:
             job=args.job,
             id=args.id,
             shards_in_flight=args.shards_in_flight,
+            start_jitter_s=args.start_jitter,
             shutdown_grace_s=args.grace,
         )
     )

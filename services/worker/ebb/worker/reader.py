@@ -3,6 +3,10 @@
 A row that cannot be decoded (a malformed CSV line, a JSONL line that is not JSON) is not
 dropped: it stays in the table as a null row and is reported in `bad_rows`, so that it reaches
 the output as an error row and the output keeps one row per input row.
+
+The shard's bytes are read from the store as one retried operation (`storage.retrying`): a
+throttled or dropped read starts the shard's read over; a permanent error fails the shard with
+the store's message.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pyarrow.parquet as pq
 from ebb.common.csvrows import first_row_end
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import arrow_type
+from ebb.common.storage import StoreError, retrying
 
 
 class ShardReadError(Exception):
@@ -48,18 +53,32 @@ def read_shard(
 
     CSV: `column_types` types the columns it names (the job's, fixed when it was planned);
     `newlines_in_values` lets quoted values hold line breaks."""
+    what = f"read shard {shard.index} of {shard.path}"
     try:
         if shard.format == "parquet":
-            return ShardData(_read_parquet(shard, columns))
-        with fsspec.open(shard.path, "rb") as f:
-            header = _read_header(f, newlines_in_values) if shard.format == "csv" else b""
-            f.seek(shard.byte_start)
-            chunk = f.read(shard.byte_end - shard.byte_start)
+            table = retrying(
+                what, lambda: _read_parquet(shard, columns), passthrough=(ShardReadError,)
+            )
+            return ShardData(table)
+        header, chunk = retrying(what, lambda: _read_bytes(shard, newlines_in_values))
+    except ShardReadError:
+        raise
+    except StoreError as e:
+        raise ShardReadError(f"cannot {e}") from e
     except (OSError, pa.ArrowException) as e:
         raise ShardReadError(f"cannot read shard {shard.index} of {shard.path}: {e}") from e
     if shard.format == "csv":
         return _parse_csv(header, chunk, column_types or {}, newlines_in_values)
     return _parse_jsonl(chunk)
+
+
+def _read_bytes(shard: ShardSpec, newlines_in_values: bool) -> tuple[bytes, bytes]:
+    """The CSV header (empty for JSONL) and the shard's byte range."""
+    with fsspec.open(shard.path, "rb") as f:
+        header = _read_header(f, newlines_in_values) if shard.format == "csv" else b""
+        f.seek(shard.byte_start)
+        chunk = bytes(f.read(shard.byte_end - shard.byte_start))
+    return header, chunk
 
 
 def _read_header(f: Any, newlines_in_values: bool) -> bytes:

@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from ebb.common import envvars
 from ebb.common.spec import StageSpec
 
 from .columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
+from .modelcache import ModelFetchError, fetch_model
 from .modelet_api import Modelet, StageError
 
 log = logging.getLogger(__name__)
@@ -38,18 +40,17 @@ _ONNX_DTYPES = {
 
 
 def _local_copy(uri: str) -> str:
-    """A local path for the model file: itself, or a download of a remote URI."""
+    """A local path for the model file: itself, or its copy in the node's model cache."""
     if "://" not in uri or uri.startswith("file://"):
         return uri.removeprefix("file://")
-    import fsspec
-
-    suffix = os.path.splitext(uri)[1]
-    fd, path = tempfile.mkstemp(prefix="ebb-model-", suffix=suffix)
-    os.close(fd)
-    with fsspec.open(uri, "rb") as src, open(path, "wb") as dst:
-        while chunk := src.read(8 * 1024 * 1024):
-            dst.write(chunk)
-    return path
+    # Read here, in the stage process, as the worker's environment passes it down.
+    cache_dir = os.environ.get(envvars.MODEL_CACHE_DIR) or os.path.join(
+        tempfile.gettempdir(), "ebb-model-cache"
+    )
+    try:
+        return fetch_model(uri, cache_dir).path
+    except (ModelFetchError, OSError) as e:
+        raise StageError(f"cannot fetch model {uri}: {e}") from e
 
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")

@@ -105,6 +105,9 @@ class WorkerConfig:
     id: str = field(default_factory=default_worker_id)
     shards_in_flight: int = 2
     """Shards held at once: one computing while the next is leased and read."""
+    start_jitter_s: float = 0.0
+    """Before the first lease, wait a random time up to this: a fleet started at once does not
+    hit the store (and the master) in one burst."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM, time for shards in flight to finish before they are released."""
     stage_stop_grace_s: float = 10.0
@@ -221,6 +224,9 @@ class Worker:
         assert self.spec is not None
         slots = asyncio.Semaphore(self.config.shards_in_flight)
         loop = asyncio.get_running_loop()
+        if self.config.start_jitter_s > 0:
+            pause = random.uniform(0, self.config.start_jitter_s)  # noqa: S311
+            await self._until_drained(asyncio.sleep(pause))
         try:
             while not self.draining.is_set():
                 if not await self._until_drained(slots.acquire()):
@@ -404,6 +410,8 @@ class Worker:
             shard=shard.index,
             attempt=active.attempt,
             error_rows=error_rows,
+            fmt=spec.output.format,
+            max_rows_per_file=spec.output.max_rows_per_file,
         )
         record = new_commit(
             job=spec.id,

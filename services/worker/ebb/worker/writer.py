@@ -7,12 +7,17 @@ went through, the reason for rows that did not; their result columns are null).
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import io
+import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from ebb.common.output import OutputFile, OutputStore, attempt_dir
@@ -21,6 +26,7 @@ from ebb.common.spec import OutputSpec
 from .columns import VALUE, Columns, is_plain, num_rows, to_arrow
 
 ERROR_COLUMN = "_error"
+OutputFormat = Literal["parquet", "jsonl", "csv"]
 
 
 class OutputError(Exception):
@@ -69,12 +75,66 @@ def _column(name: str, values: np.ndarray, missing: np.ndarray) -> pa.Array[Any]
 
 
 def write_attempt(
-    store: OutputStore, table: pa.Table, *, shard: int, attempt: int, error_rows: int
+    store: OutputStore,
+    table: pa.Table,
+    *,
+    shard: int,
+    attempt: int,
+    error_rows: int | None = None,
+    fmt: OutputFormat = "parquet",
+    max_rows_per_file: int | None = None,
 ) -> list[OutputFile]:
-    """Write the attempt's data file (complete, or not at all). Returns what to commit."""
+    """Write the attempt's data files, each complete or not at all, in `fmt`, at most
+    `max_rows_per_file` rows each. Returns what to commit."""
+    n = table.num_rows
+    step = max_rows_per_file or max(n, 1)
+    files: list[OutputFile] = []
+    for part, start in enumerate(range(0, max(n, 1), step)):
+        piece = table.slice(start, step)
+        data = encode(piece, fmt)
+        path = f"{attempt_dir(shard, attempt)}/part-{part:05d}.{fmt}"
+        store.write_file(path, data)
+        errors = piece.num_rows - piece.column(ERROR_COLUMN).null_count
+        files.append(OutputFile(path=path, rows=piece.num_rows, error_rows=errors, bytes=len(data)))
+    if error_rows is not None and sum(f.error_rows for f in files) != error_rows:
+        raise OutputError(f"{error_rows} error rows, but the files hold a different count")
+    return files
+
+
+def encode(table: pa.Table, fmt: OutputFormat) -> bytes:
+    """A table as the bytes of one output file."""
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    data = buffer.getvalue()
-    path = f"{attempt_dir(shard, attempt)}/part-00000.parquet"
-    store.write_file(path, data)
-    return [OutputFile(path=path, rows=table.num_rows, error_rows=error_rows, bytes=len(data))]
+    if fmt == "parquet":
+        pq.write_table(table, buffer, compression="zstd")
+    elif fmt == "csv":
+        pacsv.write_csv(_flat(table), buffer)
+    else:
+        for row in table.to_pylist():
+            buffer.write(json.dumps(row, default=_json_value, ensure_ascii=False).encode())
+            buffer.write(b"\n")
+    return buffer.getvalue()
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | datetime.timedelta):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} cannot be written as JSON")
+
+
+def _flat(table: pa.Table) -> pa.Table:
+    """CSV holds scalars only: nested columns (lists, maps, structs) become JSON text."""
+    columns: list[Any] = []
+    for column in table.columns:
+        if pa.types.is_nested(column.type):
+            values = [
+                None if v is None else json.dumps(v, default=_json_value)
+                for v in column.to_pylist()
+            ]
+            columns.append(pa.array(values, pa.string()))
+        else:
+            columns.append(column)
+    return pa.table(columns, names=table.column_names)
