@@ -161,3 +161,25 @@ def test_master_and_controller_have_probes_on_their_health_endpoints() -> None:
         }, name
         ports = {p["name"] for p in container["ports"]}
         assert {container[p]["httpGet"]["port"] for p in paths} <= ports
+
+
+def test_workers_reach_only_nats_dns_and_stores_outside_the_cluster() -> None:
+    from ebb.controller.kube import KubeConfig
+    from ebb.controller.podspec import worker_pod
+
+    policy = find("NetworkPolicy", "ebb-worker-egress")
+    pod = worker_pod("j", KubeConfig(tidal=None), worker_id="w", shape={"cpu": 1.0, "memory": 1.0})
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    rules = {
+        tuple(sorted((p["port"], p["protocol"]) for p in rule["ports"])): rule["to"]
+        for rule in policy["spec"]["egress"]
+    }
+    assert set(rules) == {((4222, "TCP"),), ((53, "TCP"), (53, "UDP")), ((443, "TCP"),)}
+    nats_labels = find("StatefulSet", "ebb-nats")["spec"]["template"]["metadata"]["labels"]
+    (nats,) = rules[((4222, "TCP"),)]
+    assert nats["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    (outside,) = rules[((443, "TCP"),)]
+    # HTTPS anywhere but the private ranges and the metadata endpoint (the node's credentials).
+    assert outside["ipBlock"]["cidr"] == "0.0.0.0/0"
+    assert {"10.0.0.0/8", "169.254.0.0/16"} <= set(outside["ipBlock"]["except"])
