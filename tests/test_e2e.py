@@ -239,6 +239,34 @@ async def test_master_killed_and_restarted_mid_job_loses_nothing(
     assert_exactly_once(tmp_path, rows)
 
 
+async def test_nats_killed_and_restarted_mid_job_loses_nothing(
+    tmp_path: Path, stack: LocalStack, client: EbbClient
+) -> None:
+    """nats-server SIGKILLed mid-job (what JetStream acknowledged is on disk) and started
+    again on its store: master, controller, workers and client reconnect on their own."""
+    rows = 24_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=2_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(
+        job_spec(tmp_path, rows_per_shard=2_000, stages=slow_stages(tmp_path, 0.03), workers=(2, 2))
+    )
+    job_id = await client.submit(spec)
+
+    async def some_done() -> bool:
+        done = (await client.job(job_id)).shards.get("DONE", 0)
+        return 2 <= done < 12
+
+    await wait_until(some_done, timeout=60, what="a few shards done")
+    await asyncio.to_thread(stack.nats.kill)
+    await asyncio.to_thread(stack.nats.start)
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.rows_done == rows
+    assert_exactly_once(tmp_path, rows)
+    # Every service lived through it: none exited (the stack restarts nothing here).
+    assert all(p.returncode is None for p in stack.processes.values())
+
+
 async def test_rows_that_make_the_model_raise_become_error_rows(
     tmp_path: Path, client: EbbClient
 ) -> None:
