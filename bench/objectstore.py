@@ -1,5 +1,7 @@
-"""Benchmark 11: object stores. Ebb against moto's S3 server on loopback, behind a proxy that
-adds a fixed latency to every request (20 and 50 ms, as a remote store would).
+"""Benchmark 11: object stores.
+
+Ebb against moto's S3 server on loopback, behind a proxy that adds a fixed latency to every
+request (20 and 50 ms, as a remote store would).
 
 - job throughput with and without prefetch: one worker, Parquet in and out of S3, a stage
   that waits a fixed time per row (so that the CPU is not what is measured); prefetch holds two
