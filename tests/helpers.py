@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from ebb.client.demo import feature_table, mlp_onnx
+from ebb.client.stack import LocalStack, StackConfig
 from ebb.common.output import COMMITS_DIR, MANIFEST
 
 ASSETS = Path(__file__).parent / "assets"
@@ -134,3 +136,24 @@ def reference_predictions(data: Path, model: Path) -> dict[int, tuple[int, float
     return {
         int(i): (int(k), float(probs[n, k])) for n, (i, k) in enumerate(zip(ids, best, strict=True))
     }
+
+
+@contextlib.asynccontextmanager
+async def embedded_stack(tmp: Path, prefix: str, *, max_workers: int) -> AsyncIterator[LocalStack]:
+    """The embedded stack over `tmp` (and the test assets), started; stopped on the way out,
+    and then checked: every service, worker and client kept within its NATS permissions."""
+    stack = LocalStack(
+        StackConfig(
+            state_dir=tmp / "state",
+            data_roots=[str(tmp), str(ASSETS)],
+            max_workers=max_workers,
+            worker_grace_s=10,
+            prefix=prefix,
+        )
+    )
+    await stack.start()
+    try:
+        yield stack
+    finally:
+        await stack.stop()
+    assert stack.nats.violations == []

@@ -26,6 +26,7 @@ from ebb.worker.service import default_worker_id
 from .helpers import (
     ASSETS,
     committed_files,
+    embedded_stack,
     job_spec,
     read_output,
     wait_until,
@@ -196,21 +197,8 @@ async def test_a_worker_can_neither_hear_nor_act_for_another(
 
 @pytest.fixture
 async def full_stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
-    s = LocalStack(
-        StackConfig(
-            state_dir=tmp_path / "state",
-            data_roots=[str(tmp_path), str(ASSETS)],
-            max_workers=2,
-            worker_grace_s=10,
-            prefix=prefix,
-        )
-    )
-    await s.start()
-    try:
+    async with embedded_stack(tmp_path, prefix, max_workers=2) as s:
         yield s
-    finally:
-        await s.stop()
-    assert s.nats.violations == []
 
 
 def _worker_credentials(controller: int) -> dict[str, str]:

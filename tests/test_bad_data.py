@@ -15,14 +15,13 @@ import pytest
 
 from ebb.client.demo import feature_table
 from ebb.client.sdk import EbbClient
-from ebb.client.stack import LocalStack, StackConfig
 from ebb.common.spec import InputSpec, StageSpec, parse_job
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planner import plan_shards
 from ebb.worker.columns import VALUE
 from ebb.worker.runtimes import load_runtime
 
-from .helpers import ASSETS, job_spec, read_output, write_model
+from .helpers import embedded_stack, job_spec, read_output, write_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,21 +57,11 @@ def write_bad_dataset(folder: Path) -> Path:
 
 @pytest.fixture
 async def client(tmp_path: Path, prefix: str) -> AsyncIterator[EbbClient]:
-    stack = LocalStack(
-        StackConfig(
-            state_dir=tmp_path / "state",
-            data_roots=[str(tmp_path), str(ASSETS)],
-            max_workers=2,
-            worker_grace_s=10,
-            prefix=prefix,
-        )
-    )
-    await stack.start()
-    try:
-        async with await EbbClient.connect(stack.nats_config) as c:
-            yield c
-    finally:
-        await stack.stop()
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=2) as stack,
+        await EbbClient.connect(stack.nats_config) as c,
+    ):
+        yield c
 
 
 async def test_bad_rows_and_an_undecodable_row_group_fail_alone_and_the_threshold_decides(

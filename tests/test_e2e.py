@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ebb.client.sdk import EbbClient
-from ebb.client.stack import LocalStack, StackConfig
+from ebb.client.stack import LocalStack
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError
@@ -26,8 +26,8 @@ from ebb.common.output import COMMITS_DIR
 from ebb.common.spec import parse_job
 
 from .helpers import (
-    ASSETS,
     committed_files,
+    embedded_stack,
     job_spec,
     read_output,
     reference_predictions,
@@ -41,22 +41,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture
 async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
-    s = LocalStack(
-        StackConfig(
-            state_dir=tmp_path / "state",
-            data_roots=[str(tmp_path), str(ASSETS)],
-            max_workers=3,
-            worker_grace_s=10,
-            prefix=prefix,
-        )
-    )
-    await s.start()
-    try:
+    async with embedded_stack(tmp_path, prefix, max_workers=3) as s:
         yield s
-    finally:
-        await s.stop()
-    # Every service, worker and client did its work within its role's NATS permissions.
-    assert s.nats.violations == []
 
 
 @pytest.fixture
@@ -210,15 +196,12 @@ async def test_workers_killed_again_and_again_from_outside_do_not_fail_the_job(
     assert_exactly_once(tmp_path, rows)
 
 
-async def test_master_killed_and_restarted_mid_job_loses_nothing(
-    tmp_path: Path, stack: LocalStack, client: EbbClient
-) -> None:
-    rows = 24_000
-    write_dataset(tmp_path / "data", rows=rows, row_group_size=2_000)
+async def _under_way(tmp_path: Path, client: EbbClient, rows: int) -> str:
+    """A job of 12 slow shards on two workers, submitted; returns once a few are done."""
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=rows // 12)
     write_model(tmp_path / "model.onnx")
-    spec = parse_job(
-        job_spec(tmp_path, rows_per_shard=2_000, stages=slow_stages(tmp_path, 0.03), workers=(2, 2))
-    )
+    stages = slow_stages(tmp_path, 0.03)
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=rows // 12, stages=stages, workers=(2, 2)))
     job_id = await client.submit(spec)
 
     async def some_done() -> bool:
@@ -226,6 +209,14 @@ async def test_master_killed_and_restarted_mid_job_loses_nothing(
         return 2 <= done < 12
 
     await wait_until(some_done, timeout=60, what="a few shards done")
+    return job_id
+
+
+async def test_master_killed_and_restarted_mid_job_loses_nothing(
+    tmp_path: Path, stack: LocalStack, client: EbbClient
+) -> None:
+    rows = 24_000
+    job_id = await _under_way(tmp_path, client, rows)
     await stack.kill("master")
     assert stack.processes["master"].returncode == -signal.SIGKILL
     # Nobody answers now; workers keep computing, their renewals and commits wait.
@@ -245,18 +236,7 @@ async def test_nats_killed_and_restarted_mid_job_loses_nothing(
     """nats-server SIGKILLed mid-job (what JetStream acknowledged is on disk) and started
     again on its store: master, controller, workers and client reconnect on their own."""
     rows = 24_000
-    write_dataset(tmp_path / "data", rows=rows, row_group_size=2_000)
-    write_model(tmp_path / "model.onnx")
-    spec = parse_job(
-        job_spec(tmp_path, rows_per_shard=2_000, stages=slow_stages(tmp_path, 0.03), workers=(2, 2))
-    )
-    job_id = await client.submit(spec)
-
-    async def some_done() -> bool:
-        done = (await client.job(job_id)).shards.get("DONE", 0)
-        return 2 <= done < 12
-
-    await wait_until(some_done, timeout=60, what="a few shards done")
+    job_id = await _under_way(tmp_path, client, rows)
     await asyncio.to_thread(stack.nats.kill)
     await asyncio.to_thread(stack.nats.start)
     final = await client.wait(job_id)

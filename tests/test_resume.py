@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from ebb.client.sdk import EbbClient
-from ebb.client.stack import LocalStack, StackConfig
+from ebb.client.stack import LocalStack
 from ebb.common.output import COMMITS_DIR
 from ebb.common.spec import parse_job
 
-from .helpers import ASSETS, job_spec, write_dataset, write_model
+from .helpers import embedded_stack, job_spec, write_dataset, write_model
 from .test_e2e import assert_exactly_once, slow_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -21,21 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture
 async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
-    s = LocalStack(
-        StackConfig(
-            state_dir=tmp_path / "state",
-            data_roots=[str(tmp_path), str(ASSETS)],
-            max_workers=2,
-            worker_grace_s=10,
-            prefix=prefix,
-        )
-    )
-    await s.start()
-    try:
+    async with embedded_stack(tmp_path, prefix, max_workers=2) as s:  # resume is a client's op
         yield s
-    finally:
-        await s.stop()
-    assert s.nats.violations == []  # resume is within the client's NATS permissions
 
 
 def commit_records(out: Path) -> dict[str, str]:
