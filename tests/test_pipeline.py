@@ -520,3 +520,16 @@ def test_a_torchscript_model_is_warmed_up_with_its_archives_example(
     # Whatever the archive said, the model serves rows.
     out = stage.process_columns({"ids": np.array([[1, 2, 3]], dtype=np.int64)})
     assert out[VALUE].tolist() == [[6.0]]
+
+
+async def test_a_stage_sees_the_environment_of_now_not_of_its_fork_servers_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stage processes fork from a server started long before (by an earlier test here, or
+    first thing in a worker); what the worker's environment holds now is what they see."""
+    monkeypatch.setenv("EBB_TEST_SET_LATER", "now")
+    outcomes = await run_pipeline(
+        [StageSpec(name="env", modelet="ebbtest_modelets:Getenv", batch_size=4)],
+        [{"name": "EBB_TEST_SET_LATER"}],
+    )
+    assert outcomes == [(True, "now")]

@@ -86,6 +86,13 @@ class Pid:
         return os.getpid()
 
 
+class Getenv:
+    """Each row {"name": N} -> the value of environment variable N in the stage's process."""
+
+    def process(self, row: Any) -> Any:
+        return os.environ.get(row["name"])
+
+
 class GilHang:
     """Never returns from native code that holds the GIL (a wedged C extension)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -83,7 +84,10 @@ class StageProcess:
         self.outbox, outbox_w = ctx.Pipe(duplex=False)
         self.board = BatchBoard(ctx, spec.batch_size)
         stage_config = StageConfig(
-            spec=spec, code_paths=config.code_paths, memory_limit_bytes=config.memory_limit_bytes
+            spec=spec,
+            code_paths=config.code_paths,
+            memory_limit_bytes=config.memory_limit_bytes,
+            environment=dict(os.environ),
         )
         self.process = ctx.Process(
             target=stage_main,

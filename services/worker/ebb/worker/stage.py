@@ -85,6 +85,10 @@ class StageConfig:
     spec: StageSpec
     code_paths: list[str]
     memory_limit_bytes: int | None = None
+    environment: dict[str, str] | None = None
+    """The worker's environment when it started this process. A stage process is forked
+    from a server that started with the worker: without this it would see the environment of
+    then, not of now (credentials or a store's endpoint the worker set since)."""
 
 
 def _die_with_parent() -> None:
@@ -122,6 +126,9 @@ def stage_main(
 ) -> None:
     """Entry point of a stage process (spawned by the pipeline router)."""
     _die_with_parent()
+    if config.environment is not None:
+        os.environ.clear()
+        os.environ.update(config.environment)
     # Ctrl-C goes to the whole process group; the worker decides when its stages stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name = config.spec.name
