@@ -12,7 +12,8 @@
 The header and uids are readable without unpickling, so the router forwards a stage's output
 to the next stage as the same bytes, and knows which items every process holds. Large array
 buffers live in shared memory (see shm.py) rather than in the pipes. These frames join the
-processes of one worker, spawned by it: pickle never crosses a host.
+processes of one worker (the worker and the stage processes it starts, forked from its own
+fork server, in one container and one trust domain): pickle never crosses a host or a tenant.
 """
 
 from __future__ import annotations
