@@ -23,7 +23,7 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
-from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest
+from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest, ResumeRequest
 from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
@@ -947,6 +947,50 @@ async def test_resume_of_a_failed_job_keeps_its_commits_and_retries_the_rest(
         (2, 2),
         (3, 3),
     ]
+
+
+async def test_a_resume_retried_after_its_reply_was_lost_is_answered_not_refused(
+    tmp_path: Path, master: Master, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    done = await api.lease(spec.id, "w1")
+    commit_record(spec, done)
+    await api.commit(done.token, worker="w1", rows=1_000, error_rows=0)
+    assert (await api.cancel(spec.id)).state == "CANCELLED"
+    # The first request is taken, and its reply goes nowhere (as when the client's
+    # connection drops just then); the master that took it is replaced before any retry.
+    request = ResumeRequest(job=spec.id, key="k-1")
+    await client.nc.publish(
+        api.subjects.master("resume"), schema.encode(request), reply="_INBOX.ebb.client.lost"
+    )
+
+    async def resumed() -> bool:
+        return (await api.job(spec.id)).state == "RUNNING"
+
+    await wait_until(resumed, timeout=15, what="the lost request to resume the job")
+    await master.stop()
+    await master.start()
+    # The retry (same key) is told what happened; nothing is reopened twice.
+    again = await api.resume(spec.id, key="k-1")
+    assert (again.state, again.repeated, again.shards_done, again.shards_todo) == (
+        "RUNNING",
+        True,
+        1,
+        1,
+    )
+    # Another request (another key) is a new wish, refused for a running job.
+    with pytest.raises(RemoteError) as e:
+        await api.resume(spec.id, key="k-2")
+    assert e.value.code == "not_resumable"
+    last = await api.lease(spec.id, "w2")
+    assert last.shard is not None and last.shard.index == 1
+    commit_record(spec, last)
+    await api.commit(last.token, worker="w2", rows=1_000, error_rows=0)
+    assert (await client.wait(spec.id)).state == "SUCCEEDED"
+    # Still answered once the job has ended, as the outcome it led to.
+    late = await api.resume(spec.id, key="k-1")
+    assert (late.state, late.repeated, late.shards_done) == ("SUCCEEDED", True, 2)
 
 
 async def test_resume_of_a_cancelled_job_runs_it_again(

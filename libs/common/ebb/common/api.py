@@ -120,8 +120,12 @@ class MasterClient:
     async def fail(self, job: str, reason: str) -> CancelReply:
         return await self._call("fail", FailRequest(job=job, reason=reason), CancelReply)
 
-    async def resume(self, job: str) -> ResumeReply:
-        return await self._call("resume", ResumeRequest(job=job), ResumeReply)
+    async def resume(self, job: str, *, key: str | None = None) -> ResumeReply:
+        """Resume `job`. Every retry of this call (a timeout, a master restarting) carries
+        one idempotency key, `key` or a fresh one: a retry whose first reply was lost is
+        answered `repeated`, not refused because the job now runs."""
+        request = ResumeRequest(job=job, key=key if key is not None else secrets.token_hex(16))
+        return await self._call("resume", request, ResumeReply)
 
     async def _call(self, op: str, message: Message, reply_type: type[M], *, worker: str = "") -> M:
         return await request(

@@ -218,6 +218,10 @@ class ResumeRequest(Message):
 
     KIND: ClassVar[str] = "resume"
     job: str
+    key: str = ""
+    """An idempotency key, the same in every retry of one request: a retry whose first
+    reply was lost finds the job resumed under its key and is answered as the first was,
+    not refused because the job runs now. Empty: no such recognition."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +235,9 @@ class ResumeReply(Message):
     """Shards that were quarantined and get max_attempts new attempts."""
     shards_todo: int = 0
     """Shards to run: the retried ones and those never finished."""
+    repeated: bool = False
+    """The request's key had resumed the job already (a retry of a request whose reply was
+    lost): nothing was done again, and the counts are the job's as they are now."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -343,7 +343,7 @@ class ShardMaster:
         return await self._table().cancel(r.job, r.reason, state="FAILED")
 
     async def _resume(self, r: ResumeRequest, subject: str) -> Message:
-        return await self._table().resume(r.job)
+        return await self._table().resume(r.job, key=r.key)
 
     # -- agents ----------------------------------------------------------------------------
 

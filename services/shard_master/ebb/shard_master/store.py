@@ -78,6 +78,8 @@ class JobRecord:
     rows_done: int = 0
     error_rows: int = 0
     manifest: str = ""
+    resume_key: str = ""
+    """The idempotency key of the request that last resumed the job."""
 
 
 def shard_key(job: str, index: int) -> str:

@@ -716,7 +716,7 @@ class LeaseTable:
                 await self._end(job, state, reason)
         return CancelReply(state=job.record.state)
 
-    async def resume(self, job_id: str) -> ResumeReply:
+    async def resume(self, job_id: str, *, key: str = "") -> ResumeReply:
         """Re-open a FAILED or CANCELLED job: its DONE shards stay done (their output is
         never redone); every other shard, QUARANTINED ones included, is queued again with
         its failures forgotten (a fresh max_attempts). The job is RUNNING once more.
@@ -728,6 +728,10 @@ class LeaseTable:
         Crash-safe in this order: the shard records first, the job's record last. A master
         that dies in between leaves the job FAILED or CANCELLED with some shards reopened,
         which a second `resume` completes.
+
+        Idempotent under `key`: the job's record keeps the key of the request that resumed
+        it, so a retry of that request (its reply lost, or the master replaced before it
+        could answer) is told what happened instead of being refused as a running job's.
         """
         job = self.jobs.get(job_id)
         if job is None:
@@ -738,6 +742,13 @@ class LeaseTable:
         async with job.lock:
             if self.jobs.get(job_id) is not job:
                 raise JobNotFound(f"job {job_id!r} was forgotten (job_retention_s)")
+            if key and job.record.resume_key == key and job.state not in ("FAILED", "CANCELLED"):
+                return ResumeReply(
+                    state=job.record.state,
+                    shards_done=job.record.shards_done if job.ended else job.counts["DONE"],
+                    shards_todo=0 if job.ended else job.counts["TODO"],
+                    repeated=True,
+                )
             if job.state not in ("FAILED", "CANCELLED"):
                 raise NotResumable(
                     f"job {job_id} is {job.state}: only a FAILED or CANCELLED job can be resumed"
@@ -786,6 +797,7 @@ class LeaseTable:
                 shards_quarantined=0,
                 rows_done=0,
                 error_rows=0,
+                resume_key=key,
             )
             job.revision = await self._store.update_job(record, last=job.revision)
             job.record = record
