@@ -18,6 +18,7 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
+from ebb.common import envvars, failpoints
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError
@@ -245,6 +246,54 @@ async def test_nats_killed_and_restarted_mid_job_loses_nothing(
     assert_exactly_once(tmp_path, rows)
     # Every service lived through it: none exited (the stack restarts nothing here).
     assert all(p.returncode is None for p in stack.processes.values())
+
+
+@pytest.mark.parametrize(
+    "point", [failpoints.WORKER_AFTER_COMMIT_RECORD, failpoints.MASTER_AFTER_RECORDING_DONE]
+)
+async def test_a_kill_between_the_commit_record_and_the_masters_reply_loses_nothing(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    """The narrowest window of exactly-once, hit on purpose (ebb.common.failpoints): a
+    worker killed with its commit record written but the master not told (the shard's next
+    holder must find the record and report it, not redo the shard), or the master killed
+    with the shard recorded DONE but its reply not sent (the worker's retry, to the next
+    master, must be told the shard is done)."""
+    armed = tmp_path / "failpoints"
+    armed.mkdir()
+    monkeypatch.setenv(envvars.FAILPOINT_DIR, str(armed))
+    rows = 12_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = slow_stages(tmp_path, 0.03)
+    spec = parse_job(
+        job_spec(
+            tmp_path, rows_per_shard=1_000, stages=stages, workers=(2, 2), fault={"lease_s": 3}
+        )
+    )
+    async with embedded_stack(tmp_path, prefix, max_workers=2) as stack:
+        async with await EbbClient.connect(stack.nats_config) as client:
+            job_id = await client.submit(spec)
+            await wait_until(
+                lambda: _done_at_least(client, job_id, 1),
+                timeout=60,
+                what="a first shard done",
+            )
+            failpoints.arm(armed, point)
+            pid = await wait_until(
+                lambda: failpoints.fired(armed, point), timeout=60, what=f"{point} to fire"
+            )
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+            if point == failpoints.MASTER_AFTER_RECORDING_DONE:
+                await stack.restart("master")
+            final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.rows_done == rows
+    assert_exactly_once(tmp_path, rows)
+
+
+async def _done_at_least(client: EbbClient, job_id: str, n: int) -> bool:
+    return (await client.job(job_id)).shards.get("DONE", 0) >= n
 
 
 async def test_rows_that_make_the_model_raise_become_error_rows(

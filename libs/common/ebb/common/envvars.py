@@ -52,6 +52,11 @@ STAGE_PRELOAD = "EBB_STAGE_PRELOAD"
 """Set by the controller from the job's spec: the model runtimes (comma-separated modules,
 `JobSpec.runtime_modules`) that the fork server of the worker's stage processes imports once."""
 
+# Testing.
+FAILPOINT_DIR = "EBB_FAILPOINT_DIR"
+"""Arms ebb.common.failpoints: a process dies at a named place when a file of that name is
+in this folder. Unset (always, outside tests and the chaos campaign): every point is inert."""
+
 # The shard master.
 MASTER_ID = "EBB_MASTER_ID"
 DATA_ROOTS = "EBB_DATA_ROOTS"

@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import nats.errors
 
+from ebb.common import failpoints
 from ebb.common.messages import (
     CancelReply,
     CommitReply,
@@ -469,6 +470,7 @@ class LeaseTable:
                 now = self._clock()
                 seconds = now - shard.granted.get(token, now)
                 await self._record_done(job, shard, commit, seconds=seconds)
+                failpoints.hit(failpoints.MASTER_AFTER_RECORDING_DONE)
         await self.settle(job)
         if foreign is not None:
             raise foreign

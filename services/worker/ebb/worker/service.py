@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 from nats.aio.client import Client as NATS
 
-from ebb.common import auth, bus
+from ebb.common import auth, bus, failpoints
 from ebb.common import metrics as metrics_server
 from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
@@ -436,6 +436,7 @@ class Worker:
             )
         metrics.ROWS.inc(table.num_rows)
         metrics.ERROR_ROWS.inc(error_rows)
+        failpoints.hit(failpoints.WORKER_AFTER_COMMIT_RECORD)
         await self._commit(active, record)
 
     async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:

@@ -1,0 +1,54 @@
+"""Failpoints: named places where a test or the chaos campaign makes a process die on purpose,
+at exactly that place, as etcd's gofail or FoundationDB's BUGGIFY do.
+
+Random kills seldom land in the narrow windows that matter most to exactly-once output (a
+worker's commit record written but not yet reported; a shard recorded DONE by the master but
+not yet answered). A failpoint aims at one: it fires when a file named after it is in the
+folder that EBB_FAILPOINT_DIR names. The first process to reach it takes the file (an atomic
+rename to `<name>.fired-<pid>`, which tells the test who died and when) and SIGKILLs itself,
+so one file kills one process once.
+
+Without EBB_FAILPOINT_DIR, `hit` returns at once: nothing is read, nothing can fire.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from . import envvars
+
+WORKER_AFTER_COMMIT_RECORD = "worker.after_commit_record"
+"""A worker has written its shard's commit record and not yet told the master."""
+MASTER_AFTER_RECORDING_DONE = "master.after_recording_done"
+"""The master has recorded a shard DONE in KV and not yet replied to the worker's commit."""
+
+POINTS = (WORKER_AFTER_COMMIT_RECORD, MASTER_AFTER_RECORDING_DONE)
+
+
+def hit(name: str) -> None:
+    """Die here (SIGKILL, as the OOM killer would) if `name` is armed; else nothing."""
+    folder = os.environ.get(envvars.FAILPOINT_DIR)
+    if not folder:
+        return
+    armed = Path(folder) / name
+    try:
+        armed.rename(armed.with_name(f"{name}.fired-{os.getpid()}"))
+    except FileNotFoundError:
+        return  # not armed, or another process took it first
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(folder: Path, name: str) -> None:
+    """Arm `name` in `folder`: the next process to reach it dies."""
+    if name not in POINTS:
+        raise ValueError(f"no failpoint {name!r}; there are {', '.join(POINTS)}")
+    (folder / name).write_text("")
+
+
+def fired(folder: Path, name: str) -> int | None:
+    """The pid of the process that `name` killed, None while it has not fired."""
+    for path in folder.glob(f"{name}.fired-*"):
+        return int(path.name.rsplit("-", 1)[1])
+    return None
