@@ -15,12 +15,22 @@ and injects faults one after another at random moments (the seed decides which, 
 - stage_hang    a stage process hangs in a batch: the batch timeout kills and restarts it
 - input_vanish  an input file disappears (moved aside) until the job has FAILED on it (its
                 shards quarantined), then comes back: the job is resumed (`resume`)
+- commit_kill   SIGKILL of a worker exactly between writing a shard's commit record and
+                telling the master (a failpoint, ebb.common.failpoints)
+- master_commit_kill  SIGKILL of the leading master exactly between recording a shard DONE
+                and replying to the worker (a failpoint); the standby takes over
+- disk_full     the output disk (a tmpfs of its own) filled to the last byte for 2-6 s
+- slow_disk     every write to the output disk (a FUSE passthrough, bench/slowfs.py) takes
+                50-300 ms for 4-10 s
+
+disk_full needs root (to mount the tmpfs), slow_disk /dev/fuse, libfuse 2 and fusepy; a run
+without them does not choose those faults, and the report says so.
 
 After each fault the campaign waits for the job to recover before the next. Recovery time:
 for a fault aimed at a worker, until every shard that worker held is committed (by anyone);
 for input_vanish, from the `resume` request until one more shard is DONE; for the others, from
-the kill (the restart, for NATS; the hang, for a stage) until the master has recorded one
-more shard DONE.
+the kill (the restart, for NATS; the hang, for a stage; the disk's return to free space or
+full speed) until the master has recorded one more shard DONE.
 
 When the job ends: a FAILED job is resumed (`resume`) and followed to its end. Then every
 input id must be in the output exactly once (as a result, or as an error row), the job's
@@ -39,22 +49,28 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
+from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
 
 from ebb.client.demo import feature_table, mlp_onnx
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common import envvars
+from ebb.common import envvars, failpoints, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, connect
 from ebb.common.errors import BusError, RemoteError
@@ -62,8 +78,9 @@ from ebb.common.messages import JobStatus
 from ebb.common.output import COMMITS_DIR, MANIFEST
 from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
+from ebb.shard_master.store import ShardRecord, shard_key
 
-from . import soak
+from . import slowfs, soak
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = (
@@ -73,6 +90,10 @@ FAULTS = (
     "master_kill",
     "nats_restart",
     "stage_hang",
+    "commit_kill",
+    "master_commit_kill",
+    "disk_full",
+    "slow_disk",
     "input_vanish",
 )
 VANISH_P = 0.3
@@ -83,6 +104,9 @@ LEASE_S = 4.0
 LEADER_TTL_S = 3.0
 BATCH_TIMEOUT_S = 4.0
 RECOVERY_TIMEOUT_S = 90.0
+DISK_MB = 256
+"""The output disk's size: the output of a run is a few MB; the rest is what disk_full fills."""
+BALLAST = ".ballast"
 
 
 @dataclass
@@ -222,7 +246,7 @@ async def _leader(stack: LocalStack) -> str:
     try:
         kv = await nc.jetstream().key_value(Subjects(stack.config.prefix).leader_bucket)
         entry = await kv.get("master")
-        holder = (entry.value or b"").decode()
+        holder = (entry.value or b"").decode().split(" ", 1)[0]  # "id nonce"
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
@@ -242,18 +266,121 @@ async def _until(probe: Callable[[], Any], timeout_s: float, interval_s: float =
     return False
 
 
+# -- the output disk -------------------------------------------------------------------------
+
+
+def unavailable() -> dict[str, str]:
+    """Faults this machine cannot inject, and why."""
+    missing = {}
+    if os.geteuid() != 0:
+        missing["disk_full"] = "mounting a tmpfs needs root"
+    why = slowfs.available()
+    if why is not None:
+        missing["slow_disk"] = why
+    return missing
+
+
+@dataclass
+class OutputDisk:
+    """The output root of one run: a tmpfs of its own (disk_full fills it), seen through a
+    FUSE passthrough that can be made slow (slow_disk), each where the machine allows it."""
+
+    out: Path
+    backing: Path
+    """Where the files really are: what disk_full fills."""
+    control: Path | None = None
+    """The slow disk's delay file; None: no slow disk."""
+    tmpfs: bool = False
+    fuse: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def mount(cls, folder: Path, missing: dict[str, str]) -> OutputDisk:
+        out = folder / "out"
+        out.mkdir()
+        slow = "slow_disk" not in missing
+        disk = cls(out=out, backing=folder / "disk" if slow else out)
+        disk.backing.mkdir(exist_ok=True)
+        if "disk_full" not in missing:
+            mounted = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(disk.backing)],
+                capture_output=True,
+                check=False,
+            )
+            disk.tmpfs = mounted.returncode == 0
+        if slow:
+            disk.control = folder / "slowness"
+            disk.control.write_text("0")
+            command = [sys.executable, "-m", "bench.slowfs", str(disk.backing), str(out)]
+            disk.fuse = subprocess.Popen(
+                [*command, "--control", str(disk.control)],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=(folder / "slowfs.log").open("wb"),
+            )
+            deadline = time.monotonic() + 15
+            while not os.path.ismount(out):
+                if disk.fuse.poll() is not None or time.monotonic() > deadline:
+                    disk.unmount()
+                    raise RuntimeError(f"the slow disk did not mount: see {folder}/slowfs.log")
+                time.sleep(0.05)
+        return disk
+
+    def fill(self) -> int:
+        """Take every free byte of the disk; the bytes taken."""
+        free = shutil.disk_usage(self.backing).free
+        # ENOSPC at the very end is what "full" means.
+        with (self.backing / BALLAST).open("wb") as f, contextlib.suppress(OSError):
+            os.posix_fallocate(f.fileno(), 0, free)
+        return free
+
+    def empty(self) -> None:
+        (self.backing / BALLAST).unlink(missing_ok=True)
+
+    def slow(self, seconds_per_write: float) -> None:
+        assert self.control is not None
+        self.control.write_text(f"{seconds_per_write:.3f}")
+
+    def unmount(self) -> None:
+        if self.fuse is not None:
+            for flags in ("-u", "-uz"):
+                if (
+                    subprocess.run(["fusermount", flags, str(self.out)], check=False).returncode
+                    == 0
+                ):
+                    break
+            try:
+                self.fuse.wait(10)
+            except subprocess.TimeoutExpired:
+                self.fuse.kill()
+                self.fuse.wait()
+            self.fuse = None
+        if self.tmpfs:
+            subprocess.run(["umount", "-l", str(self.backing)], check=False)
+            self.tmpfs = False
+
+
 # -- the faults ------------------------------------------------------------------------------
 
 
 class Injector:
     def __init__(
-        self, stack: LocalStack, client: EbbClient, job: str, out: Path, hang_dir: Path
+        self,
+        stack: LocalStack,
+        client: EbbClient,
+        job: str,
+        disk: OutputDisk,
+        folder: Path,
     ) -> None:
         self.stack = stack
         self.client = client
         self.job = job
-        self.out = out
-        self.hang_dir = hang_dir
+        self.disk = disk
+        self.out = disk.out
+        self.folder = folder
+        self.hang_dir = folder / "hang"
+        self.failpoints = folder / "failpoints"
+        self.subjects = Subjects(stack.config.prefix)
+        self._shards: tuple[NATS, KeyValue] | None = None
         self.ended = asyncio.Event()
         self.probe = MasterClient(client.nc, client.config, backoff=Backoff(attempts=1))
 
@@ -276,6 +403,22 @@ class Injector:
         if await _until(lambda: shards <= committed(self.out), RECOVERY_TIMEOUT_S):
             return time.monotonic() - started
         return None
+
+    async def _recorded_done(self, shard: int) -> bool:
+        """Whether the master's record of `shard` (in KV, what every master reads) is DONE."""
+        if self._shards is None:
+            nc = await connect(self.stack.nats_config_for("master"), name="chaos-shards")
+            self._shards = (nc, await nc.jetstream().key_value(self.subjects.shards_bucket))
+        try:
+            entry = await self._shards[1].get(shard_key(self.job, shard))
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            return False
+        return entry.value is not None and schema.decode(ShardRecord, entry.value).state == "DONE"
+
+    async def close(self) -> None:
+        if self._shards is not None:
+            with contextlib.suppress(Exception):
+                await self._shards[0].close()
 
     async def done_count(self) -> int:
         """Shards DONE as the master says, -1 while no master answers."""
@@ -345,8 +488,8 @@ class Injector:
         if kind == "input_vanish":
             # The file's shards fail to read, are quarantined, and the job fails on them:
             # the failure this fault is for. The file comes back once the job has ended.
-            target = self.out.parent / "data" / VANISHING
-            aside = self.out.parent / f"{VANISHING}.aside"
+            target = self.folder / "data" / VANISHING
+            aside = self.folder / f"{VANISHING}.aside"
             target.rename(aside)
             try:
                 await _until(self.ended.is_set, 30.0)
@@ -355,6 +498,67 @@ class Injector:
             if not self.ended.is_set():
                 return None, "no shard of the file was left to fail"
             return None, "the job failed on it"  # the run resumes it, and times that
+        if kind in ("commit_kill", "master_commit_kill"):
+            point = (
+                failpoints.WORKER_AFTER_COMMIT_RECORD
+                if kind == "commit_kill"
+                else failpoints.MASTER_AFTER_RECORDING_DONE
+            )
+            if kind == "master_commit_kill":
+                # Until we know which master dies, none is restarted by the supervisor: the
+                # one that dies is restarted here, once the job has recovered without it.
+                self.stack.held.update(self.stack.masters)
+            failpoints.arm(self.failpoints, point)
+            # The DONE count just before the kill: the master's own, for master_commit_kill
+            # (the shard it recorded at the failpoint is in what the next master counts).
+            last = before
+            deadline = time.monotonic() + 30
+            while (pid := failpoints.fired(self.failpoints, point)) is None:
+                if time.monotonic() > deadline or self.ended.is_set():
+                    (self.failpoints / point).unlink(missing_ok=True)
+                    self.stack.held.difference_update(self.stack.masters)
+                    return None, "no commit came by"
+                last = max(last, await self.done_count())
+                await asyncio.sleep(0.05)
+            started = time.monotonic()
+            shard = int(failpoints.detail(self.failpoints, point, pid))
+            for fired in self.failpoints.glob(f"{point}.fired-*"):
+                fired.unlink()  # ready to fire again, later in the run
+            before = last
+            if kind == "commit_kill":
+                # Its record stands, unreported: recovered once the master has it DONE (the
+                # lease expires, and the shard's next holder finds the record and reports it).
+                recovery = None
+                if await _until(lambda: self._recorded_done(shard), RECOVERY_TIMEOUT_S, 0.2):
+                    recovery = time.monotonic() - started
+                return recovery, f"worker pid {pid}, shard {shard}"
+            (name,) = [n for n, p in self.stack.processes.items() if p.pid == pid]
+            self.stack.held.difference_update(set(self.stack.masters) - {name})
+            try:
+                await _until(lambda: self.stack.processes[name].returncode is not None, 10)
+                recovery = await self.next_done(before, started)
+            finally:
+                await self.stack.restart(name)
+                self.stack.held.discard(name)
+            return recovery, f"{name}, pid {pid}, shard {shard}"
+        if kind == "disk_full":
+            held = rng.uniform(2.0, 6.0)
+            taken = await asyncio.to_thread(self.disk.fill)
+            try:
+                await _sleep_unless(self.ended, held)
+            finally:
+                self.disk.empty()
+            note = f"{taken / 2**20:.0f} MiB taken for {held:.1f}s"
+            return await self.next_done(await self.done_count(), time.monotonic()), note
+        if kind == "slow_disk":
+            delay, held = rng.uniform(0.05, 0.3), rng.uniform(4.0, 10.0)
+            self.disk.slow(delay)
+            try:
+                await _sleep_unless(self.ended, held)
+            finally:
+                self.disk.slow(0)
+            note = f"{delay * 1000:.0f} ms a write for {held:.1f}s"
+            return await self.next_done(await self.done_count(), time.monotonic()), note
         if kind == "stage_hang":
             (self.hang_dir / "hang").write_text("")
             taken = await _until(lambda: not (self.hang_dir / "hang").exists(), 30)
@@ -376,6 +580,7 @@ async def run_one(
     rows_per_shard: int,
     faults: int,
     log: Callable[[str], None],
+    kinds: tuple[str, ...] = FAULTS,
 ) -> RunResult:
     rng = random.Random(seed)
     folder = workdir / f"seed-{seed}"
@@ -391,18 +596,24 @@ async def run_one(
             standby_masters=1,
         )
     )
+    missing = unavailable()
+    disk = OutputDisk.mount(folder, missing)
+    (folder / "failpoints").mkdir()
     started = time.monotonic()
     await stack.start()
     supervisor = asyncio.create_task(stack.supervise())
+    injector: Injector | None = None
     try:
         async with await EbbClient.connect(stack.nats_config) as client:
             job = await client.submit(spec)
-            injector = Injector(stack, client, job, folder / "out", folder / "hang")
+            injector = Injector(stack, client, job, disk, folder)
             waiting = _follow(client, job, injector)
-            kinds = [rng.choice(FAULTS[:-1]) for _ in range(faults)]
-            if rng.random() < VANISH_P:  # early, while the file still has shards to do
-                kinds.insert(0, "input_vanish")
-            for kind in kinds:
+            choices = [k for k in kinds if k != "input_vanish" and k not in missing]
+            chosen = [rng.choice(choices) for _ in range(faults)] if choices else []
+            # Early, while the file still has shards to do.
+            if "input_vanish" in kinds and rng.random() < VANISH_P:
+                chosen.insert(0, "input_vanish")
+            for kind in chosen:
                 await _sleep_unless(injector.ended, rng.uniform(0.5, 4.0))
                 if injector.ended.is_set():
                     break
@@ -431,20 +642,27 @@ async def run_one(
             if not result.first_state:
                 result.first_state, result.first_reason = final.state, final.reason
             if final.state in ("FAILED", "CANCELLED"):
-                result.problems.append(f"failed for a reason not injected: {final.reason}")
+                filled = any(i.kind == "disk_full" for i in result.injections)
+                if not (filled and "No space left on device" in final.reason):
+                    result.problems.append(f"failed for a reason not injected: {final.reason}")
                 result.resumed = True
                 await client.resume(job)
                 final = await _wait(client, job)
             result.final_state = final.state
             if final.state == "SUCCEEDED":
-                _verify(result, final, folder / "out", rows)
+                _verify(result, final, disk.out, rows)
             else:
                 result.problems.append(f"ended {final.state}: {final.reason}")
     finally:
+        if injector is not None:
+            await injector.close()
         supervisor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor
         await stack.stop()
+        if result.problems:  # the evidence outlives the run's disk
+            shutil.copytree(disk.out, folder / "out-kept", dirs_exist_ok=True)
+        disk.unmount()
     result.seconds = time.monotonic() - started
     return result
 
@@ -518,22 +736,38 @@ async def campaign(
     faults: int,
     log: Callable[[str], None],
     on_result: Callable[[list[RunResult]], None] | None = None,
+    kinds: tuple[str, ...] = FAULTS,
 ) -> list[RunResult]:
     """Run each seed in turn; `on_result` sees the results so far after each run."""
     results = []
     for seed in seeds:
-        # The masters read their leader TTL from the environment the stack hands down.
-        saved = os.environ.get(envvars.LEADER_TTL_S)
-        os.environ[envvars.LEADER_TTL_S] = str(LEADER_TTL_S)
+        # The masters read their leader TTL, and every process its failpoints, from the
+        # environment the stack hands down.
+        settings = {
+            envvars.LEADER_TTL_S: str(LEADER_TTL_S),
+            envvars.FAILPOINT_DIR: str(workdir / f"seed-{seed}" / "failpoints"),
+        }
+        saved = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
         try:
             result = await run_one(
-                seed, workdir, rows=rows, rows_per_shard=rows_per_shard, faults=faults, log=log
+                seed,
+                workdir,
+                rows=rows,
+                rows_per_shard=rows_per_shard,
+                faults=faults,
+                log=log,
+                kinds=kinds,
             )
+        except Exception as e:  # the campaign's own fault: recorded, and the next seed runs
+            log(traceback.format_exc())
+            result = RunResult(seed=seed, rows=rows, problems=[f"the campaign failed: {e!r}"])
         finally:
-            if saved is None:
-                os.environ.pop(envvars.LEADER_TTL_S, None)
-            else:
-                os.environ[envvars.LEADER_TTL_S] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         log(
             f"seed {seed}: {result.first_state}"
             + (f" -> resumed -> {result.final_state}" if result.resumed else "")
@@ -597,10 +831,14 @@ def report(
         f"after it) within {RECOVERY_TIMEOUT_S:.0f} s; one not recovered is one the job",
         "finished before, or one that still waited when the timeout came.",
         "",
-        "Not injected by this campaign: a full output disk (a small tmpfs), a slow disk, a",
-        "SIGKILL aimed exactly between a shard's commit record and the master's reply (random",
-        "kills land there only by chance; tests/test_master.py covers that window directly). The",
-        "10,000,000-row soak is below (`python -m bench.soak`).",
+        "commit_kill and master_commit_kill are aimed (ebb.common.failpoints) at the two",
+        "narrowest windows of exactly-once: a worker's commit record written but the master not",
+        "told, and a shard recorded DONE but the worker not answered.",
+        *(
+            f"Not injected on this machine: {kind} ({why})."
+            for kind, why in sorted(unavailable().items())
+        ),
+        "The 10,000,000-row soak is below (`python -m bench.soak`).",
         "",
         "## Runs",
         "",
@@ -627,6 +865,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=30_000)
     p.add_argument("--rows-per-shard", type=int, default=1_000)
     p.add_argument("--faults", type=int, default=3, help="faults injected per run")
+    p.add_argument(
+        "--kinds",
+        default=",".join(FAULTS),
+        help="the faults to choose from, comma-separated (default: all)",
+    )
     p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
@@ -635,6 +878,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM as Ctrl-C: the run in progress stops its stack on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if unknown := sorted(set(kinds) - set(FAULTS)):
+        p.error(f"unknown faults {unknown}; there are {', '.join(FAULTS)}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ebb-chaos-"))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -656,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
             faults=args.faults,
             log=lambda line: print(line, flush=True),
             on_result=write,
+            kinds=kinds,
         )
     )
     print(f"report written to {args.out}")

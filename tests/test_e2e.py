@@ -271,25 +271,35 @@ async def test_a_kill_between_the_commit_record_and_the_masters_reply_loses_noth
             tmp_path, rows_per_shard=1_000, stages=stages, workers=(2, 2), fault={"lease_s": 3}
         )
     )
-    async with embedded_stack(tmp_path, prefix, max_workers=2) as stack:
-        async with await EbbClient.connect(stack.nats_config) as client:
-            job_id = await client.submit(spec)
-            await wait_until(
-                lambda: _done_at_least(client, job_id, 1),
-                timeout=60,
-                what="a first shard done",
-            )
-            failpoints.arm(armed, point)
-            pid = await wait_until(
-                lambda: failpoints.fired(armed, point), timeout=60, what=f"{point} to fire"
-            )
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-            if point == failpoints.MASTER_AFTER_RECORDING_DONE:
-                await stack.restart("master")
-            final = await client.wait(job_id)
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=2) as stack,
+        await EbbClient.connect(stack.nats_config) as client,
+    ):
+        job_id = await client.submit(spec)
+        await wait_until(
+            lambda: _done_at_least(client, job_id, 1),
+            timeout=60,
+            what="a first shard done",
+        )
+        failpoints.arm(armed, point)
+        pid = await wait_until(
+            lambda: failpoints.fired(armed, point), timeout=60, what=f"{point} to fire"
+        )
+        await wait_until(lambda: _gone(pid), timeout=10, what=f"pid {pid} to die")
+        if point == failpoints.MASTER_AFTER_RECORDING_DONE:
+            await asyncio.wait_for(stack.processes["master"].wait(), 10)
+            await stack.restart("master")
+        final = await client.wait(job_id)
     assert final.state == "SUCCEEDED", final.reason
     assert final.rows_done == rows
     assert_exactly_once(tmp_path, rows)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 async def _done_at_least(client: EbbClient, job_id: str, n: int) -> bool:

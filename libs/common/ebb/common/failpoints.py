@@ -5,8 +5,8 @@ Random kills seldom land in the narrow windows that matter most to exactly-once 
 worker's commit record written but not yet reported; a shard recorded DONE by the master but
 not yet answered). A failpoint aims at one: it fires when a file named after it is in the
 folder that EBB_FAILPOINT_DIR names. The first process to reach it takes the file (an atomic
-rename to `<name>.fired-<pid>`, which tells the test who died and when) and SIGKILLs itself,
-so one file kills one process once.
+rename), writes what it was doing into it, renames it `<name>.fired-<pid>` (which tells the
+test who died, when, and at what) and SIGKILLs itself, so one file kills one process once.
 
 Without EBB_FAILPOINT_DIR, `hit` returns at once: nothing is read, nothing can fire.
 """
@@ -27,16 +27,21 @@ MASTER_AFTER_RECORDING_DONE = "master.after_recording_done"
 POINTS = (WORKER_AFTER_COMMIT_RECORD, MASTER_AFTER_RECORDING_DONE)
 
 
-def hit(name: str) -> None:
-    """Die here (SIGKILL, as the OOM killer would) if `name` is armed; else nothing."""
+def hit(name: str, detail: str = "") -> None:
+    """Die here (SIGKILL, as the OOM killer would) if `name` is armed; else nothing.
+    `detail` (what the process was doing: the shard, say) is left in the fired file."""
     folder = os.environ.get(envvars.FAILPOINT_DIR)
     if not folder:
         return
     armed = Path(folder) / name
+    taken = armed.with_name(f"{name}.taken-{os.getpid()}")
     try:
-        armed.rename(armed.with_name(f"{name}.fired-{os.getpid()}"))
+        armed.rename(taken)
     except FileNotFoundError:
         return  # not armed, or another process took it first
+    taken.write_text(detail)
+    # Renamed again once it says what it hit: a "fired" file is complete when seen.
+    taken.rename(armed.with_name(f"{name}.fired-{os.getpid()}"))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -52,3 +57,8 @@ def fired(folder: Path, name: str) -> int | None:
     for path in folder.glob(f"{name}.fired-*"):
         return int(path.name.rsplit("-", 1)[1])
     return None
+
+
+def detail(folder: Path, name: str, pid: int) -> str:
+    """What the process `name` killed was doing (`hit`'s detail)."""
+    return (folder / f"{name}.fired-{pid}").read_text()

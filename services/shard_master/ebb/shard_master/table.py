@@ -470,7 +470,7 @@ class LeaseTable:
                 now = self._clock()
                 seconds = now - shard.granted.get(token, now)
                 await self._record_done(job, shard, commit, seconds=seconds)
-                failpoints.hit(failpoints.MASTER_AFTER_RECORDING_DONE)
+                failpoints.hit(failpoints.MASTER_AFTER_RECORDING_DONE, detail=str(shard.index))
         await self.settle(job)
         if foreign is not None:
             raise foreign

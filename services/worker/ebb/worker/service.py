@@ -436,7 +436,7 @@ class Worker:
             )
         metrics.ROWS.inc(table.num_rows)
         metrics.ERROR_ROWS.inc(error_rows)
-        failpoints.hit(failpoints.WORKER_AFTER_COMMIT_RECORD)
+        failpoints.hit(failpoints.WORKER_AFTER_COMMIT_RECORD, detail=str(shard.index))
         await self._commit(active, record)
 
     async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:
