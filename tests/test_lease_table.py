@@ -320,6 +320,33 @@ async def test_a_restarted_table_keeps_each_lease_no_longer_than_its_deadline_pl
     assert nxt.shard is not None and nxt.shard.index == 2 and nxt.attempt == 2
 
 
+async def test_renewals_are_written_to_kv_only_when_its_record_runs_short(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1, lease_s=30)
+    assert await table.submit(spec)
+    held = await table.lease(spec.id, "w1")
+    key = shard_key(spec.id, 0)
+    revisions = [store.shards[key][1]]
+    for _ in range(6):  # a worker's pace: every third of a period
+        clock.now += 10
+        await table.renew(held.token)
+        revisions.append(store.shards[key][1])
+        # Every renewal moves the deadline a full period on, written or not.
+        assert table.jobs[spec.id].shards[0].deadlines[held.token] == clock.now + 30
+    assert len(set(revisions)) - 1 == 3  # every other renewal written, not each
+    # A master taking over from KV now gives the live worker more than the third of a
+    # period it needs to hear the worker's next renewal; never more than a period.
+    restarted_clock = Clock()
+    restarted = new_table(store, restarted_clock)
+    await restarted.load()
+    left = restarted.jobs[spec.id].shards[0].deadlines[held.token] - restarted_clock.now
+    assert 10 < left <= 30
+    await restarted.renew(held.token)
+
+
 async def test_a_record_someone_else_wrote_deposes_the_table(tmp_path: Path) -> None:
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
@@ -330,6 +357,8 @@ async def test_a_record_someone_else_wrote_deposes_the_table(tmp_path: Path) -> 
     record, revision = store.shards[key]
     await store.update_shard(record, last=revision)  # another master's write
     job = table.jobs[spec.id]
+    # Late enough in the lease that the renewal is written (see PERSISTED_PERIODS).
+    clock.now += spec.fault.lease_s * 0.7
     with pytest.raises(Deposed):
         await table.renew(reply.token)
     assert job.shards[0].revision == revision

@@ -31,7 +31,7 @@ from ebb.shard_master.errors import Deposed
 from ebb.shard_master.leader import KEY, Leadership
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.store import shard_key
-from ebb.shard_master.table import REASON_CHARS, REJECTIONS_KEPT, LeaseTable
+from ebb.shard_master.table import PERSISTED_PERIODS, REASON_CHARS, REJECTIONS_KEPT, LeaseTable
 from ebb.worker.service import ActiveLease, Worker, WorkerConfig
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
@@ -663,7 +663,8 @@ async def test_a_restarted_master_keeps_a_lease_no_longer_than_its_deadline_plus
     await api.lease(spec.id, "gone")  # ...and its holder is never heard of again
     await master.stop()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 2
+    # The lease as KV records it: PERSISTED_PERIODS periods (renewals are not all written).
+    deadline = loop.time() + 2 * PERSISTED_PERIODS
     await wait_until(lambda: loop.time() > deadline, timeout=10, what="the lease's deadline")
     await master.start()
     # Not a fresh full period: a master that restarts more often than a lease lasts would

@@ -20,7 +20,7 @@ _KEEP_DURATIONS = 256
 
 
 class Shard:
-    __slots__ = ("deadlines", "granted", "lock", "record", "revision")
+    __slots__ = ("deadlines", "granted", "lock", "persisted", "record", "revision")
 
     def __init__(self, record: ShardRecord, revision: int) -> None:
         self.record = record
@@ -30,6 +30,9 @@ class Shard:
         """Active lease tokens and when each expires (monotonic)."""
         self.granted: dict[str, float] = {}
         """Active lease tokens and when each was granted (monotonic)."""
+        self.persisted: dict[str, float] = {}
+        """Active lease tokens and until when the record in KV says each lasts (monotonic):
+        a renewal writes KV only when this is less than a period away."""
 
     @property
     def index(self) -> int:
@@ -94,7 +97,9 @@ class Job:
             for lease in rec.leases:
                 left = lease_s
                 if lease.expires_at:
-                    left = min(lease_s, max(0.0, lease.expires_at - wall_now) + grace_s)
+                    recorded = max(0.0, lease.expires_at - wall_now)
+                    left = min(lease_s, recorded + grace_s)
+                    shard.persisted[lease.token] = now + recorded
                 shard.deadlines[lease.token] = now + left
                 ran = max(0.0, wall_now - lease.granted_at) if lease.granted_at else 0.0
                 shard.granted[lease.token] = now - ran
