@@ -1352,3 +1352,30 @@ async def test_the_garbage_collector_deletes_what_only_gone_owners_owned(
         ("Secret", NS, "owned"),
         ("Secret", NS, "late"),
     ]
+
+
+async def test_a_container_waits_for_the_secret_its_pod_mounts(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    v1 = k8s.CoreV1Api(client)
+    kube.add_node("n1")
+    body = pod_body("w")
+    body.spec.volumes = [
+        k8s.V1Volume(name="creds", secret=k8s.V1SecretVolumeSource(secret_name="w-creds")),
+        k8s.V1Volume(
+            name="extra", secret=k8s.V1SecretVolumeSource(secret_name="absent", optional=True)
+        ),
+    ]
+    await v1.create_namespaced_pod(NS, body)
+
+    def waiting() -> str:
+        pod = kube.get_pod("w", NS) or {"status": {}}
+        state = container(pod).get("state") or {}
+        return str((state.get("waiting") or {}).get("message", ""))
+
+    message = await kube.wait_for(waiting, what="the container waiting for its Secret")
+    assert 'secret "w-creds" not found' in message
+    assert (kube.get_pod("w", NS) or {})["status"]["phase"] == "Pending"
+    # Made: the kubelet mounts it and starts the container (an optional one may stay absent).
+    await v1.create_namespaced_secret(NS, secret_body("w-creds", string_data={"creds": "x"}))
+    await kube.wait_for_pod("w", NS, phase="Running")

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars, identity
 from ebb.common.bus import NatsConfig
+from ebb.controller.__main__ import worker_signer
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube import (
     JOB_LABEL,
@@ -710,3 +711,20 @@ async def test_without_a_signer_workers_share_the_configured_secret(
     assert envvars.NATS_CREDS not in env
     await kube.wait_for_pod(pod["metadata"]["name"], NS, phase="Running")
     assert _secret_posts(kube) == 0
+
+
+def test_the_controller_takes_its_signing_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trust = identity.Trust.new("ebb")
+    monkeypatch.delenv(envvars.WORKER_NATS_SIGNING_KEY, raising=False)
+    assert worker_signer() is None  # workers then share `nats_secret`
+    monkeypatch.setenv(envvars.WORKER_NATS_SIGNING_KEY, trust.worker_signing_key.seed)
+    monkeypatch.delenv(envvars.WORKER_NATS_ACCOUNT, raising=False)
+    with pytest.raises(SystemExit, match=envvars.WORKER_NATS_ACCOUNT):
+        worker_signer()
+    monkeypatch.setenv(envvars.WORKER_NATS_ACCOUNT, trust.account.public)
+    assert worker_signer() == trust.worker_signer()
+    monkeypatch.setenv(envvars.WORKER_NATS_SIGNING_KEY, "not a seed")
+    with pytest.raises(SystemExit, match="not an nkey seed"):
+        worker_signer()
