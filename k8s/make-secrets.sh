@@ -1,28 +1,16 @@
 #!/bin/sh
-# Prints one Secret per part of Ebb (master, controller, worker, client) holding its NATS
-# user and a fresh random password; NATS reads all four. Create them once, before the first
-# `kubectl apply -k k8s/base` (or k8s/overlays/prod):
+# Makes the NATS keys of a new installation and prints them as Secrets (ebb.common.identity):
+#   ebb-nats-auth           auth.conf: nats-server's operator and accounts (operator mode)
+#   ebb-nats-master         creds: the shard master's credentials
+#   ebb-nats-controller     creds: the controller's credentials
+#   ebb-nats-client         creds: for clients (`ebb submit`, the SDK: EBB_NATS_CREDS)
+#   ebb-nats-worker-signer  signing_key, account: with these the controller mints each worker
+#                           pod a credential of its own (only the controller reads this one)
+# Create them once, before the first `kubectl apply -k k8s/base` (or k8s/overlays/prod):
 #   kubectl create namespace ebb
 #   sh k8s/make-secrets.sh | kubectl create -f -
-# `create`, not `apply`: running it again must not change passwords under running pods.
-# Clients (`ebb submit`) use ebb-nats-client's user and password.
+# `create`, not `apply`: running it again makes a new operator and new keys; applied, they
+# would lock out every running pod. Needs Ebb installed (PYTHON: the interpreter that has it).
 set -eu
-namespace=${NAMESPACE:-ebb}
-prefix=${EBB_PREFIX:-ebb}
-for role in master controller worker client; do
-    password=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
-    cat <<SECRET
----
-apiVersion: v1
-kind: Secret
-metadata:
-  name: ebb-nats-$role
-  namespace: $namespace
-  labels:
-    app.kubernetes.io/part-of: ebb
-type: Opaque
-stringData:
-  user: $prefix-$role
-  password: "$password"
-SECRET
-done
+exec "${PYTHON:-python3}" -m ebb.common.identity k8s \
+    --namespace "${NAMESPACE:-ebb}" --prefix "${EBB_PREFIX:-ebb}"

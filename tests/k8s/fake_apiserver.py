@@ -8,6 +8,7 @@ is patched. Where things live:
 * this module         `FakeKubeAPI`: the HTTP routing and verbs, the watch streams, fault
                       injection, and the helpers tests use to read and drive the cluster;
 * `fake_kubelet.py`   the scheduler and kubelet that move pods through their lives;
+* `GarbageCollector`  (here) deletes objects whose owners (ownerReferences) are all gone;
 * `fake_selectors.py` label and field selectors;  `fake_patch.py`  merge and JSON patches.
 
     async with FakeKubeAPI() as kube, kube.api_client() as client:
@@ -200,6 +201,7 @@ class FakeKubeAPI:
         self._errors: list[BaseException] = []
         self._node_ips = 0
         self.store.subscribe(lambda _change: self._notify())
+        self.garbage_collector = GarbageCollector(self.store)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -867,6 +869,72 @@ class FakeKubeAPI:
         if annotations:
             meta["annotations"] = annotations
         return {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": meta}
+
+
+# --------------------------------------------------------------------------------------------
+# The garbage collector
+# --------------------------------------------------------------------------------------------
+
+
+class GarbageCollector:
+    """Kubernetes' garbage collector, background propagation: an object whose every
+    ownerReference names an object that is gone (none of that kind and name, or one with
+    another uid) is deleted, whether its owner went after it was made or was gone already.
+    Owners of kinds this server does not serve are taken to exist.
+
+    It acts after the write that made the garbage (scheduled on the event loop), as the real
+    one does a moment later: a watch sees the owner's deletion before its dependents'."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.collected: list[tuple[str, str, str]] = []
+        """(kind, namespace, name) of every object it deleted, in order."""
+        self._scheduled = False
+        store.subscribe(self._on_change)
+
+    def _on_change(self, change: Change) -> None:
+        relevant = change.type == "DELETED" or (
+            change.type == "ADDED" and change.obj["metadata"].get("ownerReferences")
+        )
+        if not relevant or self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.collect()  # no loop, hence no watch whose order could suffer
+            return
+        self._scheduled = True
+        loop.call_soon(self.collect)
+
+    def _owner_exists(self, ref: Obj, namespace: str) -> bool:
+        group, _, version = str(ref.get("apiVersion", "")).rpartition("/")
+        rt = next(
+            (
+                r
+                for r in RESOURCES
+                if (r.group, r.version, r.kind) == (group, version, ref.get("kind"))
+            ),
+            None,
+        )
+        if rt is None:
+            return True
+        owner = self.store.get(rt, namespace if rt.namespaced else "", str(ref.get("name", "")))
+        return owner is not None and owner["metadata"]["uid"] == ref.get("uid")
+
+    def collect(self) -> None:
+        self._scheduled = False
+        for rt in RESOURCES:
+            for obj in self.store.view(rt):
+                meta = obj["metadata"]
+                refs = meta.get("ownerReferences") or []
+                if not refs or meta.get("deletionTimestamp"):
+                    continue
+                namespace = meta.get("namespace", "")
+                if any(self._owner_exists(ref, namespace) for ref in refs):
+                    continue
+                with contextlib.suppress(ApiError):  # gone meanwhile
+                    self.store.delete(rt, namespace, meta["name"])
+                    self.collected.append((rt.kind, namespace, meta["name"]))
 
 
 # --------------------------------------------------------------------------------------------

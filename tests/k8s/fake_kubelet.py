@@ -17,6 +17,10 @@ on the node where the fewest and least important lower-priority pods must go, it
 (DisruptionTarget) and deletes them gracefully, and nominates the node to the pod
 (status.nominatedNodeName), whose room no pod of lower priority may take meanwhile. A pod
 whose preemptionPolicy is Never waits instead.
+
+A container starts only once every Secret its pod mounts (a `secret` volume, not optional)
+exists: until then it waits in ContainerCreating, and the kubelet looks again whenever a
+Secret is made, as a real one retries the mount.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Literal
 from tests.k8s.fake_store import (
     NODES,
     PODS,
+    SECRETS,
     TERMINAL_PHASES,
     Change,
     Obj,
@@ -344,7 +349,7 @@ class FakeKubelet:
     def _on_change(self, change: Change) -> None:
         if change.rt is PODS and change.type == "ADDED":
             self._run_of(change.obj)  # the policy goes to pods in the order they are created
-        if change.rt is PODS or change.rt is NODES:
+        if change.rt is PODS or change.rt is NODES or change.rt is SECRETS:
             self._wake.set()
 
     async def _run(self) -> None:
@@ -453,6 +458,12 @@ class FakeKubelet:
     def _advance(self, pod: Obj, run: _PodRun, now: float) -> float | None:
         policy = run.policy
         if run.stage == "waiting":
+            missing = self._missing_secrets(pod)
+            if missing:
+                message = f'MountVolume.SetUp failed: secret "{missing[0]}" not found'
+                if not _waiting_for(pod, "ContainerCreating"):
+                    self._write(pod, lambda p: self._waiting(p, "ContainerCreating", message))
+                return None  # a Secret made wakes the kubelet
             if isinstance(policy, ImagePullError):
                 run.stage, run.next_at = "pulling", now + self.backoff_delay
                 self._write(pod, lambda p: self._waiting(p, "ErrImagePull", policy.message))
@@ -666,6 +677,18 @@ class FakeKubelet:
             if allocatable.get(r)
         ]
         return misfits, (sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0))
+
+    def _missing_secrets(self, pod: Obj) -> list[str]:
+        namespace = pod["metadata"]["namespace"]
+        missing = []
+        for volume in pod["spec"].get("volumes") or []:
+            secret = volume.get("secret")
+            if not isinstance(secret, dict) or secret.get("optional"):
+                continue
+            name = str(secret.get("secretName", ""))
+            if self._store.get(SECRETS, namespace, name) is None:
+                missing.append(name)
+        return missing
 
     # ---- status writes ---------------------------------------------------------------------
 
@@ -891,6 +914,13 @@ class FakeKubelet:
         if not pod["spec"].get("nodeName"):
             raise ValueError(f"pod {namespace}/{name} is not on a node: no kubelet runs it")
         return pod
+
+
+def _waiting_for(pod: Obj, reason: str) -> bool:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return bool(statuses) and all(
+        ((c.get("state") or {}).get("waiting") or {}).get("reason") == reason for c in statuses
+    )
 
 
 def _image_id(image: str) -> str:

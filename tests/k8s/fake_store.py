@@ -15,6 +15,7 @@ share the stored dict, and readers get deep copies.
 
 from __future__ import annotations
 
+import base64
 import copy
 import random
 import re
@@ -207,6 +208,7 @@ DEPLOYMENTS = ResourceType(
 PRIORITY_CLASSES = ResourceType(
     "scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", namespaced=False
 )
+SECRETS = ResourceType("", "v1", "secrets", "Secret", namespaced=True, field_labels=("type",))
 
 RESOURCES: tuple[ResourceType, ...] = (
     PODS,
@@ -216,6 +218,7 @@ RESOURCES: tuple[ResourceType, ...] = (
     LEASES,
     DEPLOYMENTS,
     PRIORITY_CLASSES,
+    SECRETS,
 )
 
 SYSTEM_PRIORITY_CLASSES: tuple[Obj, ...] = (
@@ -471,6 +474,8 @@ def _validate(rt: ResourceType, obj: Obj, old: Obj | None) -> None:
             )
         if old is not None and old.get("value") != value:
             causes.invalid("value", value, "field is immutable")
+    elif rt is SECRETS:
+        _validate_secret(causes, obj, old)
     elif rt is LEASES:
         spec = obj.get("spec") or {}
         duration = spec.get("leaseDurationSeconds")
@@ -482,6 +487,49 @@ def _validate(rt: ResourceType, obj: Obj, old: Obj | None) -> None:
                 "spec.leaseTransitions", transitions, "must be greater than or equal to 0"
             )
     causes.raise_if_any(rt, meta["name"])
+
+
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def _validate_secret(causes: _Causes, secret: Obj, old: Obj | None) -> None:
+    data = secret.get("data") or {}
+    if not isinstance(data, dict):
+        causes.invalid("data", data, "must be a map of strings")
+        return
+    for key, value in data.items():
+        if len(key) > 253 or not _SECRET_KEY.fullmatch(key):
+            causes.invalid(
+                f"data[{key}]",
+                key,
+                "a valid config key must consist of alphanumeric characters, '-', '_' or '.'",
+            )
+        try:
+            base64.b64decode(str(value), validate=True)
+        except ValueError:
+            causes.invalid(f"data[{key}]", "<secret contents redacted>", "illegal base64 data")
+    if old is None:
+        return
+    if old.get("type", "Opaque") != secret.get("type", "Opaque"):
+        causes.invalid("type", secret.get("type"), "field is immutable")
+    if old.get("immutable"):
+        if not secret.get("immutable"):
+            causes.forbidden("immutable", "field is immutable when `immutable` is set")
+        if (old.get("data") or {}) != data:
+            causes.forbidden("data", "field is immutable when `immutable` is set")
+
+
+def _normalize_secret(secret: Obj) -> None:
+    """stringData is write-only: the API server folds it into data (base64), where it wins
+    over a key of the same name."""
+    string_data = secret.pop("stringData", None) or {}
+    if isinstance(string_data, dict) and string_data:
+        data = secret.get("data")
+        data = dict(data) if isinstance(data, dict) else {}
+        for key, value in string_data.items():
+            data[key] = base64.b64encode(str(value).encode()).decode()
+        secret["data"] = data
+    secret.setdefault("type", "Opaque")
 
 
 # --------------------------------------------------------------------------------------------
@@ -567,6 +615,8 @@ def _prepare_create(rt: ResourceType, obj: Obj, namespace: str) -> None:
         _normalize_lease(obj)
     elif rt is PRIORITY_CLASSES:
         obj.setdefault("preemptionPolicy", "PreemptLowerPriority")
+    elif rt is SECRETS:
+        _normalize_secret(obj)
 
 
 def _normalize_lease(lease: Obj) -> None:
@@ -609,6 +659,8 @@ def _prepare_update(rt: ResourceType, new: Obj, old: Obj, subresource: str | Non
             new.pop("status", None)
     if rt is LEASES:
         _normalize_lease(new)
+    elif rt is SECRETS:
+        _normalize_secret(new)
     return new
 
 

@@ -12,6 +12,7 @@ from kubernetes_asyncio.client import ApiClient
 from ebb.client.sdk import EbbClient
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.identity import WorkerSigner
 from ebb.common.spec import parse_job
 from ebb.controller.kube import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
@@ -38,7 +39,15 @@ async def submit(
 class Harness:
     """A backend with its informers running, and a reconciler to drive by hand."""
 
-    def __init__(self, kube: FakeKubeAPI, nats: NatsConfig, ebb: EbbClient, **config: Any) -> None:
+    def __init__(
+        self,
+        kube: FakeKubeAPI,
+        nats: NatsConfig,
+        ebb: EbbClient,
+        *,
+        signer: WorkerSigner | None = None,
+        **config: Any,
+    ) -> None:
         if kube.get("namespaces", NS) is None:
             kube.add_namespace(NS)
         if kube.get("priorityclasses", "ebb-batch") is None:
@@ -47,7 +56,9 @@ class Harness:
         self.kube = kube
         self.client: ApiClient = kube.api_client()
         self.backend = KubernetesBackend(
-            KubeConfig(namespace=NS, nats=nats, priority_class="ebb-batch", **config), self.client
+            KubeConfig(namespace=NS, nats=nats, priority_class="ebb-batch", **config),
+            self.client,
+            signer=signer,
         )
         self.reconciler = Reconciler(
             master=MasterClient(ebb.nc, nats, backoff=Backoff(attempts=1)),

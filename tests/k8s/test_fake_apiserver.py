@@ -1286,3 +1286,96 @@ async def test_events_dry_run_and_delete_collection(kube: FakeKubeAPI, client: A
     status = await core.delete_collection_namespaced_pod(NS, label_selector="app=a")
     assert status.status == "Success"
     assert [p["metadata"]["name"] for p in kube.list_pods(NS)] == ["b1"]
+
+
+# -- Secrets and the garbage collector ------------------------------------------------------
+
+
+def secret_body(name: str, *, owner: k8s.V1Pod | None = None, **fields: Any) -> k8s.V1Secret:
+    refs = None
+    if owner is not None:
+        refs = [
+            k8s.V1OwnerReference(
+                api_version="v1", kind="Pod", name=owner.metadata.name, uid=owner.metadata.uid
+            )
+        ]
+    return k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=name, owner_references=refs), **fields)
+
+
+@quiet
+async def test_secret_string_data_is_stored_as_base64_data_and_immutable_means_it(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    v1 = k8s.CoreV1Api(client)
+    made = await v1.create_namespaced_secret(
+        NS,
+        secret_body("s", string_data={"creds": "text"}, data={"other": "eA=="}, immutable=True),
+    )
+    assert made.data == {"creds": "dGV4dA==", "other": "eA=="}
+    assert made.to_dict()["string_data"] is None  # write-only: folded into data
+    assert made.type == "Opaque"
+    read = await v1.read_namespaced_secret("s", NS)
+    assert read.data == made.data
+    exc = await refused(
+        v1.patch_namespaced_secret("s", NS, {"stringData": {"creds": "other"}}, **MERGE_PATCH),
+        422,
+    )
+    assert "immutable" in status_body(exc.value)["message"]
+    await refused(v1.create_namespaced_secret(NS, secret_body("s")), 409)
+    await refused(v1.create_namespaced_secret(NS, secret_body("t", data={"k": "not base64!"})), 422)
+
+
+@quiet
+async def test_the_garbage_collector_deletes_what_only_gone_owners_owned(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    v1 = k8s.CoreV1Api(client)
+    owner = await v1.create_namespaced_pod(NS, pod_body("owner"))
+    await v1.create_namespaced_secret(NS, secret_body("owned", owner=owner))
+    await v1.create_namespaced_secret(NS, secret_body("free"))
+    before = kube.resource_version
+    await v1.delete_namespaced_pod("owner", NS)
+    await kube.wait_for(lambda: kube.get("secrets", "owned", NS) is None, what="owned collected")
+    # As the real one, a moment after: the owner's deletion comes first in every watch.
+    deletions = [
+        (c.obj["kind"], c.obj["metadata"]["name"])
+        for c in kube.store.changes_since(before)
+        if c.type == "DELETED"
+    ]
+    assert deletions == [("Pod", "owner"), ("Secret", "owned")]
+    assert kube.get("secrets", "free", NS) is not None
+    # An owner gone before its dependent was made (or a namesake with another uid): collected.
+    await v1.create_namespaced_pod(NS, pod_body("owner"))
+    await v1.create_namespaced_secret(NS, secret_body("late", owner=owner))
+    await kube.wait_for(lambda: kube.get("secrets", "late", NS) is None, what="late collected")
+    assert kube.garbage_collector.collected == [
+        ("Secret", NS, "owned"),
+        ("Secret", NS, "late"),
+    ]
+
+
+async def test_a_container_waits_for_the_secret_its_pod_mounts(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    v1 = k8s.CoreV1Api(client)
+    kube.add_node("n1")
+    body = pod_body("w")
+    body.spec.volumes = [
+        k8s.V1Volume(name="creds", secret=k8s.V1SecretVolumeSource(secret_name="w-creds")),
+        k8s.V1Volume(
+            name="extra", secret=k8s.V1SecretVolumeSource(secret_name="absent", optional=True)
+        ),
+    ]
+    await v1.create_namespaced_pod(NS, body)
+
+    def waiting() -> str:
+        pod = kube.get_pod("w", NS) or {"status": {}}
+        state = container(pod).get("state") or {}
+        return str((state.get("waiting") or {}).get("message", ""))
+
+    message = await kube.wait_for(waiting, what="the container waiting for its Secret")
+    assert 'secret "w-creds" not found' in message
+    assert (kube.get_pod("w", NS) or {})["status"]["phase"] == "Pending"
+    # Made: the kubelet mounts it and starts the container (an optional one may stay absent).
+    await v1.create_namespaced_secret(NS, secret_body("w-creds", string_data={"creds": "x"}))
+    await kube.wait_for_pod("w", NS, phase="Running")

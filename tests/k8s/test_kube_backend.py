@@ -4,17 +4,21 @@ kubernetes-asyncio client, a real shard master on a real nats-server, fake nodes
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
-from ebb.common import envvars
+from ebb.common import envvars, identity
 from ebb.common.bus import NatsConfig
+from ebb.controller.__main__ import worker_signer
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube import (
     JOB_LABEL,
@@ -24,6 +28,7 @@ from ebb.controller.kube import (
     repository,
     running_image,
 )
+from ebb.controller.podspec import CREDENTIALS_DIR, CREDENTIALS_KEY, mounted_credentials
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
 from tests.helpers import wait_until
@@ -572,3 +577,154 @@ async def test_a_dead_leaders_lease_expires_and_is_taken_over(kube: FakeKubeAPI)
 
 
 _ = Coroutine
+
+
+# -- one NATS credential per worker ----------------------------------------------------------
+
+
+def _secret_of(kube: FakeKubeAPI, pod: Obj) -> Obj | None:
+    name = mounted_credentials(pod)
+    return kube.get("secrets", name, NS) if name else None
+
+
+def _creds_in(secret: Obj) -> str:
+    return base64.b64decode(secret["data"][CREDENTIALS_KEY]).decode()
+
+
+async def test_each_worker_pod_mounts_a_credential_of_its_own_and_none_is_in_its_spec(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=3, cpu=2)
+    signer = identity.Trust.new("ebb").worker_signer()
+    h = harness_factory(tidal=None, signer=signer)
+    await h.converge(lambda: len(h.pods(job)) == 3, what="3 worker pods")
+    # The kubelet starts a container only once the Secret it mounts exists.
+    await kube.wait_for(
+        lambda: all(p["status"].get("phase") == "Running" for p in h.pods(job)), what="running"
+    )
+    seeds = set()
+    for pod in h.pods(job):
+        name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+        secret = _secret_of(kube, pod)
+        assert secret is not None, name
+        creds = _creds_in(secret)
+        # The credential names this worker (its id is the pod's name), and no other.
+        assert identity.credentials_name(creds) == name
+        seeds.add(creds.split("BEGIN USER NKEY SEED-----\n")[1].split("\n")[0])
+        assert secret["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid}
+        ]
+        assert secret["immutable"] is True
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == CREDENTIALS_DIR)
+        assert mount["readOnly"] is True
+        assert env[envvars.NATS_CREDS]["value"] == f"{CREDENTIALS_DIR}/{CREDENTIALS_KEY}"
+        # Nothing secret in the pod: no password, token or credential text, no shared Secret.
+        for var in (envvars.NATS_USER, envvars.NATS_PASSWORD, envvars.NATS_TOKEN):
+            assert var not in env
+        assert envvars.NATS_CREDENTIALS not in env
+        assert "NKEY SEED" not in json.dumps(pod) and "ebb-nats-worker" not in json.dumps(pod)
+    assert len(seeds) == 3
+    # A pass that finds every pod with its Secret makes no request for one.
+    posts = _secret_posts(kube)
+    await h.reconciler.reconcile_once()
+    await h.reconciler.reconcile_once()
+    assert _secret_posts(kube) == posts == 3
+
+
+def _secret_posts(kube: FakeKubeAPI) -> int:
+    return sum(1 for r in kube.requests if r.method == "POST" and r.path.endswith("/secrets"))
+
+
+async def test_a_controller_lost_between_a_pod_and_its_secret_is_repaired_by_the_next(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    signer = identity.Trust.new("ebb").worker_signer()
+    # The first controller creates the pod, then fails to create its Secret (and dies).
+    lost = kube.fail_next(status=503, method="POST", path=r"/secrets$")
+    first = harness_factory(tidal=None, signer=signer)
+    with pytest.raises(ApiException):
+        await first.reconciler.reconcile_once()
+    assert lost.hits
+    (pod,) = h_pods = first.pods(job)
+    await first.close()
+    # Without its credential the pod waits, and is not counted as failed.
+    await kube.wait_for(
+        lambda: (
+            (kube.get_pod(pod["metadata"]["name"], NS) or {})
+            .get("status", {})
+            .get("containerStatuses", [{}])[0]
+            .get("state", {})
+            .get("waiting", {})
+            .get("reason")
+            == "ContainerCreating"
+        ),
+        what="the pod waiting for its Secret",
+    )
+    assert _secret_of(kube, pod) is None and len(h_pods) == 1
+    # The next controller finds a pending pod of ours without its Secret, and makes it.
+    second = harness_factory(tidal=None, signer=signer)
+    await second.converge(lambda: _secret_of(kube, pod) is not None, what="the Secret made")
+    await kube.wait_for_pod(pod["metadata"]["name"], NS, phase="Running")
+    assert [p["metadata"]["uid"] for p in second.pods(job)] == [pod["metadata"]["uid"]]
+    secret = _secret_of(kube, pod)
+    assert secret is not None
+    assert identity.credentials_name(_creds_in(secret)) == pod["metadata"]["name"]
+    # A repeated launch of the same worker (its pod there: 409) makes nothing twice.
+    status = await ebb.job(job)
+    await second.backend.launch(status, pod["metadata"]["name"])
+    await second.reconciler.reconcile_once()
+    assert _secret_posts(kube) == 2  # the one refused, the one made
+
+
+async def test_a_worker_pods_secret_goes_with_the_pod(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=2)
+    h = harness_factory(tidal=None, signer=identity.Trust.new("ebb").worker_signer())
+    await h.converge(lambda: len(h.pods(job)) == 2, what="2 worker pods")
+    pods = h.pods(job)
+    await kube.wait_for(lambda: all(_secret_of(kube, p) for p in pods), what="their Secrets")
+    await ebb.cancel(job)
+    await h.converge(lambda: not h.pods(job, alive=False), what="the pods deleted")
+    # Kubernetes' garbage collector deletes each Secret with its owner; the controller
+    # deletes no Secret itself.
+    await kube.wait_for(lambda: not any(_secret_of(kube, p) for p in pods), what="Secrets gone")
+    assert not [r for r in kube.requests if r.method == "DELETE" and "/secrets" in r.path]
+
+
+async def test_without_a_signer_workers_share_the_configured_secret(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0")
+    job = await submit(ebb, tmp_path / "job", workers=1)
+    h = harness_factory(tidal=None)
+    (pod,) = await h.converge(lambda: h.pods(job), what="a worker pod")
+    assert mounted_credentials(pod) is None
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env[envvars.NATS_USER]["valueFrom"]["secretKeyRef"]["name"] == "ebb-nats-worker"
+    assert envvars.NATS_CREDS not in env
+    await kube.wait_for_pod(pod["metadata"]["name"], NS, phase="Running")
+    assert _secret_posts(kube) == 0
+
+
+def test_the_controller_takes_its_signing_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trust = identity.Trust.new("ebb")
+    monkeypatch.delenv(envvars.WORKER_NATS_SIGNING_KEY, raising=False)
+    assert worker_signer() is None  # workers then share `nats_secret`
+    monkeypatch.setenv(envvars.WORKER_NATS_SIGNING_KEY, trust.worker_signing_key.seed)
+    monkeypatch.delenv(envvars.WORKER_NATS_ACCOUNT, raising=False)
+    with pytest.raises(SystemExit, match=envvars.WORKER_NATS_ACCOUNT):
+        worker_signer()
+    monkeypatch.setenv(envvars.WORKER_NATS_ACCOUNT, trust.account.public)
+    assert worker_signer() == trust.worker_signer()
+    monkeypatch.setenv(envvars.WORKER_NATS_SIGNING_KEY, "not a seed")
+    with pytest.raises(SystemExit, match="not an nkey seed"):
+        worker_signer()

@@ -1,11 +1,14 @@
 """The `k8s/base` holds together: what each manifest names exists, the controller's
-configuration loads, NATS accepts its configuration and lets each role in with its Secret's
-password, and the image is built the way the project pins it."""
+configuration loads, NATS accepts its configuration (operator mode, with the keys
+make-secrets.sh makes) and lets each role in with its Secret's credentials and each worker
+with the credential the controller mints, and the image is built the way the project pins it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ebb.common import auth, bus, schema
+from ebb.common import auth, bus, identity, schema
 from ebb.common.bus import NatsConfig
 from ebb.common.embedded import EmbeddedNats, find_nats_server
 from ebb.common.errors import BusError
@@ -30,11 +33,19 @@ def containers(obj: Obj) -> list[Obj]:
 
 
 def secrets_made() -> list[Obj]:
-    """What `sh k8s/make-secrets.sh` prints."""
+    """What `sh k8s/make-secrets.sh` prints (fresh keys each time)."""
     out = subprocess.run(
-        ["sh", str(K8S / "make-secrets.sh")], capture_output=True, text=True, check=True
+        ["sh", str(K8S / "make-secrets.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
     ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def secret_data(secrets: list[Obj]) -> dict[str, dict[str, str]]:
+    return {s["metadata"]["name"]: s["stringData"] for s in secrets}
 
 
 def test_every_file_the_kustomization_names_exists_and_parses() -> None:
@@ -63,17 +74,38 @@ def test_the_controller_configuration_loads_and_names_what_exists() -> None:
     assert find("ServiceAccount", config.service_account)["automountServiceAccountToken"] is False
     assert config.nats.url == "nats://ebb-nats:4222"
     find("Service", "ebb-nats")
-    assert config.nats_secret in {s["metadata"]["name"] for s in secrets_made()}
+    # Workers share no Secret: the controller mints each its own, with the signer's key.
+    assert config.nats_secret is None
     deployment = find("Deployment", "ebb-controller")
     (controller,) = containers(deployment)
+    env = {e["name"]: e for e in controller["env"]}
+    for var, key in (
+        ("EBB_WORKER_NATS_SIGNING_KEY", "signing_key"),
+        ("EBB_WORKER_NATS_ACCOUNT", "account"),
+    ):
+        ref = {"name": "ebb-nats-worker-signer", "key": key}
+        assert env[var]["valueFrom"]["secretKeyRef"] == ref
     assert controller["args"][-1] == "/etc/ebb/controller.yaml"
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
     generated = find("ConfigMap", "ebb-controller-config")["metadata"]["name"]
     assert {"name": "config", "configMap": {"name": generated}} in volumes
 
 
+def secret_volumes(pod: Obj) -> dict[str, tuple[str, list[str]]]:
+    """Volume name -> (Secret, keys read) of a pod template's Secret volumes and projections."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for volume in pod.get("volumes", []):
+        sources = [volume, *(volume.get("projected") or {}).get("sources", [])]
+        for source in sources:
+            secret = source.get("secret")
+            if secret:
+                name = secret.get("secretName") or secret.get("name")
+                out[volume["name"]] = (name, [i["key"] for i in secret.get("items", [])])
+    return out
+
+
 def test_every_secret_a_pod_reads_is_one_make_secrets_writes_or_optional() -> None:
-    made = {s["metadata"]["name"]: s["stringData"] for s in secrets_made()}
+    made = secret_data(secrets_made())
     for obj in objects():
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
@@ -84,23 +116,42 @@ def test_every_secret_a_pod_reads_is_one_make_secrets_writes_or_optional() -> No
                     assert ref["key"] in made[ref["name"]], (obj["metadata"]["name"], env)
             for source in container.get("envFrom", []):
                 assert source["secretRef"].get("optional") is True
+        for name, keys in secret_volumes(obj["spec"]["template"]["spec"]).values():
+            assert name in made and set(keys) <= set(made[name]), (obj["metadata"]["name"], name)
 
 
-def test_make_secrets_gives_each_role_its_user_and_a_fresh_password() -> None:
-    first, second = secrets_made(), secrets_made()
-    users = {s["metadata"]["name"]: s["stringData"]["user"] for s in first}
-    assert users == {f"ebb-nats-{r}": auth.user_name("ebb", r) for r in auth.ROLES}
-    passwords = [s["stringData"]["password"] for s in first + second]
-    assert len(set(passwords)) == len(passwords) and all(len(p) >= 32 for p in passwords)
+def test_make_secrets_makes_fresh_keys_and_gives_each_role_its_credentials() -> None:
+    first, second = secret_data(secrets_made()), secret_data(secrets_made())
+    roles: tuple[auth.Role, ...] = ("master", "controller", "client")
+    assert set(first) == {
+        "ebb-nats-auth",
+        "ebb-nats-worker-signer",
+        *(f"ebb-nats-{r}" for r in roles),
+    }
+    for role in roles:
+        creds = first[f"ebb-nats-{role}"]["creds"]
+        assert identity.credentials_name(creds) == auth.user_name("ebb", role)
+        assert creds != second[f"ebb-nats-{role}"]["creds"]
+    # No worker user: workers get credentials minted for each by the controller.
+    assert "ebb-nats-worker" not in first
+    signer = first["ebb-nats-worker-signer"]
+    assert identity.Key.from_seed(signer["signing_key"]).public.startswith("A")
+    conf = first["ebb-nats-auth"]["auth.conf"]
+    assert "resolver: MEMORY" in conf and f"  {signer['account']}: " in conf
+    assert conf != second["ebb-nats-auth"]["auth.conf"]
+    assert signer["signing_key"] not in conf  # the server knows the public key only
 
 
-def test_each_service_connects_as_its_own_role() -> None:
-    expected = {"ebb-master": "master", "ebb-controller": "controller"}
-    for name, role in expected.items():
-        (container,) = containers(find("Deployment", name))
+def test_each_service_connects_with_its_own_credentials() -> None:
+    for name, role in {"ebb-master": "master", "ebb-controller": "controller"}.items():
+        pod = find("Deployment", name)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
         env = {e["name"]: e for e in container["env"]}
-        ref = env["EBB_NATS_USER"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": f"ebb-nats-{role}", "key": "user"}
+        assert "EBB_NATS_PASSWORD" not in env and "EBB_NATS_USER" not in env
+        path = Path(env["EBB_NATS_CREDS"]["value"])
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent)]
+        assert mount["readOnly"] is True
+        assert secret_volumes(pod)[mount["name"]] == (f"ebb-nats-{role}", [path.name])
 
 
 def nats_conf(name: str = "nats.conf") -> str:
@@ -108,22 +159,30 @@ def nats_conf(name: str = "nats.conf") -> str:
     return text
 
 
-def test_the_nats_authorization_is_the_one_the_code_defines() -> None:
-    env_refs: dict[auth.Role, str] = {r: f"$EBB_{r.upper()}_PASSWORD" for r in auth.ROLES}
-    assert auth.authorization_config("ebb", env_refs) in nats_conf()
+def test_nats_runs_in_operator_mode_with_the_auth_file_beside_its_configuration() -> None:
+    conf = nats_conf()
+    assert "include ./auth.conf" in conf
+    assert "authorization" not in conf and "password" not in conf
+    pod = find("StatefulSet", "ebb-nats")["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "nats"]
+    config = container["args"][container["args"].index("--config") + 1]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(Path(config).parent)]
+    assert secret_volumes(pod)[mount["name"]] == ("ebb-nats-auth", ["auth.conf"])
+    assert not [
+        e for e in container.get("env", []) if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    ]
 
 
 @pytest.fixture
 def k8s_nats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """nats-server running k8s/'s configuration, with the passwords make-secrets.sh made.
-    Only where it listens and stores changes: a free port, a temp store, no monitoring."""
-    passwords = {s["stringData"]["user"]: s["stringData"]["password"] for s in secrets_made()}
-    for role in auth.ROLES:
-        monkeypatch.setenv(f"EBB_{role.upper()}_PASSWORD", passwords[auth.user_name("ebb", role)])
+    """nats-server running k8s/'s configuration, with the keys make-secrets.sh made. Only
+    where it listens and stores changes: a free port, a temp store, no monitoring."""
+    made = secret_data(secrets_made())
     monkeypatch.setenv("POD_NAME", "ebb-nats-0")
     conf = tmp_path / "nats.conf"
     conf.write_text(nats_conf().replace("http_port: 8222\n", ""))
     (tmp_path / "cluster.conf").write_text(nats_conf("cluster.conf"))
+    (tmp_path / "auth.conf").write_text(made["ebb-nats-auth"]["auth.conf"])
     checked = subprocess.run(
         [find_nats_server(), "--config", str(conf), "-t"],
         check=False,
@@ -137,22 +196,36 @@ def k8s_nats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     server = EmbeddedNats(state_dir=tmp_path / "store", config_file=str(runnable))
     server.start()
     try:
-        yield server, passwords
+        yield server, made
     finally:
         server.stop()
 
 
-async def test_nats_runs_that_configuration_and_lets_each_role_in(k8s_nats: Any) -> None:
-    server, passwords = k8s_nats
-    for user, password in passwords.items():
-        nc = await bus.connect(
-            NatsConfig(url=server.url, user=user, password=password), name="manifest-test"
-        )
+async def test_nats_runs_that_configuration_and_lets_each_role_and_worker_in(k8s_nats: Any) -> None:
+    server, made = k8s_nats
+    base = NatsConfig(url=server.url)
+    for role in ("master", "controller", "client"):
+        config = dataclasses.replace(base, creds=made[f"ebb-nats-{role}"]["creds"])
+        nc = await bus.connect(config, name="manifest-test")
         assert nc.is_connected
         await nc.close()
-    stranger = NatsConfig(url=server.url, user="ebb-worker", password="not-the-secret")
-    with pytest.raises(BusError, match="refused"):
-        await bus.connect(stranger, name="stranger")
+    signer_secret = made["ebb-nats-worker-signer"]
+    signer = identity.WorkerSigner(
+        account=signer_secret["account"],
+        signing_key=identity.Key.from_seed(signer_secret["signing_key"]),
+    )
+    nc = await bus.connect(
+        dataclasses.replace(base, creds=signer.credentials("w-1")), name="worker"
+    )
+    assert nc.is_connected
+    await nc.close()
+    stranger = identity.Trust.new("ebb").worker_signer().credentials("w-1")
+    for refused in (
+        dataclasses.replace(base, creds=stranger),
+        dataclasses.replace(base, user="ebb-worker", password="not-the-secret"),
+    ):
+        with pytest.raises(BusError, match="refused"):
+            await bus.connect(refused, name="stranger")
 
 
 def test_the_image_pins_torch_as_the_project_does() -> None:

@@ -15,7 +15,7 @@ from ebb.controller.avoidance import NodeAvoidance
 from ebb.controller.capacity import Resources
 from ebb.controller.failures import Failure
 from ebb.controller.kube import KubeConfig
-from ebb.controller.podspec import pod_name, worker_pod
+from ebb.controller.podspec import credentials_secret_name, pod_name, worker_pod
 from ebb.controller.views import NodeView, PodView
 
 from .manifests import find
@@ -53,6 +53,23 @@ CASES: dict[str, tuple[KubeConfig, Resources, list[str]]] = {
         ["node-b", "node-a"],
     ),
 }
+
+
+def test_a_worker_pod_with_a_credential_of_its_own_is_its_golden_spec() -> None:
+    """It mounts its own credentials Secret and names the file; no shared Secret, nothing
+    secret in its environment."""
+    config, shape, avoid = CASES["default"]
+    pod = worker_pod(
+        "job-7f3a",
+        config,
+        worker_id="Worker_7F3A.host-1",
+        shape=shape,
+        avoid=avoid,
+        own_credentials=True,
+    )
+    golden = json.loads((GOLDEN / "worker_pod_own_credentials.json").read_text())
+    assert pod == golden
+    assert _secrets_read(pod["spec"]) == {"ebb-storage-worker", "worker-7f3a-host-1-nats"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -129,8 +146,10 @@ def test_a_node_is_avoided_after_failures_within_the_window_and_only_for_a_while
 
 
 def _secrets_read(pod_spec: dict[str, Any]) -> set[str]:
-    """Every Secret a pod's containers read, through envFrom or env."""
-    names: set[str] = set()
+    """Every Secret a pod's containers read, through envFrom, env or a volume."""
+    names: set[str] = {
+        v["secret"]["secretName"] for v in pod_spec.get("volumes") or [] if "secret" in v
+    }
     for c in pod_spec["containers"]:
         names |= {s["secretRef"]["name"] for s in c.get("envFrom") or [] if "secretRef" in s}
         for e in c.get("env") or []:
@@ -146,14 +165,21 @@ def test_workers_get_their_own_storage_credentials_never_the_masters() -> None:
     text = find("ConfigMap", "ebb-controller-config")["data"]["controller.yaml"]
     config = schema.load(KubeConfig, yaml.safe_load(text))
     pod = worker_pod(
-        "job-1", config, worker_id="w-1", shape={"cpu": 1.0, "memory": 2**30}, avoid=[]
+        "job-1",
+        config,
+        worker_id="w-1",
+        shape={"cpu": 1.0, "memory": 2**30},
+        avoid=[],
+        own_credentials=True,  # the deployed controller has the workers' signing key
     )
     worker_secrets = _secrets_read(pod["spec"])
     master = find("Deployment", "ebb-master")["spec"]["template"]["spec"]
     master_storage = {s["secretRef"]["name"] for s in master["containers"][0]["envFrom"]}
     assert master_storage == {"ebb-storage-master"}
-    assert worker_secrets == {"ebb-storage-worker", "ebb-nats-worker"}
+    assert worker_secrets == {"ebb-storage-worker", credentials_secret_name("w-1")}
     assert not worker_secrets & _secrets_read(master)
+    controller = find("Deployment", "ebb-controller")["spec"]["template"]["spec"]
+    assert not worker_secrets & _secrets_read(controller)
 
 
 def test_the_configuration_names_the_secrets_workers_get() -> None:

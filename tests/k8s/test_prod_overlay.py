@@ -2,7 +2,8 @@
 kustomize, and run: three nats-servers on loopback with the overlay's own configuration
 (only addresses and folders changed) form the cluster, take Ebb's stream and buckets at the
 replicas the master asks for, and a server sent the preStop hook's lame-duck signal hands
-over to the other two."""
+over to the other two. They run in operator mode with the keys make-secrets.sh makes: each
+part of Ebb connects with its own credentials, and a worker's may not ask in another's name."""
 
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
-from ebb.common import auth, bus
+from ebb.common import auth, bus, identity
 from ebb.common.bus import NatsConfig
 from ebb.common.embedded import find_nats_server
 from ebb.common.subjects import Subjects
 from tests.helpers import wait_until
 
 from .manifests import PROD, Obj, find, objects
-from .test_manifests import secrets_made
+from .test_manifests import secret_data, secrets_made
 from .test_policies import restricted_violations
 
 pytestmark = pytest.mark.timeout(180)
@@ -173,9 +175,11 @@ class ProdNats:
         self.clients = [_free_port() for _ in range(3)]
         self.routes = [_free_port() for _ in range(3)]
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.passwords = {
-            s["stringData"]["user"]: s["stringData"]["password"] for s in secrets_made()
-        }
+        self.secrets = secret_data(secrets_made())
+        signer = self.secrets["ebb-nats-worker-signer"]
+        self.signer = identity.WorkerSigner(
+            account=signer["account"], signing_key=identity.Key.from_seed(signer["signing_key"])
+        )
         service = find("StatefulSet", "ebb-nats", PROD)["spec"]["serviceName"]
         self.args = nats_container()["args"]
         self.pid_in_pod = self.args[self.args.index("--pid") + 1]
@@ -195,6 +199,8 @@ class ProdNats:
                 )
             (folder / "nats.conf").write_text(main)
             (folder / "cluster.conf").write_text(cluster)
+            # The Secret ebb-nats-auth, projected beside the ConfigMap's files.
+            (folder / "auth.conf").write_text(self.secrets["ebb-nats-auth"]["auth.conf"])
 
     def pid_file(self, k: int) -> str:
         return str(self.root / f"ebb-nats-{k}" / "nats.pid")
@@ -202,8 +208,6 @@ class ProdNats:
     def start(self) -> None:
         for k in range(3):
             env = dict(os.environ, POD_NAME=f"ebb-nats-{k}")
-            for role in auth.ROLES:
-                env[f"EBB_{role.upper()}_PASSWORD"] = self.passwords[auth.user_name("ebb", role)]
             args = [a.replace(self.pid_in_pod, self.pid_file(k)) for a in self.args]
             args = [
                 a.replace("/etc/nats/nats.conf", str(self.root / f"ebb-nats-{k}" / "nats.conf"))
@@ -221,11 +225,15 @@ class ProdNats:
         return f"nats://127.0.0.1:{self.clients[k]}"
 
     def config(self, *servers: int, role: auth.Role = "master") -> NatsConfig:
-        return NatsConfig(
-            url=",".join(self.url(k) for k in servers),
-            user=auth.user_name("ebb", role),
-            password=self.passwords[auth.user_name("ebb", role)],
-        )
+        url = ",".join(self.url(k) for k in servers)
+        if role == "worker":
+            raise ValueError("a worker's credentials: worker_config()")
+        return NatsConfig(url=url, creds=self.secrets[f"ebb-nats-{role}"]["creds"])
+
+    def worker_config(self, worker: str, *servers: int) -> NatsConfig:
+        """What a worker pod gets: a credential the controller minted for it alone."""
+        url = ",".join(self.url(k) for k in servers)
+        return NatsConfig(url=url, creds=self.signer.credentials(worker))
 
     def stop(self) -> None:
         for process in self.processes:
@@ -306,3 +314,72 @@ async def test_the_overlays_nats_forms_a_cluster_holds_ebbs_state_and_hands_over
         await wait_until(written, timeout=60, what="a write while server 0 is in lame duck")
     finally:
         await others.close()
+
+
+async def test_the_overlays_nats_lets_a_worker_ask_only_in_its_own_name(
+    prod_nats: ProdNats,
+) -> None:
+    subjects = Subjects("ebb")
+
+    async def routed() -> bool:
+        return all(
+            len(re.findall(r"Route connection created", prod_nats.log(k))) >= 2 for k in range(3)
+        )
+
+    await wait_until(routed, timeout=60, what="every server routed to the other two")
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    config = prod_nats.worker_config("w-1", 1)
+    creds = prod_nats.root / "w-1.creds"
+    assert config.creds is not None
+    creds.write_text(config.creds)
+    # The master's side on another server of the cluster: what reaches its subjects.
+    master = await bus.connect(prod_nats.config(0), name="master")
+    worker = await nats.connect(
+        config.url, user_credentials=str(creds), error_cb=on_error, allow_reconnect=False
+    )
+    try:
+        seen: list[tuple[str, bytes]] = []
+
+        async def note(msg: Msg) -> None:
+            seen.append((msg.subject, msg.data))
+
+        own = subjects.worker_op("lease", "w-1")
+        await master.subscribe(subjects.worker_ops("lease"), cb=note)
+        await master.flush()
+
+        async def reached(data: bytes) -> bool:
+            await worker.publish(own, data)
+            await worker.flush()
+            return (own, data) in seen
+
+        # Its own name: through the cluster to the master (routes carry the account's traffic).
+        await wait_until(lambda: reached(b"first"), timeout=30, what="w-1's own request through")
+        # Another worker's name: the server refuses it, and nothing reaches the master.
+        other = subjects.worker_op("lease", "w-2")
+        await worker.publish(other, b"forged")
+        await worker.flush()
+        await wait_until(
+            lambda: any("permissions violation" in e.lower() and other in e for e in errors),
+            timeout=10,
+            what="a permissions violation for another worker's subject",
+        )
+        # Nor may it listen to another worker's replies (the server says so in its log).
+        snoop = f"{auth.worker_inbox('ebb', 'w-2')}.>"
+        await worker.subscribe(snoop)
+        await worker.flush()
+        await wait_until(
+            lambda: f'Subscription Violation - Subject "{snoop}"' in prod_nats.log(1),
+            timeout=10,
+            what="a permissions violation for another worker's inbox",
+        )
+        # What it sends after the forged request arrives; the forged one never did.
+        await wait_until(lambda: reached(b"after"), timeout=30, what="a later request through")
+        assert not [s for s, _ in seen if s != own]
+        assert worker.is_connected
+    finally:
+        await worker.close()
+        await master.close()

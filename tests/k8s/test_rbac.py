@@ -1,7 +1,8 @@
 """k8s/base/rbac.yaml grants the controller exactly what it uses: the real controller (the
 kubernetes-asyncio client against the fake API server) goes through its whole life, from
 reading its own pod and Deployment, leading through its Lease, lending a mixed node, to
-starting and removing a job's workers; every request it makes is granted, and every
+starting and removing a job's workers, each with its NATS credentials Secret; every request
+it makes is granted, and every
 permission granted is one it used."""
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from ebb.client.sdk import EbbClient
+from ebb.common import identity
 from ebb.common.bus import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
+from ebb.controller.podspec import credentials_secret_name
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
 from tests.k8s.fake_apiserver import FakeKubeAPI
@@ -113,7 +116,7 @@ async def test_the_controller_uses_every_permission_it_has_and_no_other(
         )
         controller = Controller(
             ControllerConfig(nats=nats_config, resync_s=0.1),
-            KubernetesBackend(config, api),
+            KubernetesBackend(config, api, signer=identity.Trust.new("ebb").worker_signer()),
             elector=elector,
         )
         run = asyncio.create_task(controller.run())
@@ -127,6 +130,14 @@ async def test_the_controller_uses_every_permission_it_has_and_no_other(
                 ]
 
             await kube.wait_for(lambda: len(workers()) >= 2, timeout=30, what="workers")
+            await kube.wait_for(
+                lambda: all(
+                    kube.get("secrets", credentials_secret_name(p["metadata"]["name"]), NS)
+                    for p in workers()
+                ),
+                timeout=30,
+                what="their credentials",
+            )
             await kube.wait_for(
                 lambda: any(tidal_state(kube, f"mix-{n}") == "offline" for n in range(2)),
                 timeout=30,

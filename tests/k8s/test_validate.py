@@ -4,14 +4,20 @@ is an error, not silently dropped by the API server)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from ebb.common import identity
+from ebb.controller.podspec import credentials_secret
 
 from .manifests import BASE, K8S, OVERLAYS, render
+from .test_podspec import GOLDEN
 
 # The oldest Kubernetes release still maintained upstream when this was written, and the
 # newest the validator knows.
@@ -60,3 +66,21 @@ def test_the_validator_refuses_a_misplaced_field(tmp_path: Path) -> None:
 
 def test_there_is_a_prod_overlay() -> None:
     assert K8S / "overlays" / "prod" in OVERLAYS
+
+
+def test_what_the_controller_creates_validates_strictly(tmp_path: Path) -> None:
+    """Its worker pods (the golden ones) and a worker's credentials Secret."""
+    pods = [json.loads(p.read_text()) for p in sorted(GOLDEN.glob("worker_pod_*.json"))]
+    owned = {**pods[0], "metadata": {**pods[0]["metadata"], "uid": "0d1e2f"}}
+    secret = credentials_secret(owned, identity.Trust.new("ebb").worker_signer().credentials("w"))
+    made = tmp_path / "made.yaml"
+    made.write_text(yaml.safe_dump_all([*pods, secret]))
+    for version in VERSIONS:
+        done = subprocess.run(
+            [validator(), "--strict", "--quiet", "-k", version, str(made)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "WARN" not in done.stdout, done.stdout

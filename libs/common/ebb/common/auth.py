@@ -11,8 +11,9 @@ Each role also gets its own inbox prefix, so that one role cannot read the repli
 another (a worker cannot see the master's KV reads, nor a client's job listings); a
 connection as `<prefix>-<role>` uses its role's prefix without being told.
 
-The same rules render to the `authorization` block of a nats-server configuration, for the
-embedded server and for the one `k8s/` deploys (`python -m ebb.common.auth`).
+The same rules render to the `authorization` block of a nats-server configuration with
+password users (`python -m ebb.common.auth`), and to the JWT claims of decentralised
+authentication (ebb.common.identity), which the embedded stack and `k8s/` use.
 """
 
 from __future__ import annotations

@@ -17,10 +17,14 @@ gets a credential of its own, minted by the controller that launches it:
 Everything is checked by nats-server itself (its memory resolver, preloaded with the operator
 and account JWTs); the master checks in addition that a lease token is used by its holder.
 JWTs follow nats-io/jwt v2 (header `ed25519-nkey`, claims under `nats`); keys are NATS nkeys.
+
+On Kubernetes the keys are made once, by `python -m ebb.common.identity k8s` (see
+`kubernetes_secrets`), and kept in Secrets; in the embedded stack, at each start.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import json
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nkeys
+import yaml
 
 from .auth import Permissions, Role, permissions, user_name, worker_template
 from .subjects import check_worker_id
@@ -250,3 +255,90 @@ class Trust:
             f"  {self.account.public}: {account}\n"
             "}\n"
         )
+
+
+SERVER_SECRET = "nats-auth"  # noqa: S105 - a Secret's name
+"""The Secret (after the prefix) with nats-server's operator and accounts: `auth.conf`."""
+SERVER_SECRET_KEY = "auth.conf"  # noqa: S105 - a key's name
+SIGNER_SECRET = "nats-worker-signer"  # noqa: S105 - a Secret's name
+"""The Secret (after the prefix) with the key that signs workers' credentials: only the
+controller reads it."""
+CREDS_KEY = "creds"
+"""The key of a role's Secret (`<prefix>-nats-<role>`) that holds its .creds text."""
+_SECRET_ROLES: tuple[Role, ...] = ("master", "controller", "client")
+
+
+def kubernetes_secrets(
+    trust: Trust, *, namespace: str, name_prefix: str = "ebb"
+) -> list[dict[str, Any]]:
+    """The Secrets of one installation on Kubernetes, from `trust`:
+
+    - `<name_prefix>-nats-auth`: `auth.conf`, which nats-server's configuration includes
+      (operator, system account, Ebb's account with the workers' scoped signing key);
+    - `<name_prefix>-nats-{master,controller,client}`: `creds`, each role's credentials;
+    - `<name_prefix>-nats-worker-signer`: `signing_key` (a seed) and `account` (a public key),
+      with which the controller mints each worker pod a credential of its own.
+    """
+
+    def secret(name: str, data: dict[str, str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": f"{name_prefix}-{name}",
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/part-of": "ebb"},
+            },
+            "type": "Opaque",
+            "stringData": data,
+        }
+
+    return [
+        secret(SERVER_SECRET, {SERVER_SECRET_KEY: trust.server_config()}),
+        *(
+            secret(f"nats-{role}", {CREDS_KEY: trust.role_credentials(role)})
+            for role in _SECRET_ROLES
+        ),
+        secret(
+            SIGNER_SECRET,
+            {"signing_key": trust.worker_signing_key.seed, "account": trust.account.public},
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m ebb.common.identity",
+        description="Make the NATS keys of a new Ebb installation (an operator, its accounts, "
+        "each role's credentials and the key that signs workers' credentials) and print them.",
+    )
+    commands = p.add_subparsers(dest="command", required=True)
+    k8s = commands.add_parser(
+        "k8s",
+        help="as Kubernetes Secrets, for `kubectl create -f -` (create, never apply: "
+        "running it again makes new keys, which would lock out running pods)",
+    )
+    k8s.add_argument("--namespace", default="ebb")
+    k8s.add_argument("--prefix", default="ebb", help="Ebb's subject prefix (EBB_PREFIX)")
+    k8s.add_argument("--name-prefix", default="ebb", help="what the Secrets' names start with")
+    args = p.parse_args(argv)
+    trust = Trust.new(args.prefix)
+    secrets = kubernetes_secrets(trust, namespace=args.namespace, name_prefix=args.name_prefix)
+    text = yaml.dump_all(secrets, Dumper=_BlockDumper, sort_keys=False, explicit_start=True)
+    print(text, end="")
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (a .creds text, a configuration) as YAML block literals, readable."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _represent_str)
+
+
+if __name__ == "__main__":
+    main()

@@ -89,7 +89,24 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
     elector = LeaderElector(
         api, namespace=config.namespace, name="ebb-controller", identity=args.id
     )
-    return KubernetesBackend(config, api), elector, api
+    return KubernetesBackend(config, api, signer=worker_signer()), elector, api
+
+
+def worker_signer() -> WorkerSigner | None:
+    """The key that mints each worker a NATS credential of its own (ebb.common.identity),
+    if this controller was given one."""
+    seed = os.environ.get(envvars.WORKER_NATS_SIGNING_KEY)
+    if not seed:
+        return None
+    account = os.environ.get(envvars.WORKER_NATS_ACCOUNT, "")
+    if not account:
+        raise SystemExit(
+            f"{envvars.WORKER_NATS_SIGNING_KEY} is set without {envvars.WORKER_NATS_ACCOUNT}"
+        )
+    try:
+        return WorkerSigner(account=account, signing_key=Key.from_seed(seed))
+    except ValueError as e:
+        raise SystemExit(f"{envvars.WORKER_NATS_SIGNING_KEY}: {e}") from None
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -109,13 +126,9 @@ async def amain(args: argparse.Namespace) -> int:
                 password=os.environ.get(envvars.WORKER_NATS_PASSWORD),
                 token=None,
             )
-        signer = None
-        if os.environ.get(envvars.WORKER_NATS_SIGNING_KEY):
+        signer = worker_signer()
+        if signer is not None:
             # Better still: a credential of its own for each worker (ebb.common.identity).
-            signer = WorkerSigner(
-                account=os.environ.get(envvars.WORKER_NATS_ACCOUNT, ""),
-                signing_key=Key.from_seed(os.environ[envvars.WORKER_NATS_SIGNING_KEY]),
-            )
             worker_nats = dataclasses.replace(
                 nats, user=None, password=None, token=None, creds=None, creds_file=None
             )

@@ -18,12 +18,57 @@ APP_LABEL = "app.kubernetes.io/name"
 JOB_LABEL = "ebb.io/job"
 WORKER_LABEL = "ebb.io/worker"
 DEFAULT_IMAGE = "ebb:latest"
+CREDENTIALS_KEY = "creds"
+"""The key of a worker's credentials Secret that holds its .creds text."""
+CREDENTIALS_DIR = "/var/run/secrets/ebb/nats"
+"""Where a worker pod mounts its credentials Secret."""
+_CREDENTIALS_VOLUME = "nats-credentials"
 
 
 def pod_name(worker_id: str) -> str:
     """A worker id as a pod name (DNS-1123: lower case, digits and '-', 63 at most)."""
     name = re.sub(r"[^a-z0-9-]+", "-", worker_id.lower()).strip("-")
     return (name[:63].rstrip("-")) or "ebb-worker"
+
+
+def credentials_secret_name(pod: str) -> str:
+    """The Secret that holds the NATS credentials of the worker that runs in pod `pod`."""
+    return f"{pod}-nats"
+
+
+def credentials_secret(pod: Obj, creds: str) -> Obj:
+    """The Secret of worker pod `pod` (as created: it has a uid) with its .creds text, owned by
+    the pod: Kubernetes' garbage collector deletes it with the pod."""
+    meta = pod["metadata"]
+    owner = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": meta["name"],
+        "uid": meta["uid"],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": credentials_secret_name(meta["name"]),
+            "namespace": meta["namespace"],
+            "labels": dict(meta.get("labels") or {}),
+            "ownerReferences": [owner],
+        },
+        "type": "Opaque",
+        # Written once: a credential is replaced with its pod, never in place.
+        "immutable": True,
+        "stringData": {CREDENTIALS_KEY: creds},
+    }
+
+
+def mounted_credentials(pod: Obj) -> str | None:
+    """The credentials Secret a worker pod mounts, if it mounts one."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        if volume.get("name") == _CREDENTIALS_VOLUME:
+            name = (volume.get("secret") or {}).get("secretName")
+            return str(name) if name else None
+    return None
 
 
 def worker_pod(
@@ -34,9 +79,15 @@ def worker_pod(
     shape: Resources,
     avoid: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    own_credentials: bool = False,
 ) -> Obj:
     """The pod of worker `worker_id` of job `job`: requests `shape`, runs `config.image`,
-    on the offline pool or a lent mixed node, never on a node named in `avoid`."""
+    on the offline pool or a lent mixed node, never on a node named in `avoid`.
+
+    `own_credentials`: the worker connects to NATS with a credential of its own, read from
+    the Secret `credentials_secret_name(pod name)` (mounted, never in the environment: any
+    reader of pods would see it there), which the controller creates once the pod exists;
+    the kubelet starts the container once it does. Otherwise: `config.nats_secret`."""
     c = config
     name = pod_name(worker_id)
     requests = {"cpu": f"{shape['cpu']:g}", "memory": f"{int(shape['memory'])}"}
@@ -60,7 +111,7 @@ def worker_pod(
         "image": c.image or DEFAULT_IMAGE,
         "imagePullPolicy": c.image_pull_policy,
         "command": ["python", "-m", "ebb.worker"],
-        "env": _environment(job, c, name, env or {}),
+        "env": _environment(job, c, name, env or {}, own_credentials=own_credentials),
         "envFrom": [{"secretRef": {"name": s, "optional": True}} for s in c.env_from_secrets],
         "resources": {"requests": requests, "limits": limits},
         # The worker writes why it gave up there; a crash without a word leaves the tail of
@@ -72,6 +123,13 @@ def worker_pod(
         # 64 MiB, too little for a batch of images.
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # noqa: S108 - a mount point
     }
+    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if own_credentials:
+        container["volumeMounts"].append(
+            {"name": _CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_DIR, "readOnly": True}
+        )
+        secret = {"secretName": credentials_secret_name(name)}
+        volumes.append({"name": _CREDENTIALS_VOLUME, "secret": secret})
     if c.metrics_port is not None:
         container["ports"] = [{"name": "metrics", "containerPort": c.metrics_port}]
     spec: Obj = {
@@ -80,7 +138,7 @@ def worker_pod(
         "affinity": {"nodeAffinity": _node_affinity(c.pool_label, sorted(avoid))},
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": volumes,
     }
     if c.tolerations:
         spec["tolerations"] = [dict(t) for t in c.tolerations]
@@ -94,7 +152,7 @@ def worker_pod(
 
 
 def _environment(
-    job: str, c: KubeConfig, name: str, extra: Mapping[str, str]
+    job: str, c: KubeConfig, name: str, extra: Mapping[str, str], *, own_credentials: bool
 ) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": envvars.JOB, "value": job},
@@ -107,7 +165,10 @@ def _environment(
     ]
     if c.metrics_port is not None:
         env.append({"name": envvars.METRICS_PORT, "value": str(c.metrics_port)})
-    if c.nats_secret:
+    if own_credentials:
+        creds = f"{CREDENTIALS_DIR}/{CREDENTIALS_KEY}"
+        env.append({"name": envvars.NATS_CREDS, "value": creds})
+    elif c.nats_secret:
         for key, var in (
             ("user", envvars.NATS_USER),
             ("password", envvars.NATS_PASSWORD),
