@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
+from .helpers import free_port
+
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
@@ -48,13 +50,6 @@ _HOP_BY_HOP = {
     "upgrade",
     "proxy-connection",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import yaml
 
 from ebb.common.embedded import EmbeddedNats
 
-from .helpers import job_spec, write_dataset, write_model
+from .helpers import free_port, job_spec, write_dataset, write_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -95,12 +94,6 @@ def test_demo(tmp_path: Path) -> None:
     assert manifest["rows"] == 20_000 and manifest["error_rows"] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
     write_dataset(tmp_path / "data", rows=4_000, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
@@ -108,7 +101,7 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
         {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 1.0}, "batch_size": 10}
     ]
     job_spec(tmp_path, rows_per_shard=1_000, stages=stages)
-    port = _free_port()
+    port = free_port()
     url = f"nats://127.0.0.1:{port}"
     up = subprocess.Popen(
         [

@@ -28,6 +28,7 @@ from ebb.common.subjects import Subjects
 from .helpers import (
     ASSETS,
     committed_files,
+    free_port,
     job_spec,
     read_output,
     wait_until,
@@ -36,20 +37,13 @@ from .helpers import (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Cluster:
     """Three nats-servers with JetStream, routed to each other."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.clients = [_free_port() for _ in range(3)]
-        self.routes = [_free_port() for _ in range(3)]
+        self.clients = [free_port() for _ in range(3)]
+        self.routes = [free_port() for _ in range(3)]
         self.processes: list[subprocess.Popen[bytes] | None] = [None, None, None]
 
     def url(self, k: int) -> str:

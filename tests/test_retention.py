@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -29,7 +28,7 @@ from ebb.common.messages import StatusReply, StatusRequest
 from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
 
-from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
+from .helpers import ASSETS, free_port, job_spec, wait_until, write_dataset, write_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -38,19 +37,13 @@ AT_ONCE = 100  # submissions and cancellations in flight together
 PAGE = 500  # the master's status page (ebb.shard_master.table.STATUS_PAGE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class MasterProcess:
     """`python -m ebb.shard_master`, started and stopped by the test."""
 
     def __init__(self, nats_config: NatsConfig, root: Path) -> None:
         self.env = {**os.environ, **nats_environment(nats_config), "EBB_LOG_LEVEL": "WARNING"}
         self.root = root
-        self.metrics_port = _free_port()
+        self.metrics_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, *, retention_s: float) -> None:

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -30,7 +29,7 @@ from ebb.common.spec import parse_job
 from ebb.controller.kube import KubeConfig, KubernetesBackend
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
-from tests.helpers import job_spec, wait_until, write_dataset, write_model
+from tests.helpers import free_port, job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, offline
 from tests.k8s.manifests import BASE
@@ -107,12 +106,6 @@ def as_prometheus(expr: str) -> str:
     return expr.replace("$__rate_interval", "20s").replace("$job_id", ".*")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str) -> Any:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -126,9 +119,9 @@ def _get(url: str) -> Any:
 def prometheus(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
     """A Prometheus scraping this process (master, controller) and one worker, every second."""
     ours, _ = start_http_server(0, addr="127.0.0.1")
-    worker_port = _free_port()
+    worker_port = free_port()
     targets = [f"127.0.0.1:{ours.server_address[1]}", f"127.0.0.1:{worker_port}"]
-    web = _free_port()
+    web = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"

@@ -11,7 +11,6 @@ import asyncio
 import importlib.metadata
 import os
 import re
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from ebb.common import auth, bus, identity
 from ebb.common.bus import NatsConfig
 from ebb.common.embedded import find_nats_server
 from ebb.common.subjects import Subjects
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 
 from .manifests import PROD, Obj, find, objects
 from .test_manifests import secret_data, secrets_made
@@ -158,13 +157,6 @@ def test_every_pod_of_the_overlay_meets_the_restricted_level_and_nats_is_the_tes
 # -- the overlay's configuration, run -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class ProdNats:
     """Three nats-servers running the overlay's nats.conf and cluster.conf, with the
     StatefulSet's arguments; only addresses, folders and the pid file moved to loopback and
@@ -172,8 +164,8 @@ class ProdNats:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.clients = [_free_port() for _ in range(3)]
-        self.routes = [_free_port() for _ in range(3)]
+        self.clients = [free_port() for _ in range(3)]
+        self.routes = [free_port() for _ in range(3)]
         self.processes: list[subprocess.Popen[bytes]] = []
         self.secrets = secret_data(secrets_made())
         signer = self.secrets["ebb-nats-worker-signer"]
