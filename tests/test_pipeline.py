@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 import pyarrow as pa
 import pytest
 import torch
@@ -533,3 +538,38 @@ async def test_a_stage_sees_the_environment_of_now_not_of_its_fork_servers_start
         [{"name": "EBB_TEST_SET_LATER"}],
     )
     assert outcomes == [(True, "now")]
+
+
+async def test_a_fork_server_killed_while_a_stage_starts_is_replaced_not_fatal(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fork server SIGKILLed while it is starting a stage (the OOM killer, a chaos run):
+    the start fails with EOF, which is the machine's doing, not the job's; the router starts
+    a new server and the stage, and the pipeline serves."""
+    real: Any = stageserver.stage_context()
+
+    class LosesItsServerOnce:
+        def __init__(self) -> None:
+            self.struck = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def Process(self, *args: Any, **kwargs: Any) -> Any:
+            # The router starts the process it asks for here at once.
+            if not self.struck:
+                self.struck = True
+                multiprocessing.forkserver.ensure_running()
+                (server,) = [
+                    p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())
+                ]
+                # Stopped, it takes the start request and never answers; killed, it hangs up.
+                server.send_signal(signal.SIGSTOP)
+                threading.Timer(0.5, server.send_signal, (signal.SIGKILL,)).start()
+            return real.Process(*args, **kwargs)
+
+    monkeypatch.setattr("ebb.worker.router.stage_context", LosesItsServerOnce)
+    caplog.set_level(logging.WARNING, logger="ebb.worker.router")
+    outcomes = await run_pipeline([features_stage(batch_size=16)], rows(50))
+    assert all(ok for ok, _ in outcomes) and len(outcomes) == 50
+    assert "stage server lost (EOFError" in caplog.text

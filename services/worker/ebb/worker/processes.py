@@ -95,10 +95,16 @@ class StageProcess:
             name=f"ebb-stage-{spec.name}-{slot}",
         )
         self.started = time.monotonic()
-        self.process.start()
-        # Our copies of the child's ends must go, or we would never see EOF when it dies.
-        inbox_r.close()
-        outbox_w.close()
+        try:
+            self.process.start()
+        except BaseException:
+            self.inbox.close()
+            self.outbox.close()
+            raise
+        finally:
+            # Our copies of the child's ends must go, or we would never see EOF when it dies.
+            inbox_r.close()
+            outbox_w.close()
         self.holding = Holding()
         """Rows sent to this process and not yet returned."""
         self.mapped: set[str] = set()

@@ -48,6 +48,7 @@ from .stageserver import stage_context
 log = logging.getLogger(__name__)
 
 _STARTUP_FAILURES_FATAL = 3
+_SPAWN_TRIES = 3
 
 ResultsCallback = Callable[[np.ndarray, Columns], None]
 ErrorsCallback = Callable[[np.ndarray, list[str]], None]
@@ -185,7 +186,18 @@ class Router:
             self._shutdown(grace_s)
 
     def _spawn(self, stage: int, slot: int) -> None:
-        p = StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
+        for attempt in range(_SPAWN_TRIES):
+            try:
+                p = StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
+                break
+            except (EOFError, ConnectionError) as e:
+                # The fork server died under us (killed from outside, as the OOM killer
+                # would): not the job's fault. The next start finds it gone and starts a
+                # new one (multiprocessing's ensure_running), which imports all again.
+                if attempt + 1 == _SPAWN_TRIES:
+                    raise
+                log.warning("stage server lost (%s: %s); starting a new one", type(e).__name__, e)
+                time.sleep(0.1 * (attempt + 1))  # until the dead server can be reaped
         self.procs[stage].append(p)
         self.selector.register(p.outbox, selectors.EVENT_READ, (p, False))
         self.selector.register(p.process.sentinel, selectors.EVENT_READ, (p, True))
