@@ -183,7 +183,7 @@ def run(ctx: Context, *, rows_per_s_per_worker: float | None) -> Section:
                 f"{m['lease_p50_ms']:.1f} / {m['lease_p99_ms']:.1f}",
                 f"{m['renew_p50_ms']:.1f} / {m['renew_p99_ms']:.1f}",
                 f"{m['commit_p50_ms']:.1f} / {m['commit_p99_ms']:.1f}",
-                f"{overhead:.3%}",
+                f"{overhead:.3%}" if overhead == overhead else "-",
                 f"{m['planning_shards_per_s']:,.0f}",
             ]
         )
@@ -209,10 +209,15 @@ def run(ctx: Context, *, rows_per_s_per_worker: float | None) -> Section:
         slug="scale",
         plot=plot,
     )
+    rate = (
+        f"({shard_s:.1f} s)"
+        if shard_s == shard_s
+        else "(not measured in this run: `python -m bench --only single,scale` measures both)"
+    )
     section.notes.append(
         f"Coordination overhead = (lease + renew + commit median latency) / the time one worker "
-        f"takes for a {ROWS_PER_SHARD:,}-row shard at the single-model benchmark's rate "
-        f"({shard_s:.1f} s). The simulated workers, nats-server and master share this machine's "
-        "cores, so the highest concurrencies measure the machine as much as the master."
+        f"takes for a {ROWS_PER_SHARD:,}-row shard at the single-model benchmark's rate {rate}. "
+        "The simulated workers, nats-server and master share this machine's cores, so the "
+        "highest concurrencies measure the machine as much as the master."
     )
     return section
