@@ -311,12 +311,13 @@ class OutputDisk:
             disk.control = folder / "slowness"
             disk.control.write_text("0")
             command = [sys.executable, "-m", "bench.slowfs", str(disk.backing), str(out)]
-            disk.fuse = subprocess.Popen(
-                [*command, "--control", str(disk.control)],
-                cwd=REPO,
-                stdout=subprocess.DEVNULL,
-                stderr=(folder / "slowfs.log").open("wb"),
-            )
+            with (folder / "slowfs.log").open("wb") as log:  # the child keeps its own copy
+                disk.fuse = subprocess.Popen(
+                    [*command, "--control", str(disk.control)],
+                    cwd=REPO,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
             deadline = time.monotonic() + 15
             while not os.path.ismount(out):
                 if disk.fuse.poll() is not None or time.monotonic() > deadline:
