@@ -26,6 +26,8 @@ from .messages import (
     ResumeRequest,
     StatusReply,
     StatusRequest,
+    WorkerEndedReply,
+    WorkerEndedRequest,
 )
 from .schema import Message
 from .subjects import Subjects
@@ -49,20 +51,23 @@ class MasterClient:
         self.timeout_s = config.request_timeout_s
         self.backoff = backoff or Backoff(first_s=0.2, max_s=5.0, attempts=0)
 
-    async def lease(self, job: str, worker: str) -> LeaseReply:
+    async def lease(self, job: str, worker: str, *, ready: bool = False) -> LeaseReply:
+        """`ready`: this worker's pipeline has started."""
         # One id for every retry of this request: a reply lost in transit is answered again
         # with the same lease instead of a second one.
-        req = LeaseRequest(job=job, worker=worker, request_id=secrets.token_hex(8))
+        req = LeaseRequest(job=job, worker=worker, request_id=secrets.token_hex(8), ready=ready)
         return await self._call("lease", req, LeaseReply, worker=worker)
 
     # The lease protocol goes to subjects that name the worker asking: the master refuses a
     # token used by any worker but the one it was leased to.
 
-    async def renew(self, token: str, *, worker: str, timeout_s: float | None = None) -> RenewReply:
+    async def renew(
+        self, token: str, *, worker: str, timeout_s: float | None = None, ready: bool = False
+    ) -> RenewReply:
         return await request(
             self.nc,
             self.subjects.worker_op("renew", worker),
-            RenewRequest(token=token),
+            RenewRequest(token=token, ready=ready),
             RenewReply,
             timeout_s=timeout_s or self.timeout_s,
         )
@@ -119,6 +124,13 @@ class MasterClient:
 
     async def fail(self, job: str, reason: str) -> CancelReply:
         return await self._call("fail", FailRequest(job=job, reason=reason), CancelReply)
+
+    async def worker_ended(
+        self, job: str, worker: str, *, kind: str, blame: bool, reason: str = ""
+    ) -> WorkerEndedReply:
+        """The controller's word that `worker` of `job` ended badly (see WorkerEndedRequest)."""
+        request = WorkerEndedRequest(job=job, worker=worker, kind=kind, blame=blame, reason=reason)
+        return await self._call("worker_ended", request, WorkerEndedReply)
 
     async def resume(self, job: str, *, key: str | None = None) -> ResumeReply:
         """Resume `job`. Every retry of this call (a timeout, a master restarting) carries

@@ -2,7 +2,8 @@
 
 - master: owns the JetStream state (the jobs stream, the job, shard and leader buckets) and
   answers requests on `<prefix>.master.>`; publishes job events.
-- controller: reads job status, fails jobs its workers cannot run; hears job events.
+- controller: reads job status, fails jobs its workers cannot run, tells the master of
+  workers that ended badly; hears job events.
 - worker: the lease protocol only (lease, renew, commit, release, status). Workers run user
   code, so they get the least: no job submission, no JetStream API, no KV.
 - client: submits jobs, reads their status, cancels and resumes them; hears job events.
@@ -93,7 +94,7 @@ def permissions(prefix: str, role: Role) -> Permissions:
         )
     if role == "controller":
         return Permissions(
-            publish=(s.master("status"), s.master("fail")),
+            publish=(s.master("status"), s.master("fail"), s.master("worker_ended")),
             subscribe=(s.all_events, inbox),
         )
     if role == "worker":

@@ -63,6 +63,9 @@ class LeaseRequest(Message):
     request_id: str = ""
     """Retries of one request carry the same id and get the same answer: a lost reply never
     leaves behind a lease nobody knows about."""
+    ready: bool = False
+    """The asking worker's pipeline has started (its stage processes are ready): the job's
+    pipeline can start somewhere, so a worker that cannot start it is its node's fault."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +88,8 @@ class LeaseReply(Message):
 class RenewRequest(Message):
     KIND: ClassVar[str] = "renew"
     token: str
+    ready: bool = False
+    """As in LeaseRequest: the renewing worker's pipeline has started."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +179,13 @@ class JobStatus(Message):
     """URI of `_manifest.json`, once the job succeeded."""
     spec: dict[str, Any] | None = None
     leases: list[LeaseInfo] = field(default_factory=list)
+    workers_ready: int = 0
+    """Workers whose pipeline has started, as they told this master (since it leads)."""
+    workers_lost: dict[str, int] = field(default_factory=dict)
+    """Workers of the job that ended badly, by the kind the controller gave (capacity, oom,
+    crash, setup), as the controller told the master."""
+    attempts_forgiven: int = 0
+    """Attempts lost with a worker the cluster took away: not counted against max_attempts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +214,35 @@ class FailRequest(Message):
     KIND: ClassVar[str] = "fail"
     job: str
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEndedRequest(Message):
+    """The controller saw a worker of `job` end badly: the leases it held end now, instead of
+    when their deadlines pass. Idempotent: a worker that holds nothing (any more) changes
+    nothing but the count of lost workers, which a repeat (same `worker`) does not change."""
+
+    KIND: ClassVar[str] = "worker_ended"
+    job: str
+    worker: str
+    kind: str
+    """How it ended, as the controller classified it (ebb.controller.failures.Kind)."""
+    blame: bool
+    """True: it died of what a shard can cause (out of memory, a crash) while computing its
+    shards, and their attempts count as failed. False: the cluster took it (preempted,
+    evicted, its node lost, killed from outside), or it could not start its pipeline there:
+    its shards go back to the queue with no penalty."""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEndedReply(Message):
+    KIND: ClassVar[str] = "worker_ended_reply"
+    ok: bool = True
+    released: list[int] = field(default_factory=list)
+    """Shards whose lease of that worker ended now."""
+    forgiven: int = 0
+    """Of those, attempts not counted against max_attempts."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_CONFIG = 3
 """The job or service configuration is wrong: relaunching will not help."""
+EXIT_SETUP = 4
+"""A worker could not start its job's pipeline here (a model that would not load, a device
+that would not open): the node's fault until workers fail so on several nodes."""
 
 
 def run(main: Coroutine[Any, Any, int]) -> int:

@@ -312,7 +312,14 @@ class FaultPolicy:
     lease_s: float = 60.0
     """Lease period. Workers renew at about a third of it; an expired lease is retried."""
     max_attempts: int = 3
-    """Failed attempts (expired or poisoned) after which a shard is quarantined."""
+    """Failed attempts after which a shard is quarantined: its rows raised or hung, its
+    worker crashed or ran out of memory while computing it, or its lease ran out with no
+    word of why. Attempts lost with a worker the cluster took (preempted, evicted, its node
+    lost, killed from outside) are forgiven."""
+    max_worker_losses: int | None = None
+    """Forgiven losses after which a shard is quarantined all the same: a shard that takes
+    down every worker that touches it in ways that look like the cluster's. None: 5 x
+    max_attempts."""
     max_error_fraction: float = 0.01
     """Fraction of rows allowed to fail (error rows and quarantined shards) before the job fails."""
     batch_timeout_s: float = 300.0
@@ -322,9 +329,15 @@ class FaultPolicy:
     speculative: bool = True
     """Re-lease the oldest running shards to idle workers at the tail of the job."""
 
+    def worker_loss_cap(self) -> int:
+        """Forgiven losses of one shard after which it is quarantined anyway."""
+        return self.max_worker_losses or 5 * self.max_attempts
+
     def __post_init__(self) -> None:
         _positive("lease_s", self.lease_s)
         _positive("max_attempts", self.max_attempts)
+        if self.max_worker_losses is not None:
+            _positive("max_worker_losses", self.max_worker_losses)
         if not 0 <= self.max_error_fraction <= 1:
             raise _bad("max_error_fraction", f"must lie in [0, 1], got {self.max_error_fraction}")
         _positive("batch_timeout_s", self.batch_timeout_s)

@@ -5,9 +5,11 @@
 - oom: killed for memory. Relaunch with more memory, up to a cap.
 - crash: exited non-zero, or keeps restarting. Relaunch after a backoff; too many in a row and
   the job is failed; pods failing on the same node make it one to avoid.
+- setup: the worker could not start its pipeline there (a model that would not load, a GPU
+  that would not open). The node's fault, until workers fail so on several nodes with none of
+  the job's ever ready: then the job's (see reconcile.SetupFailures).
 - fatal: the image cannot be pulled, the pod cannot be created, or the worker says its
-  configuration is wrong (its pipeline cannot start): relaunching cannot help; the job fails
-  with the reason.
+  configuration is wrong: relaunching cannot help; the job fails with the reason.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["capacity", "oom", "crash", "fatal"]
+from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
 
-EXIT_CONFIG = 3
-"""The worker's exit code for "the job's configuration is wrong" (see ebb.common.runner)."""
+Kind = Literal["capacity", "oom", "crash", "setup", "fatal"]
 
 _FATAL_WAITING = frozenset(
     {
@@ -84,6 +85,8 @@ def classify(pod: dict[str, Any], *, crashloop_restarts: int = 3) -> Failure | N
             return Failure("oom", "OOMKilled")
         if terminated and int(terminated.get("exitCode") or 0) == EXIT_CONFIG:
             return Failure("fatal", f"the worker's configuration is wrong ({_exit(terminated)})")
+        if terminated and int(terminated.get("exitCode") or 0) == EXIT_SETUP:
+            return Failure("setup", f"its pipeline could not start ({_exit(terminated)})")
         if terminated and int(terminated.get("exitCode") or 0) != 0:
             return Failure("crash", _exit(terminated))
     return Failure("crash", reason or message or "failed")

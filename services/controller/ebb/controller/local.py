@@ -21,9 +21,10 @@ from ebb.common import envvars
 from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
+from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
 
 from .backend import Capacity, Phase, WorkerInfo, job_environment
-from .failures import EXIT_CONFIG
+from .failures import Kind
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,6 @@ class LocalBackend:
                 child.log_file.close()
                 child.log_file = None
             said = _read_termination_message(child.termination_log)
-            external = -code in _KILLED_FROM_OUTSIDE
             if not said and code > 0 and self.config.log_dir is not None:
                 said = _tail(Path(self.config.log_dir) / f"{child.id}.log")
             out.append(
@@ -136,10 +136,7 @@ class LocalBackend:
                     started_at=child.started_at,
                     exit_code=code,
                     reason=_describe(code) + (f": {said}" if said else ""),
-                    # As on Kubernetes: the worker says its job's configuration cannot work;
-                    # a worker killed from outside (the OOM killer, an operator, a machine
-                    # short of memory) did nothing wrong itself.
-                    failure="fatal" if code == EXIT_CONFIG else "capacity" if external else None,
+                    failure=_failure_kind(code),
                 )
             )
         return out
@@ -325,6 +322,19 @@ def _read_termination_message(path: Path | None) -> str:
 
 _KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """Signals a process gets from someone else; one that crashes raises others (SIGSEGV...)."""
+
+
+def _failure_kind(code: int) -> Kind | None:
+    """As on Kubernetes: the worker says its job's configuration cannot work, or that its
+    pipeline cannot start here; a worker killed from outside (an operator, a machine short
+    of memory, a spot reclaim) did nothing wrong itself. Any other end is a crash."""
+    if code == EXIT_CONFIG:
+        return "fatal"
+    if code == EXIT_SETUP:
+        return "setup"
+    if -code in _KILLED_FROM_OUTSIDE:
+        return "capacity"
+    return None
 
 
 def _tail(path: Path, *, lines: int = 5, limit: int = 800) -> str:
