@@ -6,17 +6,20 @@ every transition is driven directly, so expiry, speculation and a restart take n
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import pytest
 
 from ebb.common.messages import JobEvent, LeaseReply, ShardState
-from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.output import CommitRecord, OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
 from ebb.shard_master.jobs import Job
@@ -453,3 +456,196 @@ async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path
     assert await table.expire_due() == 1
     assert [s.record.state for s in job.shards] == ["TODO"]
     assert_indexes_match_records(job, store)
+
+
+async def test_a_worker_the_cluster_took_gives_its_shards_back_at_once_without_penalty(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1)  # max_attempts: the default, 3
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    for _ in range(10):  # far more losses than max_attempts, each one forgiven
+        reply = await table.lease(spec.id, "w1")
+        assert reply.shard is not None and reply.shard.index == 0
+        told = await table.worker_ended(
+            spec.id, "w1", kind="capacity", blame=False, reason="preempted"
+        )
+        assert (told.released, told.forgiven) == ([0], 1)
+        # Back in the queue at once, with no lease left to run out.
+        assert job.shards[0].record.state == "TODO" and job.shards[0].deadlines == {}
+    record = job.shards[0].record
+    assert (record.failures, record.losses) == (0, 10)
+    assert "worker w1 was lost (capacity: preempted)" in record.errors[-1]
+    assert job.record.workers_lost == {"capacity": 1}  # one worker, told ten times
+    assert job.record.attempts_forgiven == 10
+    status = table.status(spec.id).jobs[0]
+    assert (status.workers_lost, status.attempts_forgiven) == ({"capacity": 1}, 10)
+    assert_indexes_match_records(job, store)
+
+
+async def test_word_of_a_worker_is_idempotent(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2)
+    assert await table.submit(spec)
+    await table.lease(spec.id, "w1")
+    await table.lease(spec.id, "w1")
+    first = await table.worker_ended(spec.id, "w1", kind="capacity", blame=False, reason="gone")
+    assert first.released == [0, 1]
+    stored = (dict(store.shards), dict(store.jobs))
+    again = await table.worker_ended(spec.id, "w1", kind="capacity", blame=False, reason="gone")
+    assert (again.released, again.forgiven) == ([], 0)
+    assert (dict(store.shards), dict(store.jobs)) == stored
+
+
+async def test_a_worker_that_crashed_on_its_shards_counts_against_them(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    for attempt in range(1, 4):
+        reply = await table.lease(spec.id, f"w{attempt}")
+        assert reply.shard is not None and reply.shard.index == 0
+        await table.worker_ended(spec.id, f"w{attempt}", kind="oom", blame=True, reason="OOM")
+    record = store.shards[shard_key(spec.id, 0)][0]  # the job ended with it: nothing else ran
+    assert (record.state, record.failures, record.losses) == ("QUARANTINED", 3, 0)
+    assert (job.state, job.record.attempts_forgiven, job.record.workers_lost) == (
+        "FAILED",
+        0,
+        {"oom": 3},
+    )
+
+
+async def test_a_shard_that_takes_down_every_worker_is_quarantined_at_the_loss_cap(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1)
+    assert spec.fault.worker_loss_cap() == 15  # 5 x the default max_attempts
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    for n in range(15):
+        reply = await table.lease(spec.id, f"w{n}")
+        assert reply.shard is not None and reply.shard.index == 0
+        await table.worker_ended(spec.id, f"w{n}", kind="capacity", blame=False, reason="killed")
+    record = store.shards[shard_key(spec.id, 0)][0]
+    assert (record.state, record.failures, record.losses) == ("QUARANTINED", 0, 15)
+    assert "15 workers were lost while computing it" in record.errors[-1]
+    assert job.record.workers_lost == {"capacity": 15}
+
+
+async def test_a_lease_that_expires_with_no_word_still_counts_as_a_failure(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1, lease_s=30)
+    assert await table.submit(spec)
+    await table.lease(spec.id, "w1")
+    clock.now += 31
+    assert await table.expire_due() == 1
+    record = table.jobs[spec.id].shards[0].record
+    assert (record.failures, record.losses) == (1, 0)
+
+
+async def test_ready_workers_are_counted_from_their_leases_and_renewals(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=3)
+    assert await table.submit(spec)
+    first = await table.lease(spec.id, "w1")  # not ready yet: its stages are starting
+    assert table.status(spec.id).jobs[0].workers_ready == 0
+    await table.renew(first.token, caller="w1", ready=True)
+    await table.lease(spec.id, "w2", ready=True)
+    await table.lease(spec.id, "w2", ready=True)
+    assert table.status(spec.id).jobs[0].workers_ready == 2
+
+
+class BlockingOutput(OutputStore):
+    """An output whose commit records are read only once the test lets them."""
+
+    entered: asyncio.Event
+    proceed: threading.Event
+    loop: asyncio.AbstractEventLoop
+
+    def read_commit(self, shard: int) -> CommitRecord | None:
+        self.loop.call_soon_threadsafe(self.entered.set)
+        self.proceed.wait(timeout=30)
+        return super().read_commit(shard)
+
+
+def blocking_outputs(loop: asyncio.AbstractEventLoop) -> tuple[type[BlockingOutput], Any]:
+    entered, proceed = asyncio.Event(), threading.Event()
+    opener = type(
+        "Opener", (BlockingOutput,), {"entered": entered, "proceed": proceed, "loop": loop}
+    )
+    return opener, proceed
+
+
+async def test_a_commit_racing_a_cancel_and_a_resume_is_not_taken_for_a_deposition(
+    tmp_path: Path,
+) -> None:
+    """A commit reading its record (slowly: an object store) when the job is cancelled and
+    resumed: the cancel waits for it, so its write is of the first run, never a write with a
+    revision the resume replaced (which the store would take for another master)."""
+    store, clock = MemoryStore(), Clock()
+    opener, proceed = blocking_outputs(asyncio.get_running_loop())
+    table = LeaseTable(
+        store=store, epoch=1, on_event=lambda _e: None, clock=clock, open_output=opener
+    )
+    spec = make_job(tmp_path, shards=2)
+    proceed.set()
+    assert await table.submit(spec)
+    proceed.clear()
+    reply = await table.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    committing = asyncio.create_task(table.commit(reply.token))
+    await opener.entered.wait()
+    cancelling = asyncio.create_task(table.cancel(spec.id, "changed my mind"))
+    for _ in range(20):  # every turn the loop takes, the cancel waits for the commit's lock
+        await asyncio.sleep(0)
+    assert not cancelling.done()
+    proceed.set()
+    assert (await committing).status == "done"
+    assert (await cancelling).state == "CANCELLED"
+    job = table.jobs[spec.id]
+    assert job.record.shards_done == 1  # the commit came first, and counts
+    resumed = await table.resume(spec.id)
+    assert (resumed.state, resumed.shards_done, resumed.shards_todo) == ("RUNNING", 1, 1)
+    # The first run's token is void in the second.
+    with pytest.raises(StaleToken):
+        await table.renew(reply.token)
+
+
+async def test_an_ended_job_records_exactly_the_commits_that_came_before_its_end(
+    tmp_path: Path,
+) -> None:
+    """A commit waiting for its shard's lock when the job is cancelled: either it comes first
+    and the ended job counts it, or it finds the job ended; never a DONE written into a job
+    whose final record does not count it."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2)
+    assert await table.submit(spec)
+    first = await table.lease(spec.id, "w1")
+    commit_record(spec, first)
+    shard = table.jobs[spec.id].shards[0]
+    await shard.lock.acquire()  # a transition of the shard under way
+    committing = asyncio.create_task(table.commit(first.token))  # in the queue for the lock
+    for _ in range(5):
+        await asyncio.sleep(0)
+    cancelling = asyncio.create_task(table.cancel(spec.id, "stop"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    shard.lock.release()
+    assert (await committing).status == "done"
+    assert (await cancelling).state == "CANCELLED"
+    final = store.jobs[spec.id][0]
+    done = [r for r, _ in store.shards.values() if r.state == "DONE"]
+    assert (final.shards_done, len(done)) == (1, 1)
+    late = await table.lease(spec.id, "w2")
+    assert late.status == "end"

@@ -1052,3 +1052,55 @@ async def test_a_job_forgotten_after_its_retention_cannot_be_resumed(
     with pytest.raises(RemoteError) as e:
         await client.resume(spec.id)
     assert e.value.code == "not_found" and "forgotten" in e.value.message
+
+
+async def test_a_master_deposed_inside_a_request_campaigns_again(
+    tmp_path: Path,
+    master: Master,
+    client: EbbClient,
+    api: MasterClient,
+    nc: NATS,
+    subjects: Subjects,
+) -> None:
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    held = await api.lease(spec.id, "w1")
+    assert held.shard is not None and master.service is not None and master.task is not None
+    service, task, first = master.service, master.task, master.service.table
+    # Someone else writes the shard's record: the master's next write of it is refused.
+    kv = await nc.jetstream().key_value(subjects.shards_bucket)
+    key = shard_key(spec.id, held.shard.index)
+    await kv.put(key, (await kv.get(key)).value or b"")
+    with pytest.raises(RemoteError) as e:
+        await api.release(held.token, "busy", worker="w1", retryable=True)
+    assert e.value.code == "not_leader"
+    # It steps down and leads again, its state read anew from KV; it does not exit.
+    await wait_until(
+        lambda: task.done() or (service.ready.is_set() and service.table not in (None, first)),
+        timeout=30,
+        what="the master to step down and lead again with a new table",
+    )
+    assert not task.done(), task.exception()
+    assert (await api.release(held.token, "busy", worker="w1", retryable=True)).state == "TODO"
+    assert (await api.lease(spec.id, "w2")).status == "granted"
+
+
+async def test_the_controllers_word_of_a_lost_worker_frees_its_shards_at_once(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path, rows=2_000, lease_s=600)  # leases that would hold ten minutes
+    await client.submit(spec)
+    held = [await api.lease(spec.id, "w1") for _ in range(2)]
+    told = await api.worker_ended(spec.id, "w1", kind="capacity", blame=False, reason="Evicted")
+    assert (told.released, told.forgiven) == ([h.shard.index for h in held if h.shard], 2)
+    status = await api.job(spec.id)
+    assert status.shards["DOING"] == 0 and status.attempts_forgiven == 2
+    assert status.workers_lost == {"capacity": 1}
+    again = await api.lease(spec.id, "w2")
+    assert again.status == "granted" and again.attempt == 2
+    with pytest.raises(RemoteError) as e:  # the lost worker's token is void
+        await api.renew(held[0].token, worker="w1")
+    assert e.value.code == "stale_token"
+    with pytest.raises(RemoteError) as e:
+        await api.worker_ended("no-such-job", "w1", kind="crash", blame=True)
+    assert e.value.code == "not_found"

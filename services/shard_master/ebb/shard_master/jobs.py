@@ -57,6 +57,11 @@ class Job:
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         self.next_seq = 0
         self.finish_failures = 0
+        self.ready_workers: set[str] = set()
+        """Workers that said their pipeline has started (in memory: told again on every
+        lease and renewal, so a new master hears within a third of a lease)."""
+        self.ended_workers: set[str] = set()
+        """Workers the controller said have ended (a repeat of its word counts once)."""
 
     @property
     def id(self) -> str:
@@ -131,6 +136,12 @@ class Job:
         self.counts[state] -= 1
         if state == "DOING":
             self.doing.discard(shard.index)
+
+    def holds(self, shard: Shard) -> bool:
+        """`shard` is this job's current shard of its index: not of an earlier run (the job
+        was resumed since) and the job has not ended (which releases its shards)."""
+        index = shard.index
+        return 0 <= index < len(self.shards) and self.shards[index] is shard
 
     def release_shards(self) -> None:
         """Forget the shards of an ended job: its record keeps the final counts."""

@@ -14,6 +14,11 @@ OP_SECONDS = Histogram(
 LEASE_EXPIRIES = Counter("ebb_lease_expiries_total", "Leases that expired unrenewed", ["job_id"])
 LEASE_RENEWALS = Counter("ebb_lease_renewals_total", "Leases renewed", ["job_id"])
 RETRIES = Counter("ebb_shard_retries_total", "Shards sent back to the queue", ["job_id", "reason"])
+ATTEMPTS_FORGIVEN = Counter(
+    "ebb_attempts_forgiven_total",
+    "Attempts lost with a worker the cluster took, not counted against max_attempts",
+    ["job_id"],
+)
 SHARDS = Gauge("ebb_shards", "Shards per state", ["job_id", "state"])
 SHARDS_DONE = Counter("ebb_shards_done_total", "Shards committed", ["job_id"])
 ROWS_DONE = Counter("ebb_rows_done_total", "Rows committed (error rows included)", ["job_id"])

@@ -3,6 +3,7 @@
 Agents (each a task of one supervisor; if one dies, the master stops them all, then campaigns
 again if leadership or NATS was the cause, or exits to be restarted):
 - leadership: keeps the leader key; losing it stops the agents, and the master campaigns again.
+- deposition: ends the round as leadership does when a request finds another master writing.
 - intake:     pulls job messages from the EBB_JOBS stream, validates, plans, persists, acks.
 - reaper:     expires leases past their deadline and finishes jobs whose shards are settled.
 - publisher:  sends job events (progress, state changes) for the CLI and the controller.
@@ -44,6 +45,7 @@ from ebb.common.messages import (
     RenewRequest,
     ResumeRequest,
     StatusRequest,
+    WorkerEndedRequest,
 )
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
@@ -103,6 +105,8 @@ class ShardMaster:
         self.ready = asyncio.Event()
         """Set once this master leads and serves requests."""
         self.deposed: Deposed | None = None
+        """Why this round of leadership must end (a request found another master writing)."""
+        self._step_down = asyncio.Event()
 
     def request_stop(self) -> None:
         self.supervisor.request_stop()
@@ -233,12 +237,18 @@ class ShardMaster:
         await server.add(self.subjects.master("cancel"), self._handler(CancelRequest, self._cancel))
         await server.add(self.subjects.master("fail"), self._handler(FailRequest, self._fail))
         await server.add(self.subjects.master("resume"), self._handler(ResumeRequest, self._resume))
+        await server.add(
+            self.subjects.master("worker_ended"),
+            self._handler(WorkerEndedRequest, self._worker_ended),
+        )
         # Our subscriptions reach the server with the next flush: only then do we serve.
         await nc.flush()
+        self._step_down = asyncio.Event()
         self.ready.set()
         log.info("shard master %s serving (epoch %d)", self.config.id, epoch)
         try:
             async with self.supervisor as sup:
+                sup.spawn("deposition", self.deposition())
                 sup.spawn("leadership", leadership.keepalive())
                 sup.spawn("intake", self.intake(js))
                 sup.spawn("reaper", self.reaper())
@@ -271,9 +281,11 @@ class ShardMaster:
                 reply = await serve(request, subject)
             except Deposed as e:
                 # Someone else writes our state: answering anything more would be a lie.
+                # This round ends (the `deposition` agent raises) and the master campaigns
+                # again; only an operator's stop makes it exit.
                 log.error("deposed: %s", e)
-                self.deposed = e
-                self.request_stop()
+                self.deposed = self.deposed or e
+                self._step_down.set()
                 metrics.OPS.labels(op, e.code).inc()
                 return bus.error_reply(e.code, str(e))
             except MasterError as e:
@@ -313,10 +325,10 @@ class ShardMaster:
         caller = self._caller(subject)
         if r.worker != caller:
             raise BadRequest(f"worker {caller!r} asked for a lease for worker {r.worker!r}")
-        return await self._table().lease(r.job, caller, r.request_id)
+        return await self._table().lease(r.job, caller, r.request_id, ready=r.ready)
 
     async def _renew(self, r: RenewRequest, subject: str) -> Message:
-        return await self._table().renew(r.token, caller=self._caller(subject))
+        return await self._table().renew(r.token, caller=self._caller(subject), ready=r.ready)
 
     async def _commit(self, r: CommitRequest, subject: str) -> Message:
         return await self._table().commit(r.token, caller=self._caller(subject))
@@ -345,7 +357,18 @@ class ShardMaster:
     async def _resume(self, r: ResumeRequest, subject: str) -> Message:
         return await self._table().resume(r.job, key=r.key)
 
+    async def _worker_ended(self, r: WorkerEndedRequest, subject: str) -> Message:
+        return await self._table().worker_ended(
+            r.job, r.worker, kind=r.kind, blame=r.blame, reason=r.reason
+        )
+
     # -- agents ----------------------------------------------------------------------------
+
+    async def deposition(self) -> None:
+        """Ends this round of leadership when a request handler finds itself deposed: the
+        supervisor stops the other agents and `run` campaigns again."""
+        await self._step_down.wait()
+        raise self.deposed or Deposed("another master writes our state")
 
     async def intake(self, js: JetStreamContext) -> None:
         """Take submitted jobs off the stream, one at a time, acking each once it is persisted."""

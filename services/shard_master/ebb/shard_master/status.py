@@ -53,6 +53,9 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         manifest=record.manifest,
         spec=record.spec if include_spec else None,
         leases=leases,
+        workers_ready=len(job.ready_workers),
+        workers_lost=dict(record.workers_lost),
+        attempts_forgiven=record.attempts_forgiven,
     )
 
 

@@ -48,7 +48,11 @@ class ShardRecord:
     attempts: int = 0
     """Attempts started. The next attempt is numbered attempts + 1."""
     failures: int = 0
-    """Attempts that failed (lease expired, poisoned). At max_attempts the shard is quarantined."""
+    """Attempts that failed (lease expired, poisoned, its worker crashed or ran out of memory
+    computing it). At max_attempts the shard is quarantined."""
+    losses: int = 0
+    """Attempts lost with a worker the cluster took (preempted, evicted, killed from outside),
+    forgiven: not failures. At the job's worker_loss_cap the shard is quarantined anyway."""
     leases: list[LeaseRecord] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     """The latest failure reasons, newest last."""
@@ -80,6 +84,10 @@ class JobRecord:
     manifest: str = ""
     resume_key: str = ""
     """The idempotency key of the request that last resumed the job."""
+    workers_lost: dict[str, int] = field(default_factory=dict)
+    """Workers of the job that ended badly, by kind, as the controller told (every run)."""
+    attempts_forgiven: int = 0
+    """Attempts lost with a worker the cluster took, not counted as failures (every run)."""
 
 
 def shard_key(job: str, index: int) -> str:

@@ -21,6 +21,7 @@ how long each attempt has run, which speculation needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import secrets
@@ -44,6 +45,7 @@ from ebb.common.messages import (
     ResumeReply,
     ShardState,
     StatusReply,
+    WorkerEndedReply,
 )
 from ebb.common.output import CommitRecord, OutputStore
 from ebb.common.spec import JobSpec, parse_job
@@ -288,6 +290,16 @@ class LeaseTable:
             raise StaleToken("lease token of an unknown shard")
         return job, job.shards[index]
 
+    @staticmethod
+    def _check_current(job: Job, shard: Shard) -> None:
+        """Under the shard's lock, after whatever was awaited to get it: the job still runs
+        and this is still its shard (`_end` and `resume` wait for every shard lock, so
+        nothing they change can change under a held lock)."""
+        if job.ended:
+            raise JobEnded(f"job {job.id} is {job.state}")
+        if not job.holds(shard):
+            raise StaleToken("lease of an earlier run of the job")
+
     async def apply(
         self, job: Job, shard: Shard, new: ShardRecord, *, lease: tuple[str, float] | None = None
     ) -> None:
@@ -323,7 +335,12 @@ class LeaseTable:
             shard.persisted[token] = now + lease_s * PERSISTED_PERIODS
             heapq.heappush(self._expiries, (now + lease_s, job.id, shard.index, token))
 
-    async def lease(self, job_id: str, worker: str, request_id: str = "") -> LeaseReply:
+    async def lease(
+        self, job_id: str, worker: str, request_id: str = "", *, ready: bool = False
+    ) -> LeaseReply:
+        """`ready`: the worker's pipeline has started."""
+        if ready and (job := self.jobs.get(job_id)) is not None:
+            job.ready_workers.add(worker)
         cache_key = (worker, request_id)
         if request_id and cache_key in self._lease_replies:
             return self._lease_replies[cache_key]
@@ -353,8 +370,9 @@ class LeaseTable:
         async with shard.lock:
             record = shard.record
             expected: ShardState = "DOING" if speculative else "TODO"
-            if job.ended or record.state != expected or (speculative and len(record.leases) != 1):
-                if not speculative and record.state == "TODO":
+            stale = job.ended or not job.holds(shard)
+            if stale or record.state != expected or (speculative and len(record.leases) != 1):
+                if not stale and not speculative and record.state == "TODO":
                     job.todo.appendleft(shard.index)
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             attempt = record.attempts + 1
@@ -428,12 +446,16 @@ class LeaseTable:
                 f"to worker {caller!r}"
             )
 
-    async def renew(self, token: str, *, caller: str | None = None) -> RenewReply:
+    async def renew(
+        self, token: str, *, caller: str | None = None, ready: bool = False
+    ) -> RenewReply:
+        """`ready`: the caller's pipeline has started."""
         job, shard = self._locate(token)
+        if ready and caller is not None:
+            job.ready_workers.add(caller)
         lease_s = job.spec.fault.lease_s
         async with shard.lock:
-            if job.ended:
-                raise JobEnded(f"job {job.id} is {job.state}")
+            self._check_current(job, shard)
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
             self._check_holder(shard, token, caller)
@@ -465,6 +487,7 @@ class LeaseTable:
             return CommitReply(status="already_done")
         job, shard = self._locate(token)
         async with shard.lock:
+            self._check_current(job, shard)
             record = shard.record
             if record.state == "DONE":
                 return CommitReply(status="already_done")
@@ -527,6 +550,7 @@ class LeaseTable:
     ) -> ReleaseReply:
         job, shard = self._locate(token)
         async with shard.lock:
+            self._check_current(job, shard)
             if token not in shard.deadlines:
                 if shard.record.state == "DONE":
                     return ReleaseReply(state="DONE")
@@ -539,9 +563,12 @@ class LeaseTable:
         return ReleaseReply(state=state)
 
     async def _drop_lease(
-        self, job: Job, shard: Shard, token: str, *, reason: str, failed: bool
+        self, job: Job, shard: Shard, token: str, *, reason: str, failed: bool, lost: bool = False
     ) -> ShardState:
-        """End one lease of a shard (caller holds the shard's lock) and persist the outcome."""
+        """End one lease of a shard (caller holds the shard's lock) and persist the outcome.
+
+        `failed`: the attempt counts against max_attempts. `lost`: it was lost with a worker
+        the cluster took: forgiven, but counted against the job's worker_loss_cap."""
         record = shard.record
         remaining = [lease for lease in record.leases if lease.token != token]
         foreign = False
@@ -563,25 +590,109 @@ class LeaseTable:
                 await self._record_done(job, shard, commit)
                 return "DONE"
         failures = record.failures + (1 if failed else 0)
+        losses = record.losses + (1 if lost else 0)
+        cap = job.spec.fault.worker_loss_cap()
+        too_many_losses = lost and losses >= cap
+        if too_many_losses:
+            reason = (
+                f"{losses} workers were lost while computing it, the last: {reason} (a shard "
+                f"that takes down every worker it touches; fault.max_worker_losses is {cap})"
+            )
         errors = [*record.errors, reason][-_KEEP_ERRORS:] if reason else record.errors
         state: ShardState
         if remaining:
             state = "DOING"  # another attempt still runs; it may yet succeed
-        elif foreign or failures >= job.spec.fault.max_attempts:
+        elif foreign or failures >= job.spec.fault.max_attempts or too_many_losses:
             state = "QUARANTINED"
         else:
             state = "TODO"  # at the tail of the queue: others get their turn first
-        new = replace(record, state=state, leases=remaining, failures=failures, errors=errors)
+        new = replace(
+            record,
+            state=state,
+            leases=remaining,
+            failures=failures,
+            losses=losses,
+            errors=errors,
+        )
         await self.apply(job, shard, new)
         if state == "QUARANTINED":
             log.warning(
-                "job %s: shard %d quarantined after %d failed attempts: %s",
+                "job %s: shard %d quarantined after %d failed attempts and %d lost: %s",
                 job.id,
                 shard.index,
                 failures,
+                losses,
                 reason,
             )
         return state
+
+    async def worker_ended(
+        self, job_id: str, worker: str, *, kind: str, blame: bool, reason: str
+    ) -> WorkerEndedReply:
+        """The controller saw `worker` end badly: each lease it held ends now, instead of
+        when its deadline passes. `blame`: its death may be its shards' doing (it crashed or
+        ran out of memory while computing them), and their attempts count as failed;
+        otherwise (the cluster took it) they are forgiven. Idempotent: a worker that holds
+        nothing changes nothing, and a worker is counted as lost once."""
+        job = self._job(job_id)
+        released: list[int] = []
+        forgiven = 0
+        settle = False
+        why = f"worker {worker} {'failed' if blame else 'was lost'} ({kind}: {reason})"
+        for index in sorted(job.doing):
+            if job.ended:  # while we waited for a lock: its leases are void already
+                break
+            shard = job.shards[index]
+            if not any(lease.worker == worker for lease in shard.record.leases):
+                continue
+            async with shard.lock:
+                if job.ended or not job.holds(shard):
+                    break
+                for lease in [ls for ls in shard.record.leases if ls.worker == worker]:
+                    if lease.token not in shard.deadlines:
+                        continue
+                    state = await self._drop_lease(
+                        job, shard, lease.token, reason=why, failed=blame, lost=not blame
+                    )
+                    released.append(index)
+                    forgiven += not blame
+                    settle = settle or state in ("QUARANTINED", "DONE")
+            metrics.RETRIES.labels(job.id, "failed" if blame else "lost").inc()
+        if forgiven:
+            metrics.ATTEMPTS_FORGIVEN.labels(job.id).inc(forgiven)
+        if released:
+            log.info(
+                "job %s: worker %s ended (%s): shards %s back in the queue%s",
+                job.id,
+                worker,
+                kind,
+                released,
+                ", their attempts forgiven" if forgiven else "",
+            )
+        await self._count_lost(job, worker, kind=kind, forgiven=forgiven)
+        if settle:
+            await self.settle(job)
+        return WorkerEndedReply(released=released, forgiven=forgiven)
+
+    async def _count_lost(self, job: Job, worker: str, *, kind: str, forgiven: int) -> None:
+        """Add a lost worker (once) and its forgiven attempts to the job's record."""
+        first = worker not in job.ended_workers
+        if not (first or forgiven):
+            return
+        async with job.lock:
+            if job.ended and not forgiven:
+                return
+            lost = dict(job.record.workers_lost)
+            if first:
+                lost[kind] = lost.get(kind, 0) + 1
+            record = replace(
+                job.record,
+                workers_lost=lost,
+                attempts_forgiven=job.record.attempts_forgiven + forgiven,
+            )
+            job.revision = await self._store.update_job(record, last=job.revision)
+            job.record = record
+            job.ended_workers.add(worker)
 
     def next_expiry(self) -> float | None:
         return max(self._expiries[0][0], self._expiry_retry_at) if self._expiries else None
@@ -637,7 +748,7 @@ class LeaseTable:
             return False  # renewed, or already gone
         async with shard.lock:
             # A renew (or the end of the job) may have come while we waited for the lock.
-            if job.ended or shard.deadlines.get(token) != deadline:
+            if job.ended or not job.holds(shard) or shard.deadlines.get(token) != deadline:
                 return False
             lease = next((ls for ls in shard.record.leases if ls.token == token), None)
             worker = lease.worker if lease else "?"
@@ -703,7 +814,17 @@ class LeaseTable:
         await self._end(job, "SUCCEEDED", "", manifest=manifest)
 
     async def _end(self, job: Job, state: JobState, reason: str, *, manifest: str = "") -> None:
-        """Persist a terminal state (caller holds the job's lock)."""
+        """Persist a terminal state (caller holds the job's lock).
+
+        Every shard's lock is taken first, in index order (nothing else holds two): a
+        transition under way (a commit reading its record from the output, say) finishes
+        before the job ends, and every one after finds the job ended (`_check_current`)."""
+        async with contextlib.AsyncExitStack() as held:
+            for shard in list(job.shards):
+                await held.enter_async_context(shard.lock)
+            await self._end_locked(job, state, reason, manifest=manifest)
+
+    async def _end_locked(self, job: Job, state: JobState, reason: str, *, manifest: str) -> None:
         record = replace(
             job.record,
             state=state,
