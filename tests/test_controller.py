@@ -228,6 +228,7 @@ class RecordingBackend:
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self.launched: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()
 
     async def observe(self) -> list[WorkerInfo]:
         return [worker(w, j) for w, j in self.launched]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -11,6 +13,7 @@ from ebb.controller.backend import ClusterBackend, WorkerInfo
 from ebb.controller.capacity import Bin, Demand, allocate, parse_quantity
 from ebb.controller.failures import classify
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
+from ebb.controller.setup import SetupFailures, SetupPolicy
 from ebb.controller.tidal import ForecastTide, MixedNode, TidalConfig, Tide
 
 
@@ -104,6 +107,11 @@ def terminated(code: int, reason: str = "Error", message: str = "") -> dict[str,
             "stage 'm' failed",
         ),
         (pod(containerStatuses=[terminated(1)]), "crash", "exit code 1"),
+        (
+            pod(containerStatuses=[terminated(4, "Error", "stage 'm': RuntimeError: no GPU")]),
+            "setup",
+            "RuntimeError: no GPU",
+        ),
         (
             pod(
                 "Pending",
@@ -267,15 +275,18 @@ def _reconciler() -> Reconciler:
     )
 
 
-def _ended(code: int, *, failure: Any = None, started_at: float = 0.0) -> WorkerInfo:
+def _ended(
+    code: int, *, failure: Any = None, started_at: float = 0.0, worker: str = "", node: str = ""
+) -> WorkerInfo:
     return WorkerInfo(
-        id=f"w{code}",
+        id=worker or f"w{code}",
         job="j",
         phase="failed",
         started_at=started_at,
         exit_code=code,
         reason=f"exit code {code}: ValueError: bad weights",
         failure=failure,
+        node=node,
     )
 
 
@@ -317,3 +328,59 @@ def test_a_resumed_job_starts_with_a_clean_crash_count() -> None:
     r.failed_jobs.clear()
     r.account(_ended(1), 20.0, rows_done=0)
     assert r.failures["j"] == 1 and r.failed_jobs == {}
+
+
+@pytest.mark.parametrize(
+    ("failed_on", "ready", "available", "verdict"),
+    [
+        ([("w1", "n1"), ("w2", "n1")], False, 1, False),  # two workers: maybe a bad node
+        ([("w1", "n1"), ("w2", "n1"), ("w3", "n1")], False, 1, True),  # the only node
+        ([("w1", "n1"), ("w1", "n1"), ("w1", "n1")], False, 1, False),  # one worker, told 3x
+        ([("w1", "n1"), ("w2", "n1"), ("w3", "n1")], False, 3, False),  # other nodes to try
+        ([("w1", "n1"), ("w2", "n2"), ("w3", "n1")], False, 3, True),  # two nodes: the job's
+        ([("w1", "n1"), ("w2", "n2"), ("w3", "n3")], True, 3, False),  # it ran somewhere
+    ],
+)
+def test_a_pipeline_that_cannot_start_is_the_nodes_fault_until_it_is_everyones(
+    failed_on: list[tuple[str, str]], ready: bool, available: int, verdict: bool
+) -> None:
+    failures = SetupFailures()
+    for worker, node in failed_on:
+        failures.note(worker=worker, node=node, reason=f"{worker}: RuntimeError: no model")
+    said = failures.verdict(SetupPolicy(), ever_ready=ready, nodes_available=available)
+    assert bool(said) == verdict
+    if verdict:
+        assert "could not start on 3 workers" in said and "RuntimeError: no model" in said
+
+
+def test_setup_failures_relaunch_soon_and_fail_the_job_only_on_the_evidence() -> None:
+    r = _reconciler()
+    for n in range(2):
+        r.account(_ended(4, failure="setup", worker=f"w{n}", node="local"), 10.0, rows_done=0)
+    assert r.failed_jobs == {} and r.not_before["j"] <= 10.0 + 5.0
+    r.account(_ended(4, failure="setup", worker="w2", node="local"), 10.0, rows_done=0)
+    assert "could not start on 3 workers on 1 node" in r.failed_jobs["j"]
+    # A job some worker of which started its pipeline is never failed so: a flaky node.
+    r = _reconciler()
+    for n in range(10):
+        r.account(
+            _ended(4, failure="setup", worker=f"w{n}", node="local"), 10.0, rows_done=0, ready=True
+        )
+    assert r.failed_jobs == {} and r.failures.get("j", 0) == 0
+
+
+def test_the_master_is_to_hear_of_every_worker_that_ended_badly_and_whom_to_blame() -> None:
+    grown: list[str] = []
+    r = Reconciler(
+        master=cast(MasterClient, None),
+        backend=cast(ClusterBackend, SimpleNamespace(grow_memory=grown.append)),
+        config=ReconcilerConfig(),
+    )
+    r.account(_ended(-9, failure="capacity", worker="gone"), 10.0, rows_done=0)
+    r.account(_ended(1, worker="crashed"), 10.0, rows_done=0)
+    r.account(_ended(137, failure="oom", worker="oom"), 10.0, rows_done=0)
+    r.account(_ended(4, failure="setup", worker="nosetup"), 10.0, rows_done=0)
+    r.account(replace(_ended(0, worker="fine"), phase="succeeded"), 10.0, rows_done=0)
+    told = {worker: notice.blame for (_, worker), notice in r.to_tell.items()}
+    assert told == {"gone": False, "crashed": True, "oom": True, "nosetup": False}
+    assert grown == ["j"]

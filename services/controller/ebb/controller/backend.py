@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -15,6 +16,9 @@ from .capacity import Bin, Resources
 from .failures import Kind
 
 Phase = Literal["starting", "running", "terminating", "succeeded", "failed"]
+
+THIS_MACHINE = "local"
+"""The one place the local backend runs workers: its capacity's bin and its workers' node."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +35,8 @@ class WorkerInfo:
     """Why it failed, in the backend's words (exit code, OOMKilled, Evicted...)."""
     failure: Kind | None = None
     """What kind of failure (see failures.py); None: not classified (a plain exit code)."""
+    node: str = ""
+    """Where it runs or ran (a node's name; the local backend's one place)."""
 
     @property
     def alive(self) -> bool:
@@ -57,11 +63,15 @@ class Capacity:
     @staticmethod
     def slots(n: int) -> Capacity:
         """`n` identical slots in one place (this machine)."""
-        return Capacity(bins=[Bin("local", {"workers": float(max(0, n))})])
+        return Capacity(bins=[Bin(THIS_MACHINE, {"workers": float(max(0, n))})])
 
 
 class ClusterBackend(Protocol):
     """Where workers run. Every method is idempotent: the reconciler may repeat itself."""
+
+    changed: asyncio.Event
+    """Set when something the reconciler should see has changed (a worker ended, a node
+    came or went): the next pass comes at once instead of at the next resync."""
 
     async def observe(self) -> list[WorkerInfo]:
         """Every worker this backend knows of, ended ones included until `forget`."""

@@ -244,6 +244,7 @@ class KubernetesBackend:
                     started_at=now - age,
                     reason=failure.reason if failure else "",
                     failure=failure.kind if failure else None,
+                    node=pod.node,
                 )
             )
         return out

@@ -23,7 +23,7 @@ from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
 
-from .backend import Capacity, Phase, WorkerInfo, job_environment
+from .backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
 from .failures import Kind
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ class _Child:
     started_at: float
     log_file: IO[bytes] | None
     termination_log: Path | None
+    exited: asyncio.Task[int]
+    """Ends when the process does (and wakes the reconciler through `changed`)."""
     terminate_at: float | None = None
     kill_at: float | None = None
 
@@ -79,6 +81,7 @@ class LocalBackend:
         self._children: dict[str, _Child] = {}
         self._orphans: dict[str, _Orphan] | None = None
         """None until the first look at the pid files."""
+        self.changed = asyncio.Event()
 
     def _observe_orphans(self, now: float) -> list[WorkerInfo]:
         if self._orphans is None:
@@ -119,7 +122,13 @@ class LocalBackend:
             if code is None:
                 phase: Phase = "terminating" if child.terminate_at is not None else "running"
                 out.append(
-                    WorkerInfo(id=child.id, job=child.job, phase=phase, started_at=child.started_at)
+                    WorkerInfo(
+                        id=child.id,
+                        job=child.job,
+                        phase=phase,
+                        started_at=child.started_at,
+                        node=THIS_MACHINE,
+                    )
                 )
                 continue
             if child.log_file is not None:
@@ -137,6 +146,7 @@ class LocalBackend:
                     exit_code=code,
                     reason=_describe(code) + (f": {said}" if said else ""),
                     failure=_failure_kind(code),
+                    node=THIS_MACHINE,
                 )
             )
         return out
@@ -177,6 +187,9 @@ class LocalBackend:
             # drains workers in order, rather than every worker at once.
             start_new_session=True,
         )
+        exited = asyncio.create_task(process.wait(), name=f"exit-of-{worker_id}")
+        # Its end is news at once: its leases are released as soon as the master hears.
+        exited.add_done_callback(lambda _: self.changed.set())
         self._children[worker_id] = _Child(
             id=worker_id,
             job=job.id,
@@ -184,6 +197,7 @@ class LocalBackend:
             started_at=asyncio.get_running_loop().time(),
             log_file=log_file,
             termination_log=termination_log,
+            exited=exited,
         )
         if self.config.log_dir:
             # For the next controller, should we be killed before we can drain this worker.
@@ -223,11 +237,9 @@ class LocalBackend:
         """Local workers are our children: drain them all, then kill what is left."""
         for worker_id in list(self._children):
             await self.terminate(worker_id, grace_s=grace_s)
-        waits = [c.process.wait() for c in self._children.values() if c.process.returncode is None]
+        waits = [c.exited for c in self._children.values() if not c.exited.done()]
         if waits:
-            _, pending = await asyncio.wait(
-                [asyncio.ensure_future(w) for w in waits], timeout=grace_s
-            )
+            _, pending = await asyncio.wait(waits, timeout=grace_s)
             for child in self._children.values():
                 if child.process.returncode is None:
                     with contextlib.suppress(ProcessLookupError):

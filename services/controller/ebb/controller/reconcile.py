@@ -4,7 +4,14 @@ Each pass looks at the whole world (running jobs from the master, workers from t
 and makes it right, whatever happened before: desired workers per job = its fair share of
 capacity, capped by its max and by the shards it has left, at least its min; launch the
 missing, drain the surplus, drain workers of jobs that ended, relaunch failed workers after
-a capped exponential backoff. Nothing is remembered between passes but that backoff.
+a capped exponential backoff. Nothing is remembered between passes but that backoff, the
+evidence against each job (crashes in a row, workers whose pipeline could not start), and
+what the master has yet to hear.
+
+Every worker that ends badly is told to the master at once (`worker_ended`), with whether its
+shards are to blame: a worker the cluster took (preempted, evicted, its node lost, killed from
+outside) or that could not start its pipeline gives its shards back with no penalty; one that
+crashed or ran out of memory while computing them counts as their failed attempt.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ from typing import Any
 
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
-from ebb.common.errors import ErrorCode, RemoteError
+from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
 from .capacity import Demand, allocate
+from .failures import Kind
+from .setup import SetupFailures, SetupPolicy
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +55,39 @@ def demand(job: JobStatus, capacity: Capacity) -> Demand:
         shape=capacity.shape(job),
         eligible=capacity.eligible(job),
     )
+
+
+def ever_ready(job: JobStatus | None) -> bool:
+    """Some worker of `job` has started its pipeline: it said so, or committed a shard."""
+    return job is not None and (
+        job.workers_ready > 0 or job.rows_done > 0 or job.shards.get("DONE", 0) > 0
+    )
+
+
+def nodes_for(job: JobStatus | None, capacity: Capacity) -> set[str]:
+    """The nodes `job` could run on now."""
+    if job is None:
+        return set()
+    fits = capacity.eligible(job)
+    return {b.name for b in capacity.bins if fits(b)}
+
+
+_BLAMED: frozenset[Kind] = frozenset({"oom", "crash"})
+"""Ends a shard can cause: its attempts count as failed. Any other end is not the shards'."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Notice:
+    """What the master is to hear of a worker that ended badly."""
+
+    job: str
+    worker: str
+    kind: Kind
+    reason: str
+
+    @property
+    def blame(self) -> bool:
+        return self.kind in _BLAMED
 
 
 def share(jobs: list[JobStatus], slots: int) -> dict[str, int]:
@@ -114,6 +156,11 @@ class ReconcilerConfig:
     """Workers of a job that crash in a row before the job fails: its own code, not the
     cluster, is what fails. A worker that lived healthy_after_s, a shard committed since the
     last crash, or a worker killed from outside (not a crash) starts the count again."""
+    setup: SetupPolicy = field(default_factory=SetupPolicy)
+    """When workers whose pipeline cannot start fail the job (see setup.py)."""
+    setup_backoff: Backoff = field(default_factory=lambda: Backoff(first_s=0.5, max_s=5.0))
+    """Relaunch delay after a worker could not start its pipeline: short, so that a job that
+    cannot start anywhere fails in seconds, and one that can is not held back."""
 
 
 class Reconciler:
@@ -136,6 +183,10 @@ class Reconciler:
         self.specs: dict[str, dict[str, Any]] = {}
         """The spec of each running job. A spec never changes, so each is fetched once, on
         its own: all of them in one reply could exceed what NATS carries."""
+        self.setup_failures: dict[str, SetupFailures] = {}
+        """Per job: its workers that could not start their pipeline."""
+        self.to_tell: dict[tuple[str, str], Notice] = {}
+        """Workers that ended badly, until the master has heard (job, worker) -> notice."""
 
     async def reconcile_once(self) -> Plan:
         """One pass: observe, decide, act. Safe to call at any time, any number of times."""
@@ -145,20 +196,27 @@ class Reconciler:
         jobs = await self._with_specs(running)
         workers = await self.backend.observe()
         now = loop.time()
-        done = {j.id: j.rows_done for j in running}
+        live = [w for w in workers if not w.ended]
+        capacity = await self.backend.capacity(jobs, live)
+        by_id = {j.id: j for j in jobs}
         for w in workers:
             if w.ended:
-                self.account(w, now, rows_done=done.get(w.job, 0))
+                job = by_id.get(w.job)
+                self.account(
+                    w,
+                    now,
+                    rows_done=job.rows_done if job else 0,
+                    ready=ever_ready(job),
+                    nodes=nodes_for(job, capacity),
+                )
                 await self.backend.forget(w.id)
+        await self._tell_master(set(by_id))
         await self._fail_jobs(running)
         self.forget_ended({j.id for j in running})
         jobs = [j for j in jobs if j.id not in self.failed_jobs]
-        live = [w for w in workers if not w.ended]
-        capacity = await self.backend.capacity(jobs, live)
         decided = plan(
             jobs=jobs, workers=live, capacity=capacity, now=now, not_before=self.not_before
         )
-        by_id = {j.id: j for j in jobs}
         for job_id, count in decided.launch.items():
             for _ in range(count):
                 await self.backend.launch(by_id[job_id], f"{job_id[:40]}-{secrets.token_hex(3)}")
@@ -189,21 +247,38 @@ class Reconciler:
             out.append(replace(job, spec=spec))
         return out
 
-    def account(self, worker: WorkerInfo, now: float, *, rows_done: int) -> None:
-        """Learn from a worker that ended: relaunch at once, later, with more memory, or not.
-        `rows_done`: the job's rows done so far (progress since the last crash clears it)."""
+    def account(
+        self,
+        worker: WorkerInfo,
+        now: float,
+        *,
+        rows_done: int,
+        ready: bool = False,
+        nodes: set[str] | None = None,
+    ) -> None:
+        """Learn from a worker that ended: relaunch at once, later, with more memory, or not;
+        and what the master is to hear of it. No I/O.
+
+        `rows_done`: the job's rows done so far (progress since the last crash clears it).
+        `ready`: some worker of the job has started its pipeline. `nodes`: where the job
+        could run now."""
         job = worker.job
         if worker.phase == "succeeded":
             self._forgive(job)
             return
-        kind = worker.failure or "crash"
+        kind: Kind = worker.failure or "crash"
         metrics.WORKER_FAILURES.labels(job, kind).inc()
+        notice = Notice(job=job, worker=worker.id, kind=kind, reason=worker.reason)
+        self.to_tell[(job, worker.id)] = notice
         if kind == "capacity":  # evicted, preempted, killed from outside: nobody's fault
             log.info("worker %s of job %s lost its place (%s)", worker.id, job, worker.reason)
             self._forgive(job)
             return
         if kind == "fatal":
             self.failed_jobs.setdefault(job, f"workers cannot run: {worker.reason}")
+            return
+        if kind == "setup":
+            self._setup_failed(worker, now, ready=ready, nodes=nodes or set())
             return
         if kind == "oom":
             self.backend.grow_memory(job)
@@ -233,6 +308,56 @@ class Reconciler:
             delay,
         )
 
+    def _setup_failed(
+        self, worker: WorkerInfo, now: float, *, ready: bool, nodes: set[str]
+    ) -> None:
+        """A worker could not start its pipeline: its node's fault (relaunch soon, elsewhere
+        where the backend avoids failing nodes) until the evidence says it is the job's."""
+        job = worker.job
+        failures = self.setup_failures.setdefault(job, SetupFailures())
+        failures.note(worker=worker.id, node=worker.node, reason=worker.reason)
+        verdict = failures.verdict(
+            self.config.setup, ever_ready=ready, nodes_available=len(nodes | failures.nodes)
+        )
+        if verdict:
+            self.failed_jobs.setdefault(job, verdict)
+            return
+        delay = self.config.setup_backoff.delay(len(failures.workers) - 1)
+        self.not_before[job] = max(self.not_before.get(job, 0.0), now + delay)
+        log.warning(
+            "worker %s of job %s could not start its pipeline (%s); relaunching in %.1fs",
+            worker.id,
+            job,
+            worker.reason,
+            delay,
+        )
+
+    async def _tell_master(self, running: set[str]) -> None:
+        """Tell the master of every worker that ended badly, so that the leases it held end
+        now rather than when they expire. Idempotent on the master's side: a notice whose
+        answer was lost is sent again on the next pass."""
+        for key, notice in list(self.to_tell.items()):
+            if notice.job not in running:
+                del self.to_tell[key]  # the job ended: its leases are void already
+                continue
+            try:
+                await self.master.worker_ended(
+                    notice.job,
+                    notice.worker,
+                    kind=notice.kind,
+                    blame=notice.blame,
+                    reason=notice.reason,
+                )
+            except BusError as e:
+                log.info("the master did not hear of worker %s yet (%s)", notice.worker, e)
+                return  # unreachable now: the next pass tells it
+            except RemoteError as e:
+                if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.NOT_LEADER, ErrorCode.INTERNAL):
+                    log.info("the master did not hear of worker %s yet (%s)", notice.worker, e)
+                    return
+                log.warning("the master refused word of worker %s: %s", notice.worker, e)
+            del self.to_tell[key]
+
     def _forgive(self, job: str) -> None:
         """The job's workers are not crash-looping: start counting again."""
         self.failures.pop(job, None)
@@ -241,7 +366,14 @@ class Reconciler:
     def forget_ended(self, running: set[str]) -> None:
         """Drop what we learnt of jobs that no longer run. A job that is resumed starts
         with a clean slate: the crashes that ended its first run do not count again."""
-        for table in (self.failures, self.crashes, self.progress, self.not_before):
+        tables: tuple[dict[str, Any], ...] = (
+            self.failures,
+            self.crashes,
+            self.progress,
+            self.not_before,
+            self.setup_failures,
+        )
+        for table in tables:
             for job in [j for j in table if j not in running]:
                 del table[job]
 

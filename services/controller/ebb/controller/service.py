@@ -120,8 +120,7 @@ class Controller:
 
     async def reconcile_forever(self) -> None:
         assert self.reconciler is not None
-        changed = getattr(self.backend, "changed", None)
-        wakers = [self._wake] + ([changed] if isinstance(changed, asyncio.Event) else [])
+        wakers = [self._wake, self.backend.changed]
         while True:
             for event in wakers:
                 event.clear()  # before the pass: a change during it calls for another
