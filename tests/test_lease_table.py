@@ -649,3 +649,32 @@ async def test_an_ended_job_records_exactly_the_commits_that_came_before_its_end
     assert (final.shards_done, len(done)) == (1, 1)
     late = await table.lease(spec.id, "w2")
     assert late.status == "end"
+
+
+async def test_a_crash_is_blamed_on_the_shard_its_worker_held_longest_alone(
+    tmp_path: Path,
+) -> None:
+    """A worker computes one shard while it reads the next: when it crashes, the one in its
+    pipeline is the suspect, and the one read ahead did nothing wrong."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=3, max_error_fraction=1.0)
+    assert await table.submit(spec)
+    job = table.jobs[spec.id]
+    for n in range(3):
+        first = await table.lease(spec.id, f"w{n}")
+        clock.now += 0.5
+        second = await table.lease(spec.id, f"w{n}")
+        assert [first.shard.index, second.shard.index] == [0, 1]  # type: ignore[union-attr]
+        told = await table.worker_ended(spec.id, f"w{n}", kind="crash", blame=True, reason="-11")
+        assert (told.released, told.forgiven) == ([0, 1], 1)
+        await table.lease(spec.id, "other")  # shard 2 goes by; 0 and 1 come round in order
+        if n < 2:
+            await table.release(  # handed back, to keep the test's order
+                job.shards[2].record.leases[0].token, "busy", retryable=True
+            )
+    records = [store.shards[shard_key(spec.id, i)][0] for i in (0, 1)]
+    assert [(r.state, r.failures, r.losses) for r in records] == [
+        ("QUARANTINED", 3, 0),
+        ("TODO", 0, 3),
+    ]

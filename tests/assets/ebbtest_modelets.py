@@ -68,11 +68,23 @@ class Hog:
         return [np.asarray(r["features"], dtype=np.float32) for r in rows]
 
 
+def _wait_for(path: str, *, timeout_s: float = 120.0) -> None:
+    """Until the file at `path` exists (a test opens a gate), for at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class BrokenSetup:
-    def __init__(self) -> None:
-        pass
+    """Its set-up fails; given a `gate` (a file), only once that exists: a test holds it
+    until the worker has leased its shards."""
+
+    def __init__(self, gate: str = "") -> None:
+        self.gate = gate
 
     def setup(self) -> None:
+        if self.gate:
+            _wait_for(self.gate)
         raise RuntimeError("weights not found")
 
     def process(self, row: Any) -> Any:
@@ -197,3 +209,106 @@ class Tokens:
 
     def process(self, row: dict[str, Any]) -> Any:
         return {"input_ids": np.full(1 + row["id"] % 17, row["id"] % 50 + 1, dtype=np.int64)}
+
+
+class StartsOnce:
+    """Features, except that a row whose id is in `crash_on` kills the process, and that no
+    process started after the first can set up (the GPU still holds the dead one's memory).
+    `marker`: a file the first process creates."""
+
+    def __init__(self, marker: str, crash_on: list[int]) -> None:
+        self.marker = marker
+        self.crash_on = set(crash_on)
+
+    def setup(self) -> None:
+        try:
+            with open(self.marker, "x"):
+                pass
+        except FileExistsError:
+            raise RuntimeError("CUDA out of memory") from None
+
+    def process(self, row: dict[str, Any]) -> Any:
+        if row["id"] in self.crash_on:
+            os._exit(17)
+        return np.asarray(row["features"], dtype=np.float32)
+
+
+class Tally:
+    """Each row -> its id, appended to the file `path` as it is computed (a batch takes
+    `seconds_per_batch`): a count of the rows the stage really computed."""
+
+    def __init__(self, path: str, seconds_per_batch: float = 0.0) -> None:
+        self.path = path
+        self.seconds = seconds_per_batch
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        time.sleep(self.seconds)
+        ids = [int(r["id"]) for r in rows]
+        with open(self.path, "a") as f:
+            f.write("".join(f"{i}\n" for i in ids))
+        return ids
+
+
+class Gated:
+    """Features; the first batch is held until the file `gate` exists, every later one until
+    the file `then` exists. The file `entered` tells a test that the first batch runs."""
+
+    def __init__(self, entered: str, gate: str, then: str) -> None:
+        self.entered = entered
+        self.gate = gate
+        self.then = then
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        with open(self.entered, "a"):
+            pass
+        _wait_for(self.gate)
+        self.gate = self.then
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
+class FlakyNode:
+    """Features; but the first `failures` processes to set it up (of any worker) fail, as on
+    a node whose GPU has an ECC error: each takes one of the files `marker`.0, .1, ..."""
+
+    def __init__(self, marker: str, failures: int = 1, seconds_per_batch: float = 0.0) -> None:
+        self.marker = marker
+        self.failures = failures
+        self.seconds = seconds_per_batch
+
+    def setup(self) -> None:
+        for n in range(self.failures):
+            try:
+                with open(f"{self.marker}.{n}", "x"):
+                    pass
+            except FileExistsError:
+                continue
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        time.sleep(self.seconds)
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
+class KillsItsWorker:
+    """Features; but a row whose id is in `kill_on` takes its whole worker down with `signal`
+    (as a reader running out of memory would), every time it is met."""
+
+    def __init__(self, kill_on: list[int], signal: str = "SIGSEGV") -> None:
+        self.kill_on = set(kill_on)
+        self.signal = signal
+
+    def process(self, row: dict[str, Any]) -> Any:
+        if row["id"] in self.kill_on:
+            import signal as signals
+
+            import psutil
+
+            # The worker: the eldest of the processes that run `ebb.worker` (its fork server
+            # and stage processes run with its command line too).
+            worker, process = None, psutil.Process()
+            while process is not None and "ebb.worker" in " ".join(process.cmdline()):
+                worker, process = process, process.parent()
+            if worker is not None:
+                worker.send_signal(getattr(signals, self.signal))
+            time.sleep(60)  # until the worker's death takes this process too
+        return np.asarray(row["features"], dtype=np.float32)

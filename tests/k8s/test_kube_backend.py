@@ -17,7 +17,9 @@ from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars, identity
+from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
+from ebb.common.spec import parse_job
 from ebb.controller.__main__ import worker_signer
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube import (
@@ -31,7 +33,7 @@ from ebb.controller.kube import (
 from ebb.controller.podspec import CREDENTIALS_DIR, CREDENTIALS_KEY, mounted_credentials
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
-from tests.helpers import wait_until
+from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled
 from tests.k8s.fake_store import PODS, Change, Obj
@@ -409,6 +411,8 @@ async def test_an_evicted_worker_is_replaced_at_once_without_penalty(
     [
         (ImagePullError(), "ImagePullBackOff"),
         (Exit(code=3, after=0.02, message="stage 'model' failed: no such file"), "no such file"),
+        # A pipeline that cannot start on any worker, on the cluster's one node.
+        (Exit(code=4, after=0.02, message="stage 'model': no such file"), "could not start"),
     ],
 )
 async def test_a_worker_that_cannot_run_fails_the_job_with_the_reason(
@@ -728,3 +732,46 @@ def test_the_controller_takes_its_signing_key_from_the_environment(
     monkeypatch.setenv(envvars.WORKER_NATS_SIGNING_KEY, "not a seed")
     with pytest.raises(SystemExit, match="not an nkey seed"):
         worker_signer()
+
+
+async def test_workers_preempted_and_nodes_lost_under_one_shard_never_quarantine_it(
+    kube: FakeKubeAPI,
+    ebb: EbbClient,
+    harness_factory: Any,
+    tmp_path: Path,
+    nats_config: NatsConfig,
+) -> None:
+    """The job's one shard, held each time by the worker of a pod that the cluster takes away
+    (preempted; its node lost), far more often than max_attempts: each loss is forgiven."""
+    for n in range(4):
+        offline(kube, f"off-{n}")
+    folder = tmp_path / "job"
+    write_dataset(folder / "data", rows=100, row_group_size=100)
+    write_model(folder / "model.onnx")
+    job = await ebb.submit(parse_job(job_spec(folder, rows_per_shard=100, workers=(1, 1))))
+    h = harness_factory(tidal=None)
+    master = MasterClient(ebb.nc, nats_config)
+
+    def running_pod() -> Any:
+        pods = [p for p in h.pods(job) if p["status"].get("phase") == "Running"]
+        return pods[0] if pods else None
+
+    losses = 8
+    for n in range(losses):
+        pod = await h.converge(running_pod, what="a running worker pod")
+        name = pod["metadata"]["name"]
+        held = await master.lease(job, name)  # its worker takes the shard
+        assert held.status == "granted" and held.attempt == n + 1
+        if n % 2:
+            kube.preempt(name, NS, by="kubelet")
+        else:
+            kube.remove_node(pod["spec"]["nodeName"], pods="fail")
+            offline(kube, f"new-{n}")  # the node pool replaces it
+
+        async def given_back() -> bool:
+            return (await ebb.job(job)).shards.get("DOING", 1) == 0
+
+        await wait_until(lambda: _pass_then(h, given_back), timeout=30, what="the shard back")
+    status = await ebb.job(job)
+    assert status.state == "RUNNING" and status.shards["QUARANTINED"] == 0
+    assert (status.attempts_forgiven, status.workers_lost) == (losses, {"capacity": losses})

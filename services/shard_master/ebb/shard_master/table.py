@@ -630,34 +630,43 @@ class LeaseTable:
         self, job_id: str, worker: str, *, kind: str, blame: bool, reason: str
     ) -> WorkerEndedReply:
         """The controller saw `worker` end badly: each lease it held ends now, instead of
-        when its deadline passes. `blame`: its death may be its shards' doing (it crashed or
-        ran out of memory while computing them), and their attempts count as failed;
-        otherwise (the cluster took it) they are forgiven. Idempotent: a worker that holds
-        nothing changes nothing, and a worker is counted as lost once."""
+        when its deadline passes. `blame`: its death may be a shard's doing (it crashed or
+        ran out of memory while computing it), and the attempt of the shard it held longest
+        counts as failed; every other attempt lost with it (the cluster took the worker) is
+        forgiven. Idempotent: a worker that holds nothing changes nothing, and a worker is
+        counted as lost once."""
         job = self._job(job_id)
         released: list[int] = []
         forgiven = 0
         settle = False
         why = f"worker {worker} {'failed' if blame else 'was lost'} ({kind}: {reason})"
-        for index in sorted(job.doing):
+        # Oldest first: a worker computes its shards in the order it leased them, so when it
+        # dies of what a shard can cause, the one it held longest (whose rows were in its
+        # pipeline) is blamed; those it had only read ahead are forgiven. Each goes back to
+        # the queue in that order, so its next holder meets them in the same order again.
+        held = sorted(
+            (
+                (shard.granted.get(lease.token, 0.0), shard.index, lease.token)
+                for shard in (job.shards[i] for i in job.doing)
+                for lease in shard.record.leases
+                if lease.worker == worker
+            ),
+        )
+        for n, (_, index, token) in enumerate(held):
             if job.ended:  # while we waited for a lock: its leases are void already
                 break
             shard = job.shards[index]
-            if not any(lease.worker == worker for lease in shard.record.leases):
-                continue
+            guilty = blame and n == 0
             async with shard.lock:
-                if job.ended or not job.holds(shard):
-                    break
-                for lease in [ls for ls in shard.record.leases if ls.worker == worker]:
-                    if lease.token not in shard.deadlines:
-                        continue
-                    state = await self._drop_lease(
-                        job, shard, lease.token, reason=why, failed=blame, lost=not blame
-                    )
-                    released.append(index)
-                    forgiven += not blame
-                    settle = settle or state in ("QUARANTINED", "DONE")
-            metrics.RETRIES.labels(job.id, "failed" if blame else "lost").inc()
+                if job.ended or not job.holds(shard) or token not in shard.deadlines:
+                    continue
+                state = await self._drop_lease(
+                    job, shard, token, reason=why, failed=guilty, lost=not guilty
+                )
+            released.append(index)
+            forgiven += not guilty
+            settle = settle or state in ("QUARANTINED", "DONE")
+            metrics.RETRIES.labels(job.id, "failed" if guilty else "lost").inc()
         if forgiven:
             metrics.ATTEMPTS_FORGIVEN.labels(job.id).inc(forgiven)
         if released:
