@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ebb.client.cli import lost_workers
 from ebb.common.embedded import EmbeddedNats
+from ebb.common.messages import JobStatus
 
 from .helpers import free_port, job_spec, write_dataset, write_model
 
@@ -215,3 +217,14 @@ def test_a_run_interrupted_is_refused_again_but_finished_with_resume(tmp_path: P
     after = {p.name: p.read_text() for p in commits.iterdir()}
     assert {name: after[name] for name in before} == before  # the first run's shards kept
     assert len(after) == 6
+
+
+def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:
+    status = JobStatus(
+        id="j",
+        name="j",
+        state="SUCCEEDED",
+        workers_lost={"setup": 1, "capacity": 4},
+        attempts_forgiven=6,
+    )
+    assert lost_workers(status) == "5 lost (4 capacity, 1 setup), 6 attempts forgiven"

@@ -46,7 +46,7 @@ MAY_BE_EMPTY = {
     # Series that only exist once something goes wrong (or a GPU is there).
     "Shards sent back to the queue",
     "Refused messages",
-    "Worker failures, by kind",
+    "Workers lost, by kind, and attempts forgiven",
     "Stage processes replaced",
     "Kubernetes API errors",
     "Idle GPUs, by pool",

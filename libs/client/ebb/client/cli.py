@@ -111,6 +111,15 @@ class ProgressView:
             )
 
 
+def lost_workers(status: JobStatus) -> str:
+    """How many workers ended badly and why, and what that cost the job's shards."""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(status.workers_lost.items()))
+    return (
+        f"{sum(status.workers_lost.values())} lost ({kinds}), "
+        f"{status.attempts_forgiven} attempts forgiven"
+    )
+
+
 def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
     colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(status.state, "")
     rate = status.rows_done / seconds if seconds > 0 else 0.0
@@ -120,6 +129,8 @@ def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
         f"  shards   {status.shards.get('DONE', 0)} done, "
         f"{status.shards.get('QUARANTINED', 0)} quarantined, of {status.shards_total}"
     )
+    if status.workers_lost:
+        out.print(f"  workers  {lost_workers(status)}")
     if status.manifest:
         out.print(f"  output   {status.manifest}")
     if status.reason:
@@ -367,6 +378,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("error rows", f"{status.error_rows:,}"),
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
                 ("workers", f"{status.min_workers}..{status.max_workers}"),
+                ("workers lost", lost_workers(status) if status.workers_lost else ""),
                 ("manifest", status.manifest),
             ):
                 if value:
