@@ -2,19 +2,27 @@
 
 python -m bench.chaos --seeds 20             runs seeds 0..19, writes docs/reliability.md
 python -m bench.chaos --seeds 3 --rows 6000 --out /tmp/reliability.md
+python -m bench.chaos --seeds 2 --kinds churn,flaky_node,worker_storm --out /tmp/r.md
 
 Each run starts the embedded stack as `ebb run` does (nats-server, two shard masters, the
 controller and its workers, every one its own process), submits a job over a fresh dataset,
-and injects faults one after another at random moments (the seed decides which, and when):
+and injects faults one after another at random moments (the seed decides which, and when).
+The job runs at the default fault settings (lease_s, max_attempts), as a user's would, unless
+--lease-s or --max-attempts say otherwise: a setting that forgave more than the default would
+hide a healthy shard quarantined by faults not its own.
 
 - worker_kill   SIGKILL of a worker process that holds a lease
 - stage_kill    SIGKILL of one stage process of such a worker
-- worker_stop   SIGSTOP of such a worker past its lease, then SIGCONT: a zombie, to be fenced
+- worker_stop   SIGSTOP of such a worker for 5 s past the job's lease, then SIGCONT: a zombie,
+                to be fenced. Nobody sees a stopped worker end, so its shards wait for their
+                leases to run out (or for speculation, at the job's tail): the one fault that
+                waits out a lease. The stop ends early if the job ends first.
 - master_kill   SIGKILL of the leading shard master: the standby takes over
 - nats_restart  SIGKILL of nats-server, down 1-4 s, then started again on the same store
 - stage_hang    a stage process hangs in a batch: the batch timeout kills and restarts it
 - input_vanish  an input file disappears (moved aside) until the job has FAILED on it (its
-                shards quarantined), then comes back: the job is resumed (`resume`)
+                shards quarantined), then comes back: the job is resumed (`resume`). The one
+                fault that is the job's own: every other must not fail the job.
 - commit_kill   SIGKILL of a worker exactly between writing a shard's commit record and
                 telling the master (a failpoint, ebb.common.failpoints)
 - master_commit_kill  SIGKILL of the leading master exactly between recording a shard DONE
@@ -22,17 +30,29 @@ and injects faults one after another at random moments (the seed decides which, 
 - disk_full     the output disk (a tmpfs of its own) filled to the last byte for 2-6 s
 - slow_disk     every write to the output disk (a FUSE passthrough, bench/slowfs.py) takes
                 50-300 ms for 4-10 s
+- churn         a random worker of the job SIGKILLed about every second for 5-15 s (spot
+                capacity coming and going); the controller relaunches each
+- flaky_node    the next worker to start its pipeline fails its setup, once (a node whose
+                device would not open: bench/chaos_modelets.py). A worker holding a lease is
+                SIGKILLed so that one starts.
+- worker_storm  every worker of the job SIGKILLed at once, two or three times 2-5 s apart (a
+                node pool lost)
 
 disk_full needs root (to mount the tmpfs), slow_disk /dev/fuse, libfuse 2 and fusepy; a run
 without them does not choose those faults, and the report says so.
 
 After each fault the campaign waits for the job to recover before the next. Recovery time:
-for a fault aimed at a worker, until every shard that worker held is committed (by anyone);
-for input_vanish, from the `resume` request until one more shard is DONE; for the others, from
-the kill (the restart, for NATS; the hang, for a stage; the disk's return to free space or
-full speed) until the master has recorded one more shard DONE.
+for a fault aimed at workers, until every shard those workers held is committed (by anyone),
+from the kill (worker_stop: from the stop; churn and worker_storm: from the last kill; if they
+held no shard, until one more shard is DONE); for flaky_node, from the failed setup until one
+more shard is DONE and the shards of the worker it killed are committed; for input_vanish,
+from the `resume` request until one more shard is DONE; for the others, from the kill (the
+restart, for NATS; the hang, for a stage; the disk's return to free space or full speed) until
+the master has recorded one more shard DONE. The wait lasts at most the job's lease plus
+RECOVERY_MARGIN_S.
 
-When the job ends: a FAILED job is resumed (`resume`) and followed to its end. Then every
+When the job ends: a FAILED job is resumed (`resume`) and followed to its end; unless it failed
+on the input that vanished, it failed by a fault not its own, and the run says so. Then every
 input id must be in the output exactly once (as a result, or as an error row), the job's
 counters must agree with the manifest and the files, and the manifest must list exactly the
 committed files.
@@ -76,11 +96,12 @@ from ebb.common.bus import Backoff, connect
 from ebb.common.errors import BusError, RemoteError
 from ebb.common.messages import JobStatus
 from ebb.common.output import COMMITS_DIR, MANIFEST
-from ebb.common.spec import parse_job
+from ebb.common.spec import FaultPolicy, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.store import ShardRecord, shard_key
 
 from . import slowfs, soak
+from .chaos_modelets import FLAKY_MARKER, TAKEN_PREFIX, arm_flaky, taken_by
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = (
@@ -95,15 +116,27 @@ FAULTS = (
     "disk_full",
     "slow_disk",
     "input_vanish",
+    "churn",
+    "flaky_node",
+    "worker_storm",
 )
 VANISH_P = 0.3
 """The share of runs that begin with input_vanish (a job that fails, to be resumed)."""
 VANISHING = "part-1.parquet"
 """The input file input_vanish takes away (the second half of the rows: shards not done yet)."""
-LEASE_S = 4.0
 LEADER_TTL_S = 3.0
 BATCH_TIMEOUT_S = 4.0
-RECOVERY_TIMEOUT_S = 90.0
+RECOVERY_MARGIN_S = 60.0
+"""How long past the job's lease the campaign waits for a fault's recovery: a worker that nobody
+sees end (stopped) gives its shards back when its lease runs out."""
+STOP_PAST_LEASE_S = 5.0
+"""worker_stop stops a worker this long past the job's lease."""
+CHURN_S = (5.0, 15.0)
+"""How long churn lasts (a kill about every second)."""
+STORM_WAVES = (2, 3)
+STORM_GAP_S = (2.0, 5.0)
+FLAKY_TIMEOUT_S = 60.0
+"""How long flaky_node waits for a new worker to start its pipeline (and fail)."""
 DISK_MB = 256
 """The output disk's size: the output of a run is a few MB; the rest is what disk_full fills."""
 BALLAST = ".ballast"
@@ -127,6 +160,12 @@ class RunResult:
     first_reason: str = ""
     resumed: bool = False
     final_state: str = ""
+    foreign_failure: str = ""
+    """Why the job failed by a fault not its own (anything but the input that vanished)."""
+    lease_s: float = 0.0
+    """The job's lease."""
+    max_attempts: int = 0
+    """The job's max_attempts."""
     lost: int = 0
     duplicated: int = 0
     error_rows: int = 0
@@ -139,12 +178,26 @@ class RunResult:
     def ok(self) -> bool:
         return self.final_state == "SUCCEEDED" and not self.problems
 
+    @property
+    def failed_by_another(self) -> bool:
+        """The job failed by a fault not its own."""
+        return bool(self.foreign_failure)
+
 
 # -- the job ---------------------------------------------------------------------------------
 
 
-def write_job(folder: Path, *, rows: int, rows_per_shard: int, seed: int) -> dict[str, Any]:
-    """A dataset (two Parquet files), an ONNX MLP, and the job over them."""
+def write_job(
+    folder: Path,
+    *,
+    rows: int,
+    rows_per_shard: int,
+    seed: int,
+    lease_s: float | None = None,
+    max_attempts: int | None = None,
+) -> dict[str, Any]:
+    """A dataset (two Parquet files), an ONNX MLP, and the job over them, at the default
+    fault settings but for those given (None: the default)."""
     data = folder / "data"
     data.mkdir(parents=True)
     half = rows // 2
@@ -153,6 +206,12 @@ def write_job(folder: Path, *, rows: int, rows_per_shard: int, seed: int) -> dic
         pq.write_table(table, data / f"part-{i}.parquet", row_group_size=rows_per_shard)
     model = mlp_onnx(folder / "model.onnx", inputs=8, hidden=16, outputs=4, seed=3)
     (folder / "hang").mkdir()
+    (folder / "flaky").mkdir()
+    fault: dict[str, Any] = {"batch_timeout_s": BATCH_TIMEOUT_S}
+    if lease_s is not None:
+        fault["lease_s"] = lease_s
+    if max_attempts is not None:
+        fault["max_attempts"] = max_attempts
     return {
         "name": f"chaos-{seed}",
         "input": {
@@ -171,16 +230,18 @@ def write_job(folder: Path, *, rows: int, rows_per_shard: int, seed: int) -> dic
                     "batch_size": 100,
                 },
                 {"name": "model", "model": str(model), "threads": 1, "batch_size": 256},
-                {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 256},
+                {
+                    "name": "top",
+                    # TopClass, whose setup fails once when flaky_node arms the folder.
+                    "modelet": "bench.chaos_modelets:FlakyTopClass",
+                    "params": {"flaky_dir": str(folder / "flaky")},
+                    "batch_size": 256,
+                },
             ],
         },
         "output": {"uri": str(folder / "out"), "carryover": ["id"]},
         "resources": {"min_workers": 2, "max_workers": 2},
-        "fault": {
-            "lease_s": LEASE_S,
-            "max_attempts": 10,
-            "batch_timeout_s": BATCH_TIMEOUT_S,
-        },
+        "fault": fault,
     }
 
 
@@ -371,6 +432,8 @@ class Injector:
         job: str,
         disk: OutputDisk,
         folder: Path,
+        *,
+        lease_s: float,
     ) -> None:
         self.stack = stack
         self.client = client
@@ -379,6 +442,9 @@ class Injector:
         self.out = disk.out
         self.folder = folder
         self.hang_dir = folder / "hang"
+        self.flaky_dir = folder / "flaky"
+        self.lease_s = lease_s
+        self.recovery_timeout_s = lease_s + RECOVERY_MARGIN_S
         self.failpoints = folder / "failpoints"
         self.subjects = Subjects(stack.config.prefix)
         self._shards: tuple[NATS, KeyValue] | None = None
@@ -399,11 +465,23 @@ class Injector:
             await asyncio.sleep(0.1)
         return None
 
-    async def _shards_done(self, shards: set[int]) -> float | None:
-        started = time.monotonic()
-        if await _until(lambda: shards <= committed(self.out), RECOVERY_TIMEOUT_S):
-            return time.monotonic() - started
+    async def _shards_done(self, shards: set[int], since: float) -> float | None:
+        """Seconds from `since` (monotonic) until every one of `shards` is committed; None if
+        the job ends without them, or the wait times out."""
+
+        def done() -> bool:
+            return shards <= committed(self.out) or self.ended.is_set()
+
+        await _until(done, self.recovery_timeout_s - (time.monotonic() - since))
+        if shards <= committed(self.out):
+            return time.monotonic() - since
         return None
+
+    async def _lost_done(self, shards: set[int], since: float) -> float | None:
+        """As `_shards_done`; for workers that held no shard, until one more is DONE."""
+        if shards:
+            return await self._shards_done(shards, since)
+        return await self.next_done(await self.done_count(), since)
 
     async def _recorded_done(self, shard: int) -> bool:
         """Whether the master's record of `shard` (in KV, what every master reads) is DONE."""
@@ -434,10 +512,114 @@ class Injector:
         async def progressed() -> bool:
             return self.ended.is_set() or await self.done_count() > before
 
-        await _until(progressed, RECOVERY_TIMEOUT_S, interval_s=0.2)
+        await _until(progressed, self.recovery_timeout_s, interval_s=0.2)
         if self.ended.is_set() and await self.done_count() <= before:
             return None
         return time.monotonic() - started
+
+    async def _stop(self, worker: psutil.Process, shards: set[int]) -> tuple[float | None, str]:
+        """SIGSTOP past the lease, then SIGCONT: timed from the stop, as the shards can be
+        committed by others while it lasts (once the lease ran out, or by speculation)."""
+        worker.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        recovery = asyncio.create_task(self._shards_done(shards, stopped))
+        try:
+            try:
+                await _sleep_unless(self.ended, self.lease_s + STOP_PAST_LEASE_S)
+            finally:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.send_signal(signal.SIGCONT)
+            seconds = time.monotonic() - stopped
+            ended = " (the job ended first)" if self.ended.is_set() else ""
+            note = f"pid {worker.pid} stopped {seconds:.0f}s{ended}, shards {sorted(shards)}"
+            return await recovery, note
+        finally:
+            if not recovery.done():
+                recovery.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await recovery
+
+    async def _kill_workers(self, victims: list[psutil.Process]) -> set[int]:
+        """SIGKILL `victims` (workers of the job); the shards they held."""
+        held = await _leases(self.client, self.job)
+        shards: set[int] = set()
+        for victim in victims:
+            shards |= held.get(_worker_id(victim), set())
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.send_signal(signal.SIGKILL)
+        return shards
+
+    async def _churn(self, rng: random.Random) -> tuple[float | None, str]:
+        """A random worker SIGKILLed about every second for a while. `rng` is the fault's own:
+        how many kills fit in depends on timing, and the seed's later choices must not."""
+        lasts = rng.uniform(*CHURN_S)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + lasts
+        shards: set[int] = set()
+        kills = 0
+        last = time.monotonic()
+        while loop.time() < end and not self.ended.is_set():
+            workers = sorted(_workers(self.stack), key=lambda p: p.pid)
+            if workers:
+                shards |= await self._kill_workers([rng.choice(workers)])
+                last = time.monotonic()
+                kills += 1
+            await _sleep_unless(self.ended, rng.uniform(0.7, 1.3))
+        if not kills:
+            return None, "no worker to kill"
+        note = f"{kills} kills over {lasts:.0f}s, shards {sorted(shards)}"
+        return await self._lost_done(shards, last), note
+
+    async def _storm(self, rng: random.Random) -> tuple[float | None, str]:
+        """Every worker of the job SIGKILLed at once, a few times a few seconds apart."""
+        waves = rng.randint(*STORM_WAVES)
+        gaps = [rng.uniform(*STORM_GAP_S) for _ in range(waves - 1)]
+        shards: set[int] = set()
+        killed: list[int] = []
+        last = time.monotonic()
+        for n in range(waves):
+            if self.ended.is_set():
+                break
+            workers = _workers(self.stack)
+            shards |= await self._kill_workers(workers)
+            last = time.monotonic()
+            killed.append(len(workers))
+            if n < len(gaps):
+                await _sleep_unless(self.ended, gaps[n])
+        if not any(killed):
+            return None, "no worker to kill"
+        note = f"waves of {'+'.join(map(str, killed))} workers, shards {sorted(shards)}"
+        return await self._lost_done(shards, last), note
+
+    async def _flaky(self, rng: random.Random) -> tuple[float | None, str]:
+        """Arm a failed setup for the next worker to start its pipeline, and make one start
+        (a worker holding a lease is SIGKILLed: the controller relaunches it)."""
+        found = await self._victim(rng)
+        if found is None:
+            return None, "no worker held a lease"
+        worker, shards = found
+        arm_flaky(self.flaky_dir, spared=[p.pid for p in _workers(self.stack)])
+        worker.send_signal(signal.SIGKILL)
+        if not await _until(
+            lambda: self.ended.is_set() or taken_by(self.flaky_dir) is not None, FLAKY_TIMEOUT_S
+        ):
+            (self.flaky_dir / FLAKY_MARKER).unlink(missing_ok=True)
+            # Recorded (a worker was killed), not recovered.
+            return None, f"killed pid {worker.pid}; none started in {FLAKY_TIMEOUT_S:.0f}s"
+        failed = time.monotonic()
+        before = await self.done_count()
+        taker = taken_by(self.flaky_dir)
+        if taker is None:  # the job ended first
+            (self.flaky_dir / FLAKY_MARKER).unlink(missing_ok=True)
+            return None, f"killed pid {worker.pid}; the job ended before a worker started"
+        for path in self.flaky_dir.glob(f"{TAKEN_PREFIX}*"):
+            path.unlink()  # ready to fire again, later in the run
+        note = f"killed pid {worker.pid} (shards {sorted(shards)}); stage pid {taker} failed"
+        # One more shard DONE after the failure, and the killed worker's shards committed:
+        # the first alone would count a job that the failure is about to fail as recovered.
+        if await self.next_done(before, failed) is None:
+            return None, note
+        return await self._shards_done(shards, failed), note
 
     async def inject(self, kind: str, rng: random.Random) -> tuple[float | None, str]:
         """Inject one fault; (recovery seconds or None, a note)."""
@@ -448,22 +630,25 @@ class Injector:
             worker, shards = found
             if kind == "worker_kill":
                 worker.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
                 note = f"pid {worker.pid}, shards {sorted(shards)}"
-            elif kind == "stage_kill":
+                return await self._shards_done(shards, killed), note
+            if kind == "stage_kill":
                 stages = _stages(worker)
                 if not stages:
                     return None, "no stage process"
                 victim = rng.choice(stages)
                 victim.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
                 note = f"stage pid {victim.pid} of worker {worker.pid}"
-            else:
-                worker.send_signal(signal.SIGSTOP)
-                stopped = LEASE_S + 2.0
-                await asyncio.sleep(stopped)
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    worker.send_signal(signal.SIGCONT)
-                note = f"pid {worker.pid} stopped {stopped:.0f}s, shards {sorted(shards)}"
-            return await self._shards_done(shards), note
+                return await self._shards_done(shards, killed), note
+            return await self._stop(worker, shards)
+        if kind == "churn":
+            return await self._churn(random.Random(rng.random()))
+        if kind == "worker_storm":
+            return await self._storm(rng)
+        if kind == "flaky_node":
+            return await self._flaky(rng)
         before = await self.done_count()
         if kind == "master_kill":
             leader = await _leader(self.stack)
@@ -528,9 +713,10 @@ class Injector:
             before = last
             if kind == "commit_kill":
                 # Its record stands, unreported: recovered once the master has it DONE (the
-                # lease expires, and the shard's next holder finds the record and reports it).
+                # lease ends, as the controller tells the master the worker died or as it
+                # expires, and the shard's next holder finds the record and reports it).
                 recovery = None
-                if await _until(lambda: self._recorded_done(shard), RECOVERY_TIMEOUT_S, 0.2):
+                if await _until(lambda: self._recorded_done(shard), self.recovery_timeout_s, 0.2):
                     recovery = time.monotonic() - started
                 return recovery, f"worker pid {pid}, shard {shard}"
             (name,) = [n for n, p in self.stack.processes.items() if p.pid == pid]
@@ -582,12 +768,28 @@ async def run_one(
     faults: int,
     log: Callable[[str], None],
     kinds: tuple[str, ...] = FAULTS,
+    lease_s: float | None = None,
+    max_attempts: int | None = None,
 ) -> RunResult:
     rng = random.Random(seed)
     folder = workdir / f"seed-{seed}"
     shutil.rmtree(folder, ignore_errors=True)
-    spec = parse_job(write_job(folder, rows=rows, rows_per_shard=rows_per_shard, seed=seed))
-    result = RunResult(seed=seed, rows=rows)
+    spec = parse_job(
+        write_job(
+            folder,
+            rows=rows,
+            rows_per_shard=rows_per_shard,
+            seed=seed,
+            lease_s=lease_s,
+            max_attempts=max_attempts,
+        )
+    )
+    result = RunResult(
+        seed=seed,
+        rows=rows,
+        lease_s=spec.fault.lease_s,
+        max_attempts=spec.fault.max_attempts,
+    )
     stack = LocalStack(
         StackConfig(
             state_dir=folder / "state",
@@ -607,7 +809,7 @@ async def run_one(
     try:
         async with await EbbClient.connect(stack.nats_config) as client:
             job = await client.submit(spec)
-            injector = Injector(stack, client, job, disk, folder)
+            injector = Injector(stack, client, job, disk, folder, lease_s=spec.fault.lease_s)
             waiting = _follow(client, job, injector)
             choices = [k for k in kinds if k != "input_vanish" and k not in missing]
             chosen = [rng.choice(choices) for _ in range(faults)] if choices else []
@@ -628,7 +830,8 @@ async def run_one(
                     first = await waiting
                     result.first_state, result.first_reason = first.state, first.reason
                     if VANISHING not in first.reason:
-                        result.problems.append(f"failed for another reason: {first.reason}")
+                        result.foreign_failure = first.reason
+                        result.problems.append(f"failed by a fault not its own: {first.reason}")
                     before = await injector.done_count()
                     resumed_at = time.monotonic()
                     await client.resume(job)
@@ -643,9 +846,9 @@ async def run_one(
             if not result.first_state:
                 result.first_state, result.first_reason = final.state, final.reason
             if final.state in ("FAILED", "CANCELLED"):
-                filled = any(i.kind == "disk_full" for i in result.injections)
-                if not (filled and "No space left on device" in final.reason):
-                    result.problems.append(f"failed for a reason not injected: {final.reason}")
+                # Only the input that vanished is the job's own fault, and it was resumed.
+                result.foreign_failure = result.foreign_failure or final.reason
+                result.problems.append(f"failed by a fault not its own: {final.reason}")
                 result.resumed = True
                 await client.resume(job)
                 final = await _wait(client, job)
@@ -738,8 +941,11 @@ async def campaign(
     log: Callable[[str], None],
     on_result: Callable[[list[RunResult]], None] | None = None,
     kinds: tuple[str, ...] = FAULTS,
+    lease_s: float | None = None,
+    max_attempts: int | None = None,
 ) -> list[RunResult]:
-    """Run each seed in turn; `on_result` sees the results so far after each run."""
+    """Run each seed in turn; `on_result` sees the results so far after each run. The job's
+    lease_s and max_attempts: None, the defaults."""
     results = []
     for seed in seeds:
         # The masters read their leader TTL, and every process its failpoints, from the
@@ -759,6 +965,8 @@ async def campaign(
                 faults=faults,
                 log=log,
                 kinds=kinds,
+                lease_s=lease_s,
+                max_attempts=max_attempts,
             )
         except Exception as e:  # the campaign's own fault: recorded, and the next seed runs
             log(traceback.format_exc())
@@ -773,6 +981,7 @@ async def campaign(
             f"seed {seed}: {result.first_state}"
             + (f" -> resumed -> {result.final_state}" if result.resumed else "")
             + f" in {result.seconds:.0f}s; lost {result.lost}, duplicated {result.duplicated}"
+            + ("; FAILED BY A FAULT NOT ITS OWN" if result.failed_by_another else "")
             + (f"; PROBLEMS: {result.problems}" if result.problems else "")
         )
         results.append(result)
@@ -787,6 +996,11 @@ def report(
     results: list[RunResult], *, command: str, machine: str, planned: int | None = None
 ) -> str:
     runs = f"{len(results)} runs" + (f" of {planned} planned" if planned else "")
+    # A run the campaign could not start has no settings: the first that has them.
+    lease_s = next((r.lease_s for r in results if r.lease_s), FaultPolicy().lease_s)
+    max_attempts = next((r.max_attempts for r in results if r.max_attempts), 0)
+    max_attempts = max_attempts or FaultPolicy().max_attempts
+    defaults = (lease_s, max_attempts) == (FaultPolicy().lease_s, FaultPolicy().max_attempts)
     lines = [
         "# Reliability: the chaos campaign",
         "",
@@ -795,7 +1009,9 @@ def report(
         "masters, the controller, two workers with three stage processes each), one job of",
         f"{results[0].rows:,} rows, faults injected one after another at random moments; then",
         "every input id is checked to be in the output exactly once and the counters to agree",
-        "with the files.",
+        "with the files. The job runs at "
+        + ("the default fault settings" if defaults else "these fault settings")
+        + f" (lease_s {lease_s:g}, max_attempts {max_attempts}).",
         "",
         f"Command: `{command}` ({runs})  ",
         f"Machine: {machine}",
@@ -806,13 +1022,17 @@ def report(
     failed_first = [r for r in results if r.first_state != "SUCCEEDED"]
     lines += [
         "| runs | succeeded at once | failed, then finished by resume | ended badly "
-        "| rows lost | rows duplicated | counters disagree |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| failed by a fault not its own | rows lost | rows duplicated | counters disagree |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {len(results)} | {len(results) - len(failed_first)} "
         f"| {sum(1 for r in failed_first if r.final_state == 'SUCCEEDED')} "
         f"| {sum(1 for r in results if r.final_state != 'SUCCEEDED')} "
+        f"| {sum(1 for r in results if r.failed_by_another)} "
         f"| {sum(r.lost for r in results)} | {sum(r.duplicated for r in results)} "
         f"| {sum(1 for r in results if r.final_state == 'SUCCEEDED' and not r.counters_agree)} |",
+        "",
+        "input_vanish is the one fault that is the job's own: it is meant to fail the job, which",
+        "is then resumed. A job that failed on anything else failed by a fault not its own.",
         "",
         "## Per fault",
         "",
@@ -829,8 +1049,11 @@ def report(
         "",
         "An injection counts as recovered when the work it hit was committed again (for the",
         "master, NATS, a hung stage and a resume: when the master recorded one more shard DONE",
-        f"after it) within {RECOVERY_TIMEOUT_S:.0f} s; one not recovered is one the job",
-        "finished before, or one that still waited when the timeout came.",
+        "after it; for a flaky node, both) within",
+        f"{lease_s + RECOVERY_MARGIN_S:.0f} s (the lease and {RECOVERY_MARGIN_S:.0f} s); one not",
+        "recovered is one the job finished before, or one that still waited when the timeout",
+        "came. worker_stop is the one fault that waits out a lease (nobody sees a stopped worker",
+        "end), and is timed from the stop.",
         "",
         "commit_kill and master_commit_kill are aimed (ebb.common.failpoints) at the two",
         "narrowest windows of exactly-once: a worker's commit record written but the master not",
@@ -843,8 +1066,9 @@ def report(
         "",
         "## Runs",
         "",
-        "| seed | first end | final | seconds | faults (recovery s) | problems |",
-        "|---:|---|---|---:|---|---|",
+        "| seed | first end | final | failed by a fault not its own | seconds "
+        "| faults (recovery s) | problems |",
+        "|---:|---|---|---|---:|---|---|",
     ]
     for r in results:
         faults = ", ".join(
@@ -853,7 +1077,8 @@ def report(
         )
         first = r.first_state + (f": {r.first_reason[:80]}" if r.first_reason else "")
         lines.append(
-            f"| {r.seed} | {first} | {r.final_state} | {r.seconds:.0f} | {faults} "
+            f"| {r.seed} | {first} | {r.final_state} | {'yes' if r.failed_by_another else 'no'} "
+            f"| {r.seconds:.0f} | {faults} "
             f"| {'; '.join(r.problems) or '-'} |"
         )
     return "\n".join(lines) + "\n"
@@ -870,6 +1095,15 @@ def main(argv: list[str] | None = None) -> int:
         "--kinds",
         default=",".join(FAULTS),
         help="the faults to choose from, comma-separated (default: all)",
+    )
+    p.add_argument(
+        "--lease-s", type=float, default=None, help="the job's lease (default: the default)"
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=None,
+        help="the job's max_attempts (default: the default)",
     )
     p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
     p.add_argument("--workdir", default=None)
@@ -904,6 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda line: print(line, flush=True),
             on_result=write,
             kinds=kinds,
+            lease_s=args.lease_s,
+            max_attempts=args.max_attempts,
         )
     )
     print(f"report written to {args.out}")
