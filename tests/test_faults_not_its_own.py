@@ -49,7 +49,7 @@ def stages(tmp_path: Path, first: dict[str, Any]) -> list[dict[str, Any]]:
 
 def exactly_once(tmp_path: Path, rows: int, *, missing: set[int] | None = None) -> None:
     table, _ = read_output(tmp_path / "out")
-    ids = sorted(table.column("id").to_pylist())
+    ids: list[int] = sorted(table.column("id").to_numpy().tolist())
     assert ids == sorted(set(range(rows)) - (missing or set())), "every id exactly once"
 
 

@@ -24,17 +24,22 @@ from prometheus_client import REGISTRY
 
 from ebb.common import envvars
 from ebb.common.spec import StageSpec
-from ebb.worker import shm, stageserver
+from ebb.worker import frames, shm, stageserver
 from ebb.worker.columns import VALUE
-from ebb.worker.pipeline import Pipeline, PipelineConfig, PipelineSetupError
+from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, PipelineSetupError
+from ebb.worker.processes import StageProcess
 from ebb.worker.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
+from ebb.worker.stage import BatchBoard, StageConfig, StageLoop
 
 from .helpers import ASSETS, FEATURES, wait_until, write_model
 
 
-def rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+def rows(n: int, seed: int = 0, *, first_id: int = 0) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
-    return [{"id": i, "features": rng.normal(size=FEATURES).astype(np.float32)} for i in range(n)]
+    return [
+        {"id": first_id + i, "features": rng.normal(size=FEATURES).astype(np.float32)}
+        for i in range(n)
+    ]
 
 
 def features_stage(**kw: Any) -> StageSpec:
@@ -184,6 +189,185 @@ async def test_a_stage_that_cannot_start_fails_the_pipeline_clearly() -> None:
             await pipeline.start()
         with pytest.raises(PipelineSetupError):
             await pipeline.run(rows(3))
+    finally:
+        await pipeline.stop()
+
+
+async def test_replacements_that_cannot_start_after_the_pipeline_was_ready_break_it(
+    tmp_path: Path,
+) -> None:
+    """A process dies; those started in its place fail their set-up (its GPU memory not
+    yet free, say). The pipeline did start here once: it is broken, not unable to start."""
+    stage = StageSpec(
+        name="once",
+        modelet="ebbtest_modelets:StartsOnce",
+        params={"marker": str(tmp_path / "started"), "crash_on": [5]},
+        batch_size=4,
+    )
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[str(ASSETS)]))
+    try:
+        await pipeline.start()
+        with pytest.raises(PipelineBroken, match="died 3 times while starting") as failed:
+            await pipeline.run(rows(20))
+        assert not isinstance(failed.value, PipelineSetupError)
+        with pytest.raises(PipelineBroken):
+            await pipeline.run(rows(3))
+    finally:
+        await pipeline.stop()
+
+
+class _NeverStarts:
+    """A stage process whose fork server hangs up on the start request."""
+
+    def start(self) -> None:
+        raise EOFError("the stage server hung up")
+
+
+async def test_a_router_that_gives_up_breaks_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server is lost at every start after the first: the router gives up on a
+    replacement and fails. The pipeline had started: it is broken, not unable to start."""
+    real: Any = stageserver.stage_context()
+
+    class LosesItsServerAfterTheFirstStart:
+        def __init__(self) -> None:
+            self.starts = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def Process(self, *args: Any, **kwargs: Any) -> Any:
+            self.starts += 1
+            return real.Process(*args, **kwargs) if self.starts == 1 else _NeverStarts()
+
+    monkeypatch.setattr("ebb.worker.router.stage_context", LosesItsServerAfterTheFirstStart)
+    stage = StageSpec(
+        name="crashy", modelet="ebbtest_modelets:CrashOn", params={"ids": [5]}, batch_size=4
+    )
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[str(ASSETS)]))
+    try:
+        await pipeline.start()
+        with pytest.raises(PipelineBroken, match="router failed: EOFError") as failed:
+            await pipeline.run(rows(20))
+        assert not isinstance(failed.value, PipelineSetupError)
+    finally:
+        await pipeline.stop()
+
+
+def test_a_stopping_stage_over_its_memory_limit_does_not_ask_to_be_recycled() -> None:
+    """Told to stop, a stage finishes what it holds and exits: over its memory limit or
+    not, it asks for no replacement."""
+    ctx = stageserver.stage_context()
+    inbox_r, inbox_w = ctx.Pipe(duplex=False)
+    outbox_r, outbox_w = ctx.Pipe(duplex=False)
+    # A batch that is never full and waits a minute: only the stop lets it run.
+    spec = StageSpec(
+        name="s", modelet="ebb.worker.modelets:Identity", batch_size=8, batch_wait_s=60
+    )
+    config = StageConfig(spec=spec, code_paths=[], memory_limit_bytes=1)  # always over
+    uids = np.arange(4, dtype=np.int64)
+    inbox_w.send_bytes(frames.pack(frames.ITEMS, uids, {VALUE: uids}))
+    inbox_w.send_bytes(frames.pack(frames.STOP))
+
+    def identity(batch: Any) -> Any:
+        return batch
+
+    loop = StageLoop(config, identity, inbox_r, outbox_w, BatchBoard(ctx, 8))
+    try:
+        loop.run()
+        kinds = []
+        while True:
+            try:
+                kinds.append(frames.header(outbox_r.recv_bytes()).kind)
+            except EOFError:
+                break
+    finally:
+        for conn in (inbox_r, inbox_w, outbox_r, outbox_w):
+            conn.close()
+    assert frames.ITEMS in kinds  # it did run the batch it held
+    assert frames.RECYCLE not in kinds
+
+
+async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage that finds itself over its limit after the batch it was running when the
+    pipeline stopped asks to be recycled (the stop still waits in its inbox): the router,
+    stopping, starts nothing in its place."""
+    started: list[StageProcess] = []
+
+    class Counted(StageProcess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr("ebb.worker.router.StageProcess", Counted)
+    entered, gate, then = tmp_path / "entered", tmp_path / "gate", tmp_path / "then"
+    stage = StageSpec(
+        name="gated",
+        modelet="ebbtest_modelets:Gated",
+        params={"entered": str(entered), "gate": str(gate), "then": str(then)},
+        batch_size=4,
+    )
+    pipeline = Pipeline(
+        PipelineConfig(stages=[stage], code_paths=[str(ASSETS)], memory_limit_bytes=1)
+    )
+    running: asyncio.Task[Any] | None = None
+    try:
+        await pipeline.start()
+        running = asyncio.create_task(pipeline.run(rows(8)))  # two batches
+        await wait_until(entered.exists, timeout=30, what="the first batch to run")
+        stopping = asyncio.create_task(pipeline.stop())
+        (stage_process,) = started
+        await wait_until(lambda: stage_process.stopping, timeout=30, what="the stop to be sent")
+        gate.touch()
+        # Its second batch holds it alive while the router reads its request.
+        await wait_until(lambda: stage_process.recycling, timeout=30, what="a recycle request")
+        then.touch()
+        await stopping
+    finally:
+        gate.touch()
+        then.touch()
+        if running is not None:
+            running.cancel()
+            await asyncio.wait([running])
+        await pipeline.stop()
+        alive = [p for p in started if p.process.is_alive()]
+        for p in alive:  # a process nothing stops would hold up this interpreter's exit
+            p.process.kill()
+            p.process.join()
+    assert len(started) == 1
+    assert not alive
+
+
+async def test_a_cancelled_run_stops_taking_room_and_its_waiting_rows_are_not_computed(
+    tmp_path: Path,
+) -> None:
+    """A run abandoned half way (its lease lost): rows of it that had not reached a process
+    are dropped, and the next run does not wait behind them."""
+    tally = tmp_path / "tally"
+    stage = StageSpec(
+        name="tally",
+        modelet="ebbtest_modelets:Tally",
+        params={"path": str(tally), "seconds_per_batch": 0.05},
+        batch_size=16,
+    )
+    # Room for the whole first run at once: every one of its rows goes to the router.
+    config = PipelineConfig(stages=[stage], code_paths=[str(ASSETS)], max_inflight=10_000)
+    pipeline = Pipeline(config)
+    try:
+        await pipeline.start()
+        first = asyncio.create_task(pipeline.run(rows(480)))
+        await wait_until(lambda: tally.exists() and tally.read_text(), what="a first batch")
+        first.cancel()
+        await asyncio.wait([first])
+        assert first.cancelled()
+        second = await pipeline.run(rows(32, first_id=1_000))
+        assert [v for _, v in second] == list(range(1_000, 1_032))
+        computed = {int(line) for line in tally.read_text().split()}
+        # The rows already inside the process finished; the rest of the run never ran.
+        assert set(range(1_000, 1_032)) <= computed
+        assert len(computed & set(range(480))) < 480
+        await wait_until(lambda: pipeline.depths() == [0], timeout=10, what="an empty pipeline")
     finally:
         await pipeline.stop()
 

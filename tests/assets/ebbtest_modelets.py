@@ -305,7 +305,8 @@ class KillsItsWorker:
 
             # The worker: the eldest of the processes that run `ebb.worker` (its fork server
             # and stage processes run with its command line too).
-            worker, process = None, psutil.Process()
+            worker: psutil.Process | None = None
+            process: psutil.Process | None = psutil.Process()
             while process is not None and "ebb.worker" in " ".join(process.cmdline()):
                 worker, process = process, process.parent()
             if worker is not None:

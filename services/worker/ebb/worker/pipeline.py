@@ -4,7 +4,9 @@ in chunks and gathers the results, chunk by chunk, into columns in the rows' ord
 Rows are numbered by uid as they go in; results and errors come back as chunks keyed by their
 uids, and each is put in its place with one vectorised scatter, so that the cost per row of
 the bookkeeping is that of numpy, not of a Python object. Memory is bounded: never more than
-`max_inflight` rows are inside the pipeline.
+`max_inflight` rows are inside the pipeline. A run abandoned before its end (its task
+cancelled: a lost lease, a drain) cancels its rows in the router, so that they stop taking
+room from the runs that follow.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import pyarrow as pa
 
 from .columns import Columns, from_rows, num_rows, scatter, take, to_rows
 from .router import Router
-from .settings import PipelineConfig, PipelineError, PipelineSetupError
+from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 
 __all__ = [
     "Outcome",
     "Pipeline",
+    "PipelineBroken",
     "PipelineConfig",
     "PipelineError",
     "PipelineSetupError",
@@ -95,7 +98,10 @@ class _Run:
 
 
 class Pipeline:
-    """The asyncio side: `run(rows)` returns every row's result, in order."""
+    """The asyncio side: `run(rows)` returns every row's result, in order.
+
+    `start` raises PipelineSetupError when the pipeline cannot start; once it has, `run`
+    raises PipelineBroken if it stops working (see settings.py)."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
@@ -108,11 +114,17 @@ class Pipeline:
         self._space = asyncio.Event()
         self._space.set()
         self._ready = asyncio.Event()
-        self._fatal = ""
+        self._fatal: PipelineError | None = None
 
     @property
     def failed(self) -> str:
-        return self._fatal
+        """Why the pipeline cannot serve rows; empty while it can."""
+        return str(self._fatal) if self._fatal is not None else ""
+
+    def _raise_if_failed(self) -> None:
+        if self._fatal is not None:
+            # A fresh exception for each caller: several runs may be told at once.
+            raise type(self._fatal)(str(self._fatal))
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -138,8 +150,7 @@ class Pipeline:
             raise PipelineSetupError(
                 f"stages not ready after {self.config.start_timeout_s:g}s"
             ) from None
-        if self._fatal:
-            raise PipelineSetupError(self._fatal)
+        self._raise_if_failed()
 
     async def run(self, rows: Sequence[Any] | pa.Table | Columns) -> list[Outcome]:
         """One Outcome per row, in order (the per-row view of `run_columns`)."""
@@ -149,8 +160,7 @@ class Pipeline:
         """Every row's result, in order: rows given as an Arrow table (the fast path: it
         travels as Arrow, and becomes columns in the first stage's processes), a chunk of
         columns, or per-row values."""
-        if self._fatal:
-            raise PipelineSetupError(self._fatal)
+        self._raise_if_failed()
         router = self._router
         assert router is not None, "start() the pipeline first"
         chunks: Iterator[tuple[int, pa.RecordBatch | Columns, int]]
@@ -168,24 +178,27 @@ class Pipeline:
         try:
             for start, chunk, size in chunks:
                 while self._inflight and self._inflight + size > self._limit:
+                    self._raise_if_failed()  # no room will ever come back
                     self._space.clear()
                     await self._space.wait()
-                if self._fatal:
-                    raise PipelineSetupError(self._fatal)
+                self._raise_if_failed()
                 self._inflight += size
                 router.submit(base + start, chunk, size)
             router.flush()
             if n:
                 await run.finished
-            if self._fatal:
-                raise PipelineSetupError(self._fatal)
+            self._raise_if_failed()
             return run.result()
         finally:
             del self._runs[base]
+            if run.remaining and self._fatal is None and self._router is router:
+                # Abandoned (cancelled) before its end: its rows that have not reached a
+                # process yet need not be computed, nor hold room in front of the next run.
+                router.cancel(base, n)
 
     def _by_run(self, uids: np.ndarray) -> Iterator[tuple[_Run, np.ndarray | None]]:
         """The runs these uids belong to, each with a mask of its uids (None: all of them).
-        Uids of a run no longer awaited (a lost lease cancelled it) are dropped."""
+        Uids of a run no longer awaited (cancelled: a lost lease, a drain) are dropped."""
         if not self._runs or not len(uids):
             return
         bases = np.fromiter(self._runs, dtype=np.int64, count=len(self._runs))
@@ -225,13 +238,13 @@ class Pipeline:
         if self._inflight + self.config.frame_size() <= self._limit:
             self._space.set()
 
-    def _on_fatal(self, message: str) -> None:
-        self._fatal = message
+    def _on_fatal(self, error: PipelineError) -> None:
+        self._fatal = error
         self._ready.set()
         self._space.set()
-        # Wake every waiter; `run` sees `_fatal` and raises once, for all of them.
+        # Wake every waiter; each `run` sees `_fatal` and raises.
         for run in list(self._runs.values()):
-            run.fail_all(message)
+            run.fail_all(str(error))
 
     def depths(self) -> list[int]:
         return self._router.depths() if self._router else []

@@ -16,6 +16,10 @@ bookkeeping is per frame, never per row. Only when a process dies does it work o
 that process held (processes.Holding): those are sent again from their source chunk, the
 batch that was running when it died one row at a time; a row whose batch dies twice becomes
 an error row.
+
+Rows nobody waits for any more (their run was cancelled: a lost lease, a drain) are cancelled
+by uid range: what still waits in a backlog is dropped, and reported as errors, which the
+asyncio front ignores for a run it no longer has; what a process holds finishes as usual.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from .columns import Columns, from_rows, take, to_rows
 from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
 from .families import Families
 from .processes import StageProcess
-from .settings import PipelineConfig
+from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .shm import Arena, remove_all_of, sweep_orphans, unlink
 from .stageserver import stage_context
 
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 
 _STARTUP_FAILURES_FATAL = 3
 _SPAWN_TRIES = 3
+_DEPTHS_EVERY_S = 0.2
+"""How often the router counts its stages' depths for other threads (a gauge's worth)."""
 
 ResultsCallback = Callable[[np.ndarray, Columns], None]
 ErrorsCallback = Callable[[np.ndarray, list[str]], None]
@@ -75,8 +81,10 @@ class Router:
         on_results: ResultsCallback,
         on_errors: ErrorsCallback,
         on_ready: Callable[[], None],
-        on_fatal: Callable[[str], None],
+        on_fatal: Callable[[PipelineError], None],
     ) -> None:
+        """`on_fatal` gets a PipelineSetupError when the pipeline could not start, a
+        PipelineBroken when it stopped working after it had started; at most once."""
         self.config = config
         self.specs = config.stages
         self.on_results = on_results
@@ -114,7 +122,14 @@ class Router:
         self._wake_lock = threading.Lock()
         self.draining = False
         self.announced_ready = False
+        self.shutting_down = False
+        """Set when the router starts to stop: nothing is spawned from then on, since
+        nothing would stop, watch or sweep it."""
         self.fatal = ""
+        self._depths: tuple[int, ...] = (0,) * len(self.specs)
+        """Rows waiting for or inside each stage, as the router last counted them."""
+        self._depths_due = 0.0
+        self._wake_closed = False
         self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
         self._watchdog_stop = threading.Event()
         self._kill_all_after = 0.0
@@ -139,6 +154,12 @@ class Router:
         self.requests.put(("flush",))
         self._wake()
 
+    def cancel(self, start: int, rows: int) -> None:
+        """Nobody waits for uids start..start+rows-1 any more: drop what of them has not
+        reached a process yet (reported through `on_errors`)."""
+        self.requests.put(("cancel", start, rows))
+        self._wake()
+
     def stop(self, grace_s: float) -> None:
         """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
         if self.thread.is_alive():
@@ -151,15 +172,14 @@ class Router:
             self.watchdog.join()
 
     def depths(self) -> list[int]:
-        """Rows waiting for or inside each stage (approximate: read without locking)."""
-        return [
-            sum(len(f.uids) for f in list(self.backlog[k])) + sum(p.load for p in self.procs[k])
-            for k in range(len(self.specs))
-        ]
+        """Rows waiting for or inside each stage, as the router last counted them (a few
+        times a second, on its own thread: its backlogs are not ours to read)."""
+        return list(self._depths)
 
     def _wake(self) -> None:
         with self._wake_lock:
-            self._wake_w.send_bytes(b"")
+            if not self._wake_closed:  # stopped: a request now has nobody to wake
+                self._wake_w.send_bytes(b"")
 
     # -- the router thread -----------------------------------------------------------------
 
@@ -179,13 +199,27 @@ class Router:
                 self._wait_and_receive(0.1)
                 if self.elastic is not None and time.monotonic() >= self._next_tick:
                     self._rebalance()
+                self._publish_depths()
         except Exception as e:
             log.exception("pipeline router failed")
-            self._fail(f"pipeline router failed: {type(e).__name__}: {e}")
+            self._fail(PipelineBroken(f"pipeline router failed: {type(e).__name__}: {e}"))
         finally:
             self._shutdown(grace_s)
 
+    def _publish_depths(self) -> None:
+        now = time.monotonic()
+        if now < self._depths_due:
+            return
+        self._depths_due = now + _DEPTHS_EVERY_S
+        # One tuple, swapped in whole: a reader on another thread sees one count or the next.
+        self._depths = tuple(
+            sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in self.procs[k])
+            for k in range(len(self.specs))
+        )
+
     def _spawn(self, stage: int, slot: int) -> None:
+        if self.shutting_down:
+            return
         for attempt in range(_SPAWN_TRIES):
             try:
                 p = StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
@@ -216,6 +250,9 @@ class Router:
                 self._enqueue_source(np.arange(start, start + rows, dtype=np.int64), data, 0)
             elif request[0] == "flush":
                 self.draining = True
+            elif request[0] == "cancel":
+                _, start, rows = request
+                self._cancel(start, rows)
             elif request[0] == "stop":
                 return float(request[1])
 
@@ -328,17 +365,18 @@ class Router:
         elif kind == frames.SETUP_FAILED:
             message = str(frames.payload(buf))
             if not self.announced_ready:
-                self._fail(message)  # the configuration is wrong: fail fast
+                self._fail(PipelineSetupError(message))  # it cannot start here: fail fast
             else:
                 # A replacement that cannot start (the GPU still holds the old process's
                 # memory, say): its exit counts as a failed start, retried a few times.
                 log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
         elif kind == frames.RECYCLE:
-            log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
-            metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
             p.recycling = True
-            p.stopping = p.send(frames.pack(frames.STOP))
-            self._spawn(p.stage, p.slot)
+            if not self.shutting_down:  # then it stops anyway, and nothing replaces it
+                log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
+                metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
+                p.stopping = p.send(frames.pack(frames.STOP))
+                self._spawn(p.stage, p.slot)
 
     # -- where rows go next ------------------------------------------------------------------
 
@@ -473,9 +511,38 @@ class Router:
             self._finish(failed)
             self.on_errors(failed, out_messages)
 
+    def _cancel(self, start: int, rows: int) -> None:
+        """Drop the frames, at every stage, that hold only rows of start..start+rows-1, and
+        report those rows as errors: that releases their sources (`_finish`) and tells the
+        front how many rows left the pipeline. A frame that holds other rows too, or parts of
+        a fan-out (negative uids), goes on: the rows that share it are still wanted, and a
+        family is not ours to break up here. Rows inside a process finish as usual."""
+        end = start + rows
+        dropped: list[np.ndarray] = []
+        for backlog in self.backlog:
+            kept: list[frames.Frame] = []
+            for frame in backlog:
+                uids = frame.uids
+                if len(uids) and int(uids.min()) >= max(start, 0) and int(uids.max()) < end:
+                    dropped.append(uids)
+                    if frame.segment:
+                        self._segment_done(frame.segment)
+                else:
+                    kept.append(frame)
+            if len(kept) < len(backlog):
+                backlog.clear()
+                backlog.extend(kept)
+        if dropped:
+            uids = np.concatenate(dropped)
+            log.debug("cancelled %d rows of uids %d..%d", len(uids), start, end - 1)
+            self._fail_items(uids, ["cancelled: nobody waits for this row"] * len(uids))
+
     def _finish(self, uids: np.ndarray) -> None:
         """Rows that are out of the pipeline: their sources need not be kept for them."""
         uids = uids[uids >= 0]
+        if self.crashes:
+            for uid in uids.tolist():
+                self.crashes.pop(uid, None)
         if not len(uids) or not self.source_starts:
             return
         starts = np.asarray(self.source_starts, dtype=np.int64)
@@ -487,9 +554,6 @@ class Router:
                 if source.left <= 0:
                     del self.sources[source.start]
                     self.source_starts.remove(source.start)
-        if self.crashes:
-            for uid in uids.tolist():
-                self.crashes.pop(uid, None)
 
     def _resubmit(self, uids: list[int], *, solo: bool) -> None:
         """Send rows through the pipeline again, from the first stage: grouped by source, or
@@ -539,10 +603,14 @@ class Router:
         if not p.ready:
             self.startup_failures[p.stage] += 1
             if self.startup_failures[p.stage] >= _STARTUP_FAILURES_FATAL:
-                self._fail(
+                message = (
                     f"stage {p.name!r} died {_STARTUP_FAILURES_FATAL} times while starting "
                     f"(exit code {code})"
                 )
+                # Before the pipeline was ever ready it cannot start here; after, it could,
+                # and what keeps its replacements from starting passes (or not) elsewhere.
+                error = PipelineBroken if self.announced_ready else PipelineSetupError
+                self._fail(error(message))
                 return
         how = p.kill_reason or _exit_description(code)
         metrics.STAGE_RESTARTS.labels(p.name, "timeout" if p.kill_reason else "died").inc()
@@ -669,14 +737,44 @@ class Router:
                     with contextlib.suppress(OSError, ValueError, AttributeError):
                         p.process.kill()
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, error: PipelineError) -> None:
         if not self.fatal:
-            self.fatal = message
-            log.error("pipeline failed: %s", message)
-            self.on_fatal(message)
+            self.fatal = str(error)
+            log.error("pipeline failed: %s", error)
+            self.on_fatal(error)
 
     def _shutdown(self, grace_s: float) -> None:
+        self.shutting_down = True
         everyone = [p for stage in self.procs for p in stage]
+        try:
+            self._stop_processes(everyone, grace_s)
+        except Exception:
+            # Whatever failed while they drained (a result we could not hand over), the
+            # processes, their segments and our pipes must still go.
+            log.exception("pipeline router: stopping the stage processes failed")
+        for p in everyone:
+            if p.process.is_alive():
+                p.process.kill()
+            p.process.join(timeout=5)
+            p.close()
+        in_flight = self._segments_in_flight()
+        self.procs = [[] for _ in self.specs]
+        self._depths = (0,) * len(self.specs)
+        for segment in in_flight:
+            unlink(segment)
+        for p in everyone:
+            remove_all_of(p.process.pid, keep=set())
+        self.reclaims.clear()
+        self.selector.close()
+        self.arena.close()
+        with self._wake_lock:
+            self._wake_closed = True
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _stop_processes(self, everyone: list[StageProcess], grace_s: float) -> None:
+        """Ask every process to stop, and read what they send until they exit, for up to
+        grace_s; any still alive then are killed by the caller."""
         for p in everyone:
             if not p.stopping:
                 p.stopping = p.send(frames.pack(frames.STOP))
@@ -688,22 +786,6 @@ class Router:
                     p.process.join(timeout=0.5)
                     break
                 p.process.join(timeout=0.05)
-        for p in everyone:
-            if p.process.is_alive():
-                p.process.kill()
-            p.process.join(timeout=5)
-            p.close()
-        in_flight = self._segments_in_flight()
-        self.procs = [[] for _ in self.specs]
-        for segment in in_flight:
-            unlink(segment)
-        for p in everyone:
-            remove_all_of(p.process.pid, keep=set())
-        self.reclaims.clear()
-        self.selector.close()
-        self.arena.close()
-        self._wake_r.close()
-        self._wake_w.close()
 
 
 def _exit_description(code: int | None) -> str:

@@ -8,6 +8,12 @@ Agents (tasks of one supervisor):
 
 SIGTERM drains in stages: stop leasing; let shards in flight finish within the grace period;
 release (retryable) whatever is still unfinished; stop the stage processes; exit 0.
+
+The stage processes start (models load) while the first shard is leased and read. Once they
+are ready, every lease and renew request says so (the master learns the job's pipeline can
+start somewhere). A pipeline that cannot start here, or that breaks later, is no shard's fault:
+its shards go back retryable, and the worker drains and exits EXIT_SETUP (cannot start here)
+or EXIT_FAILED (broke), with the reason as its termination message, shards held or not.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from ebb.common.bus import NatsConfig
 from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
 from ebb.common.output import CommitRecord, OutputStore, new_commit
-from ebb.common.runner import EXIT_CONFIG, EXIT_OK
+from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
@@ -44,7 +50,7 @@ from ebb.common.supervisor import Supervisor
 from . import metrics
 from .columns import scatter
 from .elastic import DeviceMonitor
-from .pipeline import Pipeline, PipelineConfig, PipelineSetupError, RunResult
+from .pipeline import Pipeline, PipelineConfig, PipelineError, PipelineSetupError, RunResult
 from .reader import ShardData, read_shard
 from .writer import build_output, write_attempt
 
@@ -140,9 +146,12 @@ class Worker:
         self.leases: dict[str, ActiveLease] = {}
         self.exit_code = EXIT_OK
         self.fatal_reason = ""
-        """Why the worker cannot work on this job at all (with EXIT_CONFIG)."""
+        """Why the worker gave up on this job (with a non-zero exit_code): its termination
+        message."""
         self.spec: JobSpec | None = None
         self.pipeline: Pipeline | None = None
+        self.pipeline_ready = False
+        """The stage processes have started: lease and renew requests say so."""
         self._pipeline_started: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.shards_done = 0
@@ -197,6 +206,7 @@ class Worker:
         )
         # Stage processes start (models load) while the first shard is leased and read.
         self._pipeline_started = asyncio.create_task(self._start_pipeline(), name="pipeline-start")
+        self._pipeline_started.add_done_callback(self._pipeline_start_ended)
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
             async with self.supervisor as sup:
@@ -217,6 +227,37 @@ class Worker:
         started = time.perf_counter()
         await self.pipeline.start()
         log.debug("stage processes ready in %.2fs", time.perf_counter() - started)
+        self.pipeline_ready = True
+        # Tell the master now, not at the next renewal, which a long first shard may put
+        # off for a third of a lease: the renewer looks again within half a second.
+        now = asyncio.get_running_loop().time()
+        for active in self.leases.values():
+            active.renew_at = min(active.renew_at, now)
+
+    def _pipeline_start_ended(self, task: asyncio.Task[None]) -> None:
+        """A failed start stops the worker whether or not a shard waits for the pipeline
+        (the master may have none to give, or only `wait`): it must say so, and promptly.
+        Looking at the exception here also retrieves it, once and for all."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            self._give_up(error)
+
+    def _give_up(self, error: BaseException) -> None:
+        """The pipeline cannot serve here: drain, and exit saying why (the first cause)."""
+        if self.fatal_reason:
+            return
+        if isinstance(error, PipelineSetupError):
+            # Maybe this node's fault (a GPU, a disk), maybe the job's: the controller
+            # tells, from how the job's other workers fare.
+            self.exit_code = EXIT_SETUP
+            self.fatal_reason = f"pipeline cannot start: {error}"
+        else:
+            self.exit_code = EXIT_FAILED
+            self.fatal_reason = f"pipeline failed: {type(error).__name__}: {error}"
+        log.error("%s", self.fatal_reason)
+        self.request_drain()
 
     # -- leasing ---------------------------------------------------------------------------
 
@@ -273,7 +314,9 @@ class Worker:
         granted one already: wait (briefly) for the answer and hand such a shard straight
         back, instead of leaving a lease nobody holds to expire and count as a failure."""
         assert self.spec is not None
-        request = asyncio.ensure_future(self.master.lease(self.spec.id, self.config.id))
+        request = asyncio.ensure_future(
+            self.master.lease(self.spec.id, self.config.id, ready=self.pipeline_ready)
+        )
         reply: LeaseReply | None = await self._until_drained(asyncio.shield(request))
         if reply is not None:
             return reply
@@ -282,7 +325,9 @@ class Worker:
         except (TimeoutError, RemoteError, BusError):
             return None
         if late.status == "granted" and late.shard is not None:
-            await self._release_token(late.token, late.shard.index, "worker draining", True)
+            await self._release_token(
+                late.token, late.shard.index, reason="worker draining", retryable=True
+            )
         return None
 
     async def _until_drained(self, coro: Any) -> Any:
@@ -347,14 +392,12 @@ class Worker:
             await self._release(active, "worker shutting down", retryable=True)
             metrics.SHARDS.labels("released").inc()
             raise
-        except PipelineSetupError as e:
-            log.error("pipeline cannot start: %s", e)
-            await self._release(active, f"pipeline setup failed: {e}", retryable=False)
-            metrics.SHARDS.labels("failed").inc()
-            # Every shard would fail the same way here: stop, and say it is configuration.
-            self.exit_code = EXIT_CONFIG
-            self.fatal_reason = str(e)
-            self.request_drain()
+        except PipelineError as e:
+            # Every shard would fail the same way here, and none by its own fault: stop, and
+            # hand this one back unharmed.
+            self._give_up(e)
+            await self._release(active, f"worker's pipeline failed: {e}", retryable=True)
+            metrics.SHARDS.labels("released").inc()
         except Exception as e:
             log.exception("shard %d attempt %d failed", index, active.attempt)
             # Past the commit record the shard is done whatever happens here: hand it back
@@ -479,9 +522,11 @@ class Worker:
         )
 
     async def _release(self, active: ActiveLease, reason: str, *, retryable: bool) -> None:
-        await self._release_token(active.token, active.shard.index, reason, retryable)
+        await self._release_token(
+            active.token, active.shard.index, reason=reason, retryable=retryable
+        )
 
-    async def _release_token(self, token: str, shard: int, reason: str, retryable: bool) -> None:
+    async def _release_token(self, token: str, shard: int, *, reason: str, retryable: bool) -> None:
         """Hand a shard back. Shielded and bounded: it must happen even while we are being
         cancelled, and must not hold up a shutdown if the master is unreachable."""
 
@@ -516,6 +561,7 @@ class Worker:
                 active.token,
                 worker=self.config.id,
                 timeout_s=max(0.5, min(5.0, active.lease_s / 4)),
+                ready=self.pipeline_ready,
             )
         except RemoteError as e:
             if e.code in _LOST_CODES:

@@ -10,11 +10,21 @@ from .elastic import ElasticSettings
 
 
 class PipelineError(Exception):
-    pass
+    """The pipeline cannot serve rows any more."""
 
 
 class PipelineSetupError(PipelineError):
-    """A stage cannot start (bad modelet, model file, import error): no retry will help."""
+    """The pipeline never started: a stage failed its set-up (bad modelet, a model file that
+    would not load, an import error, a device that would not open), its processes kept dying
+    while starting, or the stages were not ready in time. Every shard would fail the same way
+    here; whether it would elsewhere, only other workers can tell."""
+
+
+class PipelineBroken(PipelineError):
+    """The pipeline started, then stopped working: the router failed (a fork server lost
+    again and again, say), or processes replacing dead ones kept failing to start (a GPU
+    still holding the memory of the process that died). Not the shard's fault, nor the job's:
+    a fresh worker may well do better."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -400,7 +400,9 @@ class StageLoop:
         return left[0] + right[0], left[1] + right[1]
 
     def _check_memory(self) -> None:
-        if self.memory_limit is None or self.recycling:
+        # Stopping, we exit after what we hold anyway: a replacement now would only be one
+        # more process to start (and load a model) while the pipeline shuts down.
+        if self.memory_limit is None or self.recycling or self.stopping:
             return
         import psutil
 

@@ -1,0 +1,198 @@
+"""A worker as a real process (`python -m ebb.worker`) against a real master, when its pipeline
+cannot start: what it tells the master, what it hands back, and how it exits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ebb.client.sdk import EbbClient
+from ebb.common import envvars, schema
+from ebb.common.bus import NatsConfig, nats_environment
+from ebb.common.runner import EXIT_OK, EXIT_SETUP
+from ebb.common.spec import JobSpec, parse_job
+from ebb.common.subjects import Subjects
+from ebb.shard_master.service import MasterConfig, ShardMaster
+from ebb.shard_master.store import ShardRecord, shard_key
+
+from .helpers import ASSETS, job_spec, wait_until, write_dataset
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+async def master(nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[ShardMaster]:
+    # No speculation: a worker with nothing to do is told to wait, not given a copy of a
+    # shard someone else holds.
+    config = MasterConfig(
+        nats=nats_config,
+        id="m",
+        data_roots=[str(tmp_path), str(ASSETS)],
+        speculate_after_s=3600.0,
+    )
+    service = ShardMaster(config)
+    task = asyncio.create_task(service.run(), name="master")
+    ready = asyncio.create_task(service.ready.wait())
+    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        task.result()
+    try:
+        yield service
+    finally:
+        service.request_stop()
+        await task
+
+
+@pytest.fixture
+async def client(nats_config: NatsConfig, master: ShardMaster) -> AsyncIterator[EbbClient]:
+    async with await EbbClient.connect(nats_config) as c:
+        yield c
+
+
+@contextlib.asynccontextmanager
+async def worker_process(
+    nats_config: NatsConfig, job: str, folder: Path, *, worker_id: str = "w1"
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`python -m ebb.worker` on `job`, its output in folder/ID.log, its termination message
+    in folder/ID.termination; killed on the way out if it is still running."""
+    env = {
+        **os.environ,
+        **nats_environment(nats_config),
+        envvars.TERMINATION_LOG: str(folder / f"{worker_id}.termination"),
+    }
+    with open(folder / f"{worker_id}.log", "wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "ebb.worker",
+            "--job",
+            job,
+            "--id",
+            worker_id,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield process
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+def broken_job(tmp_path: Path, *, rows: int, gate: Path | None = None, **fault: Any) -> JobSpec:
+    """A job whose only stage fails its set-up (once `gate` exists, if given), over shards of
+    1,000 rows."""
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_000)
+    params = {"gate": str(gate)} if gate is not None else {}
+    stages = [{"name": "broken", "modelet": "ebbtest_modelets:BrokenSetup", "params": params}]
+    return parse_job(
+        job_spec(tmp_path, rows_per_shard=1_000, stages=stages, fault=fault or None)
+    ).with_id()
+
+
+async def shard_records(client: EbbClient, job: str, shards: int) -> list[ShardRecord]:
+    kv = await client.nc.jetstream().key_value(Subjects(client.config.prefix).shards_bucket)
+    records = []
+    for index in range(shards):
+        entry = await kv.get(shard_key(job, index))
+        assert entry.value is not None
+        records.append(schema.decode(ShardRecord, entry.value))
+    return records
+
+
+async def test_a_worker_whose_pipeline_cannot_start_hands_its_shards_back_unharmed_and_exits_4(
+    tmp_path: Path, nats_config: NatsConfig, client: EbbClient
+) -> None:
+    gate = tmp_path / "gate"
+    spec = broken_job(tmp_path, rows=2_000, gate=gate)
+    await client.submit(spec)
+    async with worker_process(nats_config, spec.id, tmp_path) as worker:
+
+        async def both_shards_held() -> bool:
+            status = (await client.master.status(spec.id, include_leases=True)).jobs[0]
+            return sorted(lease.worker for lease in status.leases) == ["w1", "w1"]
+
+        await wait_until(both_shards_held, timeout=60, what="the worker to lease both shards")
+        gate.touch()  # now its stage fails to set up
+        code = await asyncio.wait_for(worker.wait(), 60)
+    assert code == EXIT_SETUP, (tmp_path / "w1.log").read_text()
+    assert "weights not found" in (tmp_path / "w1.termination").read_text()
+    # Not the shards' fault: back in the queue, no attempt counted against them.
+    for record in await shard_records(client, spec.id, 2):
+        assert (record.state, record.failures) == ("TODO", 0)
+        assert record.attempts >= 1  # it was leased
+
+
+async def test_a_worker_whose_pipeline_cannot_start_says_so_with_no_shard_to_work_on(
+    tmp_path: Path, nats_config: NatsConfig, client: EbbClient
+) -> None:
+    """The job's only shard is held by someone else: the master tells the worker to wait, and
+    no shard of its own ever waits for its pipeline. It must still notice, and say so."""
+    spec = broken_job(tmp_path, rows=1_000, lease_s=600)
+    await client.submit(spec)
+    held = await client.master.lease(spec.id, "other")
+    assert held.shard is not None
+    async with worker_process(nats_config, spec.id, tmp_path) as worker:
+        code = await asyncio.wait_for(worker.wait(), 60)
+    log = (tmp_path / "w1.log").read_text()
+    assert code == EXIT_SETUP, log
+    assert "weights not found" in (tmp_path / "w1.termination").read_text()
+    assert "never retrieved" not in log
+
+
+async def test_a_worker_tells_the_master_its_pipeline_is_ready_at_once(
+    tmp_path: Path, nats_config: NatsConfig, client: EbbClient
+) -> None:
+    """Leases of 600 s are renewed every 200 s: the master hears that the pipeline started
+    from a renewal made for that, while the first shard still computes, and from every
+    request after it."""
+    write_dataset(tmp_path / "data", rows=3_000, row_group_size=1_000)
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    stages = [
+        {
+            "name": "gated",
+            "modelet": "ebbtest_modelets:Gated",
+            "params": {"entered": str(entered), "gate": str(gate), "then": str(gate)},
+            "batch_size": 100,
+        }
+    ]
+    spec = parse_job(
+        job_spec(tmp_path, rows_per_shard=1_000, stages=stages, fault={"lease_s": 600})
+    ).with_id()
+    asked: list[tuple[str, bool]] = []
+
+    async def record(msg: Any) -> None:
+        op = msg.subject.split(".")[-2]
+        if op in ("lease", "renew"):
+            asked.append((op, bool(schema.unpack(msg.data).get("ready", False))))
+
+    subjects = Subjects(nats_config.prefix)
+    watch = await client.nc.subscribe(subjects.worker_op("*", "w1"), cb=record)
+    try:
+        await client.submit(spec)
+        async with worker_process(nats_config, spec.id, tmp_path) as worker:
+            # Its first shard's first batch runs (held), so its pipeline is up.
+            await wait_until(entered.exists, timeout=60, what="the first batch to run")
+            await wait_until(
+                lambda: ("renew", True) in asked, timeout=60, what="a renewal saying ready"
+            )
+            gate.touch()
+            code = await asyncio.wait_for(worker.wait(), 60)
+        assert code == EXIT_OK, (tmp_path / "w1.log").read_text()
+    finally:
+        await watch.unsubscribe()
+    assert (await client.master.job(spec.id)).state == "SUCCEEDED"
+    ready = [r for _, r in asked]
+    assert ready == sorted(ready), asked  # never "not ready" once it said "ready"
+    assert ("lease", True) in asked, asked
