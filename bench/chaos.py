@@ -100,7 +100,7 @@ from ebb.common.spec import FaultPolicy, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.store import ShardRecord, shard_key
 
-from . import slowfs, soak
+from . import docblock, lost_worker, slowfs, soak
 from .chaos_modelets import FLAKY_MARKER, TAKEN_PREFIX, arm_flaky, taken_by
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1125,8 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
         # After every run: a campaign cut short still leaves its report.
         text = report(results, command=command.strip(), machine=host, planned=len(seeds))
         out = Path(args.out)
-        kept = soak.soak_block(out.read_text()) if out.exists() else None
-        out.write_text(soak.with_soak(text, kept) if kept else text)
+        kept = [soak.BLOCK, lost_worker.BLOCK]
+        out.write_text(docblock.keep(kept, out.read_text(), text) if out.exists() else text)
 
     results = asyncio.run(
         campaign(

@@ -26,9 +26,10 @@ from ebb.client.demo import write_demo
 from ebb.common.spec import parse_job
 
 from .common import REPO, Context, ebb_stack, machine, table
+from .docblock import DocBlock
 
-START = "<!-- soak:start -->"
-END = "<!-- soak:end -->"
+BLOCK = DocBlock("soak", "## Soak: memory over a long job")
+START, END = BLOCK.start, BLOCK.end
 
 
 def kind_of(process: psutil.Process) -> str:
@@ -173,28 +174,8 @@ def render(result: dict[str, object], workers: int, rows_per_shard: int) -> str:
     )
 
 
-HEADING = "## Soak: memory over a long job"
-
-
-def with_soak(text: str, block: str) -> str:
-    """`text` (the reliability report) with the soak's block in its place, or appended."""
-    if START in text and END in text:
-        head, _, rest = text.partition(START)
-        _, _, tail = rest.partition(END)
-        return head + block + tail
-    return text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
-
-
-def soak_block(text: str) -> str | None:
-    """The soak's block in `text`, if it has one (the chaos report keeps it when it rewrites
-    the file)."""
-    if START not in text or END not in text:
-        return None
-    return START + text.partition(START)[2].partition(END)[0] + END
-
-
 def write(doc: Path, block: str) -> None:
-    doc.write_text(with_soak(doc.read_text() if doc.exists() else "# Reliability\n", block))
+    BLOCK.write(doc, block, title="# Reliability")
 
 
 def main(argv: list[str] | None = None) -> int:
