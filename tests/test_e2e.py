@@ -417,3 +417,26 @@ async def test_a_csv_job_types_every_shard_alike_and_keeps_line_breaks_in_values
     assert by_id[1_999]["weight"] == 1_999.0 and by_id[2_001]["weight"] == 2_001 / 4
     assert "column 'score': 'oops' is not double" in by_id[oops]["_error"]
     assert by_id[oops]["prediction"] is None and by_id[oops + 1]["prediction"] == [oops + 1]
+
+
+async def test_a_shard_of_a_big_row_group_goes_through_in_chunks_exactly_once(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One row group of 20,000 rows, shards of 5,000 asked: one shard, read once, in chunks of
+    3,000 rows (EBB_CHUNK_ROWS), each written as it comes; every row exactly once, in order."""
+    rows = 20_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=rows)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=5_000))
+    monkeypatch.setenv(envvars.CHUNK_ROWS, "3000")  # the workers' environment, from the stack's
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=1) as stack,
+        await EbbClient.connect(stack.nats_config) as client,
+    ):
+        final = await client.wait(await client.submit(spec))
+    assert final.state == "SUCCEEDED", final.reason
+    assert (final.shards_total, final.rows_done) == (1, rows)
+    table = assert_exactly_once(tmp_path, rows)
+    assert table.column("id").to_pylist() == list(range(rows))  # in order, chunk after chunk
+    files = committed_files(tmp_path / "out")
+    assert len(files) == 7  # ceil(20,000 / 3,000) chunks, a file each

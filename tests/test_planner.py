@@ -5,16 +5,22 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ebb.common.messages import ShardSpec
 from ebb.common.spec import InputSpec
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planner import list_input_files, plan_input, plan_shards
-from ebb.worker.reader import read_shard
+from ebb.worker.reader import ShardReader, read_shard
 
 
 def _ids_of_all_shards(spec: InputSpec) -> list[int | None]:
@@ -26,17 +32,121 @@ def _ids_of_all_shards(spec: InputSpec) -> list[int | None]:
     return ids
 
 
-def test_parquet_packs_small_row_groups_and_splits_big_ones(tmp_path: Path) -> None:
+def test_parquet_packs_small_row_groups_and_never_cuts_a_big_one(tmp_path: Path) -> None:
     table = pa.table({"id": list(range(10_000))})
     pq.write_table(table.slice(0, 3_000), tmp_path / "a.parquet", row_group_size=500)
     pq.write_table(table.slice(3_000), tmp_path / "b.parquet", row_group_size=7_000)
     spec = InputSpec(uri=str(tmp_path), format="parquet", rows_per_shard=2_000)
     shards = plan_shards(spec)
-    # a: 6 groups of 500 -> 2000 + 1000; b: one group of 7000 -> 2000, 2000, 2000, 1000
-    assert [s.rows for s in shards] == [2000, 1000, 2000, 2000, 2000, 1000]
-    assert [s.index for s in shards] == list(range(6))
-    assert shards[2].row_groups == [0] and shards[3].row_offset == 2000
+    # a: 6 groups of 500 -> 2000 + 1000; b: one group of 7000, read once, by one shard.
+    assert [s.rows for s in shards] == [2000, 1000, 7000]
+    assert [s.index for s in shards] == list(range(3))
+    assert shards[2].row_groups == [0] and shards[2].row_offset == 0
     assert _ids_of_all_shards(spec) == list(range(10_000))
+
+
+def _bytes_read(read: Callable[[], object]) -> int:
+    """Bytes this process read (from files: /proc's rchar) while `read` ran."""
+
+    def rchar() -> int:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+        raise AssertionError("no rchar in /proc/self/io")
+
+    before = rchar()
+    read()
+    return rchar() - before
+
+
+def test_every_byte_of_parquet_as_its_tools_write_it_is_read_once(tmp_path: Path) -> None:
+    """Files of one 50,000-row row group (pyarrow's default for them), shards of 10,000 rows
+    asked: each byte is read once, not once for each of five shards cut from the group."""
+    rng = np.random.default_rng(5)
+    table = pa.table({"id": np.arange(50_000), "x": rng.random((50_000, 16)).tolist()})
+    path = tmp_path / "data" / "part-0.parquet"
+    path.parent.mkdir()
+    pq.write_table(table, path)  # the library's defaults: one row group here
+    spec = InputSpec(uri=str(path.parent), format="parquet", rows_per_shard=10_000)
+    shards = plan_shards(spec)
+    size = path.stat().st_size
+
+    def read_all() -> None:
+        for shard in shards:
+            reader = ShardReader(shard, None, chunk_rows=4_096)
+            while reader.next() is not None:
+                pass
+
+    read = _bytes_read(read_all)
+    assert size * 0.9 <= read <= size * 1.3, (read, size)  # the footer read twice at most
+    assert _ids_of_all_shards(spec) == list(range(50_000))
+
+
+_PEAK = (
+    "\nfor line in open('/proc/self/status'):\n"
+    "    if line.startswith('VmHWM:'):\n"
+    "        print(int(line.split()[1]))\n"
+)
+"""Prints the process's peak resident memory in kB (its own: ru_maxrss would carry the
+peak of the process it was forked from, a test process holding a big table)."""
+
+
+def _peak_rss_mb(script: str) -> float:
+    """The peak resident memory of a Python process that runs `script`, in MB."""
+    done = subprocess.run(
+        [sys.executable, "-c", script + _PEAK],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    return int(done.stdout.split()[-1]) / 1024
+
+
+def test_a_shards_memory_does_not_grow_with_its_row_group(tmp_path: Path) -> None:
+    """Row groups of 1M and 4M rows (72 and 288 MB decoded), written with the library's
+    defaults, each one shard: reading either a chunk at a time peaks alike."""
+    peaks = []
+    for rows in (1_000_000, 4_000_000):
+        path = tmp_path / f"rows-{rows}.parquet"
+        columns = {f"c{k}": np.arange(rows, dtype=np.float64) + k for k in range(8)}
+        pq.write_table(pa.table({"id": np.arange(rows), **columns}), path, row_group_size=rows)
+        (shard,) = plan_shards(InputSpec(uri=str(path), rows_per_shard=10_000))
+        assert shard.rows == rows and shard.row_groups == [0]
+        peaks.append(
+            _peak_rss_mb(
+                "from ebb.common.messages import ShardSpec\n"
+                "from ebb.worker.reader import ShardReader\n"
+                f"shard = ShardSpec(index=0, path={str(path)!r}, format='parquet', "
+                f"rows={rows}, row_groups=[0])\n"
+                "reader = ShardReader(shard, None, chunk_rows=20_000)\n"
+                "seen = 0\n"
+                "while (data := reader.next()) is not None:\n"
+                "    assert data.table.column('id')[0].as_py() == seen\n"
+                "    seen += data.table.num_rows\n"
+                f"assert seen == {rows}\n"
+            )
+        )
+    small, large = peaks
+    assert large - small < 50, peaks  # 216 MB more rows, no more memory
+
+
+def test_a_shard_planned_with_a_row_offset_before_still_reads_its_rows(tmp_path: Path) -> None:
+    """Jobs planned when row groups were cut into ranges are resumed by workers of today."""
+    pq.write_table(pa.table({"id": list(range(7_000))}), tmp_path / "b.parquet")
+    old = ShardSpec(
+        index=3,
+        path=str(tmp_path / "b.parquet"),
+        format="parquet",
+        rows=2_000,
+        row_groups=[0],
+        row_offset=4_000,
+    )
+    reader = ShardReader(old, None, chunk_rows=700)
+    ids: list[int | None] = []
+    while (data := reader.next()) is not None:
+        ids += data.table.column("id").to_pylist()
+    assert ids == list(range(4_000, 6_000))
 
 
 @pytest.mark.parametrize("fmt", ["csv", "jsonl"])

@@ -27,7 +27,8 @@ class ShardSpec(Message):
     row_groups: list[int] = field(default_factory=list)
     """Parquet: the row groups read, in order."""
     row_offset: int = 0
-    """Parquet: rows skipped at the start of the first row group (a split row group)."""
+    """Parquet: rows skipped at the start of the first row group. Planners since whole-row-group
+    shards write 0; a shard planned before, with a row group cut into ranges, still reads."""
     byte_start: int = 0
     """Text formats: first byte of the shard, at the start of a line."""
     byte_end: int = 0

@@ -1,7 +1,11 @@
 """Shard planning: split a dataset into shards of about `rows_per_shard` rows, from metadata.
 
 - Parquet: from the footer's row-group sizes. Small row groups are packed together; a row group
-  larger than a shard is split into row ranges.
+  larger than a shard is a shard of its own, never cut into row ranges: Parquet cannot read part
+  of a row group without decoding all of it, so every shard cut from one would read the whole
+  group (what pyarrow, Spark and pandas write by default is up to a million rows a group: 100x
+  the bytes for shards of 10,000 rows). The worker reads such a shard a chunk at a time, so its
+  memory stays bounded; every byte of the input is read once.
 - CSV / JSONL: by byte ranges aligned to line starts, sized from the average line length of a
   sample at the start of the file (as Hadoop and Spark split text). Only a few bytes around each
   cut are read. With `newlines_in_values` (quoted CSV values holding line breaks, Spark's
@@ -19,7 +23,6 @@ a column int64 and the next shard of it double, and the output files would disag
 from __future__ import annotations
 
 import io
-import math
 import posixpath
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -211,16 +214,7 @@ def _plan_parquet(
             if pending:
                 yield flush()
                 pending, pending_rows = [], 0
-            for k in range(math.ceil(n / rows_per_shard)):
-                offset = k * rows_per_shard
-                yield ShardSpec(
-                    index=0,
-                    path=path,
-                    format="parquet",
-                    rows=min(rows_per_shard, n - offset),
-                    row_groups=[rg],
-                    row_offset=offset,
-                )
+            yield ShardSpec(index=0, path=path, format="parquet", rows=n, row_groups=[rg])
             continue
         if pending and pending_rows + n > rows_per_shard:
             yield flush()

@@ -17,6 +17,7 @@ from ebb.common.runner import EXIT_FAILED, run
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
+from .reader import CHUNK_ROWS
 from .service import Worker, WorkerConfig, default_worker_id
 
 log = logging.getLogger("ebb.worker")
@@ -42,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shards held at once: 2 reads the next while one computes (prefetch); 1 does not",
     )
     p.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=int(env(envvars.CHUNK_ROWS, str(CHUNK_ROWS))),
+        help="rows of a shard read and in the pipeline at once (a shard of any size goes "
+        "through in chunks: its memory bounded)",
+    )
+    p.add_argument(
         "--start-jitter",
         type=float,
         default=float(env(envvars.START_JITTER_S, "0")),
@@ -61,6 +69,7 @@ async def amain(args: argparse.Namespace) -> int:
             job=args.job,
             id=args.id,
             shards_in_flight=args.shards_in_flight,
+            chunk_rows=args.chunk_rows,
             start_jitter_s=args.start_jitter,
             shutdown_grace_s=args.grace,
         )

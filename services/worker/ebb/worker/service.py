@@ -27,6 +27,8 @@ import random
 import re
 import socket
 import time
+from collections import deque
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,7 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
 from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
-from ebb.common.output import CommitRecord, OutputStore, new_commit
+from ebb.common.output import CommitRecord, OutputFile, OutputStore, new_commit
 from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import check_worker_id
@@ -51,7 +53,7 @@ from . import metrics
 from .columns import scatter
 from .elastic import DeviceMonitor
 from .pipeline import Pipeline, PipelineConfig, PipelineError, PipelineSetupError, RunResult
-from .reader import ShardData, read_shard
+from .reader import CHUNK_ROWS, ShardData, ShardReader
 from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,22 @@ def _output(
     return build_output(data.table, results, errors, spec.output)
 
 
-def _since(mark: float) -> tuple[float, float]:
-    """Seconds since `mark`, and now as the next mark."""
-    now = time.perf_counter()
-    return now - mark, now
+def _inputs(data: ShardData, spec: JobSpec | None) -> tuple[pa.Table, np.ndarray]:
+    """A chunk's rows as the pipeline takes them (its input columns, the rows that could be
+    read), and the positions of those rows in the chunk."""
+    assert spec is not None
+    inputs = data.table
+    if spec.input.columns is not None:
+        inputs = inputs.select(spec.input.columns)
+    good = np.arange(data.table.num_rows, dtype=np.int64)
+    if data.bad_rows:
+        good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
+        inputs = inputs.take(pa.array(good, type=pa.int64()))
+    return inputs, good
+
+
+_CHUNKS_IN_FLIGHT = 2
+"""Chunks of a shard in the pipeline at once (`Worker._computed`)."""
 
 
 def default_worker_id() -> str:
@@ -111,6 +125,9 @@ class WorkerConfig:
     id: str = field(default_factory=default_worker_id)
     shards_in_flight: int = 2
     """Shards held at once: one computing while the next is leased and read."""
+    chunk_rows: int = CHUNK_ROWS
+    """Rows of a shard read (and in the pipeline) at once: a shard of any size, a Parquet row
+    group of a million rows, say, goes through in chunks, its memory bounded."""
     start_jitter_s: float = 0.0
     """Before the first lease, wait a random time up to this: a fleet started at once does not
     hit the store (and the master) in one burst."""
@@ -423,39 +440,37 @@ class Worker:
         columns = None
         if spec.input.columns is not None:
             columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
-        phase = time.perf_counter()
-        data = await asyncio.to_thread(
-            read_shard,
+        reader = ShardReader(
             shard,
             columns,
             column_types=spec.input.column_types,
             newlines_in_values=spec.input.newlines_in_values,
+            chunk_rows=self.config.chunk_rows,
         )
-        n = data.table.num_rows
-        inputs = data.table
-        if spec.input.columns is not None:
-            inputs = inputs.select(spec.input.columns)
-        good = np.arange(n, dtype=np.int64)
-        if data.bad_rows:
-            good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
-            inputs = inputs.take(pa.array(good, type=pa.int64()))
-        read_s, phase = _since(phase)
-        await asyncio.shield(self._pipeline_started)
-        waited_s, phase = _since(phase)
-        # The rows travel as Arrow and become columns in the first stage's processes.
-        result = await self.pipeline.run_columns(inputs)
-        computed_s, phase = _since(phase)
-        table, error_rows = await asyncio.to_thread(_output, data, good, result, spec)
-        files = await asyncio.to_thread(
-            write_attempt,
-            store,
-            table,
-            shard=shard.index,
-            attempt=active.attempt,
-            error_rows=error_rows,
-            fmt=spec.output.format,
-            max_rows_per_file=spec.output.max_rows_per_file,
-        )
+        started = time.perf_counter()
+        files: list[OutputFile] = []
+        rows = error_rows = 0
+        try:
+            # Closed on the way out whatever happens here, not when it is collected: its
+            # runs still under way must end with this attempt.
+            async with contextlib.aclosing(self._computed(reader)) as computed:
+                async for data, good, result in computed:
+                    table, errors = await asyncio.to_thread(_output, data, good, result, spec)
+                    files += await asyncio.to_thread(
+                        write_attempt,
+                        store,
+                        table,
+                        shard=shard.index,
+                        attempt=active.attempt,
+                        error_rows=errors,
+                        fmt=spec.output.format,
+                        max_rows_per_file=spec.output.max_rows_per_file,
+                        first_part=len(files),
+                    )
+                    rows += table.num_rows
+                    error_rows += errors
+        finally:
+            reader.close()
         record = new_commit(
             job=spec.id,
             shard=shard.index,
@@ -464,23 +479,51 @@ class Worker:
             worker=self.config.id,
         )
         won, record = await asyncio.to_thread(store.create_commit, record)
-        written_s, _ = _since(phase)
         log.debug(
-            "shard %d: read %.2fs, waited for the stages %.2fs, computed %.2fs, written %.2fs",
+            "shard %d: %d rows read, computed and written in %.2fs",
             shard.index,
-            read_s,
-            waited_s,
-            computed_s,
-            written_s,
+            rows,
+            time.perf_counter() - started,
         )
         if not won:
             log.info(
                 "shard %d: attempt %d committed first; ours is garbage", shard.index, record.attempt
             )
-        metrics.ROWS.inc(table.num_rows)
+        metrics.ROWS.inc(rows)
         metrics.ERROR_ROWS.inc(error_rows)
         failpoints.hit(failpoints.WORKER_AFTER_COMMIT_RECORD, detail=str(shard.index))
         await self._commit(active, record)
+
+    async def _computed(
+        self, reader: ShardReader
+    ) -> AsyncGenerator[tuple[ShardData, np.ndarray, RunResult], None]:
+        """Each chunk of the shard with its results, in order. Two chunks are in the pipeline
+        at once, the next read while they compute: the pipeline never runs dry between
+        chunks, and the shard's memory is a few chunks whatever its size."""
+        assert self.pipeline is not None and self._pipeline_started is not None
+        window: deque[tuple[ShardData, np.ndarray, asyncio.Task[RunResult]]] = deque()
+        try:
+            while (data := await asyncio.to_thread(reader.next)) is not None:
+                inputs, good = _inputs(data, self.spec)
+                await asyncio.shield(self._pipeline_started)
+                # The rows travel as Arrow and become columns in the first stage's processes.
+                window.append((data, good, asyncio.create_task(self.pipeline.run_columns(inputs))))
+                if len(window) >= _CHUNKS_IN_FLIGHT:
+                    done, good_rows, run = window.popleft()
+                    yield done, good_rows, await run
+            while window:
+                done, good_rows, run = window.popleft()
+                yield done, good_rows, await run
+        finally:
+            # Cancelled (the lease lost, a drain) or failed: the runs still under way end
+            # too, and their rows leave the pipeline (Pipeline.run_columns cancels them).
+            for _, _, run in window:
+                run.cancel()
+            if window:
+                await asyncio.wait([run for _, _, run in window])
+                for _, _, run in window:
+                    if not run.cancelled():
+                        run.exception()  # retrieved: the first failure is what we raise
 
     async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:
         """Report the commit record to the master, retrying through master restarts and

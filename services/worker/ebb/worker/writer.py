@@ -83,13 +83,15 @@ def write_attempt(
     error_rows: int | None = None,
     fmt: OutputFormat = "parquet",
     max_rows_per_file: int | None = None,
+    first_part: int = 0,
 ) -> list[OutputFile]:
     """Write the attempt's data files, each complete or not at all, in `fmt`, at most
-    `max_rows_per_file` rows each. Returns what to commit."""
+    `max_rows_per_file` rows each, numbered from `first_part` (a shard written a chunk at a
+    time). Returns what to commit."""
     n = table.num_rows
     step = max_rows_per_file or max(n, 1)
     files: list[OutputFile] = []
-    for part, start in enumerate(range(0, max(n, 1), step)):
+    for part, start in enumerate(range(0, max(n, 1), step), start=first_part):
         piece = table.slice(start, step)
         data = encode(piece, fmt)
         path = f"{attempt_dir(shard, attempt)}/part-{part:05d}.{fmt}"
