@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.output import (
+    OutputFile,
+    OutputStore,
+    attempt_dir,
+    new_commit,
+    waiting_for_room,
+)
 
 
 def _record(shard: int, attempt: int) -> object:
@@ -54,3 +64,60 @@ def test_garbage_collection_keeps_only_winners(tmp_path: Path) -> None:
     assert removed == 1
     assert not (tmp_path / attempt_dir(0, 1)).exists()
     assert (tmp_path / attempt_dir(0, 2)).exists()
+
+
+def test_a_write_that_finds_the_disk_full_waits_for_room_then_gives_up() -> None:
+    attempts: list[int] = []
+    slept: list[float] = []
+
+    def write() -> None:
+        attempts.append(1)
+        if len(attempts) <= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    waiting_for_room("write x", write, wait_s=60, sleep=slept.append)
+    assert len(attempts) == 4 and slept == [0.1, 0.2, 0.4]
+    with pytest.raises(OSError) as full:  # full for good: fails with the system's words
+        waiting_for_room(
+            "write x",
+            lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")),
+            wait_s=0.0,
+        )
+    assert full.value.errno == errno.ENOSPC
+    with pytest.raises(PermissionError):  # any other error is not waited out
+        waiting_for_room("write x", lambda: (_ for _ in ()).throw(PermissionError()), wait_s=60)
+
+
+def test_a_shards_files_are_written_once_a_full_disk_has_room_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"a tmpfs of its own needs root: {mounted.stderr.decode().strip()}")
+    try:
+        ballast = disk / "ballast"
+        with open(ballast, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        store = OutputStore(str(disk / "out"), full_disk_wait_s=60)
+        data = b"x" * 200_000
+        writing = threading.Thread(target=store.write_file, args=("data/part-0.bin", data))
+        writing.start()
+        deadline = time.monotonic() + 30
+        while "waiting for room" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the write has found no room
+        assert "No space left on device" in caplog.text
+        assert writing.is_alive()  # waiting, not failed
+        ballast.unlink()  # room again
+        writing.join(timeout=30)
+        assert not writing.is_alive()
+        assert (disk / "out" / "data" / "part-0.bin").read_bytes() == data
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

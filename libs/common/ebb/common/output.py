@@ -19,12 +19,14 @@ answer was lost) counts as created.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import posixpath
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,36 @@ from . import schema
 from .storage import retrying
 
 log = logging.getLogger(__name__)
+
+FULL_DISK_WAIT_S = 120.0
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def waiting_for_room(
+    what: str,
+    write: Callable[[], None],
+    *,
+    wait_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Run a local write; while it finds the disk full (or over quota), wait for room and run
+    it again, up to `wait_s`. A disk that fills for a while (another job's output, logs,
+    a node's image cache) is nobody's shard's fault: its attempt waits instead of failing,
+    and a disk full for good still fails it, with the system's words. Blocking: callers run
+    it in a thread."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.1
+    while True:
+        try:
+            write()
+            return
+        except OSError as e:
+            if e.errno not in _NO_ROOM or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: %s; waiting for room (%.1fs)", what, e.strerror or e, delay)
+            sleep(delay)
+            delay = min(2.0, delay * 2)
+
 
 DATA_DIR = "data"
 COMMITS_DIR = "_commits"
@@ -122,7 +154,9 @@ def _json(value: Any) -> bytes:
 class OutputStore:
     """One job's output root, on the local disk or any fsspec filesystem."""
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, *, full_disk_wait_s: float = FULL_DISK_WAIT_S) -> None:
+        self.full_disk_wait_s = full_disk_wait_s
+        """A local write that finds the disk full waits this long for room before it fails."""
         self.uri = uri.rstrip("/")
         fs, root = fsspec.core.url_to_fs(self.uri)
         self.fs: fsspec.AbstractFileSystem = fs
@@ -151,17 +185,21 @@ class OutputStore:
                 )
             return
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+
+        def write() -> None:
+            os.makedirs(directory, exist_ok=True)
+            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+
+        waiting_for_room(f"write {path}", write, wait_s=self.full_disk_wait_s)
         _fsync_dir(directory)
 
     def claim(self, job: str, *, spec_digest: str = "") -> str:
@@ -238,13 +276,21 @@ class OutputStore:
 
     def _link_exclusive(self, path: str, data: bytes) -> bool:
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+
+        def write() -> None:
+            os.makedirs(directory, exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+
+        waiting_for_room(f"write {path}", write, wait_s=self.full_disk_wait_s)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
                 # link(2) fails with EEXIST if the name exists: atomic, exclusive creation
                 # of a file whose content was complete and durable before it got its name.
