@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from ebb.client.sdk import EbbClient
@@ -196,3 +197,63 @@ async def test_a_worker_tells_the_master_its_pipeline_is_ready_at_once(
     ready = [r for _, r in asked]
     assert ready == sorted(ready), asked  # never "not ready" once it said "ready"
     assert ("lease", True) in asked, asked
+
+
+_HUNG_PIPELINE = """
+import asyncio, sys
+from ebb.common.spec import StageSpec
+from ebb.worker.pipeline import Pipeline, PipelineConfig
+
+async def main():
+    stage = StageSpec(name="hang", modelet="hang_modelet:Hang", params={"marker": sys.argv[1]},
+                      batch_size=4)
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[sys.argv[2]]))
+    await pipeline.start()
+    await pipeline.run([{"x": n} for n in range(4)])
+
+asyncio.run(main())
+"""
+
+_HANG_MODELET = """
+import time
+
+class Hang:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def process_batch(self, rows):
+        open(self.marker, "w").close()
+        time.sleep(3600)
+"""
+
+
+async def test_a_stage_hung_in_user_code_goes_when_its_worker_is_killed(tmp_path: Path) -> None:
+    """A worker SIGKILLed while a stage process hangs in a batch (before the batch timeout):
+    the stage process, and the fork server it was forked from, leave with it."""
+    (tmp_path / "hang_modelet.py").write_text(_HANG_MODELET)
+    marker = tmp_path / "in-batch"
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _HUNG_PIPELINE,
+        str(marker),
+        str(tmp_path),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        await wait_until(marker.exists, timeout=60, what="the stage to be in its batch")
+        descendants = psutil.Process(worker.pid).children(recursive=True)
+        assert descendants, "a fork server and a stage process"
+    finally:
+        worker.kill()
+        await worker.wait()
+
+    def all_gone() -> bool:
+        return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants)
+
+    try:
+        await wait_until(all_gone, timeout=30, what="the worker's processes to leave with it")
+    finally:
+        for p in descendants:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

@@ -88,6 +88,7 @@ class StageProcess:
             code_paths=config.code_paths,
             memory_limit_bytes=config.memory_limit_bytes,
             environment=dict(os.environ),
+            worker_pid=os.getpid(),
         )
         self.process = ctx.Process(
             target=stage_main,

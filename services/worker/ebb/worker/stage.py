@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -89,16 +90,41 @@ class StageConfig:
     """The worker's environment when it started this process. A stage process is forked
     from a server that started with the worker: without this it would see the environment of
     then, not of now (credentials or a store's endpoint the worker set since)."""
+    worker_pid: int | None = None
+    """The worker that started this process: when it is gone, so is this process."""
 
 
 def _die_with_parent() -> None:
     """Linux: be killed if our parent dies, even by SIGKILL. The parent is the fork server,
-    which leaves as soon as the worker that uses it is gone."""
+    which leaves when no process of the worker's is left to use it (see _die_with_worker)."""
     if sys.platform != "linux":
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _die_with_worker(pid: int | None) -> None:
+    """Leave as soon as the worker that started us is gone, even while user code hangs.
+
+    The fork server (our parent) leaves once every holder of its lifeline is gone, and each
+    process it forks holds one: a stage hung in user code when its worker was SIGKILLed kept
+    the server, and so itself, alive for good. A thread waits on the worker's pidfd (Linux
+    5.3+) instead; a healthy stage would notice the closed pipe anyway."""
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        lifeline = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)  # gone already
+    except OSError:
+        return  # no pidfds here: the pipe and the parent-death signal remain
+
+    def wait_for_the_worker() -> None:
+        select.select([lifeline], [], [])  # readable once the worker has exited
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_worker, name="ebb-stage-lifeline", daemon=True).start()
 
 
 def _describe(e: BaseException) -> str:
@@ -126,6 +152,7 @@ def stage_main(
 ) -> None:
     """Entry point of a stage process (spawned by the pipeline router)."""
     _die_with_parent()
+    _die_with_worker(config.worker_pid)
     if config.environment is not None:
         os.environ.clear()
         os.environ.update(config.environment)
