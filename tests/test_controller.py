@@ -16,13 +16,14 @@ import pytest
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
+from ebb.common import envvars
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import RemoteError
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
 from ebb.controller.backend import Capacity, WorkerInfo
-from ebb.controller.local import LocalBackend, LocalConfig
+from ebb.controller.local import LocalBackend, LocalConfig, machine_cores
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig, plan, share
 from ebb.shard_master.service import MasterConfig
 
@@ -148,6 +149,16 @@ async def test_local_backend_relaunches_a_worker_that_dies(
             first = await reconciler.reconcile_once()
             assert first.launch == {job_id: 2}
             assert len(backend.pids()) == 2
+            # Each is told its share of the machine, and its stage processes come from a
+            # fork server whose BLAS pools are one thread each.
+            share = f"{machine_cores() / 4:g}"
+            for pid in backend.pids().values():
+                assert _environ(pid)[envvars.CPUS] == share
+            pid = next(iter(backend.pids().values()))
+            server = await wait_until(
+                lambda: next(iter(_fork_servers(pid)), None), what="the worker's fork server"
+            )
+            assert _environ(server.pid)["OMP_NUM_THREADS"] == "1"
             victim, pid = next(iter(backend.pids().items()))
             os.kill(pid, signal.SIGKILL)
             await wait_until(lambda: victim not in backend.pids(), what="the worker to die")
@@ -279,6 +290,20 @@ async def test_running_jobs_whose_specs_add_up_past_the_max_payload_all_get_work
         decided = await reconciler.reconcile_once()
     assert decided.launch == dict.fromkeys(ids, 1)
     assert sorted(job for _, job in backend.launched) == sorted(ids)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment a process started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().partition("=")[::2] for entry in raw if b"=" in entry)
+
+
+def _fork_servers(pid: int) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in children if "forkserver" in " ".join(p.cmdline())]
 
 
 def _workers_of(pid: int) -> list[psutil.Process]:

@@ -24,7 +24,7 @@ from ebb.common.subjects import Subjects
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.store import ShardRecord, shard_key
 
-from .helpers import ASSETS, job_spec, wait_until, write_dataset
+from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,20 +61,30 @@ async def client(nats_config: NatsConfig, master: ShardMaster) -> AsyncIterator[
 
 @contextlib.asynccontextmanager
 async def worker_process(
-    nats_config: NatsConfig, job: str, folder: Path, *, worker_id: str = "w1"
+    nats_config: NatsConfig,
+    job: str,
+    folder: Path,
+    *,
+    worker_id: str = "w1",
+    cores: set[int] | None = None,
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     """`python -m ebb.worker` on `job`, its output in folder/ID.log, its termination message
-    in folder/ID.termination; killed on the way out if it is still running."""
+    in folder/ID.termination; killed on the way out if it is still running. `cores`: the
+    only cores it may run on (its affinity mask, from its first instruction)."""
     env = {
         **os.environ,
         **nats_environment(nats_config),
         envvars.TERMINATION_LOG: str(folder / f"{worker_id}.termination"),
     }
     with open(folder / f"{worker_id}.log", "wb") as log:
+        pinned = (
+            ["-c", f"import os, runpy; os.sched_setaffinity(0, {cores!r}); {_RUN_AS_MAIN}"]
+            if cores is not None
+            else ["-m", "ebb.worker"]
+        )
         process = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "ebb.worker",
+            *pinned,
             "--job",
             job,
             "--id",
@@ -89,6 +99,9 @@ async def worker_process(
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+_RUN_AS_MAIN = "import sys; runpy.run_module('ebb.worker', run_name='__main__', alter_sys=True)"
 
 
 def broken_job(tmp_path: Path, *, rows: int, gate: Path | None = None, **fault: Any) -> JobSpec:
@@ -257,3 +270,33 @@ async def test_a_stage_hung_in_user_code_goes_when_its_worker_is_killed(tmp_path
         for p in descendants:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+async def test_a_worker_confined_to_one_core_runs_every_stage_process_on_one_thread(
+    tmp_path: Path, nats_config: NatsConfig, client: EbbClient
+) -> None:
+    write_dataset(tmp_path / "data", rows=4_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000)).with_id()
+    await client.submit(spec)
+    async with worker_process(nats_config, spec.id, tmp_path, cores={0}) as worker:
+        server = await wait_until(
+            lambda: next(
+                (
+                    p
+                    for p in psutil.Process(worker.pid).children()
+                    if "forkserver" in " ".join(p.cmdline())
+                ),
+                None,
+            ),
+            timeout=60,
+            what="the worker's fork server",
+        )
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        final = await asyncio.wait_for(client.wait(spec.id), 120)
+        await asyncio.wait_for(worker.wait(), 60)
+    assert final.state == "SUCCEEDED", final.reason
+    log = (tmp_path / "w1.log").read_text()
+    # Its modelet processes' BLAS and OpenMP pools: one thread; its model: one thread.
+    assert b"OMP_NUM_THREADS=1" in environ and b"OPENBLAS_NUM_THREADS=1" in environ
+    assert "1 cores for this worker" in log and "model 1 thread(s) a process" in log, log

@@ -170,6 +170,9 @@ class LocalBackend:
         # In a session of its own, a worker would outlive us if we were killed: this tells
         # it whom to watch, to drain when we are gone.
         env[envvars.PARENT_PID] = str(os.getpid())
+        # Its share of the machine: the cores it may use are split among the workers it runs
+        # beside (their model runtimes and BLAS would each take every core otherwise).
+        env[envvars.CPUS] = f"{machine_cores() / max(1, self.config.max_workers):g}"
         env.update(job_environment(job))
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
@@ -334,6 +337,14 @@ def _read_termination_message(path: Path | None) -> str:
 
 _KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """Signals a process gets from someone else; one that crashes raises others (SIGSEGV...)."""
+
+
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _failure_kind(code: int) -> Kind | None:

@@ -111,7 +111,9 @@ def worker_pod(
         "image": c.image or DEFAULT_IMAGE,
         "imagePullPolicy": c.image_pull_policy,
         "command": ["python", "-m", "ebb.worker"],
-        "env": _environment(job, c, name, env or {}, own_credentials=own_credentials),
+        "env": _environment(
+            job, c, name, env or {}, own_credentials=own_credentials, cpus=shape["cpu"]
+        ),
         "envFrom": [{"secretRef": {"name": s, "optional": True}} for s in c.env_from_secrets],
         "resources": {"requests": requests, "limits": limits},
         # The worker writes why it gave up there; a crash without a word leaves the tail of
@@ -152,11 +154,20 @@ def worker_pod(
 
 
 def _environment(
-    job: str, c: KubeConfig, name: str, extra: Mapping[str, str], *, own_credentials: bool
+    job: str,
+    c: KubeConfig,
+    name: str,
+    extra: Mapping[str, str],
+    *,
+    own_credentials: bool,
+    cpus: float,
 ) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": envvars.JOB, "value": job},
         {"name": envvars.WORKER_ID, "value": name},
+        # The cores it asked for: with no CPU limit (so that it may burst into idle cores)
+        # no quota tells its runtimes, which would start a thread per core of the node.
+        {"name": envvars.CPUS, "value": f"{cpus:g}"},
         {"name": envvars.NATS_URL, "value": c.nats.url},
         {"name": envvars.PREFIX, "value": c.nats.prefix},
         # Leave the drain a margin inside the pod's grace period.

@@ -2,12 +2,18 @@
 
 The fork server that stage processes come from starts before anything else is imported, so
 that its imports (numpy, pyarrow, the stage loop) overlap the worker's own (NATS, the metrics
-server, ...) and its first exchanges with the master.
+server, ...) and its first exchanges with the master; its stage processes' BLAS and OpenMP
+pools are sized first (cpus.py).
 """
 
 if __name__ == "__main__":
+    import os
+
+    from ebb.worker.cpus import blas_environment
     from ebb.worker.stageserver import start_stage_server
 
+    # Before the fork server imports numpy: its BLAS sizes its pool once, at import.
+    os.environ.update(blas_environment(os.environ))
     start_stage_server()
 
     from ebb.worker.entry import main

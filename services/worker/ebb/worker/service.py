@@ -49,7 +49,7 @@ from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
-from . import metrics
+from . import cpus, metrics
 from .columns import scatter
 from .elastic import DeviceMonitor
 from .pipeline import Pipeline, PipelineConfig, PipelineError, PipelineSetupError, RunResult
@@ -213,9 +213,16 @@ class Worker:
             return EXIT_OK
         self.spec = spec = parse_job(status.spec)
         memory = spec.fault.worker_memory_gb
+        cores = cpus.detect()
+        stages = cpus.with_threads(spec.pipeline.stages, cores)
+        log.info(
+            "%g cores for this worker: %s",
+            cores,
+            ", ".join(f"{s.name} {s.threads or 1} thread(s) a process" for s in stages),
+        )
         self.pipeline = Pipeline(
             PipelineConfig(
-                stages=spec.pipeline.stages,
+                stages=stages,
                 code_paths=spec.pipeline.code_paths,
                 batch_timeout_s=spec.fault.batch_timeout_s,
                 memory_limit_bytes=int(memory * 2**30) if memory else None,
