@@ -32,11 +32,8 @@ async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
 
 @pytest.fixture
 async def client(stack: LocalStack) -> AsyncIterator[EbbClient]:
-    c = await EbbClient.connect(stack.nats_config)
-    try:
+    async with await EbbClient.connect(stack.nats_config) as c:
         yield c
-    finally:
-        await c.close()
 
 
 def stages(tmp_path: Path, first: dict[str, Any]) -> list[dict[str, Any]]:

@@ -68,6 +68,24 @@ def waiting_for_room(
             delay = min(2.0, delay * 2)
 
 
+def _write_new(path: str, data: bytes, *, wait_s: float) -> None:
+    """`data` in a new local file at `path`, on disk (fsynced) when this returns, and nothing
+    at `path` if it fails; a full disk is waited out for up to `wait_s`."""
+
+    def write() -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _unlink_quietly(path)
+            raise
+
+    waiting_for_room(f"write {path}", write, wait_s=wait_s)
+
+
 DATA_DIR = "data"
 COMMITS_DIR = "_commits"
 MANIFEST = "_manifest.json"
@@ -184,23 +202,14 @@ class OutputStore:
                     f"{self.url(relpath)} holds {size} bytes, not the {len(data)} written"
                 )
             return
-        directory = os.path.dirname(path)
-
-        def write() -> None:
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-
-        waiting_for_room(f"write {path}", write, wait_s=self.full_disk_wait_s)
-        _fsync_dir(directory)
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        _write_new(tmp, data, wait_s=self.full_disk_wait_s)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(os.path.dirname(path))
 
     def claim(self, job: str, *, spec_digest: str = "") -> str:
         """Make `job` the owner of this output root, unless another job owns it already.
@@ -277,19 +286,7 @@ class OutputStore:
     def _link_exclusive(self, path: str, data: bytes) -> bool:
         directory = os.path.dirname(path)
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-
-        def write() -> None:
-            os.makedirs(directory, exist_ok=True)
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-
-        waiting_for_room(f"write {path}", write, wait_s=self.full_disk_wait_s)
+        _write_new(tmp, data, wait_s=self.full_disk_wait_s)
         try:
             try:
                 # link(2) fails with EEXIST if the name exists: atomic, exclusive creation
