@@ -60,7 +60,8 @@ def test_the_soak_reports_every_kind_of_process_and_keeps_the_chaos_report(
 ) -> None:
     out = tmp_path / "reliability.md"
     out.write_text("# Reliability: the chaos campaign\n\nThe campaign's report.\n")
-    sizes = ["--rows", "20000", "--rows-per-shard", "5000"]
+    # Long enough (some seconds) for the half-second sampler to see stage processes at work.
+    sizes = ["--rows", "100000", "--rows-per-shard", "5000"]
     result = subprocess.run(
         [sys.executable, "-m", "bench.soak", *sizes, "--out", str(out)],
         cwd=ROOT,
@@ -72,7 +73,7 @@ def test_the_soak_reports_every_kind_of_process_and_keeps_the_chaos_report(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = out.read_text()
     assert text.startswith("# Reliability: the chaos campaign\n\nThe campaign's report.")
-    assert "A 20,000-row job" in text
+    assert "A 100,000-row job" in text
     rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")}
     for kind in ("nats-server", "shard master", "controller", "worker", "stage process"):
         assert kind in rows, text
