@@ -151,7 +151,7 @@ async def test_local_backend_relaunches_a_worker_that_dies(
             assert len(backend.pids()) == 2
             # Each is told its share of the machine, and its stage processes come from a
             # fork server whose BLAS pools are one thread each.
-            share = f"{machine_cores() / 4:g}"
+            share = f"{machine_cores() / 2:g}"  # two workers at once, whatever the slots
             for pid in backend.pids().values():
                 assert _environ(pid)[envvars.CPUS] == share
             pid = next(iter(backend.pids().values()))
@@ -182,6 +182,49 @@ async def test_local_backend_relaunches_a_worker_that_dies(
             await backend.close(grace_s=5)
     table, _ = read_output(tmp_path / "out")
     assert sorted(table.column("id").to_numpy().tolist()) == list(range(12_000))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_local_workers_share_the_machine_and_may_be_pinned_to_cores_of_their_own(
+    tmp_path: Path, nats_config: NatsConfig, running_master: Master, workers: int
+) -> None:
+    write_dataset(tmp_path / "data", rows=8_000, row_group_size=1_000)
+    stages = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.2}, "batch_size": 50}
+    ]
+    spec = parse_job(
+        job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(workers, workers))
+    )
+    backend = LocalBackend(
+        LocalConfig(nats=nats_config, max_workers=4, log_dir=str(tmp_path / "logs"), pin_cpus=True)
+    )
+    async with await EbbClient.connect(nats_config) as client:
+        job_id = await client.submit(spec)
+        master = MasterClient(client.nc, nats_config, backoff=Backoff(attempts=1))
+        reconciler = Reconciler(master=master, backend=backend, config=ReconcilerConfig())
+        try:
+            assert (await reconciler.reconcile_once()).launch == {job_id: workers}
+            cores = machine_cores()
+            pinned: list[set[int]] = []
+            for pid in backend.pids().values():
+                # A job of one worker gets the whole machine, not a slot's worth of it.
+                assert _environ(pid)[envvars.CPUS] == f"{cores / workers:g}"
+                chosen = {int(c) for c in _environ(pid)[envvars.CPU_SET].split(",")}
+                assert len(chosen) == max(1, cores // workers)
+                server = await wait_until(
+                    lambda pid=pid: next(iter(_fork_servers(pid)), None),
+                    what="the worker's fork server",
+                )
+                # The worker pinned itself before its fork server started: the stage
+                # processes run on its cores only.
+                assert set(psutil.Process(pid).cpu_affinity()) == chosen
+                assert set(server.cpu_affinity()) == chosen
+                pinned.append(chosen)
+            if cores >= workers:  # cores of their own, where there are enough
+                assert len(set().union(*pinned)) == sum(len(c) for c in pinned)
+        finally:
+            await client.cancel(job_id)
+            await backend.close(grace_s=5)
 
 
 async def test_closing_drains_workers_and_they_hand_their_shards_back(

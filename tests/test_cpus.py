@@ -1,14 +1,26 @@
-"""A worker's CPU budget, and how its stage processes share it (pure: a table of cases)."""
+"""A worker's CPU budget, and how its stage processes share it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from ebb.common import envvars
 from ebb.common.spec import StageSpec
-from ebb.worker.cpus import blas_environment, budget, cgroup_quota, detect, with_threads
+from ebb.worker.cpus import (
+    blas_environment,
+    budget,
+    cgroup_quota,
+    detect,
+    room_for_model_process,
+    shares,
+)
+from ebb.worker.runtimes import OnnxStage, TorchScriptStage
+
+from .helpers import FEATURES, write_model
 
 
 def _cgroup(root: Path, files: dict[str, str]) -> Path:
@@ -43,41 +55,74 @@ def test_the_budget_is_the_least_of_what_applies(tmp_path: Path) -> None:
     assert detect({envvars.CPUS: "not a number"}, root=quota) <= 3
 
 
-def _stages(
-    *, model_workers: int = 1, model_max: int | None = None, threads: int = 0
-) -> list[StageSpec]:
+def _stages(*, threads: int = 0, device: str = "cpu") -> list[StageSpec]:
     return [
         StageSpec(name="pre", modelet="m:Pre", batch_size=8),
         StageSpec(
             name="model",
             model="/models/m.onnx",
             batch_size=8,
-            workers=model_workers,
-            min_workers=1 if model_max else None,
-            max_workers=model_max,
+            min_workers=1,
+            max_workers=4,
             threads=threads,
+            device=device,
         ),
         StageSpec(name="top", modelet="m:Top", batch_size=8),
     ]
 
 
 @pytest.mark.parametrize(
-    ("stages", "cores", "threads"),
+    ("stages", "model_processes", "cores", "threads"),
     [
-        (_stages(), 1.0, 1),  # one core: the model one thread
-        (_stages(), 0.5, 1),  # half a core: never less than one
-        (_stages(), 8.0, 8),
-        (_stages(model_workers=2), 8.0, 4),  # two model processes share the cores
-        (_stages(model_max=4), 2.0, 1),  # elastic: shared as if at its most processes
-        (_stages(threads=3), 1.0, 3),  # an explicit count wins
+        (_stages(), 1, 1.0, 1),  # one core: the model one thread
+        (_stages(), 1, 0.5, 1),  # half a core: never less than one
+        (_stages(), 1, 8.0, 8),
+        (_stages(), 2, 8.0, 4),  # two model processes share the cores
+        (_stages(), 3, 2.0, 1),
+        (_stages(threads=3), 2, 1.0, 3),  # an explicit count wins
+        (_stages(device="cuda"), 2, 8.0, 1),  # a GPU model: its CPU side feeds the device
     ],
 )
-def test_model_stages_share_the_budget(stages: list[StageSpec], cores: float, threads: int) -> None:
-    shared = with_threads(stages, cores)
-    assert [s.threads for s in shared] == [0, threads, 0]  # modelets: their BLAS, below
+def test_model_processes_share_the_budget(
+    stages: list[StageSpec], model_processes: int, cores: float, threads: int
+) -> None:
+    # Modelets: 0 (their BLAS is sized apart, below).
+    assert shares(stages, [2, model_processes, 1], cores) == [0, threads, 0]
+
+
+def test_another_model_process_only_while_each_gets_a_core() -> None:
+    stages = _stages()
+    assert room_for_model_process(stages, [3, 1, 1], 2.0)  # modelets do not count
+    assert not room_for_model_process(stages, [1, 2, 1], 2.0)
+    assert not room_for_model_process(stages, [1, 1, 1], 1.5)
+    assert room_for_model_process(_stages(device="cuda"), [1, 4, 1], 2.0)
 
 
 def test_modelet_processes_get_one_blas_thread_unless_told_otherwise() -> None:
     told = blas_environment({"MKL_NUM_THREADS": "4"})
     assert told["OMP_NUM_THREADS"] == "1" and told["OPENBLAS_NUM_THREADS"] == "1"
     assert "MKL_NUM_THREADS" not in told
+
+
+def test_a_model_runs_the_threads_it_is_told_and_takes_a_new_count_between_batches(
+    tmp_path: Path,
+) -> None:
+    onnx = OnnxStage(StageSpec(name="m", model=str(write_model(tmp_path / "m.onnx")), threads=2))
+    onnx.setup()
+    assert onnx.session.get_session_options().intra_op_num_threads == 2
+    onnx.set_threads(1)
+    assert onnx.session.get_session_options().intra_op_num_threads == 1
+    features = np.ones((3, FEATURES), dtype=np.float32)
+    assert onnx.infer({onnx.input_names[0]: features})  # still serves rows
+
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(FEATURES, 2)), str(path))
+    before = torch.get_num_threads()
+    try:
+        scripted = TorchScriptStage(StageSpec(name="t", model=str(path), threads=3))
+        scripted.setup()
+        assert torch.get_num_threads() == 3
+        scripted.set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

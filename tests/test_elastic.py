@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
 
 from ebb.common.spec import StageSpec
 from ebb.worker.elastic import ElasticScheduler, ElasticSettings, StageLoad
 from ebb.worker.pipeline import Pipeline, PipelineConfig
 
-from .helpers import ASSETS, wait_until
-from .test_pipeline import rows
+from .helpers import ASSETS, FEATURES, wait_until
+from .test_pipeline import features_stage, rows
 
 
 def load(
@@ -118,3 +123,64 @@ async def test_a_slow_stage_scales_out_under_load_and_back_in_when_idle() -> Non
         )
     finally:
         await pipeline.stop()
+
+
+class _Wide(torch.nn.Module):
+    """Slow enough on a CPU that its stage is the bottleneck for a few ticks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out[:, :4]
+
+
+@pytest.mark.parametrize(("cores", "most"), [(4.0, 2), (1.0, 1)])
+async def test_a_model_stage_grows_only_within_the_cpu_budget_and_its_threads_are_divided_again(
+    tmp_path: Path, cores: float, most: int
+) -> None:
+    path = tmp_path / "wide.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(_Wide().eval()), str(path))
+    model = StageSpec(
+        name="model", model=str(path), batch_size=32, workers=1, min_workers=1, max_workers=2
+    )
+    pipeline = Pipeline(
+        PipelineConfig(
+            stages=[features_stage(), model],
+            # The budget is what the test sets, whatever this machine has; the measured
+            # load's veto is tested apart (the machine may be busy with other work).
+            cpus=cores,
+            elastic=ElasticSettings(tick_s=0.2, cooldown_s=0.3, confirm=1, device_full=1.01),
+        )
+    )
+    seen: set[tuple[int, ...]] = set()
+    try:
+        await pipeline.start()
+        router = pipeline._router
+        assert router is not None
+
+        async def watch() -> None:
+            while True:
+                live = [p for p in router.procs[1] if not (p.stopping or p.dead)]
+                seen.add(tuple(sorted(p.threads for p in live)))
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        outcomes = await pipeline.run(rows(20_000))
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    finally:
+        await pipeline.stop()
+    assert all(ok for ok, _ in outcomes)
+    assert max(len(s) for s in seen) == most, seen
+    # Each model process gets its share of the budget: all of it alone, half of it with two.
+    assert (int(cores),) in seen
+    if most == 2:
+        assert (2, 2) in seen, seen

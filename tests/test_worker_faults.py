@@ -299,4 +299,4 @@ async def test_a_worker_confined_to_one_core_runs_every_stage_process_on_one_thr
     log = (tmp_path / "w1.log").read_text()
     # Its modelet processes' BLAS and OpenMP pools: one thread; its model: one thread.
     assert b"OMP_NUM_THREADS=1" in environ and b"OPENBLAS_NUM_THREADS=1" in environ
-    assert "1 cores for this worker" in log and "model 1 thread(s) a process" in log, log
+    assert "1 cores for this worker" in log and "stage model process 0: 1 thread(s)" in log, log

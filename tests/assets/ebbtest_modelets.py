@@ -313,3 +313,12 @@ class KillsItsWorker:
                 worker.send_signal(getattr(signals, self.signal))
             time.sleep(60)  # until the worker's death takes this process too
         return np.asarray(row["features"], dtype=np.float32)
+
+
+class Placement:
+    """Each row -> "pid GPU device": the process, the GPU its environment shows it, and the
+    device Ebb told it (EBB_DEVICE)."""
+
+    def process(self, row: Any) -> Any:
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
+        return f"{os.getpid()} {gpu} {os.environ.get('EBB_DEVICE', '-')}"

@@ -149,6 +149,7 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             state_dir=state_dir,
             data_roots=roots,
             max_workers=args.max_workers or (os.cpu_count() or 1),
+            pin_cpus=args.pin_cpus,
             prefix=args.prefix,
             log_level=args.log_level,
         )
@@ -269,6 +270,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             data_roots=roots,
             port=args.port,
             max_workers=args.max_workers or (os.cpu_count() or 1),
+            pin_cpus=args.pin_cpus,
             prefix=args.prefix,
             log_level=args.log_level,
         )
@@ -443,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--data-root", action="append", default=[], help="allow data under DIR")
         c.add_argument(
             "--max-workers", type=int, default=0, help="workers at once (default: cores)"
+        )
+        c.add_argument(
+            "--pin-cpus", action="store_true", help="pin each worker to cores of its own"
         )
         c.add_argument("--quiet", action="store_true", help="no progress display")
         c.add_argument("--prefix", default=env(envvars.PREFIX, "ebb"), help=argparse.SUPPRESS)

@@ -38,6 +38,8 @@ class StackConfig:
     port: int = 0
     """NATS port on 127.0.0.1 (0: any free port)."""
     max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    pin_cpus: bool = False
+    """Pin each local worker to cores of its own (the controller's --pin-cpus)."""
     prefix: str = "ebb"
     auth: bool = True
     """Each service and client connects with a NATS identity of its own, with only the
@@ -129,6 +131,7 @@ class LocalStack:
             str(self.logs / "workers"),
             "--worker-grace",
             str(self.config.worker_grace_s),
+            *(["--pin-cpus"] if self.config.pin_cpus else []),
         ]
 
     async def start(self) -> None:

@@ -44,6 +44,9 @@ SHARDS_IN_FLIGHT = "EBB_SHARDS_IN_FLIGHT"
 CPUS = "EBB_CPUS"
 """The cores a worker may use, as its launcher sees it (the local backend: its share of the
 machine; Kubernetes: its pod's resources.cpu). Its cgroup quota and affinity still bound it."""
+CPU_SET = "EBB_CPU_SET"
+"""The cores (comma-separated) a worker pins itself, and so its stage processes, to: set by
+the local backend when it pins workers (`--pin-cpus`)."""
 CHUNK_ROWS = "EBB_CHUNK_ROWS"
 """Rows of a shard a worker reads and has in its pipeline at once."""
 START_JITTER_S = "EBB_START_JITTER_S"
@@ -74,6 +77,8 @@ JS_REPLICAS = "EBB_JS_REPLICAS"
 # The controller.
 BACKEND = "EBB_BACKEND"
 MAX_WORKERS = "EBB_MAX_WORKERS"
+PIN_CPUS = "EBB_PIN_CPUS"
+"""The local backend pins each worker to cores of its own (1) or lets them float (unset)."""
 WORKER_LOG_DIR = "EBB_WORKER_LOG_DIR"
 CONTROLLER_CONFIG = "EBB_CONTROLLER_CONFIG"
 CONTROLLER_ID = "EBB_CONTROLLER_ID"

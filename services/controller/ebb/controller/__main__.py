@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_nats_arguments(p)
     p.add_argument("--max-workers", type=int, default=int(env(envvars.MAX_WORKERS, "0")) or None)
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        default=env(envvars.PIN_CPUS, "") not in ("", "0", "false"),
+        help="local backend: pin each worker to cores of its own",
+    )
     p.add_argument("--log-dir", default=env(envvars.WORKER_LOG_DIR))
     p.add_argument("--config", default=env(envvars.CONTROLLER_CONFIG), help="KubeConfig YAML")
     p.add_argument("--id", default=env(envvars.CONTROLLER_ID, socket.gethostname()))
@@ -137,6 +143,7 @@ async def amain(args: argparse.Namespace) -> int:
         )
         if args.max_workers:
             local = dataclasses.replace(local, max_workers=args.max_workers)
+        local = dataclasses.replace(local, pin_cpus=args.pin_cpus)
         backend = LocalBackend(local)
     controller = Controller(
         ControllerConfig(

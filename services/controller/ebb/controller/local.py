@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ class _Child:
     termination_log: Path | None
     exited: asyncio.Task[int]
     """Ends when the process does (and wakes the reconciler through `changed`)."""
+    cores: tuple[int, ...] = ()
+    """The cores it is pinned to (LocalConfig.pin_cpus); () when it is not."""
     terminate_at: float | None = None
     kill_at: float | None = None
 
@@ -58,6 +61,9 @@ class LocalConfig:
     worker_signer: WorkerSigner | None = None
     """Mints each worker a credential of its own (ebb.common.identity), used instead of any
     in `worker_nats`: no worker can then act in another's name."""
+    pin_cpus: bool = False
+    """Pin each worker (and so its stage processes) to cores of its own, its share of the
+    machine, rather than letting the kernel move them over every core."""
     orphan_grace_s: float = 60.0
     """A worker that an earlier controller started and that outlived it (found through the
     pid files in `log_dir`) drains on its own: it is killed if it still runs after this."""
@@ -172,7 +178,11 @@ class LocalBackend:
         env[envvars.PARENT_PID] = str(os.getpid())
         # Its share of the machine: the cores it may use are split among the workers it runs
         # beside (their model runtimes and BLAS would each take every core otherwise).
-        env[envvars.CPUS] = f"{machine_cores() / max(1, self.config.max_workers):g}"
+        share = machine_cores() / self._at_once(job)
+        env[envvars.CPUS] = f"{share:g}"
+        cores = self._free_cores(max(1, int(share))) if self.config.pin_cpus else ()
+        if cores:
+            env[envvars.CPU_SET] = ",".join(map(str, cores))
         env.update(job_environment(job))
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
@@ -201,11 +211,37 @@ class LocalBackend:
             log_file=log_file,
             termination_log=termination_log,
             exited=exited,
+            cores=cores,
         )
         if self.config.log_dir:
             # For the next controller, should we be killed before we can drain this worker.
             _write_pid_file(self.config.log_dir, worker_id, job.id, process.pid)
         log.info("launched worker %s for job %s (pid %d)", worker_id, job.id, process.pid)
+
+    def _at_once(self, job: JobStatus) -> int:
+        """The workers this machine will run at once while `job` runs: as many as the job
+        may have, with the other jobs' that run now, within the machine's slots. (A job of
+        one worker gets the whole machine, not a slot's worth of it.)"""
+        others = sum(
+            1 for c in self._children.values() if c.job != job.id and c.process.returncode is None
+        )
+        wanted = job.max_workers or self.config.max_workers
+        return max(1, min(self.config.max_workers, wanted + others))
+
+    def _free_cores(self, count: int) -> tuple[int, ...]:
+        """`count` cores no running worker is pinned to (the least used, when there are
+        not that many free)."""
+        held: Counter[int] = Counter(
+            core
+            for c in self._children.values()
+            if c.process.returncode is None
+            for core in c.cores
+        )
+        try:
+            mine = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return ()
+        return tuple(sorted(sorted(mine, key=lambda core: (held[core], core))[:count]))
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
         child = self._children.get(worker_id)

@@ -9,9 +9,11 @@ pools are sized first (cpus.py).
 if __name__ == "__main__":
     import os
 
-    from ebb.worker.cpus import blas_environment
+    from ebb.worker.cpus import blas_environment, pin
     from ebb.worker.stageserver import start_stage_server
 
+    # Before the fork server starts: it, and every stage process, inherits the pinning.
+    pin(os.environ)
     # Before the fork server imports numpy: its BLAS sizes its pool once, at import.
     os.environ.update(blas_environment(os.environ))
     start_stage_server()

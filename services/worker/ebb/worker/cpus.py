@@ -9,7 +9,9 @@ threads into a one-core quota. A worker's budget is the least of what it is told
 and its affinity mask. Its stage processes share it:
 
 - a model stage (ONNX Runtime, TorchScript) whose `threads` is 0 gets the budget's share:
-  the budget over the model stages' processes, at least one thread each;
+  the budget over the model processes it runs now, at least one thread each; when the
+  elastic scheduler adds a model process or takes one away, the threads are divided again
+  (and it adds one only while each still gets a core);
 - a modelet stage's BLAS and OpenMP pools get one thread (`OMP_NUM_THREADS` and its kin,
   set before the stage processes' fork server imports numpy): its Python is single-threaded;
 - an explicit `threads` always wins.
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import replace
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ebb.common import envvars
@@ -79,15 +81,47 @@ def detect(environ: Mapping[str, str] | None = None, *, root: Path = CGROUP) -> 
     return budget(told=told, quota=cgroup_quota(root), affinity=affinity)
 
 
-def with_threads(stages: list[StageSpec], cores: float) -> list[StageSpec]:
-    """`stages` with each model stage's `threads: 0` made its share of `cores`."""
-    model_processes = sum(s.max_workers or s.workers for s in stages if s.model is not None)
-    if not model_processes:
-        return stages
-    share = max(1, math.floor(cores / model_processes))
-    return [
-        replace(s, threads=share) if s.model is not None and not s.threads else s for s in stages
-    ]
+def shares(stages: Sequence[StageSpec], processes: Sequence[int], cores: float) -> list[int]:
+    """Intra-op threads for each process of each stage, given how many processes each stage
+    runs now: the model stages on the CPU share the cores (at least one thread each), a model
+    stage's explicit `threads` wins, a model on a GPU gets one (its CPU side feeds the device),
+    and a modelet stage 0 (its BLAS is sized by `blas_environment`). The router asks again
+    whenever the elastic scheduler adds or takes away a process, and re-divides."""
+    on_cpu = sum(n for s, n in zip(stages, processes, strict=True) if _model_on_cpu(s))
+    share = max(1, math.floor(cores / max(1, on_cpu)))
+    out = []
+    for s in stages:
+        if s.model is None:
+            out.append(0)
+        elif s.threads:
+            out.append(s.threads)
+        else:
+            out.append(share if _model_on_cpu(s) else 1)
+    return out
+
+
+def room_for_model_process(
+    stages: Sequence[StageSpec], processes: Sequence[int], cores: float
+) -> bool:
+    """Whether one more model process on the CPU still gets a core of its own."""
+    on_cpu = sum(n for s, n in zip(stages, processes, strict=True) if _model_on_cpu(s))
+    return on_cpu + 1 <= max(1, math.floor(cores))
+
+
+def _model_on_cpu(stage: StageSpec) -> bool:
+    return stage.model is not None and not stage.device.startswith("cuda")
+
+
+def pin(environ: Mapping[str, str]) -> None:
+    """Pin this process to the cores its launcher chose (`EBB_CPU_SET`), if it chose any;
+    processes it starts later inherit the mask, and `detect` counts it."""
+    chosen = environ.get(envvars.CPU_SET, "")
+    if not chosen or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        os.sched_setaffinity(0, {int(c) for c in chosen.split(",")})
+    except (ValueError, OSError) as e:  # cores we may not use: run unpinned, and say so
+        print(f"ebb worker: cannot pin to cores {chosen!r}: {e}", file=sys.stderr)
 
 
 def blas_environment(environ: Mapping[str, str]) -> dict[str, str]:

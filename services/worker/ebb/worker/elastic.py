@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,10 +112,20 @@ class ElasticScheduler:
 
 
 class DeviceMonitor:
-    """How busy the CPU and each GPU are (pynvml, when a GPU and its driver are present)."""
+    """How busy the worker's CPU budget and each of its GPUs are, measured once per tick.
 
-    def __init__(self) -> None:
-        psutil.cpu_percent(interval=None)  # the first reading is meaningless: take it now
+    The CPU is the worker's own: the CPU time its processes (itself, its stage processes and
+    their server) used over the tick, against its budget of cores. The machine's load says
+    nothing of a pod's quota on a 64-core node, nor of a local worker's share beside others.
+    GPUs through NVML, when a GPU and its driver are present."""
+
+    def __init__(self, *, cores: float, gpus: tuple[str, ...] | None = None) -> None:
+        self.cores = cores
+        self.gpus = gpus
+        self._me = psutil.Process()
+        self._cpu_seconds = self._tree_cpu_seconds()
+        self._at = time.monotonic()
+        self._cpu_busy = 0.0
         self._nvml: Any = None
         with contextlib.suppress(Exception):
             import pynvml
@@ -122,16 +133,49 @@ class DeviceMonitor:
             pynvml.nvmlInit()
             self._nvml = pynvml
 
-    def busy(self, device: str) -> float:
-        if device.startswith("cuda") and self._nvml is not None:
-            index = int(device.partition(":")[2] or 0)
-            try:
-                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
-                return float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
-            except Exception as e:  # noqa: BLE001 - a GPU we cannot read is not "busy"
-                log.debug("cannot read the utilisation of %s: %s", device, e)
-                return 0.0
-        return self.cpu()
+    def sample(self, now: float) -> None:
+        """Measure the CPU over the time since the last sample."""
+        seconds = self._tree_cpu_seconds()
+        elapsed = now - self._at
+        if elapsed > 0:
+            used = max(0.0, seconds - self._cpu_seconds)  # the dead take their time with them
+            self._cpu_busy = min(1.0, used / elapsed / max(self.cores, 1e-9))
+        self._cpu_seconds, self._at = seconds, now
 
-    def cpu(self) -> float:
-        return float(psutil.cpu_percent(interval=None)) / 100
+    def _tree_cpu_seconds(self) -> float:
+        total = 0.0
+        for p in [self._me, *self._children()]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def _children(self) -> list[psutil.Process]:
+        try:
+            return self._me.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def busy(self, device: str) -> float:
+        """How busy `device` was at the last sample, 0..1: `cpu`, a stage's `cuda` (its
+        GPUs on average), or `cuda:N`."""
+        if not device.startswith("cuda") or self._nvml is None:
+            return self._cpu_busy
+        index = device.partition(":")[2]
+        if self.gpus:
+            ids = [self.gpus[int(index)]] if index else list(self.gpus)
+        else:
+            ids = [index or "0"]
+        readings = [self._gpu_busy(i) for i in ids]
+        return sum(readings) / len(readings)
+
+    def _gpu_busy(self, gpu: str) -> float:
+        try:
+            if gpu.isdigit():
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(int(gpu))
+            else:  # GPU-... or MIG-..., as the device plugin names them
+                handle = self._nvml.nvmlDeviceGetHandleByUUID(gpu)
+            return float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
+        except Exception as e:  # noqa: BLE001 - a GPU we cannot read is not "busy"
+            log.debug("cannot read the utilisation of GPU %s: %s", gpu, e)
+            return 0.0

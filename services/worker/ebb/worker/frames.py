@@ -53,6 +53,9 @@ RECLAIM = 8
 """Router -> stage: shared-memory segments of yours that nobody reads any more (payload)."""
 UNMAPPED = 10
 """Stage -> router: segments (payload) whose rows this stage has all consumed."""
+THREADS = 11
+"""Router -> stage: run the model with this many intra-op threads from now on (payload): its
+share of the worker's cores changed."""
 FANOUT = 9
 """Fan-out stage -> router: the uids field holds the items' uids then their part counts;
 the payload is a chunk of every item's parts, flattened. The router renames the parts (new uids) and

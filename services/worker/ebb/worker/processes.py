@@ -75,8 +75,17 @@ class StageProcess:
     """One stage process and the router's view of it."""
 
     def __init__(
-        self, ctx: Any, stage: int, slot: int, spec: StageSpec, config: PipelineConfig
+        self,
+        ctx: Any,
+        stage: int,
+        slot: int,
+        spec: StageSpec,
+        config: PipelineConfig,
+        *,
+        environment: dict[str, str] | None = None,
     ) -> None:
+        """`spec` as this process is handed it: its threads and its device (devices.py),
+        `environment` what its environment must say besides the worker's."""
         self.stage = stage
         self.slot = slot
         self.name = spec.name
@@ -87,7 +96,7 @@ class StageProcess:
             spec=spec,
             code_paths=config.code_paths,
             memory_limit_bytes=config.memory_limit_bytes,
-            environment=dict(os.environ),
+            environment={**os.environ, **(environment or {})},
             worker_pid=os.getpid(),
         )
         self.process = ctx.Process(
@@ -95,6 +104,9 @@ class StageProcess:
             args=(stage_config, inbox_r, outbox_w, self.board),
             name=f"ebb-stage-{spec.name}-{slot}",
         )
+        self.threads = spec.threads
+        """The intra-op threads it was told to run (0: not a model stage)."""
+        self.device = spec.device
         self.started = time.monotonic()
         try:
             self.process.start()

@@ -33,14 +33,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from . import frames, metrics
+from . import cpus, devices, frames, metrics
 from .columns import Columns, from_rows, take, to_rows
 from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
 from .families import Families
@@ -115,9 +115,14 @@ class Router:
         # sentinels are registered as processes come and go.
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self.cores = config.cpus if config.cpus is not None else cpus.detect()
+        """The worker's CPU budget, which its model stages' threads share (cpus.py)."""
+        self.gpus = config.gpus
+        """The worker's GPUs, over which each `cuda` stage's replicas spread (devices.py)."""
+        self._all_spawned = False
         scalable = any(s.min_workers != s.max_workers for s in self.specs)
         self.elastic = ElasticScheduler(config.elastic) if scalable else None
-        self.monitor = DeviceMonitor() if scalable else None
+        self.monitor = DeviceMonitor(cores=self.cores, gpus=self.gpus) if scalable else None
         self._next_tick = time.monotonic() + config.elastic.tick_s
         self._wake_lock = threading.Lock()
         self.draining = False
@@ -189,6 +194,7 @@ class Router:
             for k, spec in enumerate(self.specs):
                 for slot in range(spec.workers):
                     self._spawn(k, slot)
+            self._all_spawned = True
             while True:
                 stop = self._take_requests()
                 if stop is not None:
@@ -217,12 +223,39 @@ class Router:
             for k in range(len(self.specs))
         )
 
+    def _processes(self) -> list[int]:
+        """Processes each stage runs (while the pipeline starts: will run)."""
+        live = [sum(1 for p in procs if not (p.stopping or p.dead)) for procs in self.procs]
+        if self._all_spawned:
+            return live
+        return [max(n, s.workers) for n, s in zip(live, self.specs, strict=True)]
+
     def _spawn(self, stage: int, slot: int) -> None:
         if self.shutting_down:
             return
+        processes = self._processes()
+        if self._all_spawned:
+            processes[stage] += 1
+        threads = cpus.shares(self.specs, processes, self.cores)
+        spec = self.specs[stage]
+        device, environment = devices.placement(spec.device, slot, self.gpus)
+        handed = replace(spec, threads=threads[stage], device=device)
+        if handed.threads or device != "cpu":
+            log.info(
+                "stage %s process %d: %d thread(s) on %s%s",
+                spec.name,
+                slot,
+                handed.threads,
+                device,
+                f" (GPU {environment['CUDA_VISIBLE_DEVICES']})"
+                if "CUDA_VISIBLE_DEVICES" in environment
+                else "",
+            )
         for attempt in range(_SPAWN_TRIES):
             try:
-                p = StageProcess(self.ctx, stage, slot, self.specs[stage], self.config)
+                p = StageProcess(
+                    self.ctx, stage, slot, handed, self.config, environment=environment
+                )
                 break
             except (EOFError, ConnectionError) as e:
                 # The fork server died under us (killed from outside, as the OOM killer
@@ -235,6 +268,24 @@ class Router:
         self.procs[stage].append(p)
         self.selector.register(p.outbox, selectors.EVENT_READ, (p, False))
         self.selector.register(p.process.sentinel, selectors.EVENT_READ, (p, True))
+        self._redivide_threads()
+
+    def _redivide_threads(self) -> None:
+        """Tell each model process whose share of the cores changed (a process came or went)
+        how many threads to run now."""
+        threads = cpus.shares(self.specs, self._processes(), self.cores)
+        for k, procs in enumerate(self.procs):
+            for p in procs:
+                if p.threads and p.threads != threads[k] and not (p.stopping or p.dead):
+                    log.info(
+                        "stage %s process %d: %d thread(s), was %d",
+                        p.name,
+                        p.slot,
+                        threads[k],
+                        p.threads,
+                    )
+                    if p.send(frames.pack(frames.THREADS, payload=threads[k])):
+                        p.threads = threads[k]
 
     def _take_requests(self) -> float | None:
         while True:
@@ -662,6 +713,8 @@ class Router:
         now = time.monotonic()
         self._next_tick = now + self.config.elastic.tick_s
         loads: list[StageLoad] = []
+        self.monitor.sample(now)
+        processes = self._processes()
         for k, spec in enumerate(self.specs):
             live = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
             shares = []
@@ -677,12 +730,17 @@ class Router:
                 sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in live) - running
             )
             assert spec.min_workers is not None and spec.max_workers is not None
+            most = spec.max_workers
+            on_cpu = spec.model is not None and not spec.device.startswith("cuda")
+            # Another model process only while each still gets a core of its own.
+            if on_cpu and not cpus.room_for_model_process(self.specs, processes, self.cores):
+                most = min(most, processes[k])
             loads.append(
                 StageLoad(
                     stage=k,
-                    workers=len([p for p in self.procs[k] if not (p.stopping or p.dead)]),
+                    workers=processes[k],
                     min_workers=spec.min_workers,
-                    max_workers=spec.max_workers,
+                    max_workers=most,
                     utilization=utilization,
                     waiting=waiting,
                     device_busy=self.monitor.busy(spec.device),
@@ -694,7 +752,9 @@ class Router:
             action, k = decision
             name = self.specs[k].name
             if action == "add":
-                slot = max((p.slot for p in self.procs[k]), default=-1) + 1
+                slot = devices.least_used_slot(
+                    [p.slot for p in self.procs[k] if not (p.stopping or p.dead)]
+                )
                 log.info("elastic: stage %s gets a process (%d)", name, loads[k].workers + 1)
                 self._spawn(k, slot)
             else:
@@ -706,6 +766,7 @@ class Router:
                     )
                     p.retired = True
                     p.stopping = p.send(frames.pack(frames.STOP))
+                    self._redivide_threads()
         for k, spec in enumerate(self.specs):
             alive = [p for p in self.procs[k] if not (p.stopping or p.dead)]
             metrics.STAGE_WORKERS.labels(spec.name).set(len(alive))

@@ -22,6 +22,7 @@ from ebb.common import envvars
 from ebb.common.spec import StageSpec
 
 from .columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
+from .devices import NO_GPU
 from .modelcache import ModelFetchError, fetch_model
 from .modelet_api import Modelet, StageError
 
@@ -146,6 +147,10 @@ class _ModelStage(Modelet):
         """The model's outputs, by name, for a batch of inputs, by name."""
         raise TypeError(f"{type(self).__name__} does not implement infer")
 
+    def set_threads(self, threads: int) -> None:
+        """Run with `threads` intra-op threads from the next batch on (its share of the
+        worker's cores changed)."""
+
     def _feeds(self, batch: Columns) -> dict[str, np.ndarray]:
         """The model's inputs from the batch: the `input` column, the one column of plain
         rows, or the columns named like the model's inputs. Sequences of uneven length
@@ -219,20 +224,17 @@ class OnnxStage(_ModelStage):
     def setup(self) -> None:
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        if self.spec.threads:
-            options.intra_op_num_threads = self.spec.threads
-            options.inter_op_num_threads = 1
-        providers = ["CPUExecutionProvider"]
+        self.providers: list[Any] = ["CPUExecutionProvider"]
         if self.spec.device.startswith("cuda"):
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise StageError(
+                    f"stage {self.spec.name!r} runs on {self.spec.device}, and this onnxruntime "
+                    f"has no CUDA support (install onnxruntime-gpu): {NO_GPU}"
+                )
             device_id = int(self.spec.device.partition(":")[2] or 0)
-            providers.insert(0, ("CUDAExecutionProvider", {"device_id": device_id}))  # type: ignore[arg-type]
-        try:
-            self.session = ort.InferenceSession(
-                _local_copy(self.uri), sess_options=options, providers=providers
-            )
-        except Exception as e:
-            raise StageError(f"cannot load ONNX model {self.uri}: {e}") from e
+            self.providers.insert(0, ("CUDAExecutionProvider", {"device_id": device_id}))
+        self.path = _local_copy(self.uri)
+        self.session = self._session(self.spec.threads)
         inputs = self.session.get_inputs()
         self.input_names = [i.name for i in inputs]
         self.dtypes = {i.name: _ONNX_DTYPES.get(i.type, np.float32) for i in inputs}
@@ -248,6 +250,24 @@ class OnnxStage(_ModelStage):
                     f"{self.uri} takes {sorted(floats)} inputs, not {wanted}: export the model "
                     f"in {wanted} (onnxruntime cannot convert it at load time)"
                 )
+
+    def _session(self, threads: int) -> Any:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+        try:
+            return ort.InferenceSession(self.path, sess_options=options, providers=self.providers)
+        except Exception as e:
+            raise StageError(f"cannot load ONNX model {self.uri}: {e}") from e
+
+    def set_threads(self, threads: int) -> None:
+        # ONNX Runtime sizes its pool when a session is made: a new session, which costs
+        # what loading the model did (the elastic scheduler changes processes seldom).
+        self.session = self._session(threads)
+        self._warm_up(self.session.get_inputs())
 
     def _warm_up(self, inputs: list[Any]) -> None:
         """One batch of zeros through the model, while the worker reads its first shard: the
@@ -283,6 +303,11 @@ class TorchScriptStage(_ModelStage):
             torch.set_num_threads(self.spec.threads)
         self.device = torch.device(self.spec.device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise StageError(
+                f"stage {self.spec.name!r} runs on {self.spec.device}, and no CUDA device is "
+                f"visible to this worker: {NO_GPU}"
+            )
         self.dtype = getattr(torch, self.spec.dtype or "float32")
         extra_files = {WARM_UP_FILE: ""}
         with warnings.catch_warnings():
@@ -307,6 +332,11 @@ class TorchScriptStage(_ModelStage):
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         if extra_files[WARM_UP_FILE]:
             self._warm_up(extra_files[WARM_UP_FILE])
+
+    def set_threads(self, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
 
     def _warm_up(self, described: str | bytes) -> None:
         """Two batches of ones, shaped like the archive's example, while the worker reads

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -49,7 +50,7 @@ from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
-from . import cpus, metrics
+from . import cpus, devices, metrics
 from .columns import scatter
 from .elastic import DeviceMonitor
 from .pipeline import Pipeline, PipelineConfig, PipelineError, PipelineSetupError, RunResult
@@ -172,6 +173,10 @@ class Worker:
         self._pipeline_started: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.shards_done = 0
+        self.cores = 1.0
+        """The cores this worker may use (cpus.py)."""
+        self.gpus: tuple[str, ...] | None = None
+        """The GPUs it may use (devices.py; None: nothing says)."""
 
     def request_drain(self) -> None:
         """Stop leasing and wind down gracefully (SIGTERM)."""
@@ -213,12 +218,19 @@ class Worker:
             return EXIT_OK
         self.spec = spec = parse_job(status.spec)
         memory = spec.fault.worker_memory_gb
-        cores = cpus.detect()
-        stages = cpus.with_threads(spec.pipeline.stages, cores)
+        self.cores = cores = cpus.detect()
+        self.gpus = gpus = devices.visible()
+        try:
+            stages = devices.spread(spec.pipeline.stages, gpus)
+        except ValueError as e:
+            # Not this job's fault everywhere: a node with the GPUs may run it.
+            log.error("job %s: %s", spec.id, e)
+            self.fatal_reason = f"pipeline cannot start: {e}"
+            return EXIT_SETUP
         log.info(
-            "%g cores for this worker: %s",
+            "%g cores for this worker%s",
             cores,
-            ", ".join(f"{s.name} {s.threads or 1} thread(s) a process" for s in stages),
+            f", GPUs {','.join(gpus)}" if gpus else "" if gpus is None else ", no GPU",
         )
         self.pipeline = Pipeline(
             PipelineConfig(
@@ -226,6 +238,8 @@ class Worker:
                 code_paths=spec.pipeline.code_paths,
                 batch_timeout_s=spec.fault.batch_timeout_s,
                 memory_limit_bytes=int(memory * 2**30) if memory else None,
+                cpus=cores,
+                gpus=gpus,
             )
         )
         # Stage processes start (models load) while the first shard is leased and read.
@@ -642,12 +656,18 @@ class Worker:
         assert self.spec is not None and self.pipeline is not None
         stages = self.spec.pipeline.stages
         names = [s.name for s in stages]
-        devices = sorted({"cpu", *(s.device for s in stages)})
-        monitor = await asyncio.to_thread(DeviceMonitor)  # NVML's start-up can take a while
+        used = sorted({"cpu", *(s.device for s in stages)})
+        if self.gpus and any(d.startswith("cuda") for d in used):
+            used = ["cpu", *(f"cuda:{i}" for i in range(len(self.gpus)))]
+        # NVML's start-up can take a while.
+        monitor = await asyncio.to_thread(
+            functools.partial(DeviceMonitor, cores=self.cores, gpus=self.gpus)
+        )
         while True:
             for name, depth in zip(names, self.pipeline.depths(), strict=False):
                 metrics.QUEUE_DEPTH.labels(name).set(depth)
             metrics.LEASES_HELD.set(len(self.leases))
-            for device in devices:
+            monitor.sample(time.monotonic())
+            for device in used:
                 metrics.DEVICE_UTILIZATION.labels(device).set(monitor.busy(device))
             await asyncio.sleep(1.0)

@@ -42,6 +42,10 @@ class PipelineConfig:
     elastic: ElasticSettings = field(default_factory=ElasticSettings)
     """How the elastic scheduler decides (used when any stage has min_workers < max_workers)."""
     start_timeout_s: float = 300.0
+    cpus: float | None = None
+    """The worker's CPU budget in cores (cpus.detect, when None)."""
+    gpus: tuple[str, ...] | None = None
+    """The worker's GPUs, as CUDA_VISIBLE_DEVICES names them (None: nothing says)."""
 
     def inflight_limit(self) -> int:
         if self.max_inflight:

@@ -168,6 +168,7 @@ def stage_main(
         # A fan-out stage returns a list of parts per row: it runs on rows, not columns.
         run_rows = rows_callable(modelet, label) if config.spec.fanout else None
         run = None if config.spec.fanout else columns_callable(modelet, label)
+        set_threads = getattr(modelet, "set_threads", None)
     except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         with contextlib.suppress(OSError):  # the worker may be gone already
@@ -176,7 +177,9 @@ def stage_main(
         sys.exit(EXIT_SETUP_FAILED)
     try:
         outbox.send_bytes(frames.pack(frames.READY, payload=os.getpid()))
-        StageLoop(config, run, inbox, outbox, board, run_rows=run_rows).run()
+        StageLoop(
+            config, run, inbox, outbox, board, run_rows=run_rows, set_threads=set_threads
+        ).run()
     except (BrokenPipeError, ConnectionResetError):
         # The worker that spawned us died (its end of the pipe is closed): nobody is left
         # to tell anything, and nothing we hold can reach the output. Leave quietly.
@@ -213,8 +216,11 @@ class StageLoop:
         board: BatchBoard,
         *,
         run_rows: Callable[[list[Any]], list[Any]] | None = None,
+        set_threads: Callable[[int], None] | None = None,
     ) -> None:
         spec = config.spec
+        self.set_threads = set_threads
+        """The model's thread count, changed between batches (frames.THREADS)."""
         self.name = spec.name
         self.run_batch = run
         self.run_rows = run_rows
@@ -318,6 +324,9 @@ class StageLoop:
                 self.arena.reclaim(name)
         elif h.kind == frames.FLUSH:
             self.batcher.flush()
+        elif h.kind == frames.THREADS:
+            if self.set_threads is not None:
+                self.set_threads(int(frames.payload(message)))
         elif h.kind == frames.STOP:
             self.stopping = True
 
