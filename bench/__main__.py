@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from . import (
+    cores,
     embedding,
     fanout,
     master_scale,
@@ -42,6 +43,7 @@ ORDER = [
     "embedding",
     "minilm",
     "objectstore",
+    "cores",
 ]
 
 
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 section = embedding.run(ctx)
             elif name == "objectstore":
                 section = objectstore.run(ctx)
+            elif name == "cores":
+                section = cores.run(ctx)
             else:
                 section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)

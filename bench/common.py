@@ -127,7 +127,12 @@ def machine() -> str:
 
 @contextlib.asynccontextmanager
 async def ebb_stack(
-    ctx: Context, name: str, *, max_workers: int, worker_grace_s: float = 10.0
+    ctx: Context,
+    name: str,
+    *,
+    max_workers: int,
+    worker_grace_s: float = 10.0,
+    pin_cpus: bool = False,
 ) -> AsyncIterator[tuple[LocalStack, EbbClient]]:
     """The embedded stack (nats-server, master, controller as processes), and a client."""
     stack = LocalStack(
@@ -136,6 +141,7 @@ async def ebb_stack(
             data_roots=[str(ctx.workdir), str(REPO)],
             max_workers=max_workers,
             worker_grace_s=worker_grace_s,
+            pin_cpus=pin_cpus,
             log_level="WARNING",
         )
     )

@@ -126,18 +126,31 @@ class Work:
 
 
 class Standardize:
-    """Row -> its `features` vector, standardised: the MLP benchmark's preprocessing."""
+    """Row -> its `column` vector, standardised: the MLP benchmarks' preprocessing."""
 
-    def __init__(self, mean: float, std: float) -> None:
+    def __init__(self, mean: float, std: float, column: str = "features") -> None:
         self.mean = np.float32(mean)
         self.std = np.float32(std)
+        self.column = column
 
     def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
-        x = np.asarray([r["features"] for r in rows], dtype=np.float32)
+        x = np.asarray([r[self.column] for r in rows], dtype=np.float32)
         return list((x - self.mean) / self.std)
 
     def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {VALUE: (batch["features"] - self.mean) / self.std}
+        return {VALUE: (batch[self.column] - self.mean) / self.std}
+
+
+class StandardizeRow:
+    """The same, written per row, as most modelets are."""
+
+    def __init__(self, mean: float, std: float, column: str = "features") -> None:
+        self.mean = np.float32(mean)
+        self.std = np.float32(std)
+        self.column = column
+
+    def process(self, row: dict[str, Any]) -> Any:
+        return (np.asarray(row[self.column], dtype=np.float32) - self.mean) / self.std
 
 
 class PassRows:

@@ -13,6 +13,8 @@ writes the same output columns.
   intra-node scaling, set by hand).
 - Ebb, elastic: from one process per stage, the elastic scheduler free to run 1-2 processes
   per stage, and the model's batch size searched online (adaptive batching).
+- Ebb, 2 workers: two workers of one process per stage, sharing the machine (each told half
+  its cores).
 
 Ebb's rates are given over the whole job (submission to manifest, start-up included) and in
 its steady state (the rows of every shard after the first, over the time from the first shard's
@@ -127,28 +129,33 @@ def stage_costs(data: Path, model: Path, sample: int = 2_048) -> dict[str, float
     return {"read": io_s, "decode": decode_s, "model": model_s, "postprocess": post_s}
 
 
-VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    # name: (decode stage settings, model stage settings)
-    "Ebb, 1 process per stage": ({}, {}),
-    "Ebb, 2 model processes": ({}, {"workers": 2}),
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
+    # name: (decode stage settings, model stage settings, workers)
+    "Ebb, 1 process per stage": ({}, {}, 1),
+    "Ebb, 2 model processes": ({}, {"workers": 2}, 1),
     "Ebb, elastic": (
         {"min_workers": 1, "max_workers": 2},
         {"min_workers": 1, "max_workers": 2, "batch_size": 256, "adaptive_batch": True},
+        1,
     ),
+    "Ebb, 2 workers": ({}, {}, 2),
 }
-"""Pipelining alone; pipelining and intra-node scaling set by hand; and the elastic scheduler
-(with the adaptive batch size) finding them on its own, from one process per stage."""
+"""Pipelining alone; pipelining and intra-node scaling set by hand; the elastic scheduler
+(with the adaptive batch size) finding them on its own, from one process per stage; and two
+workers of one process per stage sharing the machine. The model's threads are Ebb's default
+throughout: its share of its worker's cores."""
 
-GPU_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+GPU_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "Ebb, GPU model": (
         {"workers": 2},
-        {"device": "cuda", "threads": 0, "batch_size": 512, "adaptive_batch": True},
+        {"device": "cuda", "batch_size": 512, "adaptive_batch": True},
+        1,
     ),
 }
 
 
 def job(data: Path, model: Path, out: Path, *, variant: str, rows_per_shard: int) -> dict[str, Any]:
-    decode, scoring = {**VARIANTS, **GPU_VARIANTS}[variant]
+    decode, scoring, workers = {**VARIANTS, **GPU_VARIANTS}[variant]
     return {
         "name": "tagging",
         "input": {
@@ -161,12 +168,12 @@ def job(data: Path, model: Path, out: Path, *, variant: str, rows_per_shard: int
             "code_paths": [str(BENCH_DIR.parent)],
             "stages": [
                 {"name": "decode", "modelet": "bench.modelets:Decode", "batch_size": 64, **decode},
-                {"name": "model", "model": str(model), "threads": 1, "batch_size": 64, **scoring},
+                {"name": "model", "model": str(model), "batch_size": 64, **scoring},
                 {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 256},
             ],
         },
         "output": {"uri": str(out), "carryover": ["id"]},
-        "resources": {"min_workers": 1, "max_workers": 1},
+        "resources": {"min_workers": workers, "max_workers": workers},
     }
 
 
@@ -175,7 +182,7 @@ async def _ebb_once(
 ) -> Rate:
     out = ctx.dir("single-out") / f"ebb-{time.monotonic_ns()}"
     spec = parse_job(job(data, model, out, variant=variant, rows_per_shard=rows_per_shard))
-    return await job_rate(ctx, "single", spec, out, max_workers=1)
+    return await job_rate(ctx, "single", spec, out, max_workers=spec.resources.max_workers)
 
 
 def _measure_ebb(ctx: Context, data: Path, model: Path, variant: str, rows_per_shard: int) -> Rate:

@@ -39,6 +39,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 9. Text embedding",
         "## 10. MiniLM embeddings",
         "## 11. Object stores",
+        "## 12. Every byte read once, every core used once",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
@@ -51,6 +52,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "mlp",
         "overhead",
         "embedding",
+        "cores",
     ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
 

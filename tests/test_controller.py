@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -212,8 +213,7 @@ async def test_local_workers_share_the_machine_and_may_be_pinned_to_cores_of_the
                 chosen = {int(c) for c in _environ(pid)[envvars.CPU_SET].split(",")}
                 assert len(chosen) == max(1, cores // workers)
                 server = await wait_until(
-                    lambda pid=pid: next(iter(_fork_servers(pid)), None),
-                    what="the worker's fork server",
+                    functools.partial(_first_fork_server, pid), what="the worker's fork server"
                 )
                 # The worker pinned itself before its fork server started: the stage
                 # processes run on its cores only.
@@ -339,6 +339,10 @@ def _environ(pid: int) -> dict[str, str]:
     """The environment a process started with."""
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(entry.decode().partition("=")[::2] for entry in raw if b"=" in entry)
+
+
+def _first_fork_server(pid: int) -> psutil.Process | None:
+    return next(iter(_fork_servers(pid)), None)
 
 
 def _fork_servers(pid: int) -> list[psutil.Process]:

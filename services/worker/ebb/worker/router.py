@@ -47,12 +47,15 @@ from .families import Families
 from .processes import StageProcess
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .shm import Arena, remove_all_of, sweep_orphans, unlink
+from .stage import name_this_thread
 from .stageserver import stage_context
 
 log = logging.getLogger(__name__)
 
 _STARTUP_FAILURES_FATAL = 3
 _SPAWN_TRIES = 3
+ROUTER_THREAD = "ebb-router"
+"""The router thread's name, as the system shows it (for CPU by thread)."""
 _DEPTHS_EVERY_S = 0.2
 """How often the router counts its stages' depths for other threads (a gauge's worth)."""
 
@@ -189,6 +192,7 @@ class Router:
     # -- the router thread -----------------------------------------------------------------
 
     def _main(self) -> None:
+        name_this_thread(ROUTER_THREAD)
         grace_s = 0.0
         try:
             for k, spec in enumerate(self.specs):

@@ -104,6 +104,16 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def name_this_thread(name: str) -> None:
+    """Linux: the name `top`, `ps -L` and /proc show for the calling thread (the first 15
+    bytes): a stage process shows as `ebb:<stage>`, not as one more `python`."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def _die_with_worker(pid: int | None) -> None:
     """Leave as soon as the worker that started us is gone, even while user code hangs.
 
@@ -159,6 +169,7 @@ def stage_main(
     # Ctrl-C goes to the whole process group; the worker decides when its stages stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name = config.spec.name
+    name_this_thread(f"ebb:{name}")
     try:
         modelet = build_stage(config.spec, code_paths=config.code_paths)
         setup = getattr(modelet, "setup", None)
