@@ -4,24 +4,47 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from ebb.client.cli import lost_workers
+from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder
+from ebb.common import envvars
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.messages import JobStatus
+from ebb.common.output import MANIFEST, OWNER
 
-from .helpers import free_port, job_spec, write_dataset, write_model
+from .helpers import ASSETS, free_port, job_spec, write_dataset, write_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EBB = [sys.executable, "-m", "ebb.client.cli"]
+
+
+@pytest.fixture(autouse=True)
+def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Where `ebb run` keeps its runs' state in this test; and a temporary folder of the
+    test's own, which every test leaves as it found it (no `ebb-run-*` in it)."""
+    home = tmp_path / "runs"
+    monkeypatch.setenv(envvars.RUNS_DIR, str(home))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    yield home
+    assert not list(scratch.glob("ebb-run-*"))
+
+
+def run_folders(home: Path) -> list[Path]:
+    return sorted(p for p in home.iterdir() if p.is_dir()) if home.exists() else []
 
 
 def ebb(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -30,7 +53,19 @@ def ebb(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
     )
 
 
-def test_run_a_job_to_the_end(tmp_path: Path) -> None:
+def said(result: subprocess.CompletedProcess[str]) -> str:
+    """All it printed, on one line: a long message may be wrapped where a space was."""
+    return " ".join((result.stdout + result.stderr).split())
+
+
+def owner_of(out: Path) -> str:
+    return str(json.loads((out / OWNER).read_text())["job"])
+
+
+ROOTS = ["--data-root", str(ASSETS)]
+
+
+def test_run_a_job_to_the_end(tmp_path: Path, runs: Path) -> None:
     write_dataset(tmp_path / "data", rows=6_000, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
     job_spec(tmp_path, rows_per_shard=1_000, workers=(1, 2))
@@ -39,8 +74,7 @@ def test_run_a_job_to_the_end(tmp_path: Path) -> None:
         "job.yaml",
         "--max-workers",
         "2",
-        "--data-root",
-        str(Path(__file__).parent),
+        *ROOTS,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -48,6 +82,7 @@ def test_run_a_job_to_the_end(tmp_path: Path) -> None:
     assert "6,000" in result.stdout
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert manifest["rows"] == 6_000
+    assert run_folders(runs) == []  # a run that succeeded leaves nothing behind
 
 
 def test_run_refuses_a_bad_spec_with_the_field_and_code_2(tmp_path: Path) -> None:
@@ -75,17 +110,76 @@ def test_run_refuses_paths_outside_the_data_roots(tmp_path: Path) -> None:
     result = ebb("run", "job/job.yaml", cwd=tmp_path)
     assert result.returncode == 2
     assert "input.uri" in result.stderr and "--data-root" in result.stderr
+    # From the job's own folder, the folder it is in and the one the user stands in are one.
+    result = ebb("run", "job.yaml", cwd=tmp_path / "job")
+    assert result.returncode == 2
+    assert f"outside the allowed data roots: {tmp_path / 'job'} (allow more" in said(result)
 
 
-def test_a_failed_job_exits_1_and_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize("again", [[], ["--resume"]], ids=["run", "run --resume"])
+def test_a_failed_jobs_state_is_kept_and_its_empty_output_taken_by_the_next_run(
+    tmp_path: Path, runs: Path, again: list[str]
+) -> None:
     write_dataset(tmp_path / "data", rows=1_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    before: list[Path] = []  # failed runs of before, as many as are kept, each older
+    for n in range(RUNS_KEPT):
+        run = RunFolder.create(runs, f"before-{n}")
+        began = time.time() - 1_000 + n
+        os.utime(run.path / LOCK, (began, began))
+        run.keep()
+        before.append(run.path)
     job_spec(
         tmp_path, stages=[{"modelet": "ebbtest_modelets:BrokenSetup"}], fault={"max_attempts": 1}
     )
-    result = ebb("run", "job.yaml", "--data-root", str(Path(__file__).parent), cwd=tmp_path)
-    assert result.returncode == 1
-    assert "FAILED" in result.stdout and "weights not found" in result.stdout
-    assert "logs" in result.stdout
+    failed = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    assert failed.returncode == 1, said(failed)
+    assert "FAILED" in failed.stdout and "weights not found" in failed.stdout
+    first = owner_of(tmp_path / "out")
+    (kept,) = [p for p in run_folders(runs) if p.name.startswith(f"{first}-")]
+    assert f"logs {kept / 'logs'}" in said(failed)
+    assert f"state and logs kept in {kept}; the newest {RUNS_KEPT} such runs stay in {runs} (" in (
+        said(failed)
+    )
+    assert run_folders(runs) == sorted([*before[1:], kept])  # the oldest went
+
+    # The spec fixed, and run again: the folder that job failed to fill is free.
+    job_spec(tmp_path)
+    fixed = ebb("run", "job.yaml", *again, *ROOTS, cwd=tmp_path)
+    assert fixed.returncode == 0, said(fixed)
+    assert "SUCCEEDED" in fixed.stdout
+    second = owner_of(tmp_path / "out")
+    assert second != first
+    assert (
+        f"{tmp_path / 'out'} belonged to job {first}, which ended with nothing committed: "
+        f"job {second} takes it over"
+    ) in said(fixed)
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 1_000
+    assert run_folders(runs) == sorted([*before[1:], kept])
+
+
+def test_a_finished_jobs_output_is_complete_and_another_run_into_it_is_refused(
+    tmp_path: Path, runs: Path
+) -> None:
+    write_dataset(tmp_path / "data", rows=3_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    job_spec(tmp_path, rows_per_shard=1_000)
+    first = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    assert first.returncode == 0, said(first)
+    job = owner_of(tmp_path / "out")
+
+    again = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    assert again.returncode == 1, said(again)
+    assert (
+        f"holds the complete output of job {job} (SUCCEEDED, 3 of 3 shards, 3,000 rows "
+        "committed): there is nothing to finish there"
+    ) in said(again)
+    assert "resume" not in said(again)
+
+    resumed = ebb("run", "job.yaml", "--resume", *ROOTS, cwd=tmp_path)
+    assert resumed.returncode == 0, said(resumed)
+    assert f"job {job} SUCCEEDED already" in said(resumed)
+    assert run_folders(runs) == []  # refused, or with nothing to do: nothing kept
 
 
 def test_demo(tmp_path: Path) -> None:
@@ -177,13 +271,24 @@ def test_submit_to_a_nats_server_without_ebb_says_so(
     assert f"no Ebb stack answers at {nats_server.url}" in result.stdout + result.stderr
 
 
-def test_a_run_interrupted_is_refused_again_but_finished_with_resume(tmp_path: Path) -> None:
+def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
+    tmp_path: Path, runs: Path
+) -> None:
     write_dataset(tmp_path / "data", rows=6_000, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
-    slow = {"seconds_per_batch": 0.2}
-    stages = [{"modelet": "ebbtest_modelets:Slow", "params": slow, "batch_size": 100}]
-    job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(1, 1))
-    roots = ["--data-root", str(Path(__file__).parent), "--max-workers", "1"]
+    write_model(tmp_path / "other.onnx", seed=4)
+
+    def write_job(*, model: str = "model.onnx", batch_size: int = 100) -> None:
+        slow = {"seconds_per_batch": 0.2}
+        stages: list[dict[str, Any]] = [
+            {"modelet": "ebbtest_modelets:Slow", "params": slow, "batch_size": batch_size},
+            {"model": str(tmp_path / model), "batch_size": batch_size},
+            {"modelet": "ebb.worker.modelets:TopClass"},
+        ]
+        job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(1, 1))
+
+    write_job()
+    roots = [*ROOTS, "--max-workers", "1"]
     first = subprocess.Popen(
         [*EBB, "run", "job.yaml", "--quiet", *roots],
         cwd=tmp_path,
@@ -202,21 +307,33 @@ def test_a_run_interrupted_is_refused_again_but_finished_with_resume(tmp_path: P
         output = first.communicate(timeout=120)[0]
     assert first.returncode == 130, output
     assert "CANCELLED" in output
+    job = owner_of(tmp_path / "out")
     before = {p.name: p.read_text() for p in commits.iterdir()}
 
     refused = ebb("run", "job.yaml", *roots, cwd=tmp_path)
     assert refused.returncode == 1
-    said = refused.stdout + refused.stderr
-    assert "holds the output of job" in said and "--resume" in said, said
+    assert re.search(
+        rf"holds the unfinished output of job {job} \(CANCELLED, \d of 6 shards, [\d,]+ rows "
+        r"committed\)\. `ebb run JOB.yaml --resume` finishes it on this machine",
+        said(refused),
+    ), said(refused)
+    assert run_folders(runs) == []  # interrupted, then refused: nothing kept
 
+    write_job(model="other.onnx")
+    changed = ebb("run", "job.yaml", "--resume", *roots, cwd=tmp_path)
+    assert changed.returncode == 1
+    assert "pipeline.stages[1].model differs" in said(changed), said(changed)
+
+    write_job(batch_size=250)  # how fast is the run's own business
     resumed = ebb("run", "job.yaml", "--resume", *roots, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, said(resumed)
     assert "resumed" in resumed.stderr and "SUCCEEDED" in resumed.stdout
-    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert manifest["rows"] == 6_000 and manifest["error_rows"] == 0
     after = {p.name: p.read_text() for p in commits.iterdir()}
     assert {name: after[name] for name in before} == before  # the first run's shards kept
     assert len(after) == 6
+    assert run_folders(runs) == []
 
 
 def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:

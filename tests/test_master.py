@@ -6,7 +6,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,12 @@ from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
 from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest, ResumeRequest
-from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.output import OWNER, OutputFile, OutputOwner, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.errors import Deposed
 from ebb.shard_master.leader import KEY, Leadership
+from ebb.shard_master.ownership import spec_mismatch
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.store import shard_key
 from ebb.shard_master.table import PERSISTED_PERIODS, REASON_CHARS, REJECTIONS_KEPT, LeaseTable
@@ -422,28 +423,176 @@ async def _rejection(api: MasterClient, job: str) -> str:
         return ""
 
 
-async def test_another_jobs_output_folder_is_refused(
+async def test_another_jobs_output_folder_is_refused_saying_what_it_holds(
     tmp_path: Path, client: EbbClient, api: MasterClient
 ) -> None:
     spec = make_job(tmp_path)
-    assert OutputStore(spec.output.uri).claim("someone-else") == "someone-else"
-    with pytest.raises(SubmitError, match="holds the output of job someone-else"):
+    store = OutputStore(spec.output.uri)
+    assert store.claim("someone-else", fields={})[0].job == "someone-else"
+    # A job of another stack that never said how it ended: what the root holds is counted.
+    with pytest.raises(SubmitError) as e:
         await client.submit(spec)
+    said = str(e.value)
+    assert "holds the unfinished output of job someone-else (0 shards committed; it is " in said
+    assert "`ebb run JOB.yaml --resume` finishes it on this machine" in said
+
+    store.create_commit(new_commit(job="someone-else", shard=0, attempt=1, files=[], worker="w"))
+    store.record_end("someone-else", state="FAILED", shards_done=2, shards_total=3, rows_done=2000)
+    with pytest.raises(SubmitError) as e:
+        await client.submit(replace(spec, id=f"{spec.id}-2"))
+    said = str(e.value)
+    assert "unfinished output of job someone-else (FAILED, 2 of 3 shards, 2,000 rows" in said
+    assert "`ebb run JOB.yaml --resume` finishes it" in said
+
+    store.reclaim("someone-else")
+    store.record_end("someone-else", state="SUCCEEDED", shards_done=3, shards_total=3, rows_done=3)
+    with pytest.raises(SubmitError) as e:
+        await client.submit(replace(spec, id=f"{spec.id}-3"))
+    said = str(e.value)
+    assert "complete output of job someone-else (SUCCEEDED, 3 of 3 shards, 3 rows" in said
+    assert "nothing to finish" in said and "resume" not in said
 
 
-async def test_a_job_carries_on_in_its_own_output_only_with_the_spec_it_began_with(
+async def test_a_job_that_committed_nothing_lets_the_next_job_take_its_output_folder(
     tmp_path: Path, client: EbbClient, api: MasterClient
 ) -> None:
-    """As `ebb run --resume` on a new stack does: the same id, its earlier output kept."""
+    spec = make_job(tmp_path)
+    await client.submit(spec)
+    await api.lease(spec.id, "w1")  # it ran, but committed nothing
+    assert (await api.cancel(spec.id)).state == "CANCELLED"
+    owner = OutputStore(spec.output.uri).owner_record()
+    assert owner is not None and owner.released and owner.state == "CANCELLED"
+
+    second = replace(spec, id=f"{spec.id}-2")
+    await client.submit(second)
+    assert (await api.job(second.id)).state == "RUNNING"
+    owner = OutputStore(spec.output.uri).owner_record()
+    assert owner is not None
+    assert (owner.job, owner.took_over_from, owner.released) == (second.id, spec.id, False)
+    # The first job let go of the folder: it cannot come back into it.
+    with pytest.raises(RemoteError) as e:
+        await client.resume(spec.id)
+    assert e.value.code == "not_resumable" and f"belongs to job {second.id} now" in e.value.message
+
+
+async def test_a_job_carries_on_in_its_own_output_only_computing_the_same_rows(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """As `ebb run --resume` on a new stack does: the same id, its earlier output kept. What
+    decides the rows must be as it was; how fast they are computed may change."""
     spec = make_job(tmp_path)
     changed = replace(spec, input=replace(spec.input, rows_per_shard=500))
-    OutputStore(spec.output.uri).claim(spec.id, spec_digest=changed.output_digest())
-    with pytest.raises(SubmitError, match="this spec differs from it in its input, pipeline"):
+    OutputStore(spec.output.uri).claim(spec.id, fields=changed.output_fields())
+    with pytest.raises(SubmitError) as e:
         await client.submit(spec)
+    assert "computed with another spec: input.rows_per_shard differs (500 then, 1000 now)" in str(
+        e.value
+    )
+
     again = replace(spec, id=f"{spec.id}-2", output=replace(spec.output, uri=str(tmp_path / "o2")))
-    OutputStore(again.output.uri).claim(again.id, spec_digest=again.output_digest())
-    await client.submit(again)  # the very spec it claimed the root with: welcome back
+    OutputStore(again.output.uri).claim(again.id, fields=again.output_fields())
+    faster = [
+        replace(s, batch_size=8, batch_wait_s=0.5, workers=2, max_workers=4)
+        for s in again.pipeline.stages
+    ]
+    await client.submit(replace(again, pipeline=replace(again.pipeline, stages=faster)))
     assert (await api.job(again.id)).state == "RUNNING"
+
+
+async def test_an_output_claimed_by_an_earlier_version_is_carried_on_with_the_same_spec(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """An owner record with only a digest of whole sections (no fields) still admits the spec
+    it was made from, and refuses another one saying why it cannot name the field."""
+    spec = make_job(tmp_path)
+
+    def as_an_earlier_version_claimed_it(job: JobSpec) -> None:
+        out = Path(job.output.uri)
+        out.mkdir(parents=True)
+        record = {"job": job.id, "claimed_at": 1.0, "spec_digest": job.whole_sections_digest()}
+        (out / OWNER).write_text(json.dumps(record))
+
+    as_an_earlier_version_claimed_it(spec)
+    await client.submit(spec)
+    assert (await api.job(spec.id)).state == "RUNNING"
+
+    second = replace(spec, id=f"{spec.id}-2", output=replace(spec.output, uri=str(tmp_path / "o2")))
+    as_an_earlier_version_claimed_it(second)
+    faster = _every_stage(second, batch_size=7)
+    with pytest.raises(SubmitError, match="keeps only a digest of the input, pipeline and"):
+        await client.submit(faster)
+
+
+def _stage(spec: JobSpec, index: int, **changes: Any) -> JobSpec:
+    stages = list(spec.pipeline.stages)
+    stages[index] = replace(stages[index], **changes)
+    return replace(spec, pipeline=replace(spec.pipeline, stages=stages))
+
+
+def _every_stage(spec: JobSpec, **changes: Any) -> JobSpec:
+    stages = [replace(s, **changes) for s in spec.pipeline.stages]
+    return replace(spec, pipeline=replace(spec.pipeline, stages=stages))
+
+
+# Each: how the spec changes between two runs into one output, and what the refusal names
+# ("": none, the run carries on). make_job's pipeline: Features, model.onnx, TopClass.
+SPEC_CHANGES: dict[str, tuple[Callable[[JobSpec], JobSpec], str]] = {
+    "shards cut otherwise": (
+        lambda s: replace(s, input=replace(s.input, rows_per_shard=7)),
+        "input.rows_per_shard differs (1000 then, 7 now)",
+    ),
+    "another model, run otherwise": (
+        lambda s: _stage(s, 1, model="/elsewhere/other.onnx", dtype="float16", threads=4),
+        "pipeline.stages[1].dtype and pipeline.stages[1].model differ",
+    ),
+    "a modelet's parameters": (
+        lambda s: _stage(s, 0, params={"columns": ["x"], "scale": 2}),
+        "pipeline.stages[0].params.columns and pipeline.stages[0].params.scale differ",
+    ),
+    "a stage dropped": (
+        lambda s: replace(s, pipeline=replace(s.pipeline, stages=s.pipeline.stages[:2])),
+        "pipeline.stages[2].dtype, pipeline.stages[2].fanin, ",
+    ),
+    "another output column": (
+        lambda s: replace(s, output=replace(s.output, carryover=["id"])),
+        'output.carryover differs (["id", "customer"] then, ["id"] now)',
+    ),
+    "batching and placement": (
+        lambda s: _every_stage(
+            s, batch_size=1, batch_wait_s=1.0, device="cuda", workers=2, max_workers=3, name=""
+        ),
+        "",
+    ),
+    "the output moved, cut in smaller files": (
+        lambda s: replace(s, output=replace(s.output, uri="/moved/out", max_rows_per_file=10)),
+        "",
+    ),
+    "resources and fault policy": (
+        lambda s: replace(
+            s,
+            resources=replace(s.resources, max_workers=8, cpu=4.0),
+            fault=replace(s.fault, lease_s=5.0, batch_timeout_s=9.0, max_attempts=9),
+            priority=3,
+        ),
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPEC_CHANGES))
+def test_a_spec_may_carry_on_in_its_output_only_computing_the_same_rows(
+    tmp_path: Path, case: str
+) -> None:
+    change, said = SPEC_CHANGES[case]
+    spec = make_job(tmp_path)
+    owner = OutputOwner(job=spec.id, output_fields=spec.output_fields())
+    new = change(spec)
+    refusal = spec_mismatch("out/", owner, new, new.output_fields())
+    if said:
+        assert said in refusal
+    else:
+        assert refusal == ""
+        assert new.output_digest() == spec.output_digest()
 
 
 async def test_submitting_twice_runs_one_job(
@@ -611,8 +760,11 @@ async def test_two_jobs_cannot_share_an_output_folder(
     first = make_job(tmp_path)
     await client.submit(first)
     second = replace(first, id="second-job")
-    with pytest.raises(SubmitError, match=f"holds the output of job {first.id}"):
+    with pytest.raises(SubmitError) as e:
         await client.submit(second)
+    said = str(e.value)
+    assert f"is being written by job {first.id} (RUNNING, 0 of 3 shards, 0 rows committed" in said
+    assert f"`ebb cancel {first.id}`" in said
 
 
 async def test_submit_returns_once_the_job_is_planned_even_when_planning_is_slow(

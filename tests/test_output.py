@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import subprocess
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ebb.common.output import (
+    OWNER,
     OutputFile,
     OutputStore,
     attempt_dir,
@@ -121,3 +123,89 @@ def test_a_shards_files_are_written_once_a_full_disk_has_room_again(
         assert (disk / "out" / "data" / "part-0.bin").read_bytes() == data
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# -- who owns the root -------------------------------------------------------------------
+
+
+def test_a_job_that_ended_with_nothing_committed_lets_go_of_its_root(tmp_path: Path) -> None:
+    store = OutputStore(str(tmp_path / "out"))
+    assert store.claim("a", fields={"input.uri": "x"}) == (store.owner_record(), "")
+    assert store.claim("b", fields={})[0].job == "a"  # a holds it while it runs
+    ended = store.record_end("a", state="FAILED", shards_done=0, shards_total=3, rows_done=0)
+    assert ended is not None and ended.released
+    owner, taken_from = store.claim("b", fields={"input.uri": "y"})
+    assert (owner.job, owner.generation, owner.took_over_from, taken_from) == ("b", 1, "a", "a")
+    assert store.owner_record() == owner
+    assert store.claim("c", fields={})[0].job == "b"  # b holds it now
+    assert store.record_end("a", state="FAILED", shards_done=0, shards_total=3, rows_done=0) is None
+
+
+def test_a_job_with_a_commit_record_keeps_its_root_whatever_it_counted(tmp_path: Path) -> None:
+    store = OutputStore(str(tmp_path / "out"))
+    store.claim("a", fields={})
+    store.create_commit(new_commit(job="a", shard=2, attempt=1, files=[], worker="w"))
+    ended = store.record_end("a", state="CANCELLED", shards_done=0, shards_total=3, rows_done=0)
+    assert ended is not None and not ended.released and ended.state == "CANCELLED"
+    assert store.claim("b", fields={})[0].job == "a"
+    # Carrying on there, it no longer says how it ended.
+    again = store.reclaim("a")
+    assert again is not None and (again.job, again.state) == ("a", "")
+
+
+def test_a_commit_that_came_after_its_job_let_go_keeps_the_root_that_jobs(tmp_path: Path) -> None:
+    store = OutputStore(str(tmp_path / "out"))
+    store.claim("a", fields={})
+    store.record_end("a", state="FAILED", shards_done=0, shards_total=3, rows_done=0)
+    # A worker that had not heard the job ended.
+    store.create_commit(new_commit(job="a", shard=0, attempt=1, files=[], worker="w"))
+    assert store.claim("b", fields={})[0].job == "a"
+    assert store.owner() == "a"
+
+
+def test_of_jobs_taking_a_root_over_at_once_exactly_one_does(tmp_path: Path) -> None:
+    store = OutputStore(str(tmp_path / "out"))
+    store.claim("first", fields={})
+    store.record_end("first", state="FAILED", shards_done=0, shards_total=1, rows_done=0)
+    barrier = threading.Barrier(8)
+    owners: dict[str, str] = {}
+
+    def take(job: str) -> None:
+        barrier.wait()
+        owners[job] = OutputStore(str(tmp_path / "out")).claim(job, fields={})[0].job
+
+    threads = [threading.Thread(target=take, args=(f"j{n}",)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = {job for job, owner in owners.items() if owner == job}
+    assert len(winners) == 1
+    assert store.owner() == winners.pop()
+
+
+def test_the_claim_file_decides_even_if_the_owner_record_was_not_rewritten(
+    tmp_path: Path,
+) -> None:
+    """A master that died between creating its claim and rewriting `_job.json`: its job owns
+    the root all the same, and a later job that finds the older record learns so."""
+    store = OutputStore(str(tmp_path / "out"))
+    store.claim("a", fields={})
+    store.record_end("a", state="FAILED", shards_done=0, shards_total=1, rows_done=0)
+    stale = (tmp_path / "out" / OWNER).read_bytes()
+    store.claim("b", fields={})
+    (tmp_path / "out" / OWNER).write_bytes(stale)
+    assert store.owner() == "b"
+    assert store.claim("c", fields={})[0].job == "b"
+
+
+def test_an_owner_record_of_an_earlier_version_is_read(tmp_path: Path) -> None:
+    (tmp_path / OWNER).write_text(json.dumps({"job": "a", "claimed_at": 1.0, "spec_digest": "d"}))
+    owner = OutputStore(str(tmp_path)).owner_record()
+    assert owner is not None
+    assert (owner.job, owner.spec_digest, owner.output_fields, owner.released) == (
+        "a",
+        "d",
+        None,
+        False,
+    )

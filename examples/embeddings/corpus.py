@@ -14,7 +14,7 @@ import ast
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,24 +61,38 @@ def paragraphs(path: Path, *, max_chars: int) -> Iterator[tuple[str, str]]:
         yield f"#{number + 1}", "\n\n".join(block)
 
 
-def texts(roots: list[Path], *, max_chars: int) -> Iterator[tuple[str, str]]:
-    """(source, text) of every docstring and documentation block under `roots`."""
+def sources(roots: list[Path]) -> list[tuple[Path, Path]]:
+    """(root, file) of every Python and documentation file under `roots`, in a stable order:
+    listed first, so that the reading of them can tell how far it has got."""
+    found: list[tuple[Path, Path]] = []
     for root in roots:
         for folder, dirs, files in os.walk(root):
             dirs.sort()
             for name in sorted(files):
                 path = Path(folder) / name
-                where = str(path.relative_to(root))
-                if "site-packages" in where.split(os.sep):
+                if "site-packages" in str(path.relative_to(root)).split(os.sep):
                     continue  # the standard library's folder holds a virtualenv's packages
-                if name.endswith(".py"):
-                    found = docstrings(path)
-                elif name.endswith(DOC_SUFFIXES):
-                    found = paragraphs(path, max_chars=max_chars)
-                else:
-                    continue
-                for what, text in found:
-                    yield f"{where}:{what}", text
+                if name.endswith((".py", *DOC_SUFFIXES)):
+                    found.append((root, path))
+    return found
+
+
+def texts(
+    roots: list[Path], *, max_chars: int, read: Callable[[int, int], None] | None = None
+) -> Iterator[tuple[str, str]]:
+    """(source, text) of every docstring and documentation block under `roots`. `read` hears
+    (files read, files in all) after each file."""
+    files = sources(roots)
+    for done, (root, path) in enumerate(files, 1):
+        where = str(path.relative_to(root))
+        if path.name.endswith(".py"):
+            found = docstrings(path)
+        else:
+            found = paragraphs(path, max_chars=max_chars)
+        for what, text in found:
+            yield f"{where}:{what}", text
+        if read is not None:
+            read(done, len(files))
 
 
 def build(
@@ -89,10 +103,17 @@ def build(
     files: int = 8,
     max_chars: int = 2_000,
     min_chars: int = 16,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> int:
-    """Write the corpus as `files` Parquet files (id, text, source) under `out`; its rows."""
+    """Write the corpus as `files` Parquet files (id, text, source) under `out`; its rows.
+    `progress` hears (files read, files in all, texts kept so far) after each file read."""
     seen: dict[str, str] = {}
-    for source, raw in texts(roots or installed(), max_chars=max_chars):
+
+    def read(done: int, total: int) -> None:
+        if progress is not None:
+            progress(done, total, len(seen))
+
+    for source, raw in texts(roots or installed(), max_chars=max_chars, read=read):
         text = raw.strip()[:max_chars]
         if len(text) >= min_chars and text not in seen:
             seen[text] = source

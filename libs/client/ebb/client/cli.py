@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,10 +36,13 @@ from ebb.common.output import OutputStore
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
 from ebb.common.spec import JobSpec, check_roots, load_job_file
 
+from .runs import RUNS_KEPT, RunFolder, runs_home
 from .sdk import EbbClient, SubmitError, SubmitPending
 from .stack import LocalStack, StackConfig, StackError
 
-EXIT_INTERRUPTED = 130
+EXIT_SIGNALLED = 128
+"""`ebb run` stopped by a signal exits 128 + its number, as a shell reports it: 130 for
+Ctrl-C (SIGINT), 143 for SIGTERM."""
 DEFAULT_NATS = NatsConfig().url
 
 # Piped output (scripts, CI logs) gets wide lines rather than tables wrapped at 80 columns.
@@ -140,10 +142,12 @@ def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
 
 
 async def run_job(args: argparse.Namespace, job_file: str) -> int:
-    roots = [str(Path(job_file).resolve().parent), os.getcwd(), *args.data_root]
+    # The job file's folder and the one the user stands in, then any named: each once.
+    here = [str(Path(job_file).resolve().parent), os.getcwd()]
+    roots = list(dict.fromkeys([*here, *args.data_root]))
     spec = _load(job_file, roots)
-    temporary = args.state_dir is None
-    state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="ebb-run-"))
+    folder = None if args.state_dir else _run_folder(spec)
+    state_dir = Path(args.state_dir) if folder is None else folder.path
     stack = LocalStack(
         StackConfig(
             state_dir=state_dir,
@@ -154,23 +158,39 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             log_level=args.log_level,
         )
     )
+    signals: list[int] = []
     interrupted = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        interrupted.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupted.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     started = time.monotonic()
-    keep = args.keep_state
+    keep = True  # until the run knows better: what went wrong is worth a look
     supervisor: asyncio.Task[None] | None = None
     try:
         with console.status("starting the embedded stack"):
             await stack.start()
         supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
         async with await EbbClient.connect(stack.nats_config) as client:
-            if getattr(args, "resume", False):
-                job_id = await resume_here(client, spec)
-            else:
-                job_id = await client.submit(spec)
-                console.print(f"job {job_id} submitted ({spec.input.uri} -> {spec.output.uri})")
+            try:
+                if getattr(args, "resume", False):
+                    job_id = await resume_here(client, spec)
+                else:
+                    job_id = await submit_here(client, spec)
+            except SubmitPending:
+                raise
+            except SubmitError as e:
+                # Refused before anything ran: nothing of this run is worth keeping.
+                console.print(f"[red]error:[/] {e}")
+                keep = False
+                return EXIT_FAILED
+            if job_id is None:
+                keep = False
+                return EXIT_OK
             with ProgressView(spec, enabled=not args.quiet) as view:
                 waiting = asyncio.ensure_future(client.wait(job_id, on_update=view.update))
                 stopper = asyncio.ensure_future(interrupted.wait())
@@ -180,25 +200,24 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
                     waiting.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await waiting
+                    how = (
+                        "Ctrl-C" if signals[0] == signal.SIGINT else signal.Signals(signals[0]).name
+                    )
                     console.print("interrupted: cancelling the job")
-                    await client.cancel(job_id, "interrupted (Ctrl-C)")
+                    await client.cancel(job_id, f"interrupted ({how})")
                     final = await client.job(job_id)
                     summarize(final, time.monotonic() - started, stack.logs)
-                    keep = keep or not temporary
-                    return EXIT_INTERRUPTED
+                    keep = args.keep_state  # the user stopped it: nothing went wrong
+                    return EXIT_SIGNALLED + signals[0]
                 final = waiting.result()
         summarize(final, time.monotonic() - started, stack.logs)
         if final.state != "SUCCEEDED":
-            keep = True
             return EXIT_FAILED
+        keep = args.keep_state
         return EXIT_OK
     except (StackError, SubmitError) as e:
         console.print(f"[red]error:[/] {e}")
-        keep = True
         return EXIT_FAILED
-    except BaseException:
-        keep = True
-        raise
     finally:
         if supervisor is not None:
             supervisor.cancel()
@@ -208,38 +227,85 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             await stack.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if temporary and not keep:
-            shutil.rmtree(state_dir, ignore_errors=True)
-        elif temporary:
-            console.print(f"state and logs kept in {state_dir}")
+        if folder is not None:
+            if keep:
+                folder.keep()
+                console.print(
+                    f"state and logs kept in {folder.path}; the newest {RUNS_KEPT} such runs "
+                    f"stay in {folder.path.parent} ({envvars.RUNS_DIR} sets another place)"
+                )
+            else:
+                folder.discard()
 
 
-async def resume_here(client: EbbClient, spec: JobSpec) -> str:
-    """Carry on with the job that owns the spec's output root, on this stack.
+def _run_folder(spec: JobSpec) -> RunFolder:
+    home = runs_home(os.environ)
+    try:
+        return RunFolder.create(home, spec.id)
+    except OSError as e:
+        raise EbbError(
+            f"cannot make a state folder in {home}: {e.strerror or e} (set "
+            f"{envvars.RUNS_DIR}, or give --state-dir)"
+        ) from e
+
+
+async def submit_here(client: EbbClient, spec: JobSpec) -> str:
+    """Submit the job to this run's stack, saying so, and saying whose output root it took
+    over if it did (one whose job ended with nothing committed)."""
+    job_id = await client.submit(spec)
+    console.print(f"job {job_id} submitted ({spec.input.uri} -> {spec.output.uri})")
+    try:
+        owner = await asyncio.to_thread(OutputStore(spec.output.uri).owner_record)
+    except (OSError, ValueError):  # a note only: the master took the root, or refused it
+        return job_id
+    if owner is not None and owner.job == job_id and owner.took_over_from not in ("", job_id):
+        console.print(
+            f"{spec.output.uri} belonged to job {owner.took_over_from}, which ended with "
+            f"nothing committed: job {job_id} takes it over"
+        )
+    return job_id
+
+
+async def resume_here(client: EbbClient, spec: JobSpec) -> str | None:
+    """Carry on with the job that owns the spec's output root, on this stack; None if there
+    is nothing to run (the job succeeded already).
 
     A stack that still knows the job (the same --state-dir) resumes it; a new one gets the
     job submitted again under its own id. Either way the shards that job committed are kept:
-    their commit records in the output root are what every attempt checks first."""
-    owner = await asyncio.to_thread(OutputStore(spec.output.uri).owner)
-    if not owner:
-        raise EbbError(f"nothing to resume: no job has written into {spec.output.uri} yet")
+    their commit records in the output root are what every attempt checks first. A root that
+    no job owns (any more: its job committed nothing) gets the job from the start."""
+    output = OutputStore(spec.output.uri)
+    owner = await asyncio.to_thread(output.owner_record)
+    if owner is None or owner.released:
+        before = f" (job {owner.job} ended {owner.state} before it committed any)" if owner else ""
+        console.print(f"no shard is committed in {spec.output.uri}{before}: running the job anew")
+        return await submit_here(client, spec)
+    succeeded = owner.state == "SUCCEEDED" or (
+        not owner.state and await asyncio.to_thread(output.read_manifest) is not None
+    )
+    if succeeded:
+        console.print(
+            f"job {owner.job} SUCCEEDED already: its output in {spec.output.uri} is "
+            "complete, nothing to resume"
+        )
+        return None
     try:
-        status = await client.job(owner)
+        status = await client.job(owner.job)
     except RemoteError as e:
         if e.code not in (ErrorCode.NOT_FOUND, ErrorCode.REJECTED):
             raise
-        job_id = await client.submit(replace(spec, id=owner))
+        job_id = await client.submit(replace(spec, id=owner.job))
         console.print(f"job {job_id} resumed from its output in {spec.output.uri}")
         return job_id
     if status.state in ("FAILED", "CANCELLED"):
-        reply = await client.resume(owner)
+        reply = await client.resume(owner.job)
         console.print(
-            f"job {owner} resumed: {reply.shards_done} shards kept, "
+            f"job {owner.job} resumed: {reply.shards_done} shards kept, "
             f"{reply.shards_retried} quarantined ones retried, {reply.shards_todo} to run"
         )
     elif status.state in TERMINAL_JOB_STATES:
-        console.print(f"job {owner} is {status.state} already")
-    return owner
+        console.print(f"job {owner.job} is {status.state} already")
+    return owner.job
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -440,8 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def local_options(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--state-dir", help="keep NATS state and logs here (default: temporary)")
-        c.add_argument("--keep-state", action="store_true", help="keep the temporary state")
+        c.add_argument(
+            "--state-dir",
+            help=f"keep NATS state and logs here (default: a folder of its own under "
+            f"${envvars.RUNS_DIR} or ~/.local/state/ebb/runs, kept if the run fails)",
+        )
+        c.add_argument("--keep-state", action="store_true", help="keep it even if it succeeds")
         c.add_argument("--data-root", action="append", default=[], help="allow data under DIR")
         c.add_argument(
             "--max-workers", type=int, default=0, help="workers at once (default: cores)"

@@ -88,6 +88,8 @@ POD_NAME = "EBB_POD_NAME"
 # The CLI.
 CREDENTIALS = "EBB_CREDENTIALS"
 CLI_LOG_LEVEL = "EBB_CLI_LOG_LEVEL"
+RUNS_DIR = "EBB_RUNS_DIR"
+"""Where `ebb run` keeps its stacks' state (ebb.client.runs)."""
 
 
 def role_password(role: str) -> str:

@@ -15,6 +15,13 @@ folder is garbage. Readers read only what `_manifest.json` lists.
 Every store operation is retried as `storage.retrying` classifies its errors; a retried
 exclusive create that finds a record naming this very attempt (the first try went through, its
 answer was lost) counts as created.
+
+    <out>/_job.json                                   the job that owns the root (OutputOwner)
+    <out>/_claims/generation=N.json                   created EXCLUSIVELY by its N-th new owner
+
+A root belongs to the job that first created `_job.json`. A job that ends having committed
+nothing lets go of it (`release`): the next job that names the root takes it over, and of
+several trying at once only the one that creates `_claims/generation=N.json` does.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ import posixpath
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import schema
+from .spec import fields_digest
 from .storage import retrying
 
 log = logging.getLogger(__name__)
@@ -91,6 +99,39 @@ COMMITS_DIR = "_commits"
 MANIFEST = "_manifest.json"
 OWNER = "_job.json"
 """Names the job that owns the output root; created exclusively when the job is accepted."""
+CLAIMS_DIR = "_claims"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputOwner:
+    """The record in `_job.json`: which job owns the root, what it computes, how it ended."""
+
+    job: str
+    claimed_at: float = 0.0
+    generation: int = 0
+    """0 for the root's first owner; each job that takes it over after one that let go of it
+    counts one more."""
+    took_over_from: str = ""
+    """The job that let go of the root before this one took it over."""
+    output_fields: dict[str, Any] | None = None
+    """What decides the job's rows (JobSpec.output_fields); None in a record written before
+    they were kept, which has `spec_digest` only."""
+    output_digest: str = ""
+    spec_digest: str = ""
+    """Older records: JobSpec.whole_sections_digest of the spec the job was submitted with."""
+    state: str = ""
+    """How the job ended (SUCCEEDED, FAILED, CANCELLED); "" while it runs, or if its master
+    stopped before it could say."""
+    shards_done: int = 0
+    shards_total: int = 0
+    rows_done: int = 0
+    released: bool = False
+    """The job ended with nothing committed: it owns nothing, and another job may take the
+    root over."""
+
+
+def claim_path(generation: int) -> str:
+    return f"{CLAIMS_DIR}/generation={generation}.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,32 +252,124 @@ class OutputStore:
             raise
         _fsync_dir(os.path.dirname(path))
 
-    def claim(self, job: str, *, spec_digest: str = "") -> str:
-        """Make `job` the owner of this output root, unless another job owns it already.
+    # -- who owns the root -----------------------------------------------------------------
 
-        Returns the owner's id: `job` itself, or whoever claimed the root first.
-        `spec_digest` (what the job computes: see JobSpec.output_digest) is kept with it.
+    def claim(self, job: str, *, fields: dict[str, Any]) -> tuple[OutputOwner, str]:
+        """Make `job` the owner of this output root, unless another job holds it.
+
+        Returns (the owner, the job it took the root over from): (`job`'s record, "") for a
+        new root or `job`'s own; (`job`'s new record, the earlier owner) when that owner had
+        let go; (the other job's record, "") when another job holds the root. `fields`
+        (JobSpec.output_fields) are kept in a new record: a job that carries on in its own
+        root is compared with them by the caller.
         """
-        path = self.full(OWNER)
-        owner = {"job": job, "claimed_at": time.time(), "spec_digest": spec_digest}
-        if self._create_exclusive(path, json.dumps(owner)):
-            return job
-        return str(self._owner_record().get("job"))
+        ours = OutputOwner(
+            job=job,
+            claimed_at=time.time(),
+            output_fields=fields,
+            output_digest=fields_digest(fields),
+        )
+        if self._create_exclusive(self.full(OWNER), _json(ours)):
+            return ours, ""
+        current = self.owner_record()
+        if current is None:  # pragma: no cover - an owner record is never deleted
+            raise OSError(f"{self.url(OWNER)} vanished after a conflicting create")
+        if not current.released:
+            return current, ""
+        taken = self._take_over(current, ours)
+        return taken, current.job if taken.job == job != current.job else ""
+
+    def reclaim(self, job: str) -> OutputOwner | None:
+        """`job` runs again in the root it owns, or owned (a resume): it holds it again if it
+        had let go and nobody took it since, and its record no longer says how it ended.
+        Returns the owner: `job`'s record, whoever's now, or None if the root has none."""
+        current = self.owner_record()
+        if current is None or current.job != job:
+            return current
+        if current.released:
+            return self._take_over(current, replace(current, claimed_at=time.time()))
+        return self._runs_again(current) if current.state else current
+
+    def _runs_again(self, current: OutputOwner) -> OutputOwner:
+        """The owner's record, no longer saying how it ended (it runs again)."""
+        running = replace(current, state="", shards_done=0, shards_total=0, rows_done=0)
+        self.write_file(OWNER, _json(running))
+        return running
+
+    def _take_over(self, released: OutputOwner, ours: OutputOwner) -> OutputOwner:
+        """The root, from an owner that let go, for `ours` if nothing is committed in it and
+        no one took it first. Returns whoever owns it then."""
+        straggler = self.first_commit()
+        if straggler is not None and straggler.job != ours.job:
+            # Committed after its job let go (a worker that had not heard the job ended): the
+            # root holds output after all, and it is that job's.
+            return replace(released, released=False)
+        new = replace(
+            ours,
+            generation=released.generation + 1,
+            took_over_from=released.job if released.job != ours.job else ours.took_over_from,
+            state="",
+            released=False,
+            shards_done=0,
+            shards_total=0,
+            rows_done=0,
+        )
+        if not self._create_exclusive(self.full(claim_path(new.generation)), _json(new)):
+            return self.owner_record() or released  # another job took it over first
+        # `_job.json` is only where readers look first: the claim is the file just created
+        # (owner_record follows the generations), so a crash before this write loses nothing.
+        self.write_file(OWNER, _json(new))
+        return new
+
+    def record_end(
+        self, job: str, *, state: str, shards_done: int, shards_total: int, rows_done: int
+    ) -> OutputOwner | None:
+        """Say in the owner record how `job` ended; a job that ended with nothing committed
+        (no commit record in the root, whatever the job's own records say) lets go of the
+        root. None if `job` does not own the root."""
+        current = self.owner_record()
+        if current is None or current.job != job or current.released:
+            return None
+        ended = replace(
+            current,
+            state=state,
+            shards_done=shards_done,
+            shards_total=shards_total,
+            rows_done=rows_done,
+            released=state != "SUCCEEDED" and self.first_commit() is None,
+        )
+        self.write_file(OWNER, _json(ended))
+        return ended
 
     def owner(self) -> str:
         """The id of the job this output root belongs to; "" if none claimed it yet."""
-        return str(self._owner_record().get("job") or "")
+        record = self.owner_record()
+        return record.job if record is not None else ""
 
-    def owner_digest(self) -> str:
-        """The spec digest the owner claimed the root with ("" if none, or an older root)."""
-        return str(self._owner_record().get("spec_digest") or "")
+    def owner_record(self) -> OutputOwner | None:
+        """The root's owner record; None if no job claimed the root yet."""
+        record = self._read_owner(OWNER)
+        while record is not None:
+            newer = self._read_owner(claim_path(record.generation + 1))
+            if newer is None:
+                return record
+            record = newer
+        return None
 
-    def _owner_record(self) -> dict[str, Any]:
+    def _read_owner(self, relpath: str) -> OutputOwner | None:
         try:
-            record = json.loads(self._cat(self.full(OWNER)))
+            raw = json.loads(self._cat(self.full(relpath)))
         except FileNotFoundError:
-            return {}
-        return record if isinstance(record, dict) else {}
+            return None
+        return schema.load(OutputOwner, raw, strict=False)
+
+    def committed_shards(self) -> int:
+        """How many commit records the root holds (a listing: no record is read)."""
+        try:
+            names = self._ls(self.full(COMMITS_DIR))
+        except FileNotFoundError:
+            return 0
+        return sum(1 for name in names if name.endswith(".json"))
 
     def _size(self, path: str) -> int:
         self.fs.invalidate_cache(path)

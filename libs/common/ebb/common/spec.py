@@ -376,14 +376,98 @@ class JobSpec:
         body: dict[str, Any] = schema.dump(self)
         return body
 
+    def output_fields(self) -> dict[str, Any]:
+        """What decides the rows of the output, field by field: {path: value}, paths as a
+        refusal names them (`pipeline.stages[1].model`, `pipeline.stages[0].params.mean`).
+
+        The input section whole: its rows_per_shard (and, for CSV, newlines_in_values) decide
+        where shards are cut, and committed work is found again by shard number, so a job
+        carrying on in its output must cut its input the same way. Each stage's model or
+        modelet with its parameters, how it is fed and what it yields; where modelet code
+        comes from; the output's format and columns. Not how fast or where the rows are
+        computed (STAGE_PERFORMANCE_FIELDS, resources, fault policy, priority), nor where the
+        output root is or how its files are cut: those may change between runs of one job.
+        """
+        body = self.to_dict()
+        stages = [
+            {k: v for k, v in stage.items() if k not in STAGE_PERFORMANCE_FIELDS}
+            for stage in body["pipeline"]["stages"]
+        ]
+        decisive = {
+            "input": body["input"],
+            "pipeline": {**body["pipeline"], "stages": stages},
+            "output": {k: v for k, v in body["output"].items() if k not in OUTPUT_LAYOUT_FIELDS},
+        }
+        flat: dict[str, Any] = {}
+        _flatten(decisive, "", flat)
+        # As JSON has them: what is compared with what was stored compares like with like.
+        loaded: dict[str, Any] = json.loads(json.dumps(flat, sort_keys=True, default=str))
+        return loaded
+
     def output_digest(self) -> str:
-        """A digest of what decides the output's contents: the input, the pipeline and the
-        output sections. A job run again into the output it wrote (a resume on a new stack)
-        must match it, or its new shards would not be like the ones committed before."""
+        """A digest of `output_fields`: equal for two specs that write the same rows."""
+        return fields_digest(self.output_fields())
+
+    def whole_sections_digest(self) -> str:
+        """The digest an output root's owner record kept before `output_fields` existed: of
+        the input, pipeline and output sections whole, batching and placement included."""
         body = self.to_dict()
         decisive = {k: body[k] for k in ("input", "pipeline", "output")}
         text = json.dumps(decisive, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+STAGE_PERFORMANCE_FIELDS = frozenset(
+    {
+        "name",
+        "batch_size",
+        "adaptive_batch",
+        "batch_wait_s",
+        "batch_tokens",
+        "length_column",
+        "workers",
+        "min_workers",
+        "max_workers",
+        "threads",
+        "device",
+    }
+)
+"""A stage's fields that decide how fast and where its rows are computed, not what they are
+(a name is a label). Every other field of a stage, one added later included, counts."""
+OUTPUT_LAYOUT_FIELDS = frozenset({"uri", "max_rows_per_file"})
+"""Where the output root is and how a shard's rows are cut into files: the manifest names
+every file, so shards written either way read back as the same rows."""
+
+
+def _flatten(value: Any, path: str, into: dict[str, Any]) -> None:
+    """Maps become `path.key` entries, lists of maps `path[i]` ones; other values are leaves."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(item, f"{path}.{key}" if path else str(key), into)
+    elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        for i, item in enumerate(value):
+            _flatten(item, f"{path}[{i}]", into)
+    else:
+        into[path] = value
+
+
+def fields_digest(fields: dict[str, Any]) -> str:
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def differing_fields(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The paths whose values differ between two `output_fields`, in order (a path one of them
+    lacks differs too: a stage added, a parameter dropped)."""
+    paths = sorted(set(before) | set(now), key=_path_order)
+    return [p for p in paths if p not in before or p not in now or before[p] != now[p]]
+
+
+def _path_order(path: str) -> list[tuple[int, str]]:
+    """`stages[10]` after `stages[9]`: list indexes by number, the rest by name."""
+    return [
+        (int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"\[(\d+)\]", path)
+    ]
 
 
 def parse_job(data: object) -> JobSpec:
@@ -474,5 +558,5 @@ def check_roots(spec: JobSpec, roots: list[str]) -> None:
         resolved = _normalise(uri) if _is_url(uri) else os.path.realpath(uri)
         resolved_roots = [r if _is_url(r) else os.path.realpath(r) for r in roots]
         if not any(_under(resolved, r) for r in resolved_roots):
-            allowed = ", ".join(roots) or "(none configured)"
+            allowed = ", ".join(dict.fromkeys(roots)) or "(none configured)"
             raise SpecError(where, f"{uri!r} lies outside the allowed data roots: {allowed}")

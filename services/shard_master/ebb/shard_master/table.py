@@ -47,7 +47,7 @@ from ebb.common.messages import (
     StatusReply,
     WorkerEndedReply,
 )
-from ebb.common.output import CommitRecord, OutputStore
+from ebb.common.output import CommitRecord, OutputOwner, OutputStore
 from ebb.common.spec import JobSpec, parse_job
 
 from . import metrics
@@ -65,6 +65,7 @@ from .errors import (
 )
 from .finish import failure_reason, write_manifest
 from .jobs import Job, Shard
+from .ownership import OwnerView, spec_mismatch, taken_reason, view_from_record
 from .planner import plan_input
 from .status import EventKind, describe, job_event
 from .store import JobRecord, LeaseRecord, RecordStore, ShardRecord
@@ -203,7 +204,7 @@ class LeaseTable:
             return False
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
-        digest = spec.output_digest()  # of the spec as submitted, before planning types it
+        submitted = spec  # as submitted: what the output records, before planning types it
         required = [*(spec.input.columns or []), *spec.output.carryover]
         plan = await asyncio.to_thread(
             plan_input, spec.input, required_columns=list(dict.fromkeys(required))
@@ -213,26 +214,7 @@ class LeaseTable:
             # The spec workers get says how to type each column: every shard alike.
             spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
         # The output root becomes this job's, atomically: no other job can write into it.
-        output = self._open_output(spec.output.uri)
-        try:
-            owner = await asyncio.to_thread(output.claim, spec.id, spec_digest=digest)
-            claimed_with = await asyncio.to_thread(output.owner_digest)
-        except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
-            raise OutputTaken(f"cannot write to {spec.output.uri}: {e}") from e
-        if owner == spec.id and claimed_with and claimed_with != digest:
-            # The same job id again (a resume on a new stack), but another input, pipeline or
-            # output: its shards would not match the ones it committed before.
-            raise OutputTaken(
-                f"{spec.output.uri} holds the output of job {owner} as first submitted; this "
-                "spec differs from it in its input, pipeline or output, so it cannot carry "
-                "on there: choose another output.uri"
-            )
-        if owner != spec.id:
-            raise OutputTaken(
-                f"{spec.output.uri} holds the output of job {owner}: `ebb resume {owner}` "
-                "finishes that job (`ebb run JOB.yaml --resume` on a new stack), or remove "
-                "it, or choose another output.uri"
-            )
+        await self._claim_output(submitted)
         if job is None:
             record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=time.time())
             revision = await self._store.create_job(record)
@@ -270,6 +252,50 @@ class LeaseTable:
         log.info("job %s accepted: %d shards, ~%d rows", job.id, len(records), running.rows_total)
         self._emit(self._event(job, "accepted"))
         return True
+
+    async def _claim_output(self, spec: JobSpec) -> None:
+        """Make the spec's output root this job's, or raise OutputTaken saying whose it is
+        and what the user can do. A job that carries on in its own root (a resume on a new
+        stack: the same id) must compute the rows it committed there."""
+        uri = spec.output.uri
+        fields = spec.output_fields()
+        output = self._open_output(uri)
+        try:
+            owner, taken_from = await asyncio.to_thread(output.claim, spec.id, fields=fields)
+            if owner.job != spec.id:
+                raise OutputTaken(taken_reason(uri, await self._owner_view(owner, output)))
+            if taken_from:
+                log.info(
+                    "job %s takes %s over from job %s, which ended with nothing committed",
+                    spec.id,
+                    uri,
+                    taken_from,
+                )
+                return
+            mismatch = spec_mismatch(uri, owner, spec, fields)
+            if mismatch:
+                raise OutputTaken(mismatch)
+            if owner.state:  # it ended there before: it runs again
+                await asyncio.to_thread(output.reclaim, spec.id)
+        except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
+            raise OutputTaken(f"cannot write to {uri}: {e}") from e
+
+    async def _owner_view(self, owner: OutputOwner, output: OutputStore) -> OwnerView:
+        """The job that owns a root, as this master knows it, or else as the root tells."""
+        job = self.jobs.get(owner.job)
+        if job is not None:
+            ended = job.ended
+            return OwnerView(
+                job=job.id,
+                state=job.state,
+                shards_done=job.record.shards_done if ended else job.counts["DONE"],
+                shards_total=job.record.shards_total,
+                rows_done=job.record.rows_done if ended else job.rows_done,
+                here=True,
+            )
+        committed = 0 if owner.state else await asyncio.to_thread(output.committed_shards)
+        complete = not owner.state and await asyncio.to_thread(output.read_manifest) is not None
+        return view_from_record(owner, committed=committed, complete=complete)
 
     # -- the lease protocol ----------------------------------------------------------------
 
@@ -846,11 +872,34 @@ class LeaseTable:
             manifest=manifest,
         )
         job.revision = await self._store.update_job(record, last=job.revision)
+        # Before the end shows (a client that sees it may stop this very master, as `ebb run`
+        # stops its stack): the next job to name the root learns from it how this one ended.
+        await self._record_end_in_output(job, record)
         job.record = record
         log.info("job %s %s %s", job.id, state, reason)
         self._publish_job_gauges()
         self._emit(self._event(job, "state"))
         job.release_shards()
+
+    async def _record_end_in_output(self, job: Job, record: JobRecord) -> None:
+        """Tell the job's output root how the job ended; if nothing is committed there, the
+        job lets go of it. Best effort: a root that never hears of the end keeps its owner."""
+        uri = job.spec.output.uri
+        try:
+            output = self._open_output(uri)
+            owner = await asyncio.to_thread(
+                output.record_end,
+                job.id,
+                state=record.state,
+                shards_done=record.shards_done,
+                shards_total=record.shards_total,
+                rows_done=record.rows_done,
+            )
+        except (OSError, ValueError, ImportError) as e:  # a store's error, or a bad record
+            log.warning("job %s: could not record its end in %s: %s", job.id, uri, e)
+            return
+        if owner is not None and owner.released:
+            log.info("job %s committed nothing: %s is free for another job", job.id, uri)
 
     async def cancel(
         self, job_id: str, reason: str, *, state: JobState = "CANCELLED"
@@ -911,6 +960,7 @@ class LeaseTable:
                     f"job {job_id} has {len(entries)} shard records of "
                     f"{job.record.shards_total}: cannot resume it"
                 )
+            await self._reclaim_output(job)
             next_seq = max(rec.seq for rec, _ in entries) + 1
             reopened: list[tuple[ShardRecord, int]] = []
             retried = 0
@@ -973,6 +1023,18 @@ class LeaseTable:
             shards_retried=retried,
             shards_todo=0 if job.ended else job.counts["TODO"],
         )
+
+    async def _reclaim_output(self, job: Job) -> None:
+        """The job's output root is its own again for a resume, or NotResumable: a job that
+        ended with nothing committed let go of it, and another may have taken it since."""
+        output = self._open_output(job.spec.output.uri)
+        owner = await asyncio.to_thread(output.reclaim, job.id)
+        if owner is not None and owner.job != job.id:
+            raise NotResumable(
+                f"job {job.id} ended with nothing committed and let go of its output root; "
+                f"{job.spec.output.uri} belongs to job {owner.job} now. Submit the job again "
+                "with another output.uri"
+            )
 
     # -- reading ---------------------------------------------------------------------------
 
