@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from ebb.client.cli import lost_workers
@@ -345,3 +346,22 @@ def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:
         attempts_forgiven=6,
     )
     assert lost_workers(status) == "5 lost (4 capacity, 1 setup), 6 attempts forgiven"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_a_gpu_stage_where_no_gpu_is_says_what_to_change(tmp_path: Path, runs: Path) -> None:
+    write_dataset(tmp_path / "data", rows=1_000, row_group_size=1_000)
+    torch.jit.save(torch.jit.script(torch.nn.Linear(8, 3)), str(tmp_path / "model.pt"))
+    stages = [
+        {"modelet": "ebb.worker.modelets:Features", "params": {"columns": ["features"]}},
+        {"name": "model", "model": str(tmp_path / "model.pt"), "device": "cuda"},
+    ]
+    job_spec(tmp_path, stages=stages)
+    failed = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    assert failed.returncode == 1, said(failed)
+    assert "FAILED" in failed.stdout
+    assert (
+        "stage 'model' runs on cuda, and no CUDA device is visible to this worker: set "
+        "`device: cpu` on it, or run the job where a GPU is"
+    ) in said(failed)
+    assert "map_location" not in said(failed)  # torch's own advice is not what to change

@@ -553,6 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", default=None, help="default: ./.ebb")
     c.add_argument("--data-root", action="append", default=[])
     c.add_argument("--max-workers", type=int, default=0)
+    c.add_argument(
+        "--pin-cpus", action="store_true", help="pin each worker to cores of its own"
+    )
     c.add_argument("--prefix", default=env(envvars.PREFIX, "ebb"), help="subject prefix")
     c.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     c.set_defaults(handler=cmd_up)
