@@ -30,8 +30,15 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/ebb demo ebb-demo
 
-test: $(VENV)/.dev prometheus
+test: $(VENV)/.dev prometheus tests/js/node_modules/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# A client that is not Ebb's submits a job in the suite: nats.js, from npm (node and npm from
+# the OS; without them that test is skipped).
+tests/js/node_modules/.installed: tests/js/package.json tests/js/package-lock.json
+	@if command -v npm >/dev/null; then \
+		npm ci --prefix tests/js --no-audit --no-fund --silent && touch $@; \
+	else echo "npm not found: the nats.js client test will be skipped"; fi
 
 # The dashboard test runs every panel's query on a real Prometheus (Debian's package).
 prometheus:

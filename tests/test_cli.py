@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,27 +193,15 @@ def test_demo(tmp_path: Path) -> None:
     assert manifest["rows"] == 20_000 and manifest["error_rows"] == 0
 
 
-def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
-    write_dataset(tmp_path / "data", rows=4_000, row_group_size=1_000)
-    write_model(tmp_path / "model.onnx")
-    stages = [
-        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 1.0}, "batch_size": 10}
-    ]
-    job_spec(tmp_path, rows_per_shard=1_000, stages=stages)
+@contextlib.contextmanager
+def stack_up(tmp_path: Path, prefix: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`ebb up` in `tmp_path` (state in `state/`), up; stopped with Ctrl-C after, cleanly."""
     port = free_port()
-    url = f"nats://127.0.0.1:{port}"
     up = subprocess.Popen(
         [
             *EBB,
-            "up",
-            "--port",
-            str(port),
-            "--state-dir",
-            "state",
-            "--prefix",
-            prefix,
-            "--data-root",
-            str(Path(__file__).parent),
+            *("up", "--port", str(port), "--state-dir", "state", "--prefix", prefix),
+            *("--data-root", str(Path(__file__).parent)),
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -222,12 +212,28 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
         assert up.stdout is not None
         first = up.stdout.readline()  # blocks until the stack is up (or up died)
         assert "Ebb is up" in first, first + up.stdout.read()
+        yield up, f"nats://127.0.0.1:{port}"
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        if up.stdout is not None:
+            up.stdout.close()
 
+
+def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
+    write_dataset(tmp_path / "data", rows=4_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 1.0}, "batch_size": 10}
+    ]
+    job_spec(tmp_path, rows_per_shard=1_000, stages=stages)
+    with stack_up(tmp_path, prefix) as (up, url):
         # Without the stack's credentials: refused, at once and clearly.
         stranger = ebb("status", "--nats", url, "--prefix", prefix, cwd=tmp_path)
         assert stranger.returncode == 1 and "refused" in stranger.stderr
 
         creds = ["--credentials", str(tmp_path / "state" / "client.env")]
+        assert up.stdout is not None
         how = up.stdout.readline()
         assert "--credentials" in how and "client.env" in how, how
         submitted = ebb("submit", "job.yaml", *creds, cwd=tmp_path)
@@ -252,12 +258,64 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
 
         missing = ebb("status", "no-such-job", *creds, cwd=tmp_path)
         assert missing.returncode == 1 and "no job 'no-such-job'" in missing.stderr
-    finally:
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-        if up.stdout is not None:
-            up.stdout.close()
     assert not os.path.exists(tmp_path / "state" / "nats" / "LOCK")
+
+
+JS_CLIENT = Path(__file__).parent / "js"
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no node here")
+def test_a_client_that_is_not_ebbs_submits_with_the_client_inbox_prefix(
+    tmp_path: Path, prefix: str
+) -> None:
+    """nats.js (npm `nats`, installed by `make test`) with the credentials `ebb up` writes:
+    the JetStream ack comes back on the client role's inbox prefix, a resubmission with the
+    same Nats-Msg-Id is a duplicate, and a body that is not a job is refused, by its id."""
+    assert (JS_CLIENT / "node_modules" / "nats").is_dir(), "make test installs tests/js"
+    write_dataset(tmp_path / "data", rows=2_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    job = {**job_spec(tmp_path, rows_per_shard=1_000), "id": "from-node-1"}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "bad.json").write_text('{"name": "no input, no pipeline"')
+
+    def submit(url: str, body: str, msg_id: str) -> dict[str, Any]:
+        node = subprocess.run(
+            [
+                "node",
+                str(JS_CLIENT / "submit.mjs"),
+                url,
+                "state/client.creds",
+                prefix,
+                body,
+                msg_id,
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert node.returncode == 0, node.stdout + node.stderr
+        ack: dict[str, Any] = json.loads(node.stdout)
+        return ack
+
+    creds = ["--credentials", str(tmp_path / "state" / "client.env")]
+    with stack_up(tmp_path, prefix) as (_, url):
+        assert submit(url, "job.json", "from-node-1")["duplicate"] is False
+        assert submit(url, "job.json", "from-node-1")["duplicate"] is True
+        assert submit(url, "bad.json", "not-a-job-1")["duplicate"] is False
+
+        def status(job_id: str) -> str:
+            return said(ebb("status", job_id, *creds, cwd=tmp_path))
+
+        deadline = time.monotonic() + 120
+        while "SUCCEEDED" not in status("from-node-1") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "SUCCEEDED" in status("from-node-1")
+        while "rejected" not in status("not-a-job-1") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "rejected" in status("not-a-job-1"), status("not-a-job-1")
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 2_000
 
 
 def test_submit_to_a_nats_server_without_ebb_says_so(
@@ -270,6 +328,21 @@ def test_submit_to_a_nats_server_without_ebb_says_so(
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
     assert f"no Ebb stack answers at {nats_server.url}" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("command", [["status"], ["submit", "job.yaml"]])
+def test_a_command_where_no_stack_runs_on_this_machine_says_how_to_start_one(
+    tmp_path: Path, command: list[str]
+) -> None:
+    write_dataset(tmp_path / "data", rows=1_000)
+    write_model(tmp_path / "model.onnx")
+    job_spec(tmp_path)
+    url = f"nats://127.0.0.1:{free_port()}"
+    result = ebb(*command, "--nats", url, cwd=tmp_path)
+    assert result.returncode == 1, said(result)
+    assert f"nothing listens for NATS at {url}: start a stack with `ebb up`" in said(result)
+    assert "retrying" not in said(result)  # at once, not after the connection's retries
+    assert "Traceback" not in said(result)
 
 
 def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -413,9 +414,37 @@ def _nats(args: argparse.Namespace) -> NatsConfig:
     )
 
 
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+async def _connect(args: argparse.Namespace) -> EbbClient:
+    """A client of the stack `args` name. Where every server named is this machine and none
+    listens, say so at once: a refused connection on localhost is not worth 10 s of retries,
+    and the usual cause is that no stack was started."""
+    config = _nats(args)
+    local = [urlsplit(u if "://" in u else f"nats://{u}") for u in config.servers]
+    if local and all(u.hostname in _LOCAL_HOSTS for u in local):
+        for u in local:
+            try:
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(u.hostname, u.port or 4222), timeout=2
+                )
+            except (OSError, TimeoutError):  # refused, or nothing answers
+                continue
+            writer.close()
+            break
+        else:
+            raise EbbError(
+                f"nothing listens for NATS at {config.url}: start a stack with `ebb up` "
+                f"(and use the credentials it writes, `--credentials .ebb/client.env`), or "
+                f"point --nats or {envvars.NATS_URL} at the one you run"
+            )
+    return await EbbClient.connect(config)
+
+
 async def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_job_file(args.job)
-    async with await EbbClient.connect(_nats(args)) as client:
+    async with await _connect(args) as client:
         try:
             job_id = await client.submit(spec)
             out.print(f"job {job_id} accepted")
@@ -433,7 +462,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    async with await EbbClient.connect(_nats(args)) as client:
+    async with await _connect(args) as client:
         if args.job:
             status = await client.job(args.job)
             table = Table(show_header=False, box=None)
@@ -471,14 +500,14 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    async with await EbbClient.connect(_nats(args)) as client:
+    async with await _connect(args) as client:
         reply = await client.cancel(args.job)
         out.print(f"job {args.job} {reply.state}")
         return EXIT_OK
 
 
 async def cmd_resume(args: argparse.Namespace) -> int:
-    async with await EbbClient.connect(_nats(args)) as client:
+    async with await _connect(args) as client:
         reply = await client.resume(args.job)
         out.print(
             f"job {args.job} {reply.state}: {reply.shards_done} shards kept, "
@@ -553,9 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", default=None, help="default: ./.ebb")
     c.add_argument("--data-root", action="append", default=[])
     c.add_argument("--max-workers", type=int, default=0)
-    c.add_argument(
-        "--pin-cpus", action="store_true", help="pin each worker to cores of its own"
-    )
+    c.add_argument("--pin-cpus", action="store_true", help="pin each worker to cores of its own")
     c.add_argument("--prefix", default=env(envvars.PREFIX, "ebb"), help="subject prefix")
     c.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     c.set_defaults(handler=cmd_up)
