@@ -425,7 +425,7 @@ def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:
 def test_a_gpu_stage_where_no_gpu_is_says_what_to_change(tmp_path: Path, runs: Path) -> None:
     write_dataset(tmp_path / "data", rows=1_000, row_group_size=1_000)
     torch.jit.save(torch.jit.script(torch.nn.Linear(8, 3)), str(tmp_path / "model.pt"))
-    stages = [
+    stages: list[dict[str, Any]] = [
         {"modelet": "ebb.worker.modelets:Features", "params": {"columns": ["features"]}},
         {"name": "model", "model": str(tmp_path / "model.pt"), "device": "cuda"},
     ]
