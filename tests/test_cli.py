@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from ebb.client.cli import lost_workers
+from ebb.client.display import lost_workers
 from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder
 from ebb.common import envvars
 from ebb.common.embedded import EmbeddedNats

@@ -1,0 +1,96 @@
+"""What the `ebb` command shows: a job's progress while it runs, and its summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ebb.common.messages import JobStatus
+from ebb.common.spec import JobSpec
+
+# Piped output (scripts, CI logs) gets wide lines rather than tables wrapped at 80 columns.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+
+class ProgressView:
+    """A progress bar (rows, rows/s, ETA, errors) on a terminal; a line every 5 s elsewhere."""
+
+    def __init__(self, job: JobSpec, *, enabled: bool) -> None:
+        self.started = time.monotonic()
+        self.live = enabled and console.is_terminal
+        self.enabled = enabled
+        self._last_line = 0.0
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("rows  {task.fields[rate]} rows/s"),
+            TimeRemainingColumn(),
+            TextColumn("errors {task.fields[errors]}"),
+            console=console,
+            transient=True,
+        )
+        self.task = self.progress.add_task(job.name, total=None, rate="-", errors=0)
+
+    def __enter__(self) -> ProgressView:
+        if self.live:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self.progress.stop()
+
+    def update(self, status: JobStatus) -> None:
+        elapsed = max(1e-6, time.monotonic() - self.started)
+        rate = f"{status.rows_done / elapsed:,.0f}"
+        total = max(status.rows_total, status.rows_done) or None
+        self.progress.update(
+            self.task,
+            completed=status.rows_done,
+            total=total,
+            rate=rate,
+            errors=status.error_rows,
+            description=f"{status.name} {status.state.lower()}",
+        )
+        now = time.monotonic()
+        if self.enabled and not self.live and now - self._last_line >= 5.0:
+            self._last_line = now
+            done = status.shards.get("DONE", 0)
+            console.print(
+                f"{status.state.lower()}: {status.rows_done:,}/{status.rows_total:,} rows, "
+                f"{done}/{status.shards_total} shards, {status.error_rows:,} errors, {rate} rows/s"
+            )
+
+
+def lost_workers(status: JobStatus) -> str:
+    """How many workers ended badly and why, and what that cost the job's shards."""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(status.workers_lost.items()))
+    return (
+        f"{sum(status.workers_lost.values())} lost ({kinds}), "
+        f"{status.attempts_forgiven} attempts forgiven"
+    )
+
+
+def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
+    colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(status.state, "")
+    rate = status.rows_done / seconds if seconds > 0 else 0.0
+    out.print(f"job [bold]{status.id}[/] [{colour}]{status.state}[/] in {seconds:.1f}s")
+    out.print(f"  rows     {status.rows_done:,} ({rate:,.0f} rows/s), {status.error_rows:,} errors")
+    out.print(
+        f"  shards   {status.shards.get('DONE', 0)} done, "
+        f"{status.shards.get('QUARANTINED', 0)} quarantined, of {status.shards_total}"
+    )
+    if status.workers_lost:
+        out.print(f"  workers  {lost_workers(status)}")
+    if status.manifest:
+        out.print(f"  output   {status.manifest}")
+    if status.reason:
+        out.print(f"  reason   {status.reason}")
+    if logs is not None and status.state != "SUCCEEDED":
+        out.print(f"  logs     {logs}")

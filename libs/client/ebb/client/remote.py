@@ -1,0 +1,158 @@
+"""`ebb submit`, `status`, `cancel` and `resume`: talking to a running stack."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from rich.table import Table
+
+from ebb.common import envvars
+from ebb.common.bus import NatsConfig, nats_config_from_env
+from ebb.common.errors import EbbError
+from ebb.common.runner import EXIT_FAILED, EXIT_OK
+from ebb.common.spec import load_job_file
+
+from .display import ProgressView, lost_workers, out, summarize
+from .sdk import EbbClient, SubmitPending
+
+DEFAULT_NATS = NatsConfig().url
+
+
+def read_credentials(path: str) -> dict[str, str]:
+    """KEY=VALUE lines, as `ebb up` writes them (and as a shell or a .env file has them)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise EbbError(f"cannot read credentials {path}: {e.strerror}") from e
+    pairs = {}
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key and not key.startswith("#"):
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def _nats(args: argparse.Namespace) -> NatsConfig:
+    # Precedence: the command line, then the credentials file, then the environment.
+    env = {**os.environ, **(read_credentials(args.credentials) if args.credentials else {})}
+    return nats_config_from_env(
+        env,
+        url=args.nats,
+        prefix=args.prefix,
+        first_connect_timeout_s=10.0,  # someone is waiting at a terminal
+    )
+
+
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+async def _connect(args: argparse.Namespace) -> EbbClient:
+    """A client of the stack `args` name. Where every server named is this machine and none
+    listens, say so at once: a refused connection on localhost is not worth 10 s of retries,
+    and the usual cause is that no stack was started."""
+    config = _nats(args)
+    local = [urlsplit(u if "://" in u else f"nats://{u}") for u in config.servers]
+    if local and all(u.hostname in _LOCAL_HOSTS for u in local):
+        for u in local:
+            try:
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(u.hostname, u.port or 4222), timeout=2
+                )
+            except (OSError, TimeoutError):  # refused, or nothing answers
+                continue
+            writer.close()
+            break
+        else:
+            raise EbbError(
+                f"nothing listens for NATS at {config.url}: start a stack with `ebb up` "
+                f"(and use the credentials it writes, `--credentials .ebb/client.env`), or "
+                f"point --nats or {envvars.NATS_URL} at the one you run"
+            )
+    return await EbbClient.connect(config)
+
+
+async def cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_job_file(args.job)
+    async with await _connect(args) as client:
+        try:
+            job_id = await client.submit(spec)
+            out.print(f"job {job_id} accepted")
+        except SubmitPending as e:
+            # Queued is submitted: saying "failed" here would have the job submitted twice.
+            job_id = e.job_id
+            out.print(str(e))
+        if not args.wait:
+            return EXIT_OK
+        started = time.monotonic()
+        with ProgressView(spec, enabled=True) as view:
+            final = await client.wait(job_id, on_update=view.update)
+        summarize(final, time.monotonic() - started, None)
+        return EXIT_OK if final.state == "SUCCEEDED" else EXIT_FAILED
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    async with await _connect(args) as client:
+        if args.job:
+            status = await client.job(args.job)
+            table = Table(show_header=False, box=None)
+            for key, value in (
+                ("id", status.id),
+                ("name", status.name),
+                ("state", status.state),
+                ("reason", status.reason),
+                ("rows", f"{status.rows_done:,} of {status.rows_total:,}"),
+                ("error rows", f"{status.error_rows:,}"),
+                ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
+                ("workers", f"{status.min_workers}..{status.max_workers}"),
+                ("workers lost", lost_workers(status) if status.workers_lost else ""),
+                ("manifest", status.manifest),
+            ):
+                if value:
+                    table.add_row(key, str(value))
+            out.print(table)
+            return EXIT_OK
+        reply = await client.status()
+        table = Table("job", "state", "rows", "errors", "shards done", "submitted")
+        for job in sorted(reply.jobs, key=lambda j: j.submitted_at):
+            table.add_row(
+                job.id,
+                job.state,
+                f"{job.rows_done:,}/{job.rows_total:,}",
+                f"{job.error_rows:,}",
+                f"{job.shards.get('DONE', 0)}/{job.shards_total}",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted_at)),
+            )
+        out.print(table)
+        for job_id, reason in reply.rejected.items():
+            out.print(f"[red]rejected[/] {job_id}: {reason}")
+        return EXIT_OK
+
+
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    async with await _connect(args) as client:
+        reply = await client.cancel(args.job)
+        out.print(f"job {args.job} {reply.state}")
+        return EXIT_OK
+
+
+async def cmd_resume(args: argparse.Namespace) -> int:
+    async with await _connect(args) as client:
+        reply = await client.resume(args.job)
+        out.print(
+            f"job {args.job} {reply.state}: {reply.shards_done} shards kept, "
+            f"{reply.shards_retried} quarantined ones retried, {reply.shards_todo} to run"
+        )
+        if not args.wait:
+            return EXIT_OK
+        started = time.monotonic()
+        final = await client.wait(args.job)
+        summarize(final, time.monotonic() - started, None)
+        return EXIT_OK if final.state == "SUCCEEDED" else EXIT_FAILED
+
+
+# -- wiring --------------------------------------------------------------------------------
