@@ -45,16 +45,7 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
     spec = _load(job_file, roots)
     folder = None if args.state_dir else _run_folder(spec)
     state_dir = Path(args.state_dir) if folder is None else folder.path
-    stack = LocalStack(
-        StackConfig(
-            state_dir=state_dir,
-            data_roots=roots,
-            max_workers=args.max_workers or (os.cpu_count() or 1),
-            pin_cpus=args.pin_cpus,
-            prefix=args.prefix,
-            log_level=args.log_level,
-        )
-    )
+    stack = _stack(args, state_dir, roots)
     signals: list[int] = []
     interrupted = asyncio.Event()
 
@@ -67,12 +58,11 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     started = time.monotonic()
     keep = True  # until the run knows better: what went wrong is worth a look
-    supervisor: asyncio.Task[None] | None = None
     try:
-        with console.status("starting the embedded stack"):
-            await stack.start()
-        supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
-        async with await EbbClient.connect(stack.nats_config) as client:
+        async with (
+            stack.running(status=console.status),
+            await EbbClient.connect(stack.nats_config) as client,
+        ):
             try:
                 if getattr(args, "resume", False):
                     job_id = await resume_here(client, spec)
@@ -116,12 +106,6 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
         console.print(f"[red]error:[/] {e}")
         return EXIT_FAILED
     finally:
-        if supervisor is not None:
-            supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervisor
-        with console.status("stopping the embedded stack"):
-            await stack.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         if folder is not None:
@@ -227,40 +211,38 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 async def cmd_up(args: argparse.Namespace) -> int:
     roots = [os.getcwd(), *args.data_root]
-    stack = LocalStack(
+    stack = _stack(args, Path(args.state_dir or ".ebb").resolve(), roots, port=args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with stack.running():
+            credentials = write_credentials(stack.config.state_dir / "client.env", stack)
+            out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
+            out.print(f"  ebb submit job.yaml --credentials {credentials}")
+            out.print("Ctrl-C stops it (unfinished jobs resume at the next `ebb up`).")
+            await stop.wait()
+        return EXIT_OK
+    except StackError as e:
+        console.print(f"[red]error:[/] {e}")
+        return EXIT_FAILED
+
+
+def _stack(
+    args: argparse.Namespace, state_dir: Path, roots: list[str], *, port: int = 0
+) -> LocalStack:
+    return LocalStack(
         StackConfig(
-            state_dir=Path(args.state_dir or ".ebb").resolve(),
+            state_dir=state_dir,
             data_roots=roots,
-            port=args.port,
+            port=port,
             max_workers=args.max_workers or (os.cpu_count() or 1),
             pin_cpus=args.pin_cpus,
             prefix=args.prefix,
             log_level=args.log_level,
         )
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    supervisor: asyncio.Task[None] | None = None
-    try:
-        await stack.start()
-        supervisor = asyncio.create_task(stack.supervise(), name="stack-supervisor")
-        credentials = write_credentials(stack.config.state_dir / "client.env", stack)
-        out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
-        out.print(f"  ebb submit job.yaml --credentials {credentials}")
-        out.print("Ctrl-C stops it (unfinished jobs resume at the next `ebb up`).")
-        await stop.wait()
-        return EXIT_OK
-    except StackError as e:
-        console.print(f"[red]error:[/] {e}")
-        return EXIT_FAILED
-    finally:
-        if supervisor is not None:
-            supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervisor
-        await stack.stop()
 
 
 def write_credentials(path: Path, stack: LocalStack) -> Path:

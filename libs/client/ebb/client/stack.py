@@ -13,9 +13,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ebb.common import auth, envvars, identity
 from ebb.common.api import MasterClient
@@ -178,6 +179,27 @@ class LocalStack:
         if self.processes[name].returncode is None:
             raise StackError(f"{name} is still running")
         await self._spawn(name)
+
+    @contextlib.asynccontextmanager
+    async def running(
+        self, *, status: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
+    ) -> AsyncIterator[LocalStack]:
+        """Started; each service restarted if it dies (`supervise`); stopped, in order, after.
+        `status` shows what is going on meanwhile (a terminal's spinner)."""
+        say = status or (lambda _: contextlib.nullcontext())
+        supervisor: asyncio.Task[None] | None = None
+        try:
+            with say("starting the embedded stack"):
+                await self.start()
+            supervisor = asyncio.create_task(self.supervise(), name="stack-supervisor")
+            yield self
+        finally:
+            if supervisor is not None:
+                supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervisor
+            with say("stopping the embedded stack"):
+                await self.stop()
 
     async def supervise(self) -> None:
         """Restart a service that exits, for as long as the stack runs. Runs until cancelled."""
