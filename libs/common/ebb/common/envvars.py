@@ -44,6 +44,9 @@ SHARDS_IN_FLIGHT = "EBB_SHARDS_IN_FLIGHT"
 CPUS = "EBB_CPUS"
 """The cores a worker may use, as its launcher sees it (the local backend: its share of the
 machine; Kubernetes: its pod's resources.cpu). Its cgroup quota and affinity still bound it."""
+DEVICE = "EBB_DEVICE"
+"""Set in each stage process: the device it was given (cpu, or cuda:0 with its one GPU
+visible), for modelets that place their own tensors."""
 CPU_SET = "EBB_CPU_SET"
 """The cores (comma-separated) a worker pins itself, and so its stage processes, to: set by
 the local backend when it pins workers (`--pin-cpus`)."""

@@ -20,10 +20,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from ebb.common import envvars
 from ebb.common.spec import StageSpec
 
-DEVICE_ENV = "EBB_DEVICE"
-"""The device a stage process was given (cpu, or cuda:0 with its one GPU visible)."""
+DEVICE_ENV = envvars.DEVICE
 
 _NONE = frozenset({"", "none", "void", "-1", "nodevfiles"})
 
