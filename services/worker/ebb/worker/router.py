@@ -13,9 +13,7 @@ corrupts it for everyone; a private pipe dies with its process.
 
 A frame is a chunk of rows with their uids (see frames.py, columns.py): the router's
 bookkeeping is per frame, never per row. Only when a process dies does it work out which rows
-that process held (processes.Holding): those are sent again from their source chunk, the
-batch that was running when it died one row at a time; a row whose batch dies twice becomes
-an error row.
+that process held, and what becomes of them (ledger.py).
 
 Rows nobody waits for any more (their run was cancelled: a lost lease, a drain) are cancelled
 by uid range: what still waits in a backlog is dropped, and reported as errors, which the
@@ -24,7 +22,6 @@ asyncio front ignores for a run it no longer has; what a process holds finishes 
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import queue
@@ -33,7 +30,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -41,9 +38,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import cpus, devices, frames, metrics
-from .columns import Columns, from_rows, take, to_rows
+from .columns import Columns, from_rows, to_rows
 from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
 from .families import Families
+from .ledger import RowLedger, blame
 from .processes import StageProcess
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .shm import Arena, remove_all_of, sweep_orphans, unlink
@@ -61,16 +59,6 @@ _DEPTHS_EVERY_S = 0.2
 
 ResultsCallback = Callable[[np.ndarray, Columns], None]
 ErrorsCallback = Callable[[np.ndarray, list[str]], None]
-
-
-@dataclass(eq=False, slots=True)
-class Source:
-    """Rows as they were submitted, kept until each is out, to send them again if needed."""
-
-    start: int
-    data: pa.RecordBatch | Columns
-    rows: int
-    left: int
 
 
 class Router:
@@ -103,14 +91,12 @@ class Router:
             log.info("removed %d shared-memory segments left by dead workers", swept)
         self.reclaims: dict[int, list[str]] = {}
         """Segments to hand back to their makers, by the maker's pid."""
-        self.sources: dict[int, Source] = {}
-        self.source_starts: list[int] = []
+        self.rows = RowLedger()
         fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
         fanins = [k for k, s in enumerate(self.specs) if s.fanin]
         self.fanout_stage: int | None = fanouts[0] if fanouts else None
         self.fanin_stage: int | None = fanins[0] if fanins else None
         self.families = Families()
-        self.crashes: Counter[int] = Counter()
         self.startup_failures: Counter[int] = Counter()
         self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
@@ -300,8 +286,7 @@ class Router:
             if request[0] == "submit":
                 _, start, data, rows = request
                 self.draining = False
-                self.sources[start] = Source(start, data, rows, rows)
-                bisect.insort(self.source_starts, start)
+                self.rows.keep(start, data, rows)
                 self._enqueue_source(np.arange(start, start + rows, dtype=np.int64), data, 0)
             elif request[0] == "flush":
                 self.draining = True
@@ -446,7 +431,7 @@ class Router:
         if self._gathers_after(stage):
             self._gather(frame.uids, chunk)
         else:
-            self._finish(frame.uids)
+            self.rows.release(frame.uids)
             self.on_results(frame.uids.copy(), chunk)
 
     def _read(self, buf: bytes, segment: str) -> Any:
@@ -542,7 +527,7 @@ class Router:
         if self.fanin_stage is not None:
             self._enqueue(self.fanin_stage, uids, chunk, flags)
         else:
-            self._finish(uids)
+            self.rows.release(uids)
             self.on_results(uids, chunk)
 
     def _fail_items(self, uids: np.ndarray, messages: list[str]) -> None:
@@ -563,12 +548,12 @@ class Router:
                 out_messages.append(message)
         if out_uids:
             failed = np.asarray(out_uids, dtype=np.int64)
-            self._finish(failed)
+            self.rows.release(failed)
             self.on_errors(failed, out_messages)
 
     def _cancel(self, start: int, rows: int) -> None:
         """Drop the frames, at every stage, that hold only rows of start..start+rows-1, and
-        report those rows as errors: that releases their sources (`_finish`) and tells the
+        report those rows as errors: that releases their sources and tells the
         front how many rows left the pipeline. A frame that holds other rows too, or parts of
         a fan-out (negative uids), goes on: the rows that share it are still wanted, and a
         family is not ours to break up here. Rows inside a process finish as usual."""
@@ -592,44 +577,11 @@ class Router:
             log.debug("cancelled %d rows of uids %d..%d", len(uids), start, end - 1)
             self._fail_items(uids, ["cancelled: nobody waits for this row"] * len(uids))
 
-    def _finish(self, uids: np.ndarray) -> None:
-        """Rows that are out of the pipeline: their sources need not be kept for them."""
-        uids = uids[uids >= 0]
-        if self.crashes:
-            for uid in uids.tolist():
-                self.crashes.pop(uid, None)
-        if not len(uids) or not self.source_starts:
-            return
-        starts = np.asarray(self.source_starts, dtype=np.int64)
-        at = np.searchsorted(starts, uids, side="right") - 1
-        for i, n in enumerate(np.bincount(at[at >= 0], minlength=len(starts)).tolist()):
-            if n:
-                source = self.sources[int(starts[i])]
-                source.left -= n
-                if source.left <= 0:
-                    del self.sources[source.start]
-                    self.source_starts.remove(source.start)
-
     def _resubmit(self, uids: list[int], *, solo: bool) -> None:
-        """Send rows through the pipeline again, from the first stage: grouped by source, or
-        one per frame when they run alone."""
-        by_source: dict[int, list[int]] = {}
-        for uid in sorted(uids):
-            start = self.source_starts[bisect.bisect_right(self.source_starts, uid) - 1]
-            by_source.setdefault(start, []).append(uid)
-        for start, members in by_source.items():
-            source = self.sources[start]
-            groups = [[u] for u in members] if solo else [members]
-            for group in groups:
-                index = np.asarray(group, dtype=np.int64) - start
-                data: Any = source.data
-                part = (
-                    data.take(pa.array(index, type=pa.int64()))
-                    if isinstance(data, pa.RecordBatch)
-                    else take(data, index)
-                )
-                flags = frames.SOLO if solo else 0
-                self._enqueue_source(np.asarray(group, dtype=np.int64), part, flags)
+        """Send rows through the pipeline again, from the first stage (ledger.py)."""
+        flags = frames.SOLO if solo else 0
+        for group, part in self.rows.resend(uids, solo=solo):
+            self._enqueue_source(group, part, flags)
 
     def _bury(self, p: StageProcess) -> None:
         """A process exited: collect its last words, then retry or fail what it held."""
@@ -669,45 +621,34 @@ class Router:
                 return
         how = p.kill_reason or _exit_description(code)
         metrics.STAGE_RESTARTS.labels(p.name, "timeout" if p.kill_reason else "died").inc()
-        # Blame the batch that was running when it died; the rest of what it held is
-        # innocent and simply goes round again. Died between batches: blame everything.
-        running = set(np.intersect1d(p.board.running(), held).tolist()) or set(held.tolist())
+        verdict = blame(
+            held.tolist(),
+            p.board.running().tolist(),
+            owner_of=self.families.owner,
+            crashes=self.rows.crashes,
+            max_item_crashes=self.config.max_item_crashes,
+        )
         if len(held):
             log.warning(
                 "stage %s process %d %s; %d rows in its batch, %d more queued",
                 p.name,
                 p.slot,
                 how,
-                len(running),
-                len(held) - len(running),
+                verdict.batch,
+                len(held) - verdict.batch,
             )
-        blamed: dict[int, bool] = {}
-        for uid in held.tolist():
-            # A fanned-out part cannot be sent again on its own: its whole item starts over.
-            owner = self.families.owner(uid) if uid < 0 else uid
-            if owner is None:
-                continue  # a part of a family that already failed or started over
-            blamed[owner] = blamed.get(owner, False) or uid in running
-        innocent: list[int] = []
-        failed: list[int] = []
-        for uid, guilty in blamed.items():
-            self.families.disband(uid)
-            if not guilty:
-                innocent.append(uid)
-                continue
-            self.crashes[uid] += 1
-            if self.crashes[uid] >= self.config.max_item_crashes:
-                failed.append(uid)
-            else:
-                # Alone this time: whatever killed the batch may have been a batch-mate.
-                self._resubmit([uid], solo=True)
-        if innocent:
-            self._resubmit(innocent, solo=False)
-        if failed:
-            ids = np.asarray(failed, dtype=np.int64)
-            self._finish(ids)
+        self.rows.convict(verdict)
+        for item in verdict.items:
+            self.families.disband(item)  # a family starts over, or fails, whole
+        for uid in verdict.retry_alone:
+            self._resubmit([uid], solo=True)
+        if verdict.innocent:
+            self._resubmit(verdict.innocent, solo=False)
+        if verdict.failed:
+            ids = np.asarray(verdict.failed, dtype=np.int64)
+            self.rows.release(ids)
             message = f"stage {p.name!r}: its process {how} while running this row, every time"
-            self.on_errors(ids, [message] * len(failed))
+            self.on_errors(ids, [message] * len(ids))
         if not (p.recycling or p.retired):  # those were replaced already, or not wanted
             self._spawn(p.stage, p.slot)
 
