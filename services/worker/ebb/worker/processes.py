@@ -1,4 +1,4 @@
-"""The router's view of one stage process: its pipes, what it holds, what it has mapped."""
+"""The router's view of one stage process: its pipes and what it holds."""
 
 from __future__ import annotations
 
@@ -120,8 +120,6 @@ class StageProcess:
             outbox_w.close()
         self.holding = Holding()
         """Rows sent to this process and not yet returned."""
-        self.mapped: set[str] = set()
-        """Shared-memory segments sent to this process that it has not yet finished reading."""
         self.ready = False
         self.recycling = False
         self.stopping = False

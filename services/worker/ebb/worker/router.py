@@ -43,8 +43,9 @@ from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
 from .families import Families
 from .ledger import RowLedger, blame
 from .processes import StageProcess
+from .segments import SegmentLedger
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
-from .shm import Arena, remove_all_of, sweep_orphans, unlink
+from .shm import Arena, sweep_orphans
 from .stage import name_this_thread
 from .stageserver import stage_context
 
@@ -85,12 +86,11 @@ class Router:
         self.ctx = stage_context()
         self.procs: list[list[StageProcess]] = [[] for _ in self.specs]
         self.backlog: list[deque[frames.Frame]] = [deque() for _ in self.specs]
-        self.arena = Arena()
+        self.segments = SegmentLedger(Arena())
+        self.arena = self.segments.arena
         swept = sweep_orphans()
         if swept:
             log.info("removed %d shared-memory segments left by dead workers", swept)
-        self.reclaims: dict[int, list[str]] = {}
-        """Segments to hand back to their makers, by the maker's pid."""
         self.rows = RowLedger()
         fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
         fanins = [k for k, s in enumerate(self.specs) if s.fanin]
@@ -319,7 +319,7 @@ class Router:
                 target.holding.add(frame.uids)
                 target.flushed = False
                 if frame.segment:
-                    target.mapped.add(frame.segment)
+                    self.segments.mapped(target.process.pid, frame.segment)
 
     def _flush_drained(self) -> None:
         """When the input is drained, tell each stage whose upstream is empty not to wait."""
@@ -346,7 +346,7 @@ class Router:
                 dead.append(p)
         for p in dict.fromkeys(dead):
             self._bury(p)
-        self._send_reclaims()
+        self.segments.send_reclaims(self._tell_maker)
 
     def _receive(self, p: StageProcess) -> bool:
         """Read every message a process has sent. False once its outbox reports EOF."""
@@ -371,8 +371,7 @@ class Router:
         h = frames.header(buf)
         kind, uids = h.kind, h.uids
         for segment in h.released:
-            p.mapped.discard(segment)
-            self._segment_done(segment)
+            self.segments.unmapped(p.process.pid, segment)
         if kind == frames.ITEMS:
             p.holding.remove(uids)
             metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
@@ -391,8 +390,7 @@ class Router:
             self._fan_out(p.stage, buf, parents, counts, h)
         elif kind == frames.UNMAPPED:
             for segment in frames.payload(buf):
-                p.mapped.discard(segment)
-                self._segment_done(segment)
+                self.segments.unmapped(p.process.pid, segment)
         elif kind == frames.READY:
             p.ready = True
             log.debug(
@@ -440,7 +438,7 @@ class Router:
             return frames.payload(buf, arena=self.arena, copy=True)
         finally:
             if segment:
-                self._segment_done(segment)
+                self.segments.done(segment)
 
     def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
         """Pack rows for `stage` (large buffers into shared memory) and queue them."""
@@ -457,31 +455,17 @@ class Router:
         buf = frames.pack(frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena)
         self.backlog[0].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
 
-    def _segments_in_flight(self) -> set[str]:
-        in_backlog = {f.segment for b in self.backlog for f in b if f.segment}
-        return in_backlog.union(*(p.mapped for stage in self.procs for p in stage))
+    def _segments_waiting(self) -> set[str]:
+        """Segments of frames still in a backlog."""
+        return {f.segment for b in self.backlog for f in b if f.segment}
 
-    def _segment_done(self, segment: str) -> None:
-        """Nobody reads `segment` any more: back to the process that made it, for reuse."""
-        if self.arena.owns(segment):
-            self.arena.reclaim(segment)
-            return
-        # Told to its maker once per turn of the loop, with the others for it.
-        self.reclaims.setdefault(int(segment.split("-")[1]), []).append(segment)
-
-    def _send_reclaims(self) -> None:
-        reclaims, self.reclaims = self.reclaims, {}
-        for producer, segments in reclaims.items():
-            maker = next(
-                (p for stage in self.procs for p in stage if p.process.pid == producer), None
-            )
-            if (
-                maker is None
-                or maker.dead
-                or not maker.send(frames.pack(frames.RECLAIM, payload=segments))
-            ):
-                for segment in segments:
-                    unlink(segment)  # its maker is gone
+    def _tell_maker(self, pid: int, segments: list[str]) -> bool:
+        maker = next((p for stage in self.procs for p in stage if p.process.pid == pid), None)
+        return (
+            maker is not None
+            and not maker.dead
+            and maker.send(frames.pack(frames.RECLAIM, payload=segments))
+        )
 
     def _gathers_after(self, stage: int) -> bool:
         """Is the end of `stage` where the items of a fan-out come back together?"""
@@ -512,7 +496,7 @@ class Router:
             forwarded = frames.splice(buf, frames.ITEMS, ids)
             self.backlog[stage + 1].append(frames.Frame(forwarded, ids, h.flags, h.segment))
         elif h.segment:
-            self._segment_done(h.segment)
+            self.segments.done(h.segment)
 
     def _gather(self, uids: np.ndarray, chunk: Columns) -> None:
         for uid, value in zip(uids.tolist(), to_rows(chunk), strict=True):
@@ -566,7 +550,7 @@ class Router:
                 if len(uids) and int(uids.min()) >= max(start, 0) and int(uids.max()) < end:
                     dropped.append(uids)
                     if frame.segment:
-                        self._segment_done(frame.segment)
+                        self.segments.done(frame.segment)
                 else:
                     kept.append(frame)
             if len(kept) < len(backlog):
@@ -595,12 +579,7 @@ class Router:
         self.selector.unregister(p.process.sentinel)
         p.close()
         self.procs[p.stage].remove(p)
-        # What it was reading goes back to the makers; its own free segments die with it,
-        # those still on their way to a reader stay until read.
-        for segment in p.mapped:
-            self._segment_done(segment)
-        p.mapped.clear()
-        remove_all_of(p.process.pid, keep=self._segments_in_flight())
+        self.segments.process_gone(p.process.pid, self._segments_waiting())
         code = p.process.exitcode
         held = p.holding.uids()
         if p.stopping and not len(held):
@@ -763,16 +742,10 @@ class Router:
                 p.process.kill()
             p.process.join(timeout=5)
             p.close()
-        in_flight = self._segments_in_flight()
         self.procs = [[] for _ in self.specs]
         self._depths = (0,) * len(self.specs)
-        for segment in in_flight:
-            unlink(segment)
-        for p in everyone:
-            remove_all_of(p.process.pid, keep=set())
-        self.reclaims.clear()
+        self.segments.close([p.process.pid for p in everyone], self._segments_waiting())
         self.selector.close()
-        self.arena.close()
         with self._wake_lock:
             self._wake_closed = True
             self._wake_r.close()
