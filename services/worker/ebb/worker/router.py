@@ -42,7 +42,7 @@ from .columns import Columns, from_rows, to_rows
 from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
 from .families import Families
 from .ledger import RowLedger, blame
-from .processes import StageProcess
+from .processes import ProcState, StageProcess, describe_exit
 from .segments import SegmentLedger
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .shm import Arena, sweep_orphans
@@ -127,6 +127,9 @@ class Router:
         self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
         self._watchdog_stop = threading.Event()
         self._kill_all_after = 0.0
+        self._kills: dict[StageProcess, str] = {}
+        """Why the watchdog killed each process it killed, until the router buries it: the
+        watchdog's own record, so that only the router's thread moves a process's state."""
         self.watchdog = threading.Thread(
             target=self._watchdog, name="ebb-pipeline-watchdog", daemon=True
         )
@@ -215,7 +218,7 @@ class Router:
 
     def _processes(self) -> list[int]:
         """Processes each stage runs (while the pipeline starts: will run)."""
-        live = [sum(1 for p in procs if not (p.stopping or p.dead)) for procs in self.procs]
+        live = [sum(1 for p in procs if p.counts_as_worker) for procs in self.procs]
         if self._all_spawned:
             return live
         return [max(n, s.workers) for n, s in zip(live, self.specs, strict=True)]
@@ -266,7 +269,7 @@ class Router:
         threads = cpus.shares(self.specs, self._processes(), self.cores)
         for k, procs in enumerate(self.procs):
             for p in procs:
-                if p.threads and p.threads != threads[k] and not (p.stopping or p.dead):
+                if p.threads and p.threads != threads[k] and p.counts_as_worker:
                     log.info(
                         "stage %s process %d: %d thread(s), was %d",
                         p.name,
@@ -303,18 +306,14 @@ class Router:
             cap = 2 * spec.batch_size
             backlog = self.backlog[k]
             while backlog:
-                candidates = [
-                    p
-                    for p in self.procs[k]
-                    if p.ready and not (p.recycling or p.stopping or p.dead) and p.load < cap
-                ]
+                candidates = [p for p in self.procs[k] if p.accepts_work and p.load < cap]
                 if not candidates:
                     break
                 target = min(candidates, key=lambda p: p.load)
                 frame = backlog.popleft()
                 if not target.send(frame.buf):
                     backlog.appendleft(frame)
-                    target.dead = True
+                    target.mark_dead()
                     break
                 target.holding.add(frame.uids)
                 target.flushed = False
@@ -327,7 +326,7 @@ class Router:
             return
         for k in range(len(self.specs)):
             for p in self.procs[k]:
-                if p.load and not p.flushed and p.ready and not p.dead:
+                if p.load and not p.flushed and p.state is not ProcState.DEAD:
                     p.flushed = p.send(frames.pack(frames.FLUSH))
             if self.backlog[k] or any(p.load for p in self.procs[k]):
                 break
@@ -392,14 +391,7 @@ class Router:
             for segment in frames.payload(buf):
                 self.segments.unmapped(p.process.pid, segment)
         elif kind == frames.READY:
-            p.ready = True
-            log.debug(
-                "stage %s process %d ready in %.2fs", p.name, p.slot, time.monotonic() - p.started
-            )
-            self.startup_failures[p.stage] = 0
-            if not self.announced_ready and all(q.ready for s in self.procs for q in s):
-                self.announced_ready = True
-                self.on_ready()
+            self._started(p)
         elif kind == frames.SETUP_FAILED:
             message = str(frames.payload(buf))
             if not self.announced_ready:
@@ -409,12 +401,29 @@ class Router:
                 # memory, say): its exit counts as a failed start, retried a few times.
                 log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
         elif kind == frames.RECYCLE:
-            p.recycling = True
-            if not self.shutting_down:  # then it stops anyway, and nothing replaces it
+            if p.accepts_work:
                 log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
                 metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
-                p.stopping = p.send(frames.pack(frames.STOP))
+                p.drain("recycle")
                 self._spawn(p.stage, p.slot)
+            else:  # told to stop already (the pipeline stops): it goes, nothing replaces it
+                log.debug(
+                    "stage %s process %d is over its memory limit, and stopping", p.name, p.slot
+                )
+
+    def _started(self, p: StageProcess) -> None:
+        if p.state is not ProcState.STARTING:
+            return  # the pipeline stopped it while it was starting
+        p.mark_ready()
+        log.debug(
+            "stage %s process %d ready in %.2fs", p.name, p.slot, time.monotonic() - p.started
+        )
+        self.startup_failures[p.stage] = 0
+        if not self.announced_ready and all(
+            q.state is not ProcState.STARTING for s in self.procs for q in s
+        ):
+            self.announced_ready = True
+            self.on_ready()
 
     # -- where rows go next ------------------------------------------------------------------
 
@@ -463,7 +472,7 @@ class Router:
         maker = next((p for stage in self.procs for p in stage if p.process.pid == pid), None)
         return (
             maker is not None
-            and not maker.dead
+            and maker.state is not ProcState.DEAD
             and maker.send(frames.pack(frames.RECLAIM, payload=segments))
         )
 
@@ -570,11 +579,14 @@ class Router:
     def _bury(self, p: StageProcess) -> None:
         """A process exited: collect its last words, then retry or fail what it held."""
         self._receive(p)
+        state = p.state  # what it was doing when it went
         p.process.join(timeout=5)
         if p.process.is_alive():  # its pipe closed but it lingers: make sure it is gone
             p.process.kill()
             p.process.join(timeout=5)
-        p.dead = True
+        if p.state is not ProcState.DEAD:  # found gone already when a send to it failed
+            p.mark_dead()
+        killed = self._kills.pop(p, "")
         self.selector.unregister(p.outbox)
         self.selector.unregister(p.process.sentinel)
         p.close()
@@ -582,11 +594,11 @@ class Router:
         self.segments.process_gone(p.process.pid, self._segments_waiting())
         code = p.process.exitcode
         held = p.holding.uids()
-        if p.stopping and not len(held):
-            return  # recycled or stopped, cleanly
+        if state is ProcState.DRAINING and not len(held):
+            return  # recycled, retired or stopped, cleanly
         if self.fatal:
             return
-        if not p.ready:
+        if state is ProcState.STARTING:
             self.startup_failures[p.stage] += 1
             if self.startup_failures[p.stage] >= _STARTUP_FAILURES_FATAL:
                 message = (
@@ -598,8 +610,8 @@ class Router:
                 error = PipelineBroken if self.announced_ready else PipelineSetupError
                 self._fail(error(message))
                 return
-        how = p.kill_reason or _exit_description(code)
-        metrics.STAGE_RESTARTS.labels(p.name, "timeout" if p.kill_reason else "died").inc()
+        how = killed or describe_exit(code)
+        metrics.STAGE_RESTARTS.labels(p.name, "timeout" if killed else "died").inc()
         verdict = blame(
             held.tolist(),
             p.board.running().tolist(),
@@ -628,7 +640,7 @@ class Router:
             self.rows.release(ids)
             message = f"stage {p.name!r}: its process {how} while running this row, every time"
             self.on_errors(ids, [message] * len(ids))
-        if not (p.recycling or p.retired):  # those were replaced already, or not wanted
+        if p.needs_successor:
             self._spawn(p.stage, p.slot)
 
     def _rebalance(self) -> None:
@@ -640,7 +652,7 @@ class Router:
         self.monitor.sample(now)
         processes = self._processes()
         for k, spec in enumerate(self.specs):
-            live = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
+            live = [p for p in self.procs[k] if p.accepts_work]
             shares = []
             for p in live:
                 busy = p.board.busy_seconds(now)
@@ -677,22 +689,21 @@ class Router:
             name = self.specs[k].name
             if action == "add":
                 slot = devices.least_used_slot(
-                    [p.slot for p in self.procs[k] if not (p.stopping or p.dead)]
+                    [p.slot for p in self.procs[k] if p.counts_as_worker]
                 )
                 log.info("elastic: stage %s gets a process (%d)", name, loads[k].workers + 1)
                 self._spawn(k, slot)
             else:
-                candidates = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
+                candidates = [p for p in self.procs[k] if p.accepts_work]
                 if candidates:
                     p = min(candidates, key=lambda q: q.load)
                     log.info(
                         "elastic: stage %s gives a process back (%d)", name, loads[k].workers - 1
                     )
-                    p.retired = True
-                    p.stopping = p.send(frames.pack(frames.STOP))
+                    p.drain("retire")
                     self._redivide_threads()
         for k, spec in enumerate(self.specs):
-            alive = [p for p in self.procs[k] if not (p.stopping or p.dead)]
+            alive = [p for p in self.procs[k] if p.counts_as_worker]
             metrics.STAGE_WORKERS.labels(spec.name).set(len(alive))
 
     def _watchdog(self) -> None:
@@ -704,13 +715,13 @@ class Router:
             now = time.monotonic()
             for stage in list(self.procs):
                 for p in list(stage):
-                    if p.dead or p.kill_reason:
+                    if p.state is ProcState.DEAD or p in self._kills:
                         continue
                     started = p.board.started
                     if self._kill_all_after and now > self._kill_all_after:
-                        p.kill_reason = "was killed at shutdown"
+                        self._kills[p] = "was killed at shutdown"
                     elif started and now - started > timeout:
-                        p.kill_reason = f"was killed after a batch ran over {timeout:g}s"
+                        self._kills[p] = f"was killed after a batch ran over {timeout:g}s"
                         log.warning(
                             "stage %s process %d: batch over %gs, killing it",
                             p.name,
@@ -742,6 +753,8 @@ class Router:
                 p.process.kill()
             p.process.join(timeout=5)
             p.close()
+            if p.state is not ProcState.DEAD:
+                p.mark_dead()
         self.procs = [[] for _ in self.specs]
         self._depths = (0,) * len(self.specs)
         self.segments.close([p.process.pid for p in everyone], self._segments_waiting())
@@ -755,8 +768,8 @@ class Router:
         """Ask every process to stop, and read what they send until they exit, for up to
         grace_s; any still alive then are killed by the caller."""
         for p in everyone:
-            if not p.stopping:
-                p.stopping = p.send(frames.pack(frames.STOP))
+            if p.counts_as_worker:
+                p.drain("stop")
         deadline = time.monotonic() + grace_s
         for p in everyone:
             # Keep reading, or a stage blocked writing its last results would never exit.
@@ -765,11 +778,3 @@ class Router:
                     p.process.join(timeout=0.5)
                     break
                 p.process.join(timeout=0.05)
-
-
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return "vanished"
-    if code < 0:
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
