@@ -8,8 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from ebb.common.spec import StageSpec
+from ebb.worker import frames
 from ebb.worker.columns import VALUE, Columns
+from ebb.worker.conveyor import Conveyor
 from ebb.worker.ledger import Blame, RowLedger, blame
+from ebb.worker.segments import SegmentLedger
+from ebb.worker.shm import Arena
 
 FAMILY = {-1: 10, -2: 10, -3: 10, -4: 20, -5: 20}
 """Parts of fan-outs still awaited: item 10 fanned out into -1..-3, item 20 into -4 and -5."""
@@ -140,3 +145,34 @@ def test_a_crash_is_counted_against_the_guilty_until_the_row_is_out() -> None:
     assert dict(ledger.crashes) == {1: 1, 2: 1}
     ledger.release(np.asarray([2], dtype=np.int64))
     assert dict(ledger.crashes) == {1: 1}
+
+
+def test_what_a_dead_process_held_goes_round_again_or_out_as_errors() -> None:
+    """The conveyor acts on the verdict: the guilty alone and flagged so, the innocent
+    together, the twice guilty out as errors with the reason given."""
+    errors: list[tuple[list[int], list[str]]] = []
+    ledger = RowLedger()
+    arena = Arena()
+    conveyor = Conveyor(
+        [StageSpec(name="s", modelet="m:M", batch_size=8)],
+        rows=ledger,
+        segments=SegmentLedger(arena),
+        on_results=lambda uids, chunk: None,
+        on_errors=lambda uids, messages: errors.append((uids.tolist(), messages)),
+    )
+    try:
+        conveyor.submit(0, _columns(0, 8), 8)
+        conveyor.backlog[0].clear()  # as if sent to the process that is now dead
+        ledger.crashes[3] = 1
+        held = np.arange(8, dtype=np.int64)
+        verdict = conveyor.take_back(
+            held, np.asarray([2, 3]), max_item_crashes=2, error="its process died"
+        )
+        assert verdict == Blame([0, 1, 4, 5, 6, 7], [2], [3], batch=2)
+        sent = [(f.uids.tolist(), f.flags) for f in conveyor.backlog[0]]
+        assert sent == [([2], frames.SOLO), ([0, 1, 4, 5, 6, 7], 0)]
+        assert errors == [([3], ["its process died"])]
+        assert ledger.crashes == {2: 1}
+        assert ledger.sources[0].left == 7
+    finally:
+        arena.close()

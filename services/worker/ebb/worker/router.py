@@ -13,11 +13,8 @@ corrupts it for everyone; a private pipe dies with its process.
 
 A frame is a chunk of rows with their uids (see frames.py, columns.py): the router's
 bookkeeping is per frame, never per row. Only when a process dies does it work out which rows
-that process held, and what becomes of them (ledger.py).
-
-Rows nobody waits for any more (their run was cancelled: a lost lease, a drain) are cancelled
-by uid range: what still waits in a backlog is dropped, and reported as errors, which the
-asyncio front ignores for a run it no longer has; what a process holds finishes as usual.
+that process held, and what becomes of them (ledger.py). Where rows go between stages, and
+out, is the conveyor's concern (conveyor.py).
 """
 
 from __future__ import annotations
@@ -28,20 +25,19 @@ import queue
 import selectors
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from . import cpus, devices, frames, metrics
-from .columns import Columns, from_rows, to_rows
+from .columns import Columns
+from .conveyor import Conveyor, ErrorsCallback, ResultsCallback
 from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
-from .families import Families
-from .ledger import RowLedger, blame
+from .ledger import RowLedger
 from .processes import ProcState, StageProcess, describe_exit
 from .segments import SegmentLedger
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
@@ -57,9 +53,6 @@ ROUTER_THREAD = "ebb-router"
 """The router thread's name, as the system shows it (for CPU by thread)."""
 _DEPTHS_EVERY_S = 0.2
 """How often the router counts its stages' depths for other threads (a gauge's worth)."""
-
-ResultsCallback = Callable[[np.ndarray, Columns], None]
-ErrorsCallback = Callable[[np.ndarray, list[str]], None]
 
 
 class Router:
@@ -79,24 +72,22 @@ class Router:
         PipelineBroken when it stopped working after it had started; at most once."""
         self.config = config
         self.specs = config.stages
-        self.on_results = on_results
-        self.on_errors = on_errors
         self.on_ready = on_ready
         self.on_fatal = on_fatal
         self.ctx = stage_context()
         self.procs: list[list[StageProcess]] = [[] for _ in self.specs]
-        self.backlog: list[deque[frames.Frame]] = [deque() for _ in self.specs]
         self.segments = SegmentLedger(Arena())
-        self.arena = self.segments.arena
         swept = sweep_orphans()
         if swept:
             log.info("removed %d shared-memory segments left by dead workers", swept)
         self.rows = RowLedger()
-        fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
-        fanins = [k for k, s in enumerate(self.specs) if s.fanin]
-        self.fanout_stage: int | None = fanouts[0] if fanouts else None
-        self.fanin_stage: int | None = fanins[0] if fanins else None
-        self.families = Families()
+        self.conveyor = Conveyor(
+            self.specs,
+            rows=self.rows,
+            segments=self.segments,
+            on_results=on_results,
+            on_errors=on_errors,
+        )
         self.startup_failures: Counter[int] = Counter()
         self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
@@ -212,7 +203,7 @@ class Router:
         self._depths_due = now + _DEPTHS_EVERY_S
         # One tuple, swapped in whole: a reader on another thread sees one count or the next.
         self._depths = tuple(
-            sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in self.procs[k])
+            self.conveyor.waiting(k) + sum(p.load for p in self.procs[k])
             for k in range(len(self.specs))
         )
 
@@ -289,13 +280,12 @@ class Router:
             if request[0] == "submit":
                 _, start, data, rows = request
                 self.draining = False
-                self.rows.keep(start, data, rows)
-                self._enqueue_source(np.arange(start, start + rows, dtype=np.int64), data, 0)
+                self.conveyor.submit(start, data, rows)
             elif request[0] == "flush":
                 self.draining = True
             elif request[0] == "cancel":
                 _, start, rows = request
-                self._cancel(start, rows)
+                self.conveyor.cancel(start, rows)
             elif request[0] == "stop":
                 return float(request[1])
 
@@ -304,7 +294,7 @@ class Router:
         for k in reversed(range(len(self.specs))):
             spec = self.specs[k]
             cap = 2 * spec.batch_size
-            backlog = self.backlog[k]
+            backlog = self.conveyor.backlog[k]
             while backlog:
                 candidates = [p for p in self.procs[k] if p.accepts_work and p.load < cap]
                 if not candidates:
@@ -328,7 +318,7 @@ class Router:
             for p in self.procs[k]:
                 if p.load and not p.flushed and p.state is not ProcState.DEAD:
                     p.flushed = p.send(frames.pack(frames.FLUSH))
-            if self.backlog[k] or any(p.load for p in self.procs[k]):
+            if self.conveyor.backlog[k] or any(p.load for p in self.procs[k]):
                 break
 
     def _wait_and_receive(self, timeout: float) -> None:
@@ -368,25 +358,11 @@ class Router:
 
     def _handle(self, p: StageProcess, buf: bytes) -> None:
         h = frames.header(buf)
-        kind, uids = h.kind, h.uids
+        kind = h.kind
         for segment in h.released:
             self.segments.unmapped(p.process.pid, segment)
-        if kind == frames.ITEMS:
-            p.holding.remove(uids)
-            metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
-            try:
-                self._route(p.stage, frames.Frame(buf, uids, h.flags, h.segment))
-            except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
-                message = f"stage {p.name!r}: its result could not be read: {e!r}"
-                self._fail_items(uids, [message] * len(uids))
-        elif kind == frames.ERRORS:
-            p.holding.remove(uids)
-            self._fail_items(uids, frames.payload(buf))
-        elif kind == frames.FANOUT:
-            parents, counts = uids[: len(uids) // 2], uids[len(uids) // 2 :]
-            p.holding.remove(parents)
-            metrics.BATCH_SIZE.labels(p.name).observe(len(parents))
-            self._fan_out(p.stage, buf, parents, counts, h)
+        if kind in (frames.ITEMS, frames.ERRORS, frames.FANOUT):
+            p.holding.remove(self.conveyor.take_output(p.stage, buf, h))
         elif kind == frames.UNMAPPED:
             for segment in frames.payload(buf):
                 self.segments.unmapped(p.process.pid, segment)
@@ -425,49 +401,6 @@ class Router:
             self.announced_ready = True
             self.on_ready()
 
-    # -- where rows go next ------------------------------------------------------------------
-
-    def _route(self, stage: int, frame: frames.Frame) -> None:
-        """Rows that came out of `stage`: on to the next stage, back to their family, or out
-        of the pipeline."""
-        after = stage + 1
-        if after < len(self.specs) and not self._gathers_after(stage):
-            self.backlog[after].append(frame)  # as it came: no unpickling here
-            return
-        chunk = self._read(frame.buf, frame.segment)
-        if self._gathers_after(stage):
-            self._gather(frame.uids, chunk)
-        else:
-            self.rows.release(frame.uids)
-            self.on_results(frame.uids.copy(), chunk)
-
-    def _read(self, buf: bytes, segment: str) -> Any:
-        """A frame's payload, copied out of its shared memory (which goes back at once)."""
-        try:
-            return frames.payload(buf, arena=self.arena, copy=True)
-        finally:
-            if segment:
-                self.segments.done(segment)
-
-    def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
-        """Pack rows for `stage` (large buffers into shared memory) and queue them."""
-        buf = frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
-        self.backlog[stage].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
-
-    def _enqueue_source(self, uids: np.ndarray, data: pa.RecordBatch | Columns, flags: int) -> None:
-        if not isinstance(data, pa.RecordBatch):
-            self._enqueue(0, uids, data, flags)
-            return
-        # Arrow IPC: one copy into shared memory, no pickling of values; the stage process
-        # turns it into columns (zero-copy for numbers and tensors), in parallel with us.
-        payload = (data.schema, data.serialize())
-        buf = frames.pack(frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena)
-        self.backlog[0].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
-
-    def _segments_waiting(self) -> set[str]:
-        """Segments of frames still in a backlog."""
-        return {f.segment for b in self.backlog for f in b if f.segment}
-
     def _tell_maker(self, pid: int, segments: list[str]) -> bool:
         maker = next((p for stage in self.procs for p in stage if p.process.pid == pid), None)
         return (
@@ -475,106 +408,6 @@ class Router:
             and maker.state is not ProcState.DEAD
             and maker.send(frames.pack(frames.RECLAIM, payload=segments))
         )
-
-    def _gathers_after(self, stage: int) -> bool:
-        """Is the end of `stage` where the items of a fan-out come back together?"""
-        if self.fanout_stage is None or stage < self.fanout_stage:
-            return False
-        return stage + 1 == (self.fanin_stage if self.fanin_stage is not None else len(self.specs))
-
-    def _fan_out(
-        self, stage: int, buf: bytes, parents: np.ndarray, counts: np.ndarray, h: frames.Header
-    ) -> None:
-        """A fan-out stage's output: name each part (a new uid) and send the frame's bytes on
-        to the next stage as they are."""
-        if self._gathers_after(stage):  # nothing between the fan-out and the gathering
-            parts = to_rows(self._read(buf, h.segment))
-            at = 0
-            for parent, count in zip(parents.tolist(), counts.tolist(), strict=True):
-                self._complete(parent, parts[at : at + count], h.flags)
-                at += count
-            return
-        children: list[int] = []
-        for parent, count in zip(parents.tolist(), counts.tolist(), strict=True):
-            if count == 0:
-                self._complete(parent, [], h.flags)
-            else:
-                children += self.families.split(parent, count, h.flags)
-        if children:
-            ids = np.asarray(children, dtype=np.int64)
-            forwarded = frames.splice(buf, frames.ITEMS, ids)
-            self.backlog[stage + 1].append(frames.Frame(forwarded, ids, h.flags, h.segment))
-        elif h.segment:
-            self.segments.done(h.segment)
-
-    def _gather(self, uids: np.ndarray, chunk: Columns) -> None:
-        for uid, value in zip(uids.tolist(), to_rows(chunk), strict=True):
-            family = self.families.gather(uid, value)
-            if family is not None:
-                self._complete(family.parent, family.results, family.flags)
-
-    def _complete(self, parent: int, results: list[Any], flags: int) -> None:
-        """A fanned-out item has all its parts: on to the fan-in stage, or out."""
-        uids = np.asarray([parent], dtype=np.int64)
-        chunk = from_rows([results])
-        if self.fanin_stage is not None:
-            self._enqueue(self.fanin_stage, uids, chunk, flags)
-        else:
-            self.rows.release(uids)
-            self.on_results(uids, chunk)
-
-    def _fail_items(self, uids: np.ndarray, messages: list[str]) -> None:
-        """Errors: a row fails; a fanned-out part fails its whole item, once."""
-        out_uids: list[int] = []
-        out_messages: list[str] = []
-        for uid, message in zip(uids.tolist(), messages, strict=True):
-            if uid < 0:
-                found = self.families.place(uid)
-                if found is None:
-                    continue
-                parent, index = found
-                self.families.disband(parent)
-                out_uids.append(parent)
-                out_messages.append(f"part {index} of its fan-out: {message}")
-            else:
-                out_uids.append(uid)
-                out_messages.append(message)
-        if out_uids:
-            failed = np.asarray(out_uids, dtype=np.int64)
-            self.rows.release(failed)
-            self.on_errors(failed, out_messages)
-
-    def _cancel(self, start: int, rows: int) -> None:
-        """Drop the frames, at every stage, that hold only rows of start..start+rows-1, and
-        report those rows as errors: that releases their sources and tells the
-        front how many rows left the pipeline. A frame that holds other rows too, or parts of
-        a fan-out (negative uids), goes on: the rows that share it are still wanted, and a
-        family is not ours to break up here. Rows inside a process finish as usual."""
-        end = start + rows
-        dropped: list[np.ndarray] = []
-        for backlog in self.backlog:
-            kept: list[frames.Frame] = []
-            for frame in backlog:
-                uids = frame.uids
-                if len(uids) and int(uids.min()) >= max(start, 0) and int(uids.max()) < end:
-                    dropped.append(uids)
-                    if frame.segment:
-                        self.segments.done(frame.segment)
-                else:
-                    kept.append(frame)
-            if len(kept) < len(backlog):
-                backlog.clear()
-                backlog.extend(kept)
-        if dropped:
-            uids = np.concatenate(dropped)
-            log.debug("cancelled %d rows of uids %d..%d", len(uids), start, end - 1)
-            self._fail_items(uids, ["cancelled: nobody waits for this row"] * len(uids))
-
-    def _resubmit(self, uids: list[int], *, solo: bool) -> None:
-        """Send rows through the pipeline again, from the first stage (ledger.py)."""
-        flags = frames.SOLO if solo else 0
-        for group, part in self.rows.resend(uids, solo=solo):
-            self._enqueue_source(group, part, flags)
 
     def _bury(self, p: StageProcess) -> None:
         """A process exited: collect its last words, then retry or fail what it held."""
@@ -591,7 +424,7 @@ class Router:
         self.selector.unregister(p.process.sentinel)
         p.close()
         self.procs[p.stage].remove(p)
-        self.segments.process_gone(p.process.pid, self._segments_waiting())
+        self.segments.process_gone(p.process.pid, self.conveyor.segments_waiting())
         code = p.process.exitcode
         held = p.holding.uids()
         if state is ProcState.DRAINING and not len(held):
@@ -612,12 +445,11 @@ class Router:
                 return
         how = killed or describe_exit(code)
         metrics.STAGE_RESTARTS.labels(p.name, "timeout" if killed else "died").inc()
-        verdict = blame(
-            held.tolist(),
-            p.board.running().tolist(),
-            owner_of=self.families.owner,
-            crashes=self.rows.crashes,
+        verdict = self.conveyor.take_back(
+            held,
+            p.board.running(),
             max_item_crashes=self.config.max_item_crashes,
+            error=f"stage {p.name!r}: its process {how} while running this row, every time",
         )
         if len(held):
             log.warning(
@@ -628,18 +460,6 @@ class Router:
                 verdict.batch,
                 len(held) - verdict.batch,
             )
-        self.rows.convict(verdict)
-        for item in verdict.items:
-            self.families.disband(item)  # a family starts over, or fails, whole
-        for uid in verdict.retry_alone:
-            self._resubmit([uid], solo=True)
-        if verdict.innocent:
-            self._resubmit(verdict.innocent, solo=False)
-        if verdict.failed:
-            ids = np.asarray(verdict.failed, dtype=np.int64)
-            self.rows.release(ids)
-            message = f"stage {p.name!r}: its process {how} while running this row, every time"
-            self.on_errors(ids, [message] * len(ids))
         if p.needs_successor:
             self._spawn(p.stage, p.slot)
 
@@ -662,9 +482,7 @@ class Router:
                 p.busy_mark, p.mark_time = busy, now
             utilization = sum(shares) / len(shares) if shares else 0.0
             running = sum(len(p.board.running()) for p in live)
-            waiting = (
-                sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in live) - running
-            )
+            waiting = self.conveyor.waiting(k) + sum(p.load for p in live) - running
             assert spec.min_workers is not None and spec.max_workers is not None
             most = spec.max_workers
             on_cpu = spec.model is not None and not spec.device.startswith("cuda")
@@ -757,7 +575,7 @@ class Router:
                 p.mark_dead()
         self.procs = [[] for _ in self.specs]
         self._depths = (0,) * len(self.specs)
-        self.segments.close([p.process.pid for p in everyone], self._segments_waiting())
+        self.segments.close([p.process.pid for p in everyone], self.conveyor.segments_waiting())
         self.selector.close()
         with self._wake_lock:
             self._wake_closed = True
