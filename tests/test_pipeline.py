@@ -300,7 +300,7 @@ async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_rep
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr("ebb.worker.router.StageProcess", Counted)
+    monkeypatch.setattr("ebb.worker.stagepool.StageProcess", Counted)
     caplog.set_level(logging.DEBUG, logger="ebb.worker.router")
     entered, gate, then = tmp_path / "entered", tmp_path / "gate", tmp_path / "then"
     stage = StageSpec(
@@ -415,7 +415,7 @@ async def test_recycling_never_leaves_more_processes_than_configured() -> None:
         assert sorted(i for i, (ok, _) in enumerate(outcomes) if not ok) == [5, 6, 7]
         router = pipeline._router
         assert router is not None
-        await wait_until(lambda: len(router.procs[0]) == 1, timeout=20, what="one hog process")
+        await wait_until(lambda: len(router.pools[0]) == 1, timeout=20, what="one hog process")
     finally:
         await pipeline.stop()
 
@@ -762,7 +762,7 @@ async def test_a_fork_server_killed_while_a_stage_starts_is_replaced_not_fatal(
             return real.Process(*args, **kwargs)
 
     monkeypatch.setattr("ebb.worker.router.stage_context", LosesItsServerOnce)
-    caplog.set_level(logging.WARNING, logger="ebb.worker.router")
+    caplog.set_level(logging.WARNING, logger="ebb.worker.stagepool")
     outcomes = await run_pipeline([features_stage(batch_size=16)], rows(50))
     assert all(ok for ok, _ in outcomes) and len(outcomes) == 50
     assert "stage server lost (EOFError" in caplog.text

@@ -1,12 +1,14 @@
-"""A stage process's lifecycle, as the router sees it."""
+"""A stage process's lifecycle, and how a stage's pool chooses among its processes."""
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import numpy as np
 import pytest
 
+from ebb.common.spec import StageSpec
 from ebb.worker import frames
 from ebb.worker.processes import (
     TRANSITIONS,
@@ -16,6 +18,9 @@ from ebb.worker.processes import (
     StageProcess,
     check_transition,
 )
+from ebb.worker.segments import SegmentLedger
+from ebb.worker.shm import Arena
+from ebb.worker.stagepool import StagePool
 
 STARTING, READY, DRAINING, DEAD = ProcState
 
@@ -43,6 +48,13 @@ def _process(slot: int, state: ProcState, load: int = 0, *, broken: bool = False
     if load:
         p.holding.add(np.arange(load, dtype=np.int64))
     return p
+
+
+def _pool(*processes: StageProcess) -> StagePool:
+    pool = StagePool(0, StageSpec(name="s", modelet="m:M", batch_size=4))
+    for p in processes:
+        pool.add(p)
+    return pool
 
 
 ALLOWED = {
@@ -81,3 +93,36 @@ def test_a_drained_process_is_told_to_stop_and_one_that_cannot_be_told_is_gone()
     assert gone.state is DEAD and gone.needs_successor
     with pytest.raises(IllegalTransition):
         p.mark_ready()
+
+
+def test_a_frame_goes_to_the_least_loaded_process_that_takes_work_and_has_room() -> None:
+    light, busy = _process(0, READY, load=3), _process(1, READY, load=1)
+    starting, draining = _process(2, STARTING), _process(3, DRAINING)
+    pool = _pool(light, starting, busy, draining)
+    assert pool.pick(cap=8) is busy
+    assert pool.pick(cap=1) is None  # every one that takes work is full
+    assert pool.live() == [light, starting, busy]
+    assert pool.load() == 4
+
+
+def test_frames_go_out_while_a_process_has_room_a_broken_pipe_means_it_is_gone() -> None:
+    segments = SegmentLedger(Arena())
+    first, second = _process(0, READY), _process(1, READY, broken=True)
+    pool = _pool(first, second)
+    uids = [np.arange(i * 4, i * 4 + 4, dtype=np.int64) for i in range(4)]
+    backlog = deque(frames.Frame(frames.pack(frames.ITEMS, u, {}), u, 0, "") for u in uids)
+    pool.feed(backlog, segments)
+    # The first frame went to the first; the second failed on the broken pipe and waits.
+    assert first.load == 4 and second.state is DEAD and len(backlog) == 3
+    pool.feed(backlog, segments)
+    assert first.load == 8 and len(backlog) == 2  # its cap: two batches
+    segments.close([], [])
+
+
+def test_a_retired_process_is_the_least_loaded_and_its_slot_is_the_next_one_taken() -> None:
+    a, b, c = _process(0, READY, load=2), _process(1, READY, load=0), _process(2, READY, load=5)
+    pool = _pool(a, b, c)
+    assert pool.retire_one() is b
+    assert (b.state, b.drain_reason) == (DRAINING, "retire") and not b.needs_successor
+    assert pool.free_slot() == 1
+    assert _pool(_process(0, STARTING), _process(1, DRAINING)).retire_one() is None
