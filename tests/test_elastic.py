@@ -105,7 +105,7 @@ async def test_a_slow_stage_scales_out_under_load_and_back_in_when_idle() -> Non
         async def watch() -> None:
             nonlocal peak
             while True:
-                peak = max(peak, len([p for p in router.procs[0] if not p.stopping]))
+                peak = max(peak, len(router.pools[0].live()))
                 await asyncio.sleep(0.02)
 
         watcher = asyncio.create_task(watch())
@@ -117,7 +117,7 @@ async def test_a_slow_stage_scales_out_under_load_and_back_in_when_idle() -> Non
         assert all(ok for ok, _ in outcomes)
         assert peak == 3
         await wait_until(
-            lambda: len([p for p in router.procs[0] if not p.stopping]) == 1,
+            lambda: len(router.pools[0].live()) == 1,
             timeout=30,
             what="the stage to shrink back to one process",
         )
@@ -167,7 +167,7 @@ async def test_a_model_stage_grows_only_within_the_cpu_budget_and_its_threads_ar
 
         async def watch() -> None:
             while True:
-                live = [p for p in router.procs[1] if not (p.stopping or p.dead)]
+                live = router.pools[1].live()
                 seen.add(tuple(sorted(p.threads for p in live)))
                 await asyncio.sleep(0.02)
 

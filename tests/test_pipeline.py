@@ -27,7 +27,7 @@ from ebb.common.spec import StageSpec
 from ebb.worker import frames, shm, stageserver
 from ebb.worker.columns import VALUE
 from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, PipelineSetupError
-from ebb.worker.processes import StageProcess
+from ebb.worker.processes import ProcState, StageProcess
 from ebb.worker.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
 from ebb.worker.stage import BatchBoard, StageConfig, StageLoop
 
@@ -288,7 +288,7 @@ def test_a_stopping_stage_over_its_memory_limit_does_not_ask_to_be_recycled() ->
 
 
 async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_replaced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A stage that finds itself over its limit after the batch it was running when the
     pipeline stopped asks to be recycled (the stop still waits in its inbox): the router,
@@ -300,7 +300,8 @@ async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_rep
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr("ebb.worker.router.StageProcess", Counted)
+    monkeypatch.setattr("ebb.worker.stagepool.StageProcess", Counted)
+    caplog.set_level(logging.DEBUG, logger="ebb.worker.router")
     entered, gate, then = tmp_path / "entered", tmp_path / "gate", tmp_path / "then"
     stage = StageSpec(
         name="gated",
@@ -318,10 +319,18 @@ async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_rep
         await wait_until(entered.exists, timeout=30, what="the first batch to run")
         stopping = asyncio.create_task(pipeline.stop())
         (stage_process,) = started
-        await wait_until(lambda: stage_process.stopping, timeout=30, what="the stop to be sent")
+        await wait_until(
+            lambda: stage_process.state is ProcState.DRAINING,
+            timeout=30,
+            what="the stop to be sent",
+        )
         gate.touch()
         # Its second batch holds it alive while the router reads its request.
-        await wait_until(lambda: stage_process.recycling, timeout=30, what="a recycle request")
+        await wait_until(
+            lambda: "over its memory limit, and stopping" in caplog.text,
+            timeout=30,
+            what="a recycle request",
+        )
         then.touch()
         await stopping
     finally:
@@ -406,7 +415,7 @@ async def test_recycling_never_leaves_more_processes_than_configured() -> None:
         assert sorted(i for i, (ok, _) in enumerate(outcomes) if not ok) == [5, 6, 7]
         router = pipeline._router
         assert router is not None
-        await wait_until(lambda: len(router.procs[0]) == 1, timeout=20, what="one hog process")
+        await wait_until(lambda: len(router.pools[0]) == 1, timeout=20, what="one hog process")
     finally:
         await pipeline.stop()
 
@@ -753,7 +762,7 @@ async def test_a_fork_server_killed_while_a_stage_starts_is_replaced_not_fatal(
             return real.Process(*args, **kwargs)
 
     monkeypatch.setattr("ebb.worker.router.stage_context", LosesItsServerOnce)
-    caplog.set_level(logging.WARNING, logger="ebb.worker.router")
+    caplog.set_level(logging.WARNING, logger="ebb.worker.stagepool")
     outcomes = await run_pipeline([features_stage(batch_size=16)], rows(50))
     assert all(ok for ok, _ in outcomes) and len(outcomes) == 50
     assert "stage server lost (EOFError" in caplog.text

@@ -1,15 +1,28 @@
-"""The router's view of one stage process: its pipes, what it holds, what it has mapped."""
+"""The router's view of one stage process: its pipes, what it holds, where it is in its life.
+
+    STARTING --(it says READY)--> READY --drain(reason)--> DRAINING --> DEAD
+
+A process takes work only while READY. Told to stop (drained), it works through what it
+holds and takes nothing new; why it drains decides what happens once it exits: one
+`recycle`d (over its memory limit) has its successor started already, one `retire`d (the
+elastic scheduler gave it back) is not wanted, one told to `stop` goes with the pipeline.
+A process still starting is drained only when the pipeline stops. Any process becomes DEAD
+when its pipe breaks (it is gone; its sentinel will tell the router) or when the router
+buries it; DEAD is final. `TRANSITIONS` is the map, checked in one place (`check_transition`).
+"""
 
 from __future__ import annotations
 
+import enum
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from ebb.common.spec import StageSpec
 
+from . import frames
 from .settings import PipelineConfig
 from .stage import BatchBoard, StageConfig, stage_main
 
@@ -71,8 +84,42 @@ def _minus(sent: np.ndarray, back: np.ndarray) -> np.ndarray:
     return left
 
 
+class ProcState(enum.Enum):
+    STARTING = "starting"
+    """Started; setting up its modelet (or model), not yet taking work."""
+    READY = "ready"
+    """Set up and taking work."""
+    DRAINING = "draining"
+    """Told to stop: it finishes what it holds, and takes nothing new."""
+    DEAD = "dead"
+    """Gone: its pipe broke, or it exited and was buried."""
+
+
+DrainReason = Literal["stop", "recycle", "retire"]
+"""Why a process drains: the pipeline stops; it is over its memory limit (its successor
+starts at once); the elastic scheduler gave it back (nobody takes its place)."""
+
+TRANSITIONS: dict[ProcState, frozenset[ProcState]] = {
+    ProcState.STARTING: frozenset({ProcState.READY, ProcState.DRAINING, ProcState.DEAD}),
+    ProcState.READY: frozenset({ProcState.DRAINING, ProcState.DEAD}),
+    ProcState.DRAINING: frozenset({ProcState.DEAD}),
+    ProcState.DEAD: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A stage process was moved where its lifecycle does not go: a bug in the router."""
+
+
+def check_transition(old: ProcState, new: ProcState) -> None:
+    """Raise IllegalTransition unless a process may go from `old` to `new`."""
+    if new not in TRANSITIONS[old]:
+        raise IllegalTransition(f"a stage process cannot go from {old.value} to {new.value}")
+
+
 class StageProcess:
-    """One stage process and the router's view of it."""
+    """One stage process and the router's view of it. Only the router's thread moves it
+    through its lifecycle."""
 
     def __init__(
         self,
@@ -120,22 +167,54 @@ class StageProcess:
             outbox_w.close()
         self.holding = Holding()
         """Rows sent to this process and not yet returned."""
-        self.mapped: set[str] = set()
-        """Shared-memory segments sent to this process that it has not yet finished reading."""
-        self.ready = False
-        self.recycling = False
-        self.stopping = False
+        self.state = ProcState.STARTING
+        self.drain_reason: DrainReason | None = None
         self.flushed = False
-        self.dead = False
-        self.retired = False
-        """Stopped by the elastic scheduler: not to be replaced."""
-        self.kill_reason = ""
+        """Told not to wait for a full batch since it was last sent rows."""
         self.busy_mark = 0.0
         self.mark_time = time.monotonic()
 
     @property
+    def pid(self) -> int:
+        pid: int = self.process.pid
+        return pid
+
+    @property
     def load(self) -> int:
         return self.holding.count
+
+    @property
+    def accepts_work(self) -> bool:
+        """Rows may be sent to it."""
+        return self.state is ProcState.READY
+
+    @property
+    def counts_as_worker(self) -> bool:
+        """One of its stage's processes, now or once it has started: not on its way out."""
+        return self.state in (ProcState.STARTING, ProcState.READY)
+
+    @property
+    def needs_successor(self) -> bool:
+        """Whether a new process takes its place when it dies: not when it was recycled (its
+        successor started then) or retired (nobody wants one)."""
+        return self.drain_reason not in ("recycle", "retire")
+
+    def mark_ready(self) -> None:
+        self._move(ProcState.READY)
+
+    def drain(self, reason: DrainReason) -> None:
+        """Tell it to stop: it finishes what it holds first. If it cannot be told, it is gone."""
+        self._move(ProcState.DRAINING)
+        self.drain_reason = reason
+        if not self.send(frames.pack(frames.STOP)):
+            self.mark_dead()
+
+    def mark_dead(self) -> None:
+        self._move(ProcState.DEAD)
+
+    def _move(self, new: ProcState) -> None:
+        check_transition(self.state, new)
+        self.state = new
 
     def send(self, buf: bytes) -> bool:
         try:
@@ -147,3 +226,12 @@ class StageProcess:
     def close(self) -> None:
         for conn in (self.inbox, self.outbox):
             conn.close()
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, by its exit code, as a sentence's predicate."""
+    if code is None:
+        return "vanished"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -13,69 +13,56 @@ corrupts it for everyone; a private pipe dies with its process.
 
 A frame is a chunk of rows with their uids (see frames.py, columns.py): the router's
 bookkeeping is per frame, never per row. Only when a process dies does it work out which rows
-that process held (processes.Holding): those are sent again from their source chunk, the
-batch that was running when it died one row at a time; a row whose batch dies twice becomes
-an error row.
+that process held, and what becomes of them (ledger.py).
 
-Rows nobody waits for any more (their run was cancelled: a lost lease, a drain) are cancelled
-by uid range: what still waits in a backlog is dropped, and reported as errors, which the
-asyncio front ignores for a run it no longer has; what a process holds finishes as usual.
+Each turn of the loop (`_step`) takes the requests of other threads (mailbox.py), hands
+waiting frames to processes, tells stages whose input has run dry not to wait for full
+batches, reads what the processes sent (burying those that died), and lets the elastic
+scheduler measure (scaling.py). What it keeps: each stage's processes (stagepool.py,
+processes.py), where rows go next (conveyor.py), the rows kept until they are out
+(ledger.py), shared memory (segments.py); the watchdog (watchdog.py) runs beside it.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import logging
-import queue
 import selectors
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
-from . import cpus, devices, frames, metrics
-from .columns import Columns, from_rows, take, to_rows
-from .elastic import DeviceMonitor, ElasticScheduler, StageLoad
-from .families import Families
-from .processes import StageProcess
+from . import cpus, frames, metrics
+from .columns import Columns
+from .conveyor import Conveyor, ErrorsCallback, ResultsCallback
+from .ledger import RowLedger
+from .mailbox import Mailbox
+from .processes import ProcState, StageProcess, describe_exit
+from .scaling import Scaler
+from .segments import SegmentLedger
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
-from .shm import Arena, remove_all_of, sweep_orphans, unlink
+from .shm import Arena, sweep_orphans
 from .stage import name_this_thread
+from .stagepool import StagePools
 from .stageserver import stage_context
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 _STARTUP_FAILURES_FATAL = 3
-_SPAWN_TRIES = 3
 ROUTER_THREAD = "ebb-router"
 """The router thread's name, as the system shows it (for CPU by thread)."""
 _DEPTHS_EVERY_S = 0.2
 """How often the router counts its stages' depths for other threads (a gauge's worth)."""
-
-ResultsCallback = Callable[[np.ndarray, Columns], None]
-ErrorsCallback = Callable[[np.ndarray, list[str]], None]
-
-
-@dataclass(eq=False, slots=True)
-class Source:
-    """Rows as they were submitted, kept until each is out, to send them again if needed."""
-
-    start: int
-    data: pa.RecordBatch | Columns
-    rows: int
-    left: int
+_WAIT_S = 0.1
+"""How long a turn of the loop waits for a process to send something."""
 
 
 class Router:
     """The thread that owns every stage process. Only its own thread touches its state;
-    other threads talk to it through `submit`, `flush` and `stop`."""
+    other threads talk to it through `submit`, `flush`, `cancel` and `stop`."""
 
     def __init__(
         self,
@@ -90,60 +77,40 @@ class Router:
         PipelineBroken when it stopped working after it had started; at most once."""
         self.config = config
         self.specs = config.stages
-        self.on_results = on_results
-        self.on_errors = on_errors
         self.on_ready = on_ready
         self.on_fatal = on_fatal
         self.ctx = stage_context()
-        self.procs: list[list[StageProcess]] = [[] for _ in self.specs]
-        self.backlog: list[deque[frames.Frame]] = [deque() for _ in self.specs]
-        self.arena = Arena()
         swept = sweep_orphans()
         if swept:
             log.info("removed %d shared-memory segments left by dead workers", swept)
-        self.reclaims: dict[int, list[str]] = {}
-        """Segments to hand back to their makers, by the maker's pid."""
-        self.sources: dict[int, Source] = {}
-        self.source_starts: list[int] = []
-        fanouts = [k for k, s in enumerate(self.specs) if s.fanout]
-        fanins = [k for k, s in enumerate(self.specs) if s.fanin]
-        self.fanout_stage: int | None = fanouts[0] if fanouts else None
-        self.fanin_stage: int | None = fanins[0] if fanins else None
-        self.families = Families()
-        self.crashes: Counter[int] = Counter()
-        self.startup_failures: Counter[int] = Counter()
-        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        self.segments = SegmentLedger(Arena())
+        self.rows = RowLedger()
+        self.conveyor = Conveyor(
+            self.specs,
+            rows=self.rows,
+            segments=self.segments,
+            on_results=on_results,
+            on_errors=on_errors,
+        )
+        self.mailbox = Mailbox(self.ctx)
         # One selector for the router's life (not one per wait): stage pipes and process
         # sentinels are registered as processes come and go.
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self.cores = config.cpus if config.cpus is not None else cpus.detect()
-        """The worker's CPU budget, which its model stages' threads share (cpus.py)."""
-        self.gpus = config.gpus
-        """The worker's GPUs, over which each `cuda` stage's replicas spread (devices.py)."""
-        self._all_spawned = False
-        scalable = any(s.min_workers != s.max_workers for s in self.specs)
-        self.elastic = ElasticScheduler(config.elastic) if scalable else None
-        self.monitor = DeviceMonitor(cores=self.cores, gpus=self.gpus) if scalable else None
-        self._next_tick = time.monotonic() + config.elastic.tick_s
-        self._wake_lock = threading.Lock()
+        self.selector.register(self.mailbox.bell, selectors.EVENT_READ, None)
+        cores = config.cpus if config.cpus is not None else cpus.detect()
+        self.pools = StagePools(
+            config, ctx=self.ctx, selector=self.selector, cores=cores, gpus=config.gpus
+        )
+        self.scaler = Scaler.for_pipeline(config, cores=cores)
         self.draining = False
+        """The input has run dry (until more is submitted): stages need not wait for it."""
         self.announced_ready = False
-        self.shutting_down = False
-        """Set when the router starts to stop: nothing is spawned from then on, since
-        nothing would stop, watch or sweep it."""
         self.fatal = ""
         self._depths: tuple[int, ...] = (0,) * len(self.specs)
         """Rows waiting for or inside each stage, as the router last counted them."""
         self._depths_due = 0.0
-        self._wake_closed = False
         self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
-        self._watchdog_stop = threading.Event()
-        self._kill_all_after = 0.0
-        self.watchdog = threading.Thread(
-            target=self._watchdog, name="ebb-pipeline-watchdog", daemon=True
-        )
+        self.watchdog = Watchdog(self.pools, batch_timeout_s=config.batch_timeout_s)
 
     # -- called from other threads ---------------------------------------------------------
 
@@ -155,39 +122,28 @@ class Router:
         """Rows for the first stage, under uids start..start+rows-1: the rows of an Arrow
         record batch (which travels as Arrow and becomes columns inside the stage process),
         or a chunk of columns."""
-        self.requests.put(("submit", start, data, rows))
-        self._wake()
+        self.mailbox.post("submit", start, data, rows)
 
     def flush(self) -> None:
-        self.requests.put(("flush",))
-        self._wake()
+        self.mailbox.post("flush")
 
     def cancel(self, start: int, rows: int) -> None:
         """Nobody waits for uids start..start+rows-1 any more: drop what of them has not
         reached a process yet (reported through `on_errors`)."""
-        self.requests.put(("cancel", start, rows))
-        self._wake()
+        self.mailbox.post("cancel", start, rows)
 
     def stop(self, grace_s: float) -> None:
         """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
         if self.thread.is_alive():
-            self._kill_all_after = time.monotonic() + grace_s + 1.0
-            self.requests.put(("stop", grace_s))
-            self._wake()
+            self.watchdog.kill_all_after(time.monotonic() + grace_s + 1.0)
+            self.mailbox.post("stop", grace_s)
             self.thread.join()
-        self._watchdog_stop.set()
-        if self.watchdog.is_alive():
-            self.watchdog.join()
+        self.watchdog.stop()
 
     def depths(self) -> list[int]:
         """Rows waiting for or inside each stage, as the router last counted them (a few
         times a second, on its own thread: its backlogs are not ours to read)."""
         return list(self._depths)
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if not self._wake_closed:  # stopped: a request now has nobody to wake
-                self._wake_w.send_bytes(b"")
 
     # -- the router thread -----------------------------------------------------------------
 
@@ -195,26 +151,73 @@ class Router:
         name_this_thread(ROUTER_THREAD)
         grace_s = 0.0
         try:
-            for k, spec in enumerate(self.specs):
-                for slot in range(spec.workers):
-                    self._spawn(k, slot)
-            self._all_spawned = True
-            while True:
-                stop = self._take_requests()
-                if stop is not None:
-                    grace_s = stop
-                    break
-                self._dispatch()
-                self._flush_drained()
-                self._wait_and_receive(0.1)
-                if self.elastic is not None and time.monotonic() >= self._next_tick:
-                    self._rebalance()
-                self._publish_depths()
+            self.pools.start_all()
+            while (stop := self._step()) is None:
+                pass
+            grace_s = stop
         except Exception as e:
             log.exception("pipeline router failed")
             self._fail(PipelineBroken(f"pipeline router failed: {type(e).__name__}: {e}"))
         finally:
             self._shutdown(grace_s)
+
+    def _step(self) -> float | None:
+        """One turn of the loop; the grace period the processes get once told to stop."""
+        stop = self._take_requests()
+        if stop is not None:
+            return stop
+        self._dispatch()
+        self._flush_drained()
+        self._wait_and_receive(_WAIT_S)
+        if self.scaler is not None and self.scaler.due(time.monotonic()):
+            waiting = [self.conveyor.waiting(k) for k in range(len(self.pools))]
+            self.scaler.tick(self.pools, waiting=waiting)
+        self._publish_depths()
+        return None
+
+    def _take_requests(self) -> float | None:
+        for request in self.mailbox.take():
+            if request[0] == "submit":
+                _, start, data, rows = request
+                self.draining = False
+                self.conveyor.submit(start, data, rows)
+            elif request[0] == "flush":
+                self.draining = True
+            elif request[0] == "cancel":
+                _, start, rows = request
+                self.conveyor.cancel(start, rows)
+            elif request[0] == "stop":
+                return float(request[1])
+        return None
+
+    def _dispatch(self) -> None:
+        # Downstream first: what it frees is what lets upstream results move on.
+        for k in reversed(range(len(self.pools))):
+            self.pools[k].feed(self.conveyor.backlog[k], self.segments)
+
+    def _flush_drained(self) -> None:
+        """When the input is drained, tell each stage whose upstream is empty not to wait."""
+        if not self.draining:
+            return
+        for k, pool in enumerate(self.pools):
+            pool.flush()
+            if self.conveyor.backlog[k] or pool.load():
+                break
+
+    def _wait_and_receive(self, timeout: float) -> None:
+        dead: list[StageProcess] = []
+        for key, _ in self.selector.select(timeout):
+            if key.data is None:
+                self.mailbox.silence()
+                continue
+            p, exited = key.data
+            if p not in self.pools[p.stage]:
+                continue  # buried earlier in this turn
+            if exited or not self._receive_one(p):
+                dead.append(p)
+        for p in dict.fromkeys(dead):
+            self._bury(p)
+        self.segments.send_reclaims(self.pools.reclaim)
 
     def _publish_depths(self) -> None:
         now = time.monotonic()
@@ -223,145 +226,8 @@ class Router:
         self._depths_due = now + _DEPTHS_EVERY_S
         # One tuple, swapped in whole: a reader on another thread sees one count or the next.
         self._depths = tuple(
-            sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in self.procs[k])
-            for k in range(len(self.specs))
+            self.conveyor.waiting(k) + pool.load() for k, pool in enumerate(self.pools)
         )
-
-    def _processes(self) -> list[int]:
-        """Processes each stage runs (while the pipeline starts: will run)."""
-        live = [sum(1 for p in procs if not (p.stopping or p.dead)) for procs in self.procs]
-        if self._all_spawned:
-            return live
-        return [max(n, s.workers) for n, s in zip(live, self.specs, strict=True)]
-
-    def _spawn(self, stage: int, slot: int) -> None:
-        if self.shutting_down:
-            return
-        processes = self._processes()
-        if self._all_spawned:
-            processes[stage] += 1
-        threads = cpus.shares(self.specs, processes, self.cores)
-        spec = self.specs[stage]
-        device, environment = devices.placement(spec.device, slot, self.gpus)
-        handed = replace(spec, threads=threads[stage], device=device)
-        if handed.threads or device != "cpu":
-            log.info(
-                "stage %s process %d: %d thread(s) on %s%s",
-                spec.name,
-                slot,
-                handed.threads,
-                device,
-                f" (GPU {environment['CUDA_VISIBLE_DEVICES']})"
-                if "CUDA_VISIBLE_DEVICES" in environment
-                else "",
-            )
-        for attempt in range(_SPAWN_TRIES):
-            try:
-                p = StageProcess(
-                    self.ctx, stage, slot, handed, self.config, environment=environment
-                )
-                break
-            except (EOFError, ConnectionError) as e:
-                # The fork server died under us (killed from outside, as the OOM killer
-                # would): not the job's fault. The next start finds it gone and starts a
-                # new one (multiprocessing's ensure_running), which imports all again.
-                if attempt + 1 == _SPAWN_TRIES:
-                    raise
-                log.warning("stage server lost (%s: %s); starting a new one", type(e).__name__, e)
-                time.sleep(0.1 * (attempt + 1))  # until the dead server can be reaped
-        self.procs[stage].append(p)
-        self.selector.register(p.outbox, selectors.EVENT_READ, (p, False))
-        self.selector.register(p.process.sentinel, selectors.EVENT_READ, (p, True))
-        self._redivide_threads()
-
-    def _redivide_threads(self) -> None:
-        """Tell each model process whose share of the cores changed (a process came or went)
-        how many threads to run now."""
-        threads = cpus.shares(self.specs, self._processes(), self.cores)
-        for k, procs in enumerate(self.procs):
-            for p in procs:
-                if p.threads and p.threads != threads[k] and not (p.stopping or p.dead):
-                    log.info(
-                        "stage %s process %d: %d thread(s), was %d",
-                        p.name,
-                        p.slot,
-                        threads[k],
-                        p.threads,
-                    )
-                    if p.send(frames.pack(frames.THREADS, payload=threads[k])):
-                        p.threads = threads[k]
-
-    def _take_requests(self) -> float | None:
-        while True:
-            try:
-                request = self.requests.get_nowait()
-            except queue.Empty:
-                return None
-            if request[0] == "submit":
-                _, start, data, rows = request
-                self.draining = False
-                self.sources[start] = Source(start, data, rows, rows)
-                bisect.insort(self.source_starts, start)
-                self._enqueue_source(np.arange(start, start + rows, dtype=np.int64), data, 0)
-            elif request[0] == "flush":
-                self.draining = True
-            elif request[0] == "cancel":
-                _, start, rows = request
-                self._cancel(start, rows)
-            elif request[0] == "stop":
-                return float(request[1])
-
-    def _dispatch(self) -> None:
-        # Downstream first: what it frees is what lets upstream results move on.
-        for k in reversed(range(len(self.specs))):
-            spec = self.specs[k]
-            cap = 2 * spec.batch_size
-            backlog = self.backlog[k]
-            while backlog:
-                candidates = [
-                    p
-                    for p in self.procs[k]
-                    if p.ready and not (p.recycling or p.stopping or p.dead) and p.load < cap
-                ]
-                if not candidates:
-                    break
-                target = min(candidates, key=lambda p: p.load)
-                frame = backlog.popleft()
-                if not target.send(frame.buf):
-                    backlog.appendleft(frame)
-                    target.dead = True
-                    break
-                target.holding.add(frame.uids)
-                target.flushed = False
-                if frame.segment:
-                    target.mapped.add(frame.segment)
-
-    def _flush_drained(self) -> None:
-        """When the input is drained, tell each stage whose upstream is empty not to wait."""
-        if not self.draining:
-            return
-        for k in range(len(self.specs)):
-            for p in self.procs[k]:
-                if p.load and not p.flushed and p.ready and not p.dead:
-                    p.flushed = p.send(frames.pack(frames.FLUSH))
-            if self.backlog[k] or any(p.load for p in self.procs[k]):
-                break
-
-    def _wait_and_receive(self, timeout: float) -> None:
-        dead: list[StageProcess] = []
-        for key, _ in self.selector.select(timeout):
-            if key.data is None:
-                while self._wake_r.poll():
-                    self._wake_r.recv_bytes()
-                continue
-            p, exited = key.data
-            if p not in self.procs[p.stage]:
-                continue  # buried earlier in this turn
-            if exited or not self._receive_one(p):
-                dead.append(p)
-        for p in dict.fromkeys(dead):
-            self._bury(p)
-        self._send_reclaims()
 
     def _receive(self, p: StageProcess) -> bool:
         """Read every message a process has sent. False once its outbox reports EOF."""
@@ -384,39 +250,16 @@ class Router:
 
     def _handle(self, p: StageProcess, buf: bytes) -> None:
         h = frames.header(buf)
-        kind, uids = h.kind, h.uids
+        kind = h.kind
         for segment in h.released:
-            p.mapped.discard(segment)
-            self._segment_done(segment)
-        if kind == frames.ITEMS:
-            p.holding.remove(uids)
-            metrics.BATCH_SIZE.labels(p.name).observe(len(uids))
-            try:
-                self._route(p.stage, frames.Frame(buf, uids, h.flags, h.segment))
-            except Exception as e:  # noqa: BLE001 - e.g. a result type we cannot import
-                message = f"stage {p.name!r}: its result could not be read: {e!r}"
-                self._fail_items(uids, [message] * len(uids))
-        elif kind == frames.ERRORS:
-            p.holding.remove(uids)
-            self._fail_items(uids, frames.payload(buf))
-        elif kind == frames.FANOUT:
-            parents, counts = uids[: len(uids) // 2], uids[len(uids) // 2 :]
-            p.holding.remove(parents)
-            metrics.BATCH_SIZE.labels(p.name).observe(len(parents))
-            self._fan_out(p.stage, buf, parents, counts, h)
+            self.segments.unmapped(p.pid, segment)
+        if kind in (frames.ITEMS, frames.ERRORS, frames.FANOUT):
+            p.holding.remove(self.conveyor.take_output(p.stage, buf, h))
         elif kind == frames.UNMAPPED:
             for segment in frames.payload(buf):
-                p.mapped.discard(segment)
-                self._segment_done(segment)
+                self.segments.unmapped(p.pid, segment)
         elif kind == frames.READY:
-            p.ready = True
-            log.debug(
-                "stage %s process %d ready in %.2fs", p.name, p.slot, time.monotonic() - p.started
-            )
-            self.startup_failures[p.stage] = 0
-            if not self.announced_ready and all(q.ready for s in self.procs for q in s):
-                self.announced_ready = True
-                self.on_ready()
+            self._started(p)
         elif kind == frames.SETUP_FAILED:
             message = str(frames.payload(buf))
             if not self.announced_ready:
@@ -426,381 +269,77 @@ class Router:
                 # memory, say): its exit counts as a failed start, retried a few times.
                 log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
         elif kind == frames.RECYCLE:
-            p.recycling = True
-            if not self.shutting_down:  # then it stops anyway, and nothing replaces it
+            if p.accepts_work:
                 log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
                 metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
-                p.stopping = p.send(frames.pack(frames.STOP))
-                self._spawn(p.stage, p.slot)
-
-    # -- where rows go next ------------------------------------------------------------------
-
-    def _route(self, stage: int, frame: frames.Frame) -> None:
-        """Rows that came out of `stage`: on to the next stage, back to their family, or out
-        of the pipeline."""
-        after = stage + 1
-        if after < len(self.specs) and not self._gathers_after(stage):
-            self.backlog[after].append(frame)  # as it came: no unpickling here
-            return
-        chunk = self._read(frame.buf, frame.segment)
-        if self._gathers_after(stage):
-            self._gather(frame.uids, chunk)
-        else:
-            self._finish(frame.uids)
-            self.on_results(frame.uids.copy(), chunk)
-
-    def _read(self, buf: bytes, segment: str) -> Any:
-        """A frame's payload, copied out of its shared memory (which goes back at once)."""
-        try:
-            return frames.payload(buf, arena=self.arena, copy=True)
-        finally:
-            if segment:
-                self._segment_done(segment)
-
-    def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
-        """Pack rows for `stage` (large buffers into shared memory) and queue them."""
-        buf = frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
-        self.backlog[stage].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
-
-    def _enqueue_source(self, uids: np.ndarray, data: pa.RecordBatch | Columns, flags: int) -> None:
-        if not isinstance(data, pa.RecordBatch):
-            self._enqueue(0, uids, data, flags)
-            return
-        # Arrow IPC: one copy into shared memory, no pickling of values; the stage process
-        # turns it into columns (zero-copy for numbers and tensors), in parallel with us.
-        payload = (data.schema, data.serialize())
-        buf = frames.pack(frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena)
-        self.backlog[0].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
-
-    def _segments_in_flight(self) -> set[str]:
-        in_backlog = {f.segment for b in self.backlog for f in b if f.segment}
-        return in_backlog.union(*(p.mapped for stage in self.procs for p in stage))
-
-    def _segment_done(self, segment: str) -> None:
-        """Nobody reads `segment` any more: back to the process that made it, for reuse."""
-        if self.arena.owns(segment):
-            self.arena.reclaim(segment)
-            return
-        # Told to its maker once per turn of the loop, with the others for it.
-        self.reclaims.setdefault(int(segment.split("-")[1]), []).append(segment)
-
-    def _send_reclaims(self) -> None:
-        reclaims, self.reclaims = self.reclaims, {}
-        for producer, segments in reclaims.items():
-            maker = next(
-                (p for stage in self.procs for p in stage if p.process.pid == producer), None
-            )
-            if (
-                maker is None
-                or maker.dead
-                or not maker.send(frames.pack(frames.RECLAIM, payload=segments))
-            ):
-                for segment in segments:
-                    unlink(segment)  # its maker is gone
-
-    def _gathers_after(self, stage: int) -> bool:
-        """Is the end of `stage` where the items of a fan-out come back together?"""
-        if self.fanout_stage is None or stage < self.fanout_stage:
-            return False
-        return stage + 1 == (self.fanin_stage if self.fanin_stage is not None else len(self.specs))
-
-    def _fan_out(
-        self, stage: int, buf: bytes, parents: np.ndarray, counts: np.ndarray, h: frames.Header
-    ) -> None:
-        """A fan-out stage's output: name each part (a new uid) and send the frame's bytes on
-        to the next stage as they are."""
-        if self._gathers_after(stage):  # nothing between the fan-out and the gathering
-            parts = to_rows(self._read(buf, h.segment))
-            at = 0
-            for parent, count in zip(parents.tolist(), counts.tolist(), strict=True):
-                self._complete(parent, parts[at : at + count], h.flags)
-                at += count
-            return
-        children: list[int] = []
-        for parent, count in zip(parents.tolist(), counts.tolist(), strict=True):
-            if count == 0:
-                self._complete(parent, [], h.flags)
-            else:
-                children += self.families.split(parent, count, h.flags)
-        if children:
-            ids = np.asarray(children, dtype=np.int64)
-            forwarded = frames.splice(buf, frames.ITEMS, ids)
-            self.backlog[stage + 1].append(frames.Frame(forwarded, ids, h.flags, h.segment))
-        elif h.segment:
-            self._segment_done(h.segment)
-
-    def _gather(self, uids: np.ndarray, chunk: Columns) -> None:
-        for uid, value in zip(uids.tolist(), to_rows(chunk), strict=True):
-            family = self.families.gather(uid, value)
-            if family is not None:
-                self._complete(family.parent, family.results, family.flags)
-
-    def _complete(self, parent: int, results: list[Any], flags: int) -> None:
-        """A fanned-out item has all its parts: on to the fan-in stage, or out."""
-        uids = np.asarray([parent], dtype=np.int64)
-        chunk = from_rows([results])
-        if self.fanin_stage is not None:
-            self._enqueue(self.fanin_stage, uids, chunk, flags)
-        else:
-            self._finish(uids)
-            self.on_results(uids, chunk)
-
-    def _fail_items(self, uids: np.ndarray, messages: list[str]) -> None:
-        """Errors: a row fails; a fanned-out part fails its whole item, once."""
-        out_uids: list[int] = []
-        out_messages: list[str] = []
-        for uid, message in zip(uids.tolist(), messages, strict=True):
-            if uid < 0:
-                found = self.families.place(uid)
-                if found is None:
-                    continue
-                parent, index = found
-                self.families.disband(parent)
-                out_uids.append(parent)
-                out_messages.append(f"part {index} of its fan-out: {message}")
-            else:
-                out_uids.append(uid)
-                out_messages.append(message)
-        if out_uids:
-            failed = np.asarray(out_uids, dtype=np.int64)
-            self._finish(failed)
-            self.on_errors(failed, out_messages)
-
-    def _cancel(self, start: int, rows: int) -> None:
-        """Drop the frames, at every stage, that hold only rows of start..start+rows-1, and
-        report those rows as errors: that releases their sources (`_finish`) and tells the
-        front how many rows left the pipeline. A frame that holds other rows too, or parts of
-        a fan-out (negative uids), goes on: the rows that share it are still wanted, and a
-        family is not ours to break up here. Rows inside a process finish as usual."""
-        end = start + rows
-        dropped: list[np.ndarray] = []
-        for backlog in self.backlog:
-            kept: list[frames.Frame] = []
-            for frame in backlog:
-                uids = frame.uids
-                if len(uids) and int(uids.min()) >= max(start, 0) and int(uids.max()) < end:
-                    dropped.append(uids)
-                    if frame.segment:
-                        self._segment_done(frame.segment)
-                else:
-                    kept.append(frame)
-            if len(kept) < len(backlog):
-                backlog.clear()
-                backlog.extend(kept)
-        if dropped:
-            uids = np.concatenate(dropped)
-            log.debug("cancelled %d rows of uids %d..%d", len(uids), start, end - 1)
-            self._fail_items(uids, ["cancelled: nobody waits for this row"] * len(uids))
-
-    def _finish(self, uids: np.ndarray) -> None:
-        """Rows that are out of the pipeline: their sources need not be kept for them."""
-        uids = uids[uids >= 0]
-        if self.crashes:
-            for uid in uids.tolist():
-                self.crashes.pop(uid, None)
-        if not len(uids) or not self.source_starts:
-            return
-        starts = np.asarray(self.source_starts, dtype=np.int64)
-        at = np.searchsorted(starts, uids, side="right") - 1
-        for i, n in enumerate(np.bincount(at[at >= 0], minlength=len(starts)).tolist()):
-            if n:
-                source = self.sources[int(starts[i])]
-                source.left -= n
-                if source.left <= 0:
-                    del self.sources[source.start]
-                    self.source_starts.remove(source.start)
-
-    def _resubmit(self, uids: list[int], *, solo: bool) -> None:
-        """Send rows through the pipeline again, from the first stage: grouped by source, or
-        one per frame when they run alone."""
-        by_source: dict[int, list[int]] = {}
-        for uid in sorted(uids):
-            start = self.source_starts[bisect.bisect_right(self.source_starts, uid) - 1]
-            by_source.setdefault(start, []).append(uid)
-        for start, members in by_source.items():
-            source = self.sources[start]
-            groups = [[u] for u in members] if solo else [members]
-            for group in groups:
-                index = np.asarray(group, dtype=np.int64) - start
-                data: Any = source.data
-                part = (
-                    data.take(pa.array(index, type=pa.int64()))
-                    if isinstance(data, pa.RecordBatch)
-                    else take(data, index)
+                self.pools.recycle(p)
+            else:  # told to stop already (the pipeline stops): it goes, nothing replaces it
+                log.debug(
+                    "stage %s process %d is over its memory limit, and stopping", p.name, p.slot
                 )
-                flags = frames.SOLO if solo else 0
-                self._enqueue_source(np.asarray(group, dtype=np.int64), part, flags)
+
+    def _started(self, p: StageProcess) -> None:
+        if p.state is not ProcState.STARTING:
+            return  # the pipeline stopped it while it was starting
+        p.mark_ready()
+        log.debug(
+            "stage %s process %d ready in %.2fs", p.name, p.slot, time.monotonic() - p.started
+        )
+        self.pools[p.stage].failed_starts = 0
+        if not self.announced_ready and self.pools.all_started():
+            self.announced_ready = True
+            self.on_ready()
 
     def _bury(self, p: StageProcess) -> None:
         """A process exited: collect its last words, then retry or fail what it held."""
         self._receive(p)
-        p.process.join(timeout=5)
-        if p.process.is_alive():  # its pipe closed but it lingers: make sure it is gone
-            p.process.kill()
-            p.process.join(timeout=5)
-        p.dead = True
-        self.selector.unregister(p.outbox)
-        self.selector.unregister(p.process.sentinel)
-        p.close()
-        self.procs[p.stage].remove(p)
-        # What it was reading goes back to the makers; its own free segments die with it,
-        # those still on their way to a reader stay until read.
-        for segment in p.mapped:
-            self._segment_done(segment)
-        p.mapped.clear()
-        remove_all_of(p.process.pid, keep=self._segments_in_flight())
-        code = p.process.exitcode
+        state = p.state  # what it was doing when it went
+        self.pools.bury(p)
+        killed = self.watchdog.verdict(p)
+        self.segments.process_gone(p.pid, self.conveyor.segments_waiting())
         held = p.holding.uids()
-        if p.stopping and not len(held):
-            return  # recycled or stopped, cleanly
+        if state is ProcState.DRAINING and not len(held):
+            return  # recycled, retired or stopped, cleanly
         if self.fatal:
             return
-        if not p.ready:
-            self.startup_failures[p.stage] += 1
-            if self.startup_failures[p.stage] >= _STARTUP_FAILURES_FATAL:
-                message = (
-                    f"stage {p.name!r} died {_STARTUP_FAILURES_FATAL} times while starting "
-                    f"(exit code {code})"
-                )
-                # Before the pipeline was ever ready it cannot start here; after, it could,
-                # and what keeps its replacements from starting passes (or not) elsewhere.
-                error = PipelineBroken if self.announced_ready else PipelineSetupError
-                self._fail(error(message))
-                return
-        how = p.kill_reason or _exit_description(code)
-        metrics.STAGE_RESTARTS.labels(p.name, "timeout" if p.kill_reason else "died").inc()
-        # Blame the batch that was running when it died; the rest of what it held is
-        # innocent and simply goes round again. Died between batches: blame everything.
-        running = set(np.intersect1d(p.board.running(), held).tolist()) or set(held.tolist())
+        if state is ProcState.STARTING and self._gives_up_starting(p):
+            return
+        how = killed or describe_exit(p.process.exitcode)
+        metrics.STAGE_RESTARTS.labels(p.name, "timeout" if killed else "died").inc()
+        verdict = self.conveyor.take_back(
+            held,
+            p.board.running(),
+            max_item_crashes=self.config.max_item_crashes,
+            error=f"stage {p.name!r}: its process {how} while running this row, every time",
+        )
         if len(held):
             log.warning(
                 "stage %s process %d %s; %d rows in its batch, %d more queued",
                 p.name,
                 p.slot,
                 how,
-                len(running),
-                len(held) - len(running),
+                verdict.batch,
+                len(held) - verdict.batch,
             )
-        blamed: dict[int, bool] = {}
-        for uid in held.tolist():
-            # A fanned-out part cannot be sent again on its own: its whole item starts over.
-            owner = self.families.owner(uid) if uid < 0 else uid
-            if owner is None:
-                continue  # a part of a family that already failed or started over
-            blamed[owner] = blamed.get(owner, False) or uid in running
-        innocent: list[int] = []
-        failed: list[int] = []
-        for uid, guilty in blamed.items():
-            self.families.disband(uid)
-            if not guilty:
-                innocent.append(uid)
-                continue
-            self.crashes[uid] += 1
-            if self.crashes[uid] >= self.config.max_item_crashes:
-                failed.append(uid)
-            else:
-                # Alone this time: whatever killed the batch may have been a batch-mate.
-                self._resubmit([uid], solo=True)
-        if innocent:
-            self._resubmit(innocent, solo=False)
-        if failed:
-            ids = np.asarray(failed, dtype=np.int64)
-            self._finish(ids)
-            message = f"stage {p.name!r}: its process {how} while running this row, every time"
-            self.on_errors(ids, [message] * len(failed))
-        if not (p.recycling or p.retired):  # those were replaced already, or not wanted
-            self._spawn(p.stage, p.slot)
+        if p.needs_successor:
+            self.pools.replace(p)
 
-    def _rebalance(self) -> None:
-        """One tick of the elastic scheduler: measure each stage, maybe add or retire one."""
-        assert self.elastic is not None and self.monitor is not None
-        now = time.monotonic()
-        self._next_tick = now + self.config.elastic.tick_s
-        loads: list[StageLoad] = []
-        self.monitor.sample(now)
-        processes = self._processes()
-        for k, spec in enumerate(self.specs):
-            live = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
-            shares = []
-            for p in live:
-                busy = p.board.busy_seconds(now)
-                elapsed = now - p.mark_time
-                if elapsed > 0.5 * self.config.elastic.tick_s:
-                    shares.append(min(1.0, (busy - p.busy_mark) / elapsed))
-                p.busy_mark, p.mark_time = busy, now
-            utilization = sum(shares) / len(shares) if shares else 0.0
-            running = sum(len(p.board.running()) for p in live)
-            waiting = (
-                sum(len(f.uids) for f in self.backlog[k]) + sum(p.load for p in live) - running
-            )
-            assert spec.min_workers is not None and spec.max_workers is not None
-            most = spec.max_workers
-            on_cpu = spec.model is not None and not spec.device.startswith("cuda")
-            # Another model process only while each still gets a core of its own.
-            if on_cpu and not cpus.room_for_model_process(self.specs, processes, self.cores):
-                most = min(most, processes[k])
-            loads.append(
-                StageLoad(
-                    stage=k,
-                    workers=processes[k],
-                    min_workers=spec.min_workers,
-                    max_workers=most,
-                    utilization=utilization,
-                    waiting=waiting,
-                    device_busy=self.monitor.busy(spec.device),
-                )
-            )
-            metrics.STAGE_UTILIZATION.labels(spec.name).set(utilization)
-        decision = self.elastic.decide(now, loads)
-        if decision is not None:
-            action, k = decision
-            name = self.specs[k].name
-            if action == "add":
-                slot = devices.least_used_slot(
-                    [p.slot for p in self.procs[k] if not (p.stopping or p.dead)]
-                )
-                log.info("elastic: stage %s gets a process (%d)", name, loads[k].workers + 1)
-                self._spawn(k, slot)
-            else:
-                candidates = [p for p in self.procs[k] if p.ready and not (p.stopping or p.dead)]
-                if candidates:
-                    p = min(candidates, key=lambda q: q.load)
-                    log.info(
-                        "elastic: stage %s gives a process back (%d)", name, loads[k].workers - 1
-                    )
-                    p.retired = True
-                    p.stopping = p.send(frames.pack(frames.STOP))
-                    self._redivide_threads()
-        for k, spec in enumerate(self.specs):
-            alive = [p for p in self.procs[k] if not (p.stopping or p.dead)]
-            metrics.STAGE_WORKERS.labels(spec.name).set(len(alive))
-
-    def _watchdog(self) -> None:
-        """Kill stage processes whose batch overran its timeout; at shutdown, past the grace
-        period, kill every one. A thread of its own: the router may be blocked writing to
-        the very process that hangs (a full pipe), and only the kill frees it."""
-        timeout = self.config.batch_timeout_s
-        while not self._watchdog_stop.wait(0.2):
-            now = time.monotonic()
-            for stage in list(self.procs):
-                for p in list(stage):
-                    if p.dead or p.kill_reason:
-                        continue
-                    started = p.board.started
-                    if self._kill_all_after and now > self._kill_all_after:
-                        p.kill_reason = "was killed at shutdown"
-                    elif started and now - started > timeout:
-                        p.kill_reason = f"was killed after a batch ran over {timeout:g}s"
-                        log.warning(
-                            "stage %s process %d: batch over %gs, killing it",
-                            p.name,
-                            p.slot,
-                            timeout,
-                        )
-                    else:
-                        continue
-                    with contextlib.suppress(OSError, ValueError, AttributeError):
-                        p.process.kill()
+    def _gives_up_starting(self, p: StageProcess) -> bool:
+        """`p` died while starting: whether its stage has failed to start too often (then
+        the pipeline fails)."""
+        pool = self.pools[p.stage]
+        pool.failed_starts += 1
+        if pool.failed_starts < _STARTUP_FAILURES_FATAL:
+            return False
+        message = (
+            f"stage {p.name!r} died {_STARTUP_FAILURES_FATAL} times while starting "
+            f"(exit code {p.process.exitcode})"
+        )
+        # Before the pipeline was ever ready it cannot start here; after, it could, and what
+        # keeps its replacements from starting passes (or not) elsewhere.
+        error = PipelineBroken if self.announced_ready else PipelineSetupError
+        self._fail(error(message))
+        return True
 
     def _fail(self, error: PipelineError) -> None:
         if not self.fatal:
@@ -809,40 +348,24 @@ class Router:
             self.on_fatal(error)
 
     def _shutdown(self, grace_s: float) -> None:
-        self.shutting_down = True
-        everyone = [p for stage in self.procs for p in stage]
+        self.pools.closed = True
+        everyone = self.pools.everyone()
         try:
             self._stop_processes(everyone, grace_s)
         except Exception:
             # Whatever failed while they drained (a result we could not hand over), the
             # processes, their segments and our pipes must still go.
             log.exception("pipeline router: stopping the stage processes failed")
-        for p in everyone:
-            if p.process.is_alive():
-                p.process.kill()
-            p.process.join(timeout=5)
-            p.close()
-        in_flight = self._segments_in_flight()
-        self.procs = [[] for _ in self.specs]
+        self.pools.kill_all()
         self._depths = (0,) * len(self.specs)
-        for segment in in_flight:
-            unlink(segment)
-        for p in everyone:
-            remove_all_of(p.process.pid, keep=set())
-        self.reclaims.clear()
+        self.segments.close([p.pid for p in everyone], self.conveyor.segments_waiting())
         self.selector.close()
-        self.arena.close()
-        with self._wake_lock:
-            self._wake_closed = True
-            self._wake_r.close()
-            self._wake_w.close()
+        self.mailbox.close()
 
     def _stop_processes(self, everyone: list[StageProcess], grace_s: float) -> None:
         """Ask every process to stop, and read what they send until they exit, for up to
         grace_s; any still alive then are killed by the caller."""
-        for p in everyone:
-            if not p.stopping:
-                p.stopping = p.send(frames.pack(frames.STOP))
+        self.pools.stop_all()
         deadline = time.monotonic() + grace_s
         for p in everyone:
             # Keep reading, or a stage blocked writing its last results would never exit.
@@ -851,11 +374,3 @@ class Router:
                     p.process.join(timeout=0.5)
                     break
                 p.process.join(timeout=0.05)
-
-
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return "vanished"
-    if code < 0:
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
