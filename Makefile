@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The source roots that together make the `ebb` namespace package, as pyproject.toml lists them.
 SRC_ROOTS = $(shell $(PY) -m tests.source_roots)
 
-.PHONY: demo test lint format bench clean install dev prometheus
+.PHONY: demo test lint docs format bench clean install dev prometheus
 
 install: $(VENV)/.runtime
 dev: $(VENV)/.dev
@@ -55,6 +55,12 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	PYTHONPATH=$(SRC_ROOTS) $(VENV)/bin/lint-imports
+	$(MAKE) docs
+
+# The documentation site (mkdocs.yml, docs/) into site/. Strict: a broken link, a missing
+# anchor or a page left out of the nav fails the build. `$(VENV)/bin/mkdocs serve` serves it.
+docs: $(VENV)/.dev
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 format: $(VENV)/.dev
 	$(VENV)/bin/ruff format .
@@ -64,4 +70,4 @@ bench: $(VENV)/.dev
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) ebb-demo .ebb .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) ebb-demo .ebb .pytest_cache .mypy_cache .ruff_cache build site *.egg-info

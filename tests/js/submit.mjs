@@ -1,5 +1,5 @@
-// Submit a job to Ebb from nats.js, as the README shows: the job map as JSON, Nats-Msg-Id set
-// to the job id, replies (the JetStream ack) to the client role's inbox prefix.
+// Submit a job to Ebb from nats.js, as docs/running-jobs.md shows: the job map as JSON,
+// Nats-Msg-Id set to the job id, replies (the JetStream ack) to the client role's inbox prefix.
 // node submit.mjs URL CREDS_FILE PREFIX BODY_FILE MSG_ID
 import { readFileSync } from "node:fs";
 import { connect, credsAuthenticator, headers } from "nats";

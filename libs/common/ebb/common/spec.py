@@ -81,6 +81,8 @@ def _positive(name: str, value: float) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
+    """What to read, and how it is cut into shards."""
+
     uri: str
     """A file, a folder (every file of the format under it) or a glob; a path or fsspec URL."""
     format: InputFormat | None = None
@@ -232,6 +234,8 @@ class StageSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
+    """The stages every row goes through, and where user modelets' code is."""
+
     stages: list[StageSpec]
     """Run in order: each stage's output items are the next stage's input items."""
     code_paths: list[str] = field(default_factory=list)
@@ -261,6 +265,8 @@ class PipelineSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class OutputSpec:
+    """Where the results go, in which format, with which input columns beside them."""
+
     uri: str
     """Output root: data/, _commits/ and _manifest.json are written under it."""
     format: Literal["parquet", "jsonl", "csv"] = "parquet"
@@ -283,16 +289,24 @@ class OutputSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ResourceSpec:
+    """How many workers the job may have, and what each one asks of a node."""
+
     min_workers: int = 1
+    """Workers the controller places for this job before it shares what is left among
+    jobs of its priority (capacity permitting; never more than the job has shards left)."""
     max_workers: int = 1
+    """Most workers the job runs at once; fewer while it has fewer shards left to do."""
     cpu: float = 1.0
-    """CPU cores requested per worker."""
+    """CPU cores requested per worker (Kubernetes backend: the pod's request, and the cores
+    the worker shares among its stage processes)."""
     memory_gb: float = 2.0
-    """Memory requested per worker."""
+    """Memory requested per worker, in GiB (Kubernetes backend: the pod's request and limit;
+    an OOMKilled worker's successors ask for more)."""
     gpu: int = 0
-    """GPUs per worker."""
+    """GPUs per worker (Kubernetes backend: `nvidia.com/gpu`)."""
     pool: str = "offline"
-    """Node pool preferred: offline, mixed or online (Kubernetes backend)."""
+    """offline, mixed or online. Checked, but placement does not read it: the Kubernetes
+    backend puts every worker on the offline pool first, then on lent mixed nodes."""
 
     def __post_init__(self) -> None:
         if self.min_workers < 0:
@@ -310,6 +324,8 @@ class ResourceSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class FaultPolicy:
+    """What a failure costs: when a shard is retried, quarantined, or fails the job."""
+
     lease_s: float = 60.0
     """Lease period. Workers renew at about a third of it; an expired lease is retried."""
     max_attempts: int = 3
@@ -348,14 +364,24 @@ class FaultPolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
+    """A job: what to read, the pipeline to run on it, where to write, with what resources
+    and which fault policy."""
+
     name: str
+    """For people: shown by `ebb status`, and the stem of the id made when `id` is empty.
+    1 to 200 characters."""
     id: str = ""
     """Unique job id, sent as `Nats-Msg-Id`: resubmitting is a no-op. Assigned if empty."""
     input: InputSpec
+    """What to read (the `input` section)."""
     pipeline: PipelineSpec
+    """What to run on each row (the `pipeline` section)."""
     output: OutputSpec
+    """Where to write (the `output` section)."""
     resources: ResourceSpec = field(default_factory=ResourceSpec)
+    """Workers and what each asks for (the `resources` section)."""
     fault: FaultPolicy = field(default_factory=FaultPolicy)
+    """Leases, retries and error budget (the `fault` section)."""
     priority: int = 0
     """Higher-priority jobs get capacity first."""
 
