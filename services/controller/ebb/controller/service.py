@@ -19,6 +19,7 @@ import nats.errors
 
 from ebb.common import bus
 from ebb.common import metrics as metrics_server
+from ebb.common.aio import until
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, RemoteError
@@ -107,16 +108,8 @@ class Controller:
 
     async def _lead(self, elector: LeaderElector) -> bool:
         """Wait to lead; False if a stop came first."""
-        acquire = asyncio.create_task(elector.acquire())
-        stop = asyncio.create_task(self.supervisor.stop_requested.wait())
-        await asyncio.wait([acquire, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if acquire.done():
-            acquire.result()
-            return True
-        acquire.cancel()
-        await asyncio.wait([acquire])
-        return False
+        led = await until(_acquired(elector), self.supervisor.stop_requested)
+        return led is not None
 
     async def reconcile_forever(self) -> None:
         assert self.reconciler is not None
@@ -142,3 +135,8 @@ class Controller:
             finally:  # cancelled too: no waiter outlives the loop
                 for waiter in waits:
                     waiter.cancel()
+
+
+async def _acquired(elector: LeaderElector) -> bool:
+    await elector.acquire()
+    return True
