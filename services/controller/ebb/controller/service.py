@@ -120,12 +120,13 @@ class Controller:
             try:
                 await self.reconciler.reconcile_once()
                 metrics.RECONCILES.labels("ok").inc()
-            except (BusError, RemoteError) as e:
-                metrics.RECONCILES.labels("master_unavailable").inc()
-                log.info("reconcile skipped: master unavailable (%s)", e)
-            except Exception:
-                metrics.RECONCILES.labels("error").inc()
-                log.exception("reconcile pass failed")
+            except Exception as e:
+                if _master_unavailable(e):
+                    metrics.RECONCILES.labels("master_unavailable").inc()
+                    log.info("reconcile skipped: master unavailable (%s)", e)
+                else:
+                    metrics.RECONCILES.labels("error").inc()
+                    log.exception("reconcile pass failed")
             await asyncio.sleep(self.config.min_interval_s)
             waits = [asyncio.ensure_future(event.wait()) for event in wakers]
             try:
@@ -140,3 +141,9 @@ class Controller:
 async def _acquired(elector: LeaderElector) -> bool:
     await elector.acquire()
     return True
+
+
+def _master_unavailable(error: Exception) -> bool:
+    """The pass could not reach the master, or the master could not answer now: the next
+    pass asks again. Any other refusal is a bug of ours or of the master's."""
+    return isinstance(error, BusError) or (isinstance(error, RemoteError) and error.retryable)
