@@ -4,7 +4,8 @@ Agents (tasks of one supervisor):
 - leaser:  leases shards and runs each in its own task, up to `shards_in_flight` at once, so
            the next shard is leased and read while the current one computes (prefetch).
 - renewer: renews every held lease at about a third of its period; a lease the master
-           refuses (expired, superseded, job over) is lost, and its shard's task is cancelled.
+           refuses (expired, superseded, job over) is lost, and its shard's task is cancelled
+           (leases.py).
 
 SIGTERM drains in stages: stop leasing; let shards in flight finish within the grace period;
 release (retryable) whatever is still unfinished; stop the stage processes; exit 0.
@@ -31,7 +32,6 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
 
 import nats.errors
 import numpy as np
@@ -40,10 +40,11 @@ from nats.aio.client import Client as NATS
 
 from ebb.common import auth, bus, failpoints
 from ebb.common import metrics as metrics_server
+from ebb.common.aio import sleep_or_stop, until
 from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
 from ebb.common.errors import BusError, ErrorCode, RemoteError
-from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
+from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
 from ebb.common.output import CommitRecord, OutputFile, OutputStore, new_commit
 from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP
 from ebb.common.spec import JobSpec, parse_job
@@ -53,32 +54,12 @@ from ebb.common.supervisor import Supervisor
 from . import cpus, devices, metrics
 from .columns import scatter
 from .elastic import DeviceMonitor
+from .leases import ActiveLease, LeaseKeeper, LeaseState
 from .pipeline import Pipeline, PipelineConfig, PipelineError, PipelineSetupError, RunResult
 from .reader import CHUNK_ROWS, ShardData, ShardReader
 from .writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
-
-_LOST_CODES = frozenset(
-    {
-        ErrorCode.STALE_TOKEN,
-        ErrorCode.JOB_ENDED,
-        ErrorCode.NOT_FOUND,
-        ErrorCode.QUARANTINED,
-        ErrorCode.NOT_HOLDER,
-    }
-)
-_RETRY_CODES = frozenset(
-    {
-        ErrorCode.UNAVAILABLE,
-        ErrorCode.NOT_LEADER,
-        ErrorCode.INTERNAL,
-        ErrorCode.BAD_REPLY,
-        ErrorCode.NO_COMMIT_RECORD,
-    }
-)
-"""Answers that say "not now": the master is restarting, its store timed out, or (on an
-eventually consistent object store) it cannot see our commit record yet."""
 
 
 def _output(
@@ -141,27 +122,11 @@ class WorkerConfig:
         check_worker_id(self.id)
 
 
-@dataclass(eq=False)
-class ActiveLease:
-    token: str
-    shard: ShardSpec
-    attempt: int
-    lease_s: float
-    deadline: float
-    """On our loop's clock: counted from when we SENT the request that granted or renewed it."""
-    renew_at: float
-    task: asyncio.Task[None] | None = None
-    lost: str = ""
-    committed: bool = False
-    """Our commit record exists (or another attempt's does): never a poisoned release now."""
-
-
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.supervisor = Supervisor("worker", cancel_timeout_s=config.shutdown_grace_s + 10)
         self.draining = asyncio.Event()
-        self.leases: dict[str, ActiveLease] = {}
         self.exit_code = EXIT_OK
         self.fatal_reason = ""
         """Why the worker gave up on this job (with a non-zero exit_code): its termination
@@ -208,6 +173,9 @@ class Worker:
 
     async def _run(self, nc: NATS) -> int:
         self.master = MasterClient(nc, self.config.nats)
+        self.keeper = LeaseKeeper(
+            self.master, worker=self.config.id, ready=lambda: self.pipeline_ready
+        )
         try:
             status = await self.master.job(self.config.job, include_spec=True)
         except RemoteError as e:
@@ -249,7 +217,7 @@ class Worker:
         try:
             async with self.supervisor as sup:
                 sup.spawn("leaser", self.leaser())
-                sup.spawn("renewer", self.renewer())
+                sup.spawn("renewer", self.keeper.renewer())
                 sup.spawn("gauges", self.gauges())
                 await sup.wait()
         finally:
@@ -267,10 +235,8 @@ class Worker:
         log.debug("stage processes ready in %.2fs", time.perf_counter() - started)
         self.pipeline_ready = True
         # Tell the master now, not at the next renewal, which a long first shard may put
-        # off for a third of a lease: the renewer looks again within half a second.
-        now = asyncio.get_running_loop().time()
-        for active in self.leases.values():
-            active.renew_at = min(active.renew_at, now)
+        # off for a third of a lease.
+        self.keeper.renew_soon()
 
     def _pipeline_start_ended(self, task: asyncio.Task[None]) -> None:
         """A failed start stops the worker whether or not a shard waits for the pipeline
@@ -305,10 +271,10 @@ class Worker:
         loop = asyncio.get_running_loop()
         if self.config.start_jitter_s > 0:
             pause = random.uniform(0, self.config.start_jitter_s)  # noqa: S311
-            await self._until_drained(asyncio.sleep(pause))
+            await sleep_or_stop(pause, self.draining)
         try:
             while not self.draining.is_set():
-                if not await self._until_drained(slots.acquire()):
+                if not await until(slots.acquire(), self.draining):
                     break
                 if self.draining.is_set():
                     slots.release()
@@ -322,7 +288,7 @@ class Worker:
                         log.error("job %s is unknown to the master: stopping", self.spec.id)
                         break
                     log.warning("lease refused (%s); retrying", e)
-                    await self._until_drained(asyncio.sleep(self.master.backoff.delay(0) * 5))
+                    await sleep_or_stop(self.master.backoff.delay(0) * 5, self.draining)
                     continue
                 if reply is None or reply.status == "end":
                     slots.release()
@@ -330,7 +296,7 @@ class Worker:
                 if reply.status == "wait":
                     slots.release()
                     pause = reply.retry_after_s * random.uniform(0.8, 1.2)  # noqa: S311
-                    await self._until_drained(asyncio.sleep(pause))
+                    await sleep_or_stop(pause, self.draining)
                     continue
                 task = asyncio.create_task(
                     self._work(reply, sent_at),
@@ -355,7 +321,7 @@ class Worker:
         request = asyncio.ensure_future(
             self.master.lease(self.spec.id, self.config.id, ready=self.pipeline_ready)
         )
-        reply: LeaseReply | None = await self._until_drained(asyncio.shield(request))
+        reply = await until(asyncio.shield(request), self.draining)
         if reply is not None:
             return reply
         try:
@@ -366,21 +332,6 @@ class Worker:
             await self._release_token(
                 late.token, late.shard.index, reason="worker draining", retryable=True
             )
-        return None
-
-    async def _until_drained(self, coro: Any) -> Any:
-        """Await `coro`, unless draining starts first (then None)."""
-        work = asyncio.ensure_future(coro)
-        drained = asyncio.ensure_future(self.draining.wait())
-        try:
-            await asyncio.wait([work, drained], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drained.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
         return None
 
     async def _finish_in_flight(self) -> None:
@@ -395,17 +346,7 @@ class Worker:
             await asyncio.wait(self._tasks)
 
     async def _work(self, reply: LeaseReply, sent_at: float) -> None:
-        assert reply.shard is not None
-        active = ActiveLease(
-            token=reply.token,
-            shard=reply.shard,
-            attempt=reply.attempt,
-            lease_s=reply.lease_s,
-            deadline=sent_at + reply.lease_s,
-            renew_at=sent_at + reply.lease_s / 3,
-            task=asyncio.current_task(),
-        )
-        self.leases[active.token] = active
+        active = self.keeper.hold(reply, sent_at=sent_at, task=asyncio.current_task())
         index = active.shard.index
         started = time.perf_counter()
         try:
@@ -414,7 +355,7 @@ class Worker:
             metrics.SHARD_SECONDS.observe(time.perf_counter() - started)
             self.shards_done += 1
         except asyncio.CancelledError:
-            if active.lost:
+            if active.state is LeaseState.LOST:
                 # We cancelled ourselves because the lease is gone: not an error, not a stop.
                 current = asyncio.current_task()
                 if current is not None:
@@ -422,7 +363,7 @@ class Worker:
                 log.warning(
                     "shard %d: lease lost (%s); abandoning attempt %d",
                     index,
-                    active.lost,
+                    active.lost_reason,
                     active.attempt,
                 )
                 metrics.SHARDS.labels("lost").inc()
@@ -444,7 +385,7 @@ class Worker:
             await self._release(active, reason, retryable=active.committed)
             metrics.SHARDS.labels("failed").inc()
         finally:
-            self.leases.pop(active.token, None)
+            self.keeper.drop(active)
 
     async def _process(self, active: ActiveLease) -> None:
         spec = self.spec
@@ -549,7 +490,7 @@ class Worker:
     async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:
         """Report the commit record to the master, retrying through master restarts and
         store hiccups. The record already decides the shard's output; this only tells."""
-        active.committed = True
+        active.mark_committed()
         attempt = 0
         while True:
             try:
@@ -561,11 +502,11 @@ class Worker:
                 )
                 break
             except RemoteError as e:
-                if e.code in _LOST_CODES:
+                if e.lease_lost:
                     # The record stands: whoever holds the shard now will find and report it.
                     log.info("shard %d: commit refused (%s)", active.shard.index, e)
                     return
-                if e.code not in _RETRY_CODES:
+                if not e.retryable:
                     raise
                 delay = self.master.backoff.delay(attempt)
                 log.warning(
@@ -586,6 +527,7 @@ class Worker:
         )
 
     async def _release(self, active: ActiveLease, reason: str, *, retryable: bool) -> None:
+        active.release()
         await self._release_token(
             active.token, active.shard.index, reason=reason, retryable=retryable
         )
@@ -605,52 +547,6 @@ class Worker:
 
         await asyncio.shield(release())
 
-    # -- renewing --------------------------------------------------------------------------
-
-    async def renewer(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            for active in list(self.leases.values()):
-                if active.lost or loop.time() < active.renew_at:
-                    continue
-                await self._renew(active, loop)
-            upcoming = [a.renew_at for a in self.leases.values() if not a.lost]
-            pause = min(upcoming, default=loop.time() + 0.5) - loop.time()
-            await asyncio.sleep(min(0.5, max(0.02, pause)))
-
-    async def _renew(self, active: ActiveLease, loop: asyncio.AbstractEventLoop) -> None:
-        sent = loop.time()
-        try:
-            reply = await self.master.renew(
-                active.token,
-                worker=self.config.id,
-                timeout_s=max(0.5, min(5.0, active.lease_s / 4)),
-                ready=self.pipeline_ready,
-            )
-        except RemoteError as e:
-            if e.code in _LOST_CODES:
-                self._lose(active, e.message)
-            else:
-                active.renew_at = loop.time() + 1.0
-            return
-        except BusError as e:
-            # Past our commit record the shard's output is decided: keep telling the master
-            # (the commit is being retried) however long it is away, rather than go quiet.
-            if loop.time() >= active.deadline and not active.committed:
-                self._lose(active, f"not renewed before its deadline ({e})")
-            else:
-                active.renew_at = loop.time() + min(1.0, active.lease_s / 10)
-            return
-        metrics.RENEWALS.inc()
-        active.deadline = sent + reply.lease_s
-        # Early, with jitter, so that a fleet of workers does not renew in lockstep.
-        active.renew_at = sent + reply.lease_s / 3 * random.uniform(0.8, 1.0)  # noqa: S311
-
-    def _lose(self, active: ActiveLease, reason: str) -> None:
-        active.lost = reason or "lease lost"
-        if active.task is not None:
-            active.task.cancel()
-
     async def gauges(self) -> None:
         """Publish the pipeline's queue depths and its devices' utilisation (sampled)."""
         assert self.spec is not None and self.pipeline is not None
@@ -666,7 +562,7 @@ class Worker:
         while True:
             for name, depth in zip(names, self.pipeline.depths(), strict=False):
                 metrics.QUEUE_DEPTH.labels(name).set(depth)
-            metrics.LEASES_HELD.set(len(self.leases))
+            metrics.LEASES_HELD.set(len(self.keeper.leases))
             monitor.sample(time.monotonic())
             for device in used:
                 metrics.DEVICE_UTILIZATION.labels(device).set(monitor.busy(device))
