@@ -700,7 +700,6 @@ async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_
     await client.submit(spec)
     worker = Worker(WorkerConfig(nats=nats_config, job=spec.id, id="w1"))
     master_api = MasterClient(client.nc, nats_config, backoff=Backoff(first_s=0.05, max_s=0.2))
-    worker.master = master_api
     keeper = LeaseKeeper(master_api, worker="w1")
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
@@ -711,7 +710,7 @@ async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_
     record = OutputStore(spec.output.uri).read_commit(reply.shard.index)
     assert record is not None
     active = keeper.hold(reply, sent_at=sent_at)
-    reporting = asyncio.create_task(worker._commit(active, record))
+    reporting = asyncio.create_task(worker._commit(master_api, active, record))
     active.task = reporting
     renewer = asyncio.create_task(keeper.renewer())
     try:
