@@ -33,7 +33,8 @@ from ebb.shard_master.ownership import spec_mismatch
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.store import shard_key
 from ebb.shard_master.table import PERSISTED_PERIODS, REASON_CHARS, REJECTIONS_KEPT, LeaseTable
-from ebb.worker.service import ActiveLease, Worker, WorkerConfig
+from ebb.worker.leases import LeaseKeeper, LeaseState
+from ebb.worker.service import Worker, WorkerConfig
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
 
@@ -850,33 +851,26 @@ async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_
     spec = make_job(tmp_path, rows=1_000, lease_s=1)
     await client.submit(spec)
     worker = Worker(WorkerConfig(nats=nats_config, job=spec.id, id="w1"))
-    worker.master = MasterClient(client.nc, nats_config, backoff=Backoff(first_s=0.05, max_s=0.2))
+    master_api = MasterClient(client.nc, nats_config, backoff=Backoff(first_s=0.05, max_s=0.2))
+    keeper = LeaseKeeper(master_api, worker="w1")
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
-    reply = await worker.master.lease(spec.id, "w1")
+    reply = await master_api.lease(spec.id, "w1")
     assert reply.shard is not None
     commit_record(spec, reply)  # the worker's record exists...
     await master.stop()  # ...and the master goes away before it hears of it
     record = OutputStore(spec.output.uri).read_commit(reply.shard.index)
     assert record is not None
-    active = ActiveLease(
-        token=reply.token,
-        shard=reply.shard,
-        attempt=reply.attempt,
-        lease_s=reply.lease_s,
-        deadline=sent_at + reply.lease_s,
-        renew_at=sent_at + reply.lease_s / 3,
-    )
-    worker.leases[active.token] = active
-    reporting = asyncio.create_task(worker._commit(active, record))
+    active = keeper.hold(reply, sent_at=sent_at)
+    reporting = asyncio.create_task(worker._commit(master_api, active, record))
     active.task = reporting
-    renewer = asyncio.create_task(worker.renewer())
+    renewer = asyncio.create_task(keeper.renewer())
     try:
         # The renewer tries (every 0.1s) and fails, well past the lease's deadline.
         await wait_until(
             lambda: loop.time() > active.deadline + 1, timeout=10, what="the deadline to pass"
         )
-        assert not active.lost and not reporting.done()
+        assert active.state is LeaseState.COMMITTED and not reporting.done()
         await master.start()
         # The report, or the master's own look at the output once the restored lease runs
         # out (the renewer may then learn first that the lease is over): done either way.

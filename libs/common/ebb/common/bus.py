@@ -29,6 +29,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from . import envvars, schema
+from .aio import until
 from .auth import inbox_for_user
 from .errors import BusError, ErrorCode, RemoteError, SchemaError
 from .identity import credentials_name
@@ -172,19 +173,16 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
     nc = NATS()
     connecting = asyncio.ensure_future(nc.connect(**options))
     log.debug("connecting to NATS at %s as %s", config.url, name)
-    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
     try:
-        waits: list[asyncio.Future[Any]] = [connecting, refused]
-        if stopping is not None:
-            waits.append(stopping)
-        await asyncio.wait(
-            waits,
+        # Connected, refused, or no answer in time; or a stop (a `stop` of None never comes).
+        answers: list[asyncio.Future[Any]] = [connecting, refused]
+        answered = asyncio.wait(
+            answers,
             timeout=config.first_connect_timeout_s,
             return_when=asyncio.FIRST_COMPLETED,
         )
+        await until(answered, stop if stop is not None else asyncio.Event())
     finally:
-        if stopping is not None:
-            stopping.cancel()
         if not connecting.done():
             connecting.cancel()
             await asyncio.wait([connecting])

@@ -6,7 +6,7 @@ the boundaries between the parts (a bad message, a bad spec, an error a peer ans
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 
 class ErrorCode(StrEnum):
@@ -46,6 +46,39 @@ class ErrorCode(StrEnum):
     """A bug in the peer."""
 
 
+class ErrorKind(Enum):
+    """What an error reply tells its requester to do."""
+
+    RETRY = "retry"
+    """Not now: the master is restarting or failing over, its store timed out, or (on an
+    eventually consistent object store) it cannot see a commit record yet. Ask again."""
+    LEASE_LOST = "lease_lost"
+    """Said of a lease (to a renew, commit or release): it is no longer the asker's. Let it go;
+    asking again will not bring it back."""
+    REFUSED = "refused"
+    """The request itself is refused: asking again gets the same answer."""
+
+
+ERROR_KINDS: dict[str, ErrorKind] = {
+    ErrorCode.BAD_REQUEST: ErrorKind.REFUSED,
+    ErrorCode.NOT_FOUND: ErrorKind.LEASE_LOST,
+    ErrorCode.REJECTED: ErrorKind.REFUSED,
+    ErrorCode.STALE_TOKEN: ErrorKind.LEASE_LOST,
+    ErrorCode.NOT_HOLDER: ErrorKind.LEASE_LOST,
+    ErrorCode.JOB_ENDED: ErrorKind.LEASE_LOST,
+    ErrorCode.NO_COMMIT_RECORD: ErrorKind.RETRY,
+    ErrorCode.QUARANTINED: ErrorKind.LEASE_LOST,
+    ErrorCode.NOT_RESUMABLE: ErrorKind.REFUSED,
+    ErrorCode.NOT_LEADER: ErrorKind.RETRY,
+    ErrorCode.UNAVAILABLE: ErrorKind.RETRY,
+    ErrorCode.TOO_LARGE: ErrorKind.REFUSED,
+    ErrorCode.BAD_REPLY: ErrorKind.RETRY,
+    ErrorCode.INTERNAL: ErrorKind.RETRY,
+}
+"""Every code's kind. A code this version does not know (a newer peer's) is REFUSED: nothing
+says that asking again could help."""
+
+
 class EbbError(Exception):
     """Root of every exception Ebb raises on purpose."""
 
@@ -71,6 +104,20 @@ class RemoteError(EbbError):
         self.code = code
         self.message = message
         super().__init__(f"{code}: {message}")
+
+    @property
+    def kind(self) -> ErrorKind:
+        return ERROR_KINDS.get(self.code, ErrorKind.REFUSED)
+
+    @property
+    def retryable(self) -> bool:
+        """The same request may succeed later (ErrorKind.RETRY)."""
+        return self.kind is ErrorKind.RETRY
+
+    @property
+    def lease_lost(self) -> bool:
+        """The lease the request named is no longer the asker's (ErrorKind.LEASE_LOST)."""
+        return self.kind is ErrorKind.LEASE_LOST
 
 
 class BusError(EbbError):

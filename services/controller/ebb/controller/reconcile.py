@@ -352,7 +352,7 @@ class Reconciler:
                 log.info("the master did not hear of worker %s yet (%s)", notice.worker, e)
                 return  # unreachable now: the next pass tells it
             except RemoteError as e:
-                if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.NOT_LEADER, ErrorCode.INTERNAL):
+                if e.retryable:
                     log.info("the master did not hear of worker %s yet (%s)", notice.worker, e)
                     return
                 log.warning("the master refused word of worker %s: %s", notice.worker, e)

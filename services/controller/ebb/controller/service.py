@@ -19,6 +19,7 @@ import nats.errors
 
 from ebb.common import bus
 from ebb.common import metrics as metrics_server
+from ebb.common.aio import until
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.errors import BusError, RemoteError
@@ -107,16 +108,8 @@ class Controller:
 
     async def _lead(self, elector: LeaderElector) -> bool:
         """Wait to lead; False if a stop came first."""
-        acquire = asyncio.create_task(elector.acquire())
-        stop = asyncio.create_task(self.supervisor.stop_requested.wait())
-        await asyncio.wait([acquire, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if acquire.done():
-            acquire.result()
-            return True
-        acquire.cancel()
-        await asyncio.wait([acquire])
-        return False
+        led = await until(_acquired(elector), self.supervisor.stop_requested)
+        return led is not None
 
     async def reconcile_forever(self) -> None:
         assert self.reconciler is not None
@@ -127,12 +120,13 @@ class Controller:
             try:
                 await self.reconciler.reconcile_once()
                 metrics.RECONCILES.labels("ok").inc()
-            except (BusError, RemoteError) as e:
-                metrics.RECONCILES.labels("master_unavailable").inc()
-                log.info("reconcile skipped: master unavailable (%s)", e)
-            except Exception:
-                metrics.RECONCILES.labels("error").inc()
-                log.exception("reconcile pass failed")
+            except Exception as e:
+                if _master_unavailable(e):
+                    metrics.RECONCILES.labels("master_unavailable").inc()
+                    log.info("reconcile skipped: master unavailable (%s)", e)
+                else:
+                    metrics.RECONCILES.labels("error").inc()
+                    log.exception("reconcile pass failed")
             await asyncio.sleep(self.config.min_interval_s)
             waits = [asyncio.ensure_future(event.wait()) for event in wakers]
             try:
@@ -142,3 +136,14 @@ class Controller:
             finally:  # cancelled too: no waiter outlives the loop
                 for waiter in waits:
                     waiter.cancel()
+
+
+async def _acquired(elector: LeaderElector) -> bool:
+    await elector.acquire()
+    return True
+
+
+def _master_unavailable(error: Exception) -> bool:
+    """The pass could not reach the master, or the master could not answer now: the next
+    pass asks again. Any other refusal is a bug of ours or of the master's."""
+    return isinstance(error, BusError) or (isinstance(error, RemoteError) and error.retryable)

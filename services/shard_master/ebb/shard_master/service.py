@@ -33,6 +33,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from ebb.common import bus, schema
 from ebb.common import metrics as metrics_server
+from ebb.common.aio import sleep_or_stop, until
 from ebb.common.bus import NatsConfig, RequestServer
 from ebb.common.errors import ErrorCode, SchemaError, SpecError
 from ebb.common.messages import (
@@ -158,8 +159,7 @@ class ShardMaster:
                     failures += 1
                     why = str(e) or repr(e)  # some of nats-py's errors have no message
                     log.warning("could not set up on NATS (%s); again in %.1fs", why, delay)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.supervisor.stop_requested.wait(), delay)
+                    await sleep_or_stop(delay, self.supervisor.stop_requested)
                 self.ready.clear()
                 self.table = None
                 self.deposed = None
@@ -175,8 +175,7 @@ class ShardMaster:
     async def _until_connected(self, nc: NATS) -> None:
         """Until NATS is back (it reconnects on its own), or a stop is requested."""
         while not nc.is_connected:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.supervisor.stop_requested.wait(), 0.5)
+            if await sleep_or_stop(0.5, self.supervisor.stop_requested):
                 return
 
     async def _run(self, nc: NATS) -> None:
@@ -192,15 +191,9 @@ class ShardMaster:
             holder=self.config.id,
             ttl_s=self.config.leader_ttl_s,
         )
-        acquire = asyncio.create_task(leadership.acquire())
-        stop = asyncio.create_task(self.supervisor.stop_requested.wait())
-        await asyncio.wait([acquire, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not acquire.done():
-            acquire.cancel()
-            await asyncio.wait([acquire])
+        epoch = await until(leadership.acquire(), self.supervisor.stop_requested)
+        if epoch is None:
             return
-        epoch = acquire.result()
 
         store = Store(
             js,

@@ -3,15 +3,17 @@
 Agents (tasks of one supervisor):
 - leaser:  leases shards and runs each in its own task, up to `shards_in_flight` at once, so
            the next shard is leased and read while the current one computes (prefetch).
+           One shard's attempt is `attempt.run_attempt`; its commit is then reported here.
 - renewer: renews every held lease at about a third of its period; a lease the master
-           refuses (expired, superseded, job over) is lost, and its shard's task is cancelled.
+           refuses (expired, superseded, job over) is lost, and its shard's task is cancelled
+           (leases.py).
+- gauges:  the pipeline's queue depths and its devices' utilisation (session.py).
 
 SIGTERM drains in stages: stop leasing; let shards in flight finish within the grace period;
 release (retryable) whatever is still unfinished; stop the stage processes; exit 0.
 
-The stage processes start (models load) while the first shard is leased and read. Once they
-are ready, every lease and renew request says so (the master learns the job's pipeline can
-start somewhere). A pipeline that cannot start here, or that breaks later, is no shard's fault:
+The stage processes start (models load) while the first shard is leased and read
+(session.py). A pipeline that cannot start here, or that breaks later, is no shard's fault:
 its shards go back retryable, and the worker drains and exits EXIT_SETUP (cannot start here)
 or EXIT_FAILED (broke), with the reason as its termination message, shards held or not.
 """
@@ -21,96 +23,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import random
 import re
 import socket
 import time
-from collections import deque
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
 
 import nats.errors
-import numpy as np
-import pyarrow as pa
 from nats.aio.client import Client as NATS
 
-from ebb.common import auth, bus, failpoints
+from ebb.common import auth, bus
 from ebb.common import metrics as metrics_server
+from ebb.common.aio import sleep_or_stop, until
 from ebb.common.api import MasterClient
 from ebb.common.bus import NatsConfig
 from ebb.common.errors import BusError, ErrorCode, RemoteError
-from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply, ShardSpec
-from ebb.common.output import CommitRecord, OutputFile, OutputStore, new_commit
+from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
+from ebb.common.output import CommitRecord, OutputStore
 from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP
-from ebb.common.spec import JobSpec, parse_job
+from ebb.common.spec import parse_job
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
 from . import cpus, devices, metrics
-from .columns import scatter
-from .elastic import DeviceMonitor
-from .pipeline import Pipeline, PipelineConfig, PipelineError, PipelineSetupError, RunResult
-from .reader import CHUNK_ROWS, ShardData, ShardReader
-from .writer import build_output, write_attempt
+from .attempt import run_attempt
+from .leases import ActiveLease, LeaseState
+from .pipeline import Pipeline, PipelineError, PipelineSetupError
+from .reader import CHUNK_ROWS
+from .session import JobSession, pipeline_config
 
 log = logging.getLogger(__name__)
-
-_LOST_CODES = frozenset(
-    {
-        ErrorCode.STALE_TOKEN,
-        ErrorCode.JOB_ENDED,
-        ErrorCode.NOT_FOUND,
-        ErrorCode.QUARANTINED,
-        ErrorCode.NOT_HOLDER,
-    }
-)
-_RETRY_CODES = frozenset(
-    {
-        ErrorCode.UNAVAILABLE,
-        ErrorCode.NOT_LEADER,
-        ErrorCode.INTERNAL,
-        ErrorCode.BAD_REPLY,
-        ErrorCode.NO_COMMIT_RECORD,
-    }
-)
-"""Answers that say "not now": the master is restarting, its store timed out, or (on an
-eventually consistent object store) it cannot see our commit record yet."""
-
-
-def _output(
-    data: ShardData, good: np.ndarray, result: RunResult, spec: JobSpec
-) -> tuple[pa.Table, int]:
-    """The shard's output table: the pipeline's results (for the rows that went in, `good`)
-    put back among the shard's rows, and the rows that could not be read as errors."""
-    n = data.table.num_rows
-    results, errors = result.columns, dict(result.errors)
-    if len(good) != n:
-        errors = {int(good[i]): why for i, why in errors.items()}
-        errors.update(data.bad_rows)
-        results, _ = scatter([(good, results)], n) if results else ({}, None)
-    return build_output(data.table, results, errors, spec.output)
-
-
-def _inputs(data: ShardData, spec: JobSpec | None) -> tuple[pa.Table, np.ndarray]:
-    """A chunk's rows as the pipeline takes them (its input columns, the rows that could be
-    read), and the positions of those rows in the chunk."""
-    assert spec is not None
-    inputs = data.table
-    if spec.input.columns is not None:
-        inputs = inputs.select(spec.input.columns)
-    good = np.arange(data.table.num_rows, dtype=np.int64)
-    if data.bad_rows:
-        good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
-        inputs = inputs.take(pa.array(good, type=pa.int64()))
-    return inputs, good
-
-
-_CHUNKS_IN_FLIGHT = 2
-"""Chunks of a shard in the pipeline at once (`Worker._computed`)."""
 
 
 def default_worker_id() -> str:
@@ -141,42 +85,17 @@ class WorkerConfig:
         check_worker_id(self.id)
 
 
-@dataclass(eq=False)
-class ActiveLease:
-    token: str
-    shard: ShardSpec
-    attempt: int
-    lease_s: float
-    deadline: float
-    """On our loop's clock: counted from when we SENT the request that granted or renewed it."""
-    renew_at: float
-    task: asyncio.Task[None] | None = None
-    lost: str = ""
-    committed: bool = False
-    """Our commit record exists (or another attempt's does): never a poisoned release now."""
-
-
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.supervisor = Supervisor("worker", cancel_timeout_s=config.shutdown_grace_s + 10)
         self.draining = asyncio.Event()
-        self.leases: dict[str, ActiveLease] = {}
         self.exit_code = EXIT_OK
         self.fatal_reason = ""
         """Why the worker gave up on this job (with a non-zero exit_code): its termination
         message."""
-        self.spec: JobSpec | None = None
-        self.pipeline: Pipeline | None = None
-        self.pipeline_ready = False
-        """The stage processes have started: lease and renew requests say so."""
-        self._pipeline_started: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.shards_done = 0
-        self.cores = 1.0
-        """The cores this worker may use (cpus.py)."""
-        self.gpus: tuple[str, ...] | None = None
-        """The GPUs it may use (devices.py; None: nothing says)."""
 
     def request_drain(self) -> None:
         """Stop leasing and wind down gracefully (SIGTERM)."""
@@ -207,21 +126,20 @@ class Worker:
                 await nc.drain()
 
     async def _run(self, nc: NATS) -> int:
-        self.master = MasterClient(nc, self.config.nats)
+        master = MasterClient(nc, self.config.nats)
         try:
-            status = await self.master.job(self.config.job, include_spec=True)
+            status = await master.job(self.config.job, include_spec=True)
         except RemoteError as e:
             log.error("job %s: %s", self.config.job, e)
             return EXIT_CONFIG
         if status.state in TERMINAL_JOB_STATES or status.spec is None:
             log.info("job %s is %s: nothing to do", status.id, status.state)
             return EXIT_OK
-        self.spec = spec = parse_job(status.spec)
-        memory = spec.fault.worker_memory_gb
-        self.cores = cores = cpus.detect()
-        self.gpus = gpus = devices.visible()
+        spec = parse_job(status.spec)
+        cores = cpus.detect()
+        gpus = devices.visible()
         try:
-            stages = devices.spread(spec.pipeline.stages, gpus)
+            config = pipeline_config(spec, cores=cores, gpus=gpus)
         except ValueError as e:
             # Not this job's fault everywhere: a node with the GPUs may run it.
             log.error("job %s: %s", spec.id, e)
@@ -232,55 +150,26 @@ class Worker:
             cores,
             f", GPUs {','.join(gpus)}" if gpus else "" if gpus is None else ", no GPU",
         )
-        self.pipeline = Pipeline(
-            PipelineConfig(
-                stages=stages,
-                code_paths=spec.pipeline.code_paths,
-                batch_timeout_s=spec.fault.batch_timeout_s,
-                memory_limit_bytes=int(memory * 2**30) if memory else None,
-                cpus=cores,
-                gpus=gpus,
-            )
+        session = JobSession(
+            spec=spec,
+            pipeline=Pipeline(config),
+            master=master,
+            worker=self.config.id,
+            cores=cores,
+            gpus=gpus,
+            on_failed_start=self._give_up,
         )
-        # Stage processes start (models load) while the first shard is leased and read.
-        self._pipeline_started = asyncio.create_task(self._start_pipeline(), name="pipeline-start")
-        self._pipeline_started.add_done_callback(self._pipeline_start_ended)
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
             async with self.supervisor as sup:
-                sup.spawn("leaser", self.leaser())
-                sup.spawn("renewer", self.renewer())
-                sup.spawn("gauges", self.gauges())
+                sup.spawn("leaser", self.leaser(session))
+                sup.spawn("renewer", session.leases.renewer())
+                sup.spawn("gauges", session.gauges())
                 await sup.wait()
         finally:
-            if not self._pipeline_started.done():
-                self._pipeline_started.cancel()
-            await asyncio.wait([self._pipeline_started])
-            await self.pipeline.stop(grace_s=self.config.stage_stop_grace_s)
+            await session.close(grace_s=self.config.stage_stop_grace_s)
         log.info("worker %s exits after %d shards", self.config.id, self.shards_done)
         return self.exit_code
-
-    async def _start_pipeline(self) -> None:
-        assert self.pipeline is not None
-        started = time.perf_counter()
-        await self.pipeline.start()
-        log.debug("stage processes ready in %.2fs", time.perf_counter() - started)
-        self.pipeline_ready = True
-        # Tell the master now, not at the next renewal, which a long first shard may put
-        # off for a third of a lease: the renewer looks again within half a second.
-        now = asyncio.get_running_loop().time()
-        for active in self.leases.values():
-            active.renew_at = min(active.renew_at, now)
-
-    def _pipeline_start_ended(self, task: asyncio.Task[None]) -> None:
-        """A failed start stops the worker whether or not a shard waits for the pipeline
-        (the master may have none to give, or only `wait`): it must say so, and promptly.
-        Looking at the exception here also retrieves it, once and for all."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None:
-            self._give_up(error)
 
     def _give_up(self, error: BaseException) -> None:
         """The pipeline cannot serve here: drain, and exit saying why (the first cause)."""
@@ -299,30 +188,29 @@ class Worker:
 
     # -- leasing ---------------------------------------------------------------------------
 
-    async def leaser(self) -> None:
-        assert self.spec is not None
+    async def leaser(self, session: JobSession) -> None:
         slots = asyncio.Semaphore(self.config.shards_in_flight)
         loop = asyncio.get_running_loop()
         if self.config.start_jitter_s > 0:
             pause = random.uniform(0, self.config.start_jitter_s)  # noqa: S311
-            await self._until_drained(asyncio.sleep(pause))
+            await sleep_or_stop(pause, self.draining)
         try:
             while not self.draining.is_set():
-                if not await self._until_drained(slots.acquire()):
+                if not await until(slots.acquire(), self.draining):
                     break
                 if self.draining.is_set():
                     slots.release()
                     break
                 sent_at = loop.time()
                 try:
-                    reply = await self._lease()
+                    reply = await self._lease(session)
                 except RemoteError as e:
                     slots.release()
                     if e.code == ErrorCode.NOT_FOUND:
-                        log.error("job %s is unknown to the master: stopping", self.spec.id)
+                        log.error("job %s is unknown to the master: stopping", session.spec.id)
                         break
                     log.warning("lease refused (%s); retrying", e)
-                    await self._until_drained(asyncio.sleep(self.master.backoff.delay(0) * 5))
+                    await sleep_or_stop(session.master.backoff.delay(0) * 5, self.draining)
                     continue
                 if reply is None or reply.status == "end":
                     slots.release()
@@ -330,10 +218,10 @@ class Worker:
                 if reply.status == "wait":
                     slots.release()
                     pause = reply.retry_after_s * random.uniform(0.8, 1.2)  # noqa: S311
-                    await self._until_drained(asyncio.sleep(pause))
+                    await sleep_or_stop(pause, self.draining)
                     continue
                 task = asyncio.create_task(
-                    self._work(reply, sent_at),
+                    self._work(session, reply, sent_at),
                     name=f"shard-{reply.shard.index if reply.shard else '?'}",
                 )
                 self._tasks.add(task)
@@ -347,15 +235,14 @@ class Worker:
                 await asyncio.wait(self._tasks)
         self.supervisor.request_stop()
 
-    async def _lease(self) -> LeaseReply | None:
+    async def _lease(self, session: JobSession) -> LeaseReply | None:
         """Ask for a shard. If draining starts while the request is out, the master may have
         granted one already: wait (briefly) for the answer and hand such a shard straight
         back, instead of leaving a lease nobody holds to expire and count as a failure."""
-        assert self.spec is not None
         request = asyncio.ensure_future(
-            self.master.lease(self.spec.id, self.config.id, ready=self.pipeline_ready)
+            session.master.lease(session.spec.id, self.config.id, ready=session.ready)
         )
-        reply: LeaseReply | None = await self._until_drained(asyncio.shield(request))
+        reply = await until(asyncio.shield(request), self.draining)
         if reply is not None:
             return reply
         try:
@@ -364,23 +251,12 @@ class Worker:
             return None
         if late.status == "granted" and late.shard is not None:
             await self._release_token(
-                late.token, late.shard.index, reason="worker draining", retryable=True
+                session.master,
+                late.token,
+                late.shard.index,
+                reason="worker draining",
+                retryable=True,
             )
-        return None
-
-    async def _until_drained(self, coro: Any) -> Any:
-        """Await `coro`, unless draining starts first (then None)."""
-        work = asyncio.ensure_future(coro)
-        drained = asyncio.ensure_future(self.draining.wait())
-        try:
-            await asyncio.wait([work, drained], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drained.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
         return None
 
     async def _finish_in_flight(self) -> None:
@@ -394,27 +270,26 @@ class Worker:
         if self._tasks:
             await asyncio.wait(self._tasks)
 
-    async def _work(self, reply: LeaseReply, sent_at: float) -> None:
-        assert reply.shard is not None
-        active = ActiveLease(
-            token=reply.token,
-            shard=reply.shard,
-            attempt=reply.attempt,
-            lease_s=reply.lease_s,
-            deadline=sent_at + reply.lease_s,
-            renew_at=sent_at + reply.lease_s / 3,
-            task=asyncio.current_task(),
-        )
-        self.leases[active.token] = active
+    async def _work(self, session: JobSession, reply: LeaseReply, sent_at: float) -> None:
+        active = session.leases.hold(reply, sent_at=sent_at, task=asyncio.current_task())
         index = active.shard.index
         started = time.perf_counter()
         try:
-            await self._process(active)
+            record = await run_attempt(
+                session.spec,
+                active.shard,
+                active.attempt,
+                pipeline=session,
+                store=OutputStore(session.spec.output.uri),
+                worker_id=self.config.id,
+                chunk_rows=self.config.chunk_rows,
+            )
+            await self._commit(session.master, active, record)
             metrics.SHARDS.labels("done").inc()
             metrics.SHARD_SECONDS.observe(time.perf_counter() - started)
             self.shards_done += 1
         except asyncio.CancelledError:
-            if active.lost:
+            if active.state is LeaseState.LOST:
                 # We cancelled ourselves because the lease is gone: not an error, not a stop.
                 current = asyncio.current_task()
                 if current is not None:
@@ -422,138 +297,41 @@ class Worker:
                 log.warning(
                     "shard %d: lease lost (%s); abandoning attempt %d",
                     index,
-                    active.lost,
+                    active.lost_reason,
                     active.attempt,
                 )
                 metrics.SHARDS.labels("lost").inc()
                 return
-            await self._release(active, "worker shutting down", retryable=True)
+            await self._release(session.master, active, "worker shutting down", retryable=True)
             metrics.SHARDS.labels("released").inc()
             raise
         except PipelineError as e:
             # Every shard would fail the same way here, and none by its own fault: stop, and
             # hand this one back unharmed.
             self._give_up(e)
-            await self._release(active, f"worker's pipeline failed: {e}", retryable=True)
+            reason = f"worker's pipeline failed: {e}"
+            await self._release(session.master, active, reason, retryable=True)
             metrics.SHARDS.labels("released").inc()
         except Exception as e:
             log.exception("shard %d attempt %d failed", index, active.attempt)
             # Past the commit record the shard is done whatever happens here: hand it back
             # unharmed, and the master takes the record as the shard's output.
             reason = f"{type(e).__name__}: {e}"
-            await self._release(active, reason, retryable=active.committed)
+            await self._release(session.master, active, reason, retryable=active.committed)
             metrics.SHARDS.labels("failed").inc()
         finally:
-            self.leases.pop(active.token, None)
+            session.leases.drop(active)
 
-    async def _process(self, active: ActiveLease) -> None:
-        spec = self.spec
-        assert spec is not None and self.pipeline is not None and self._pipeline_started
-        shard = active.shard
-        store = OutputStore(spec.output.uri)
-        existing = await asyncio.to_thread(store.read_commit, shard.index)
-        if existing is not None and existing.job == spec.id:
-            log.info(
-                "shard %d: attempt %d committed before; reporting it", shard.index, existing.attempt
-            )
-            await self._commit(active, existing)
-            return
-        columns = None
-        if spec.input.columns is not None:
-            columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
-        reader = ShardReader(
-            shard,
-            columns,
-            column_types=spec.input.column_types,
-            newlines_in_values=spec.input.newlines_in_values,
-            chunk_rows=self.config.chunk_rows,
-        )
-        started = time.perf_counter()
-        files: list[OutputFile] = []
-        rows = error_rows = 0
-        try:
-            # Closed on the way out whatever happens here, not when it is collected: its
-            # runs still under way must end with this attempt.
-            async with contextlib.aclosing(self._computed(reader)) as computed:
-                async for data, good, result in computed:
-                    table, errors = await asyncio.to_thread(_output, data, good, result, spec)
-                    files += await asyncio.to_thread(
-                        write_attempt,
-                        store,
-                        table,
-                        shard=shard.index,
-                        attempt=active.attempt,
-                        error_rows=errors,
-                        fmt=spec.output.format,
-                        max_rows_per_file=spec.output.max_rows_per_file,
-                        first_part=len(files),
-                    )
-                    rows += table.num_rows
-                    error_rows += errors
-        finally:
-            reader.close()
-        record = new_commit(
-            job=spec.id,
-            shard=shard.index,
-            attempt=active.attempt,
-            files=files,
-            worker=self.config.id,
-        )
-        won, record = await asyncio.to_thread(store.create_commit, record)
-        log.debug(
-            "shard %d: %d rows read, computed and written in %.2fs",
-            shard.index,
-            rows,
-            time.perf_counter() - started,
-        )
-        if not won:
-            log.info(
-                "shard %d: attempt %d committed first; ours is garbage", shard.index, record.attempt
-            )
-        metrics.ROWS.inc(rows)
-        metrics.ERROR_ROWS.inc(error_rows)
-        failpoints.hit(failpoints.WORKER_AFTER_COMMIT_RECORD, detail=str(shard.index))
-        await self._commit(active, record)
-
-    async def _computed(
-        self, reader: ShardReader
-    ) -> AsyncGenerator[tuple[ShardData, np.ndarray, RunResult], None]:
-        """Each chunk of the shard with its results, in order. Two chunks are in the pipeline
-        at once, the next read while they compute: the pipeline never runs dry between
-        chunks, and the shard's memory is a few chunks whatever its size."""
-        assert self.pipeline is not None and self._pipeline_started is not None
-        window: deque[tuple[ShardData, np.ndarray, asyncio.Task[RunResult]]] = deque()
-        try:
-            while (data := await asyncio.to_thread(reader.next)) is not None:
-                inputs, good = _inputs(data, self.spec)
-                await asyncio.shield(self._pipeline_started)
-                # The rows travel as Arrow and become columns in the first stage's processes.
-                window.append((data, good, asyncio.create_task(self.pipeline.run_columns(inputs))))
-                if len(window) >= _CHUNKS_IN_FLIGHT:
-                    done, good_rows, run = window.popleft()
-                    yield done, good_rows, await run
-            while window:
-                done, good_rows, run = window.popleft()
-                yield done, good_rows, await run
-        finally:
-            # Cancelled (the lease lost, a drain) or failed: the runs still under way end
-            # too, and their rows leave the pipeline (Pipeline.run_columns cancels them).
-            for _, _, run in window:
-                run.cancel()
-            if window:
-                await asyncio.wait([run for _, _, run in window])
-                for _, _, run in window:
-                    if not run.cancelled():
-                        run.exception()  # retrieved: the first failure is what we raise
-
-    async def _commit(self, active: ActiveLease, record: CommitRecord) -> None:
+    async def _commit(
+        self, master: MasterClient, active: ActiveLease, record: CommitRecord
+    ) -> None:
         """Report the commit record to the master, retrying through master restarts and
         store hiccups. The record already decides the shard's output; this only tells."""
-        active.committed = True
+        active.mark_committed()
         attempt = 0
         while True:
             try:
-                reply = await self.master.commit(
+                reply = await master.commit(
                     active.token,
                     worker=self.config.id,
                     rows=record.rows,
@@ -561,13 +339,13 @@ class Worker:
                 )
                 break
             except RemoteError as e:
-                if e.code in _LOST_CODES:
+                if e.lease_lost:
                     # The record stands: whoever holds the shard now will find and report it.
                     log.info("shard %d: commit refused (%s)", active.shard.index, e)
                     return
-                if e.code not in _RETRY_CODES:
+                if not e.retryable:
                     raise
-                delay = self.master.backoff.delay(attempt)
+                delay = master.backoff.delay(attempt)
                 log.warning(
                     "shard %d: commit not taken (%s); retrying in %.1fs",
                     active.shard.index,
@@ -585,89 +363,27 @@ class Worker:
             record.error_rows,
         )
 
-    async def _release(self, active: ActiveLease, reason: str, *, retryable: bool) -> None:
+    async def _release(
+        self, master: MasterClient, active: ActiveLease, reason: str, *, retryable: bool
+    ) -> None:
+        active.release()
         await self._release_token(
-            active.token, active.shard.index, reason=reason, retryable=retryable
+            master, active.token, active.shard.index, reason=reason, retryable=retryable
         )
 
-    async def _release_token(self, token: str, shard: int, *, reason: str, retryable: bool) -> None:
+    async def _release_token(
+        self, master: MasterClient, token: str, shard: int, *, reason: str, retryable: bool
+    ) -> None:
         """Hand a shard back. Shielded and bounded: it must happen even while we are being
         cancelled, and must not hold up a shutdown if the master is unreachable."""
 
         async def release() -> None:
             try:
                 await asyncio.wait_for(
-                    self.master.release(token, reason, worker=self.config.id, retryable=retryable),
+                    master.release(token, reason, worker=self.config.id, retryable=retryable),
                     self.config.release_timeout_s,
                 )
             except (RemoteError, BusError, TimeoutError) as e:
                 log.info("release of shard %d not confirmed (%s); its lease will expire", shard, e)
 
         await asyncio.shield(release())
-
-    # -- renewing --------------------------------------------------------------------------
-
-    async def renewer(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            for active in list(self.leases.values()):
-                if active.lost or loop.time() < active.renew_at:
-                    continue
-                await self._renew(active, loop)
-            upcoming = [a.renew_at for a in self.leases.values() if not a.lost]
-            pause = min(upcoming, default=loop.time() + 0.5) - loop.time()
-            await asyncio.sleep(min(0.5, max(0.02, pause)))
-
-    async def _renew(self, active: ActiveLease, loop: asyncio.AbstractEventLoop) -> None:
-        sent = loop.time()
-        try:
-            reply = await self.master.renew(
-                active.token,
-                worker=self.config.id,
-                timeout_s=max(0.5, min(5.0, active.lease_s / 4)),
-                ready=self.pipeline_ready,
-            )
-        except RemoteError as e:
-            if e.code in _LOST_CODES:
-                self._lose(active, e.message)
-            else:
-                active.renew_at = loop.time() + 1.0
-            return
-        except BusError as e:
-            # Past our commit record the shard's output is decided: keep telling the master
-            # (the commit is being retried) however long it is away, rather than go quiet.
-            if loop.time() >= active.deadline and not active.committed:
-                self._lose(active, f"not renewed before its deadline ({e})")
-            else:
-                active.renew_at = loop.time() + min(1.0, active.lease_s / 10)
-            return
-        metrics.RENEWALS.inc()
-        active.deadline = sent + reply.lease_s
-        # Early, with jitter, so that a fleet of workers does not renew in lockstep.
-        active.renew_at = sent + reply.lease_s / 3 * random.uniform(0.8, 1.0)  # noqa: S311
-
-    def _lose(self, active: ActiveLease, reason: str) -> None:
-        active.lost = reason or "lease lost"
-        if active.task is not None:
-            active.task.cancel()
-
-    async def gauges(self) -> None:
-        """Publish the pipeline's queue depths and its devices' utilisation (sampled)."""
-        assert self.spec is not None and self.pipeline is not None
-        stages = self.spec.pipeline.stages
-        names = [s.name for s in stages]
-        used = sorted({"cpu", *(s.device for s in stages)})
-        if self.gpus and any(d.startswith("cuda") for d in used):
-            used = ["cpu", *(f"cuda:{i}" for i in range(len(self.gpus)))]
-        # NVML's start-up can take a while.
-        monitor = await asyncio.to_thread(
-            functools.partial(DeviceMonitor, cores=self.cores, gpus=self.gpus)
-        )
-        while True:
-            for name, depth in zip(names, self.pipeline.depths(), strict=False):
-                metrics.QUEUE_DEPTH.labels(name).set(depth)
-            metrics.LEASES_HELD.set(len(self.leases))
-            monitor.sample(time.monotonic())
-            for device in used:
-                metrics.DEVICE_UTILIZATION.labels(device).set(monitor.busy(device))
-            await asyncio.sleep(1.0)

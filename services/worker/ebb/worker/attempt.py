@@ -1,0 +1,170 @@
+"""One attempt at a shard: read it, run it through the pipeline, write its output, commit.
+
+`run_attempt` knows nothing of the master or of NATS: it ends with the shard's commit record,
+which decides the shard's output, and leaves telling the master to its caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from ebb.common import failpoints
+from ebb.common.messages import ShardSpec
+from ebb.common.output import CommitRecord, OutputFile, OutputStore, new_commit
+from ebb.common.spec import JobSpec
+
+from . import metrics
+from .columns import scatter
+from .pipeline import RunResult
+from .reader import CHUNK_ROWS, ShardData, ShardReader
+from .writer import build_output, write_attempt
+
+log = logging.getLogger(__name__)
+
+_CHUNKS_IN_FLIGHT = 2
+"""Chunks of a shard in the pipeline at once (`_computed`)."""
+
+
+class Runner(Protocol):
+    """What runs a shard's rows: a started `Pipeline`, or one that waits for its start."""
+
+    async def run_columns(self, rows: pa.Table) -> RunResult: ...
+
+
+async def run_attempt(
+    spec: JobSpec,
+    shard: ShardSpec,
+    attempt: int,
+    *,
+    pipeline: Runner,
+    store: OutputStore,
+    worker_id: str,
+    chunk_rows: int = CHUNK_ROWS,
+) -> CommitRecord:
+    """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
+    attempt of this job committed first (an earlier one found before anything ran, or one
+    that won the race to create it: ours is then garbage)."""
+    existing = await asyncio.to_thread(store.read_commit, shard.index)
+    if existing is not None and existing.job == spec.id:
+        log.info(
+            "shard %d: attempt %d committed before; reporting it", shard.index, existing.attempt
+        )
+        return existing
+    columns = None
+    if spec.input.columns is not None:
+        columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
+    reader = ShardReader(
+        shard,
+        columns,
+        column_types=spec.input.column_types,
+        newlines_in_values=spec.input.newlines_in_values,
+        chunk_rows=chunk_rows,
+    )
+    started = time.perf_counter()
+    files: list[OutputFile] = []
+    rows = error_rows = 0
+    try:
+        # Closed on the way out whatever happens here, not when it is collected: its
+        # runs still under way must end with this attempt.
+        async with contextlib.aclosing(_computed(reader, pipeline, spec)) as computed:
+            async for data, good, result in computed:
+                table, errors = await asyncio.to_thread(_output, data, good, result, spec)
+                files += await asyncio.to_thread(
+                    write_attempt,
+                    store,
+                    table,
+                    shard=shard.index,
+                    attempt=attempt,
+                    error_rows=errors,
+                    fmt=spec.output.format,
+                    max_rows_per_file=spec.output.max_rows_per_file,
+                    first_part=len(files),
+                )
+                rows += table.num_rows
+                error_rows += errors
+    finally:
+        reader.close()
+    record = new_commit(
+        job=spec.id, shard=shard.index, attempt=attempt, files=files, worker=worker_id
+    )
+    won, record = await asyncio.to_thread(store.create_commit, record)
+    log.debug(
+        "shard %d: %d rows read, computed and written in %.2fs",
+        shard.index,
+        rows,
+        time.perf_counter() - started,
+    )
+    if not won:
+        log.info(
+            "shard %d: attempt %d committed first; ours is garbage", shard.index, record.attempt
+        )
+    metrics.ROWS.inc(rows)
+    metrics.ERROR_ROWS.inc(error_rows)
+    failpoints.hit(failpoints.WORKER_AFTER_COMMIT_RECORD, detail=str(shard.index))
+    return record
+
+
+async def _computed(
+    reader: ShardReader, pipeline: Runner, spec: JobSpec
+) -> AsyncGenerator[tuple[ShardData, np.ndarray, RunResult], None]:
+    """Each chunk of the shard with its results, in order. Two chunks are in the pipeline
+    at once, the next read while they compute: the pipeline never runs dry between
+    chunks, and the shard's memory is a few chunks whatever its size."""
+    window: deque[tuple[ShardData, np.ndarray, asyncio.Task[RunResult]]] = deque()
+    try:
+        while (data := await asyncio.to_thread(reader.next)) is not None:
+            inputs, good = _inputs(data, spec)
+            # The rows travel as Arrow and become columns in the first stage's processes.
+            window.append((data, good, asyncio.create_task(pipeline.run_columns(inputs))))
+            if len(window) >= _CHUNKS_IN_FLIGHT:
+                done, good_rows, run = window.popleft()
+                yield done, good_rows, await run
+        while window:
+            done, good_rows, run = window.popleft()
+            yield done, good_rows, await run
+    finally:
+        # Cancelled (the lease lost, a drain) or failed: the runs still under way end
+        # too, and their rows leave the pipeline (Pipeline.run_columns cancels them).
+        for _, _, run in window:
+            run.cancel()
+        if window:
+            await asyncio.wait([run for _, _, run in window])
+            for _, _, run in window:
+                if not run.cancelled():
+                    run.exception()  # retrieved: the first failure is what we raise
+
+
+def _inputs(data: ShardData, spec: JobSpec) -> tuple[pa.Table, np.ndarray]:
+    """A chunk's rows as the pipeline takes them (its input columns, the rows that could be
+    read), and the positions of those rows in the chunk."""
+    inputs = data.table
+    if spec.input.columns is not None:
+        inputs = inputs.select(spec.input.columns)
+    good = np.arange(data.table.num_rows, dtype=np.int64)
+    if data.bad_rows:
+        good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
+        inputs = inputs.take(pa.array(good, type=pa.int64()))
+    return inputs, good
+
+
+def _output(
+    data: ShardData, good: np.ndarray, result: RunResult, spec: JobSpec
+) -> tuple[pa.Table, int]:
+    """The shard's output table: the pipeline's results (for the rows that went in, `good`)
+    put back among the shard's rows, and the rows that could not be read as errors."""
+    n = data.table.num_rows
+    results, errors = result.columns, dict(result.errors)
+    if len(good) != n:
+        errors = {int(good[i]): why for i, why in errors.items()}
+        errors.update(data.bad_rows)
+        results, _ = scatter([(good, results)], n) if results else ({}, None)
+    return build_output(data.table, results, errors, spec.output)
