@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -13,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ebb.common import envvars
+from ebb.common.aio import until
 from ebb.common.errors import EbbError, ErrorCode, RemoteError, SpecError
 from ebb.common.messages import TERMINAL_JOB_STATES
 from ebb.common.output import OutputStore
@@ -79,14 +79,8 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
                 keep = False
                 return EXIT_OK
             with ProgressView(spec, enabled=not args.quiet) as view:
-                waiting = asyncio.ensure_future(client.wait(job_id, on_update=view.update))
-                stopper = asyncio.ensure_future(interrupted.wait())
-                await asyncio.wait([waiting, stopper], return_when=asyncio.FIRST_COMPLETED)
-                stopper.cancel()
-                if not waiting.done():
-                    waiting.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await waiting
+                waited = await until(client.wait(job_id, on_update=view.update), interrupted)
+                if waited is None:
                     how = (
                         "Ctrl-C" if signals[0] == signal.SIGINT else signal.Signals(signals[0]).name
                     )
@@ -96,7 +90,7 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
                     summarize(final, time.monotonic() - started, stack.logs)
                     keep = args.keep_state  # the user stopped it: nothing went wrong
                     return EXIT_SIGNALLED + signals[0]
-                final = waiting.result()
+                final = waited
         summarize(final, time.monotonic() - started, stack.logs)
         if final.state != "SUCCEEDED":
             return EXIT_FAILED
