@@ -25,11 +25,12 @@ from prometheus_client import REGISTRY
 from ebb.common import envvars
 from ebb.common.spec import StageSpec
 from ebb.worker import frames, shm, stageserver
+from ebb.worker.board import BatchBoard
 from ebb.worker.columns import VALUE
 from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, PipelineSetupError
 from ebb.worker.processes import ProcState, StageProcess
 from ebb.worker.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
-from ebb.worker.stage import BatchBoard, StageConfig, StageLoop
+from ebb.worker.stage import StageConfig, StageLoop
 
 from .helpers import ASSETS, FEATURES, wait_until, write_model
 
@@ -640,7 +641,8 @@ def test_a_stage_whose_worker_died_exits_quietly() -> None:
     code = """
 import multiprocessing as mp
 from ebb.common.spec import StageSpec
-from ebb.worker.stage import BatchBoard, StageConfig, stage_main
+from ebb.worker.board import BatchBoard
+from ebb.worker.stage import StageConfig, stage_main
 
 ctx = mp.get_context("spawn")
 inbox_r, inbox_w = ctx.Pipe(duplex=False)

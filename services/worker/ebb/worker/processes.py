@@ -23,8 +23,9 @@ import numpy as np
 from ebb.common.spec import StageSpec
 
 from . import frames
+from .board import BatchBoard
 from .settings import PipelineConfig
-from .stage import BatchBoard, StageConfig, stage_main
+from .stage import StageConfig, stage_main
 
 _EMPTY = np.empty(0, dtype=np.int64)
 

@@ -38,13 +38,13 @@ from . import cpus, frames, metrics
 from .columns import Columns
 from .conveyor import Conveyor, ErrorsCallback, ResultsCallback
 from .ledger import RowLedger
+from .lifeline import name_this_thread
 from .mailbox import Mailbox
 from .processes import ProcState, StageProcess, describe_exit
 from .scaling import Scaler
 from .segments import SegmentLedger
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .shm import Arena, sweep_orphans
-from .stage import name_this_thread
 from .stagepool import StagePools
 from .stageserver import stage_context
 from .watchdog import Watchdog

@@ -11,10 +11,8 @@ tells the router what runs now and since when, so that it can kill a stage that 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
-import select
 import signal
 import sys
 import threading
@@ -32,53 +30,15 @@ from ebb.common.spec import StageSpec
 
 from . import frames
 from .batcher import AdaptiveBatchSize, Batch, Batcher
+from .board import BatchBoard
 from .columns import VALUE, Columns, concat, from_arrow, from_rows, is_plain, take, to_rows
+from .lifeline import die_with_parent, die_with_worker, name_this_thread
 from .modelet_api import StageError, columns_callable, resolve_class, rows_callable
 from .runtimes import load_runtime
 from .shm import Arena
 
 EXIT_SETUP_FAILED = 3
 _MAX_ERROR_CHARS = 2000
-
-
-class BatchBoard:
-    """Shared memory where a stage process posts the batch it is running: when it started,
-    and which uids are in it. The router reads it to kill an overdue batch, and to know,
-    when a process dies, which of the items it held were in the batch that killed it."""
-
-    def __init__(self, ctx: Any, capacity: int) -> None:
-        self._started = ctx.Value("d", 0.0, lock=False)
-        self._count = ctx.Value("i", 0, lock=False)
-        self._uids = ctx.Array("q", capacity, lock=False)
-        self._busy = ctx.Value("d", 0.0, lock=False)
-
-    def post(self, uids: np.ndarray) -> None:
-        n = min(len(uids), len(self._uids))
-        np.frombuffer(self._uids, dtype=np.int64)[:n] = uids[:n]
-        self._count.value = n
-        self._started.value = time.monotonic()  # last: a reader seeing it sees the uids
-
-    def clear(self) -> None:
-        started = self._started.value
-        if started:
-            self._busy.value += time.monotonic() - started
-        self._started.value = 0.0
-
-    def busy_seconds(self, now: float) -> float:
-        """Seconds spent running batches since the process started (the running one too)."""
-        started = self._started.value
-        return float(self._busy.value) + (now - started if started else 0.0)
-
-    @property
-    def started(self) -> float:
-        """When the running batch started (monotonic, system-wide); 0.0 when idle."""
-        return float(self._started.value)
-
-    def running(self) -> np.ndarray:
-        """The uids of the running batch; empty when idle."""
-        if not self._started.value:
-            return np.empty(0, dtype=np.int64)
-        return np.frombuffer(self._uids, dtype=np.int64)[: self._count.value].copy()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,49 +52,6 @@ class StageConfig:
     then, not of now (credentials or a store's endpoint the worker set since)."""
     worker_pid: int | None = None
     """The worker that started this process: when it is gone, so is this process."""
-
-
-def _die_with_parent() -> None:
-    """Linux: be killed if our parent dies, even by SIGKILL. The parent is the fork server,
-    which leaves when no process of the worker's is left to use it (see _die_with_worker)."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def name_this_thread(name: str) -> None:
-    """Linux: the name `top`, `ps -L` and /proc show for the calling thread (the first 15
-    bytes): a stage process shows as `ebb:<stage>`, not as one more `python`."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-def _die_with_worker(pid: int | None) -> None:
-    """Leave as soon as the worker that started us is gone, even while user code hangs.
-
-    The fork server (our parent) leaves once every holder of its lifeline is gone, and each
-    process it forks holds one: a stage hung in user code when its worker was SIGKILLed kept
-    the server, and so itself, alive for good. A thread waits on the worker's pidfd (Linux
-    5.3+) instead; a healthy stage would notice the closed pipe anyway."""
-    if pid is None or not hasattr(os, "pidfd_open"):
-        return
-    try:
-        lifeline = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os._exit(0)  # gone already
-    except OSError:
-        return  # no pidfds here: the pipe and the parent-death signal remain
-
-    def wait_for_the_worker() -> None:
-        select.select([lifeline], [], [])  # readable once the worker has exited
-        os._exit(0)
-
-    threading.Thread(target=wait_for_the_worker, name="ebb-stage-lifeline", daemon=True).start()
 
 
 def _describe(e: BaseException) -> str:
@@ -161,8 +78,8 @@ def stage_main(
     config: StageConfig, inbox: Connection, outbox: Connection, board: BatchBoard
 ) -> None:
     """Entry point of a stage process (spawned by the pipeline router)."""
-    _die_with_parent()
-    _die_with_worker(config.worker_pid)
+    die_with_parent()
+    die_with_worker(config.worker_pid)
     if config.environment is not None:
         os.environ.clear()
         os.environ.update(config.environment)

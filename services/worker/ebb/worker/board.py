@@ -1,0 +1,48 @@
+"""The batch board: a stage process's shared-memory mailbox for what it runs now."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+class BatchBoard:
+    """Shared memory where a stage process posts the batch it is running: when it started,
+    and which uids are in it. The router reads it to kill an overdue batch, and to know,
+    when a process dies, which of the items it held were in the batch that killed it."""
+
+    def __init__(self, ctx: Any, capacity: int) -> None:
+        self._started = ctx.Value("d", 0.0, lock=False)
+        self._count = ctx.Value("i", 0, lock=False)
+        self._uids = ctx.Array("q", capacity, lock=False)
+        self._busy = ctx.Value("d", 0.0, lock=False)
+
+    def post(self, uids: np.ndarray) -> None:
+        n = min(len(uids), len(self._uids))
+        np.frombuffer(self._uids, dtype=np.int64)[:n] = uids[:n]
+        self._count.value = n
+        self._started.value = time.monotonic()  # last: a reader seeing it sees the uids
+
+    def clear(self) -> None:
+        started = self._started.value
+        if started:
+            self._busy.value += time.monotonic() - started
+        self._started.value = 0.0
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds spent running batches since the process started (the running one too)."""
+        started = self._started.value
+        return float(self._busy.value) + (now - started if started else 0.0)
+
+    @property
+    def started(self) -> float:
+        """When the running batch started (monotonic, system-wide); 0.0 when idle."""
+        return float(self._started.value)
+
+    def running(self) -> np.ndarray:
+        """The uids of the running batch; empty when idle."""
+        if not self._started.value:
+            return np.empty(0, dtype=np.int64)
+        return np.frombuffer(self._uids, dtype=np.int64)[: self._count.value].copy()
