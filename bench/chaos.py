@@ -94,8 +94,8 @@ from ebb.common import envvars, failpoints, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, connect
 from ebb.common.errors import BusError, RemoteError
+from ebb.common.layout import COMMITS_DIR, MANIFEST
 from ebb.common.messages import JobStatus
-from ebb.common.output import COMMITS_DIR, MANIFEST
 from ebb.common.spec import FaultPolicy, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.store import ShardRecord, shard_key

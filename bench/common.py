@@ -18,8 +18,8 @@ import psutil
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
+from ebb.common.layout import COMMITS_DIR
 from ebb.common.messages import JobStatus
-from ebb.common.output import COMMITS_DIR
 from ebb.common.spec import JobSpec
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -25,7 +25,8 @@ from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import bus
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
-from ebb.common.output import OutputFile, OutputStore, new_commit
+from ebb.common.layout import OutputFile
+from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import parse_job
 
 from .common import BENCH_DIR, Context, Section, median, table

@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ebb.common.layout import OutputFile, attempt_dir
 from ebb.common.messages import ShardSpec
-from ebb.common.output import OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.worker.attempt import run_attempt
 from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, RunResult

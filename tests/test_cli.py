@@ -23,8 +23,8 @@ from ebb.client.display import lost_workers
 from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder
 from ebb.common import envvars
 from ebb.common.embedded import EmbeddedNats
+from ebb.common.layout import MANIFEST, OWNER
 from ebb.common.messages import JobStatus
-from ebb.common.output import MANIFEST, OWNER
 
 from .helpers import ASSETS, free_port, job_spec, write_dataset, write_model
 

@@ -22,8 +22,8 @@ from ebb.common import envvars, failpoints
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError
+from ebb.common.layout import COMMITS_DIR
 from ebb.common.messages import JobStatus
-from ebb.common.output import COMMITS_DIR
 from ebb.common.spec import parse_job
 
 from .helpers import (

@@ -18,8 +18,9 @@ from typing import Any
 import nats.errors
 import pytest
 
+from ebb.common.layout import CommitRecord, OutputFile, attempt_dir
 from ebb.common.messages import JobEvent, LeaseReply, ShardState
-from ebb.common.output import CommitRecord, OutputFile, OutputStore, attempt_dir, new_commit
+from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
 from ebb.shard_master.jobs import Job

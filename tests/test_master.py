@@ -23,8 +23,9 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, NatsConfig
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
+from ebb.common.layout import OWNER, OutputFile, OutputOwner, attempt_dir
 from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest, ResumeRequest
-from ebb.common.output import OWNER, OutputFile, OutputOwner, OutputStore, attempt_dir, new_commit
+from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.errors import Deposed

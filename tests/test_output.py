@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ebb.common.output import (
-    OWNER,
-    OutputFile,
-    OutputStore,
-    attempt_dir,
-    new_commit,
-    waiting_for_room,
-)
+from ebb.common.durable import waiting_for_room
+from ebb.common.layout import OWNER, OutputFile, attempt_dir
+from ebb.common.output import OutputStore, new_commit
 
 
 def _record(shard: int, attempt: int) -> object:

@@ -10,7 +10,7 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
-from ebb.common.output import COMMITS_DIR
+from ebb.common.layout import COMMITS_DIR
 from ebb.common.spec import parse_job
 
 from .helpers import embedded_stack, job_spec, write_dataset, write_model

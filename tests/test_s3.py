@@ -22,8 +22,9 @@ import pytest
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import envvars
+from ebb.common.layout import COMMITS_DIR, MANIFEST, OutputFile
 from ebb.common.messages import ShardSpec
-from ebb.common.output import COMMITS_DIR, MANIFEST, OutputFile, OutputStore, new_commit
+from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import parse_job
 from ebb.common.storage import STORE_RETRIES, RetryPolicy, StoreError, retrying
 from ebb.worker.modelcache import fetch_model

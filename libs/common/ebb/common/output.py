@@ -26,184 +26,36 @@ several trying at once only the one that creates `_claims/generation=N.json` doe
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import posixpath
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import schema
+from .durable import FULL_DISK_WAIT_S, fsync_dir, unlink_quietly, write_new
+from .layout import (
+    COMMITS_DIR,
+    DATA_DIR,
+    MANIFEST,
+    OWNER,
+    CommitRecord,
+    Manifest,
+    OutputFile,
+    OutputOwner,
+    claim_path,
+    commit_path,
+)
 from .spec import fields_digest
 from .storage import retrying
 
 log = logging.getLogger(__name__)
-
-FULL_DISK_WAIT_S = 120.0
-_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def waiting_for_room(
-    what: str,
-    write: Callable[[], None],
-    *,
-    wait_s: float,
-    sleep: Callable[[float], None] = time.sleep,
-) -> None:
-    """Run a local write; while it finds the disk full (or over quota), wait for room and run
-    it again, up to `wait_s`. A disk that fills for a while (another job's output, logs,
-    a node's image cache) is nobody's shard's fault: its attempt waits instead of failing,
-    and a disk full for good still fails it, with the system's words. Blocking: callers run
-    it in a thread."""
-    deadline = time.monotonic() + wait_s
-    delay = 0.1
-    while True:
-        try:
-            write()
-            return
-        except OSError as e:
-            if e.errno not in _NO_ROOM or time.monotonic() + delay > deadline:
-                raise
-            log.warning("%s: %s; waiting for room (%.1fs)", what, e.strerror or e, delay)
-            sleep(delay)
-            delay = min(2.0, delay * 2)
-
-
-def _write_new(path: str, data: bytes, *, wait_s: float) -> None:
-    """`data` in a new local file at `path`, on disk (fsynced) when this returns, and nothing
-    at `path` if it fails; a full disk is waited out for up to `wait_s`."""
-
-    def write() -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            _unlink_quietly(path)
-            raise
-
-    waiting_for_room(f"write {path}", write, wait_s=wait_s)
-
-
-DATA_DIR = "data"
-COMMITS_DIR = "_commits"
-MANIFEST = "_manifest.json"
-OWNER = "_job.json"
-"""Names the job that owns the output root; created exclusively when the job is accepted."""
-CLAIMS_DIR = "_claims"
-
-
-@dataclass(frozen=True, kw_only=True)
-class OutputOwner:
-    """The record in `_job.json`: which job owns the root, what it computes, how it ended."""
-
-    job: str
-    claimed_at: float = 0.0
-    generation: int = 0
-    """0 for the root's first owner; each job that takes it over after one that let go of it
-    counts one more."""
-    took_over_from: str = ""
-    """The job that let go of the root before this one took it over."""
-    output_fields: dict[str, Any] | None = None
-    """What decides the job's rows (JobSpec.output_fields); None in a record written before
-    they were kept, which has `spec_digest` only."""
-    output_digest: str = ""
-    spec_digest: str = ""
-    """Older records: JobSpec.whole_sections_digest of the spec the job was submitted with."""
-    state: str = ""
-    """How the job ended (SUCCEEDED, FAILED, CANCELLED); "" while it runs, or if its master
-    stopped before it could say."""
-    shards_done: int = 0
-    shards_total: int = 0
-    rows_done: int = 0
-    released: bool = False
-    """The job ended with nothing committed: it owns nothing, and another job may take the
-    root over."""
-
-
-def claim_path(generation: int) -> str:
-    return f"{CLAIMS_DIR}/generation={generation}.json"
-
-
-@dataclass(frozen=True, kw_only=True)
-class OutputFile:
-    path: str
-    """Relative to the output root."""
-    rows: int
-    error_rows: int = 0
-    bytes: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommitRecord:
-    job: str
-    shard: int
-    attempt: int
-    files: list[OutputFile]
-    worker: str = ""
-    committed_at: float = 0.0
-
-    @property
-    def rows(self) -> int:
-        return sum(f.rows for f in self.files)
-
-    @property
-    def error_rows(self) -> int:
-        return sum(f.error_rows for f in self.files)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ManifestFile:
-    path: str
-    shard: int
-    attempt: int
-    rows: int
-    error_rows: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuarantinedShard:
-    """A shard no attempt could finish (its rows are in no file): where it is, and why."""
-
-    shard: int
-    path: str
-    rows: int
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest:
-    job: str
-    files: list[ManifestFile]
-    rows: int
-    error_rows: int
-    shards: int
-    quarantined_shards: list[int] = field(default_factory=list)
-    quarantined: list[QuarantinedShard] = field(default_factory=list)
-    """The quarantined shards with their input and their last error (within the job's
-    error threshold, or the job would have failed)."""
-    created_at: float = 0.0
-
-
-def shard_dir(shard: int) -> str:
-    return f"{DATA_DIR}/shard={shard:05d}"
-
-
-def attempt_dir(shard: int, attempt: int) -> str:
-    return f"{shard_dir(shard)}/attempt={attempt}"
-
-
-def commit_path(shard: int) -> str:
-    return f"{COMMITS_DIR}/shard={shard:05d}.json"
 
 
 def _json(value: Any) -> bytes:
@@ -244,13 +96,13 @@ class OutputStore:
                 )
             return
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        _write_new(tmp, data, wait_s=self.full_disk_wait_s)
+        write_new(tmp, data, wait_s=self.full_disk_wait_s)
         try:
             os.replace(tmp, path)
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
 
     # -- who owns the root -----------------------------------------------------------------
 
@@ -419,7 +271,7 @@ class OutputStore:
     def _link_exclusive(self, path: str, data: bytes) -> bool:
         directory = os.path.dirname(path)
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        _write_new(tmp, data, wait_s=self.full_disk_wait_s)
+        write_new(tmp, data, wait_s=self.full_disk_wait_s)
         try:
             try:
                 # link(2) fails with EEXIST if the name exists: atomic, exclusive creation
@@ -427,10 +279,10 @@ class OutputStore:
                 os.link(tmp, path)
             except FileExistsError:
                 return False
-            _fsync_dir(directory)
+            fsync_dir(directory)
             return True
         finally:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
 
     def read_commit(self, shard: int) -> CommitRecord | None:
         path = self.full(commit_path(shard))
@@ -514,18 +366,3 @@ def new_commit(
     return CommitRecord(
         job=job, shard=shard, attempt=attempt, files=files, worker=worker, committed_at=time.time()
     )
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import time
 
-from ebb.common.output import MANIFEST, Manifest, ManifestFile, OutputStore, QuarantinedShard
+from ebb.common.layout import MANIFEST, Manifest, ManifestFile, QuarantinedShard
+from ebb.common.output import OutputStore
 
 from .jobs import Job
 

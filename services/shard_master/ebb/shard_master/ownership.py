@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ebb.common.output import OutputOwner
+from ebb.common.layout import OutputOwner
 from ebb.common.spec import JobSpec, differing_fields
 
 FIELDS_NAMED = 6

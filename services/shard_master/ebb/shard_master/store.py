@@ -18,8 +18,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from ebb.common import schema
+from ebb.common.layout import OutputFile
 from ebb.common.messages import JobState, ShardSpec, ShardState
-from ebb.common.output import OutputFile
 
 from .errors import Deposed
 

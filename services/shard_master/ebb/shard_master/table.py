@@ -34,6 +34,7 @@ from dataclasses import replace
 import nats.errors
 
 from ebb.common import failpoints
+from ebb.common.layout import CommitRecord, OutputOwner
 from ebb.common.messages import (
     CancelReply,
     CommitReply,
@@ -47,7 +48,7 @@ from ebb.common.messages import (
     StatusReply,
     WorkerEndedReply,
 )
-from ebb.common.output import CommitRecord, OutputOwner, OutputStore
+from ebb.common.output import OutputStore
 from ebb.common.spec import JobSpec, parse_job
 
 from . import metrics

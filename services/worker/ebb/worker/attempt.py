@@ -18,8 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from ebb.common import failpoints
+from ebb.common.layout import CommitRecord, OutputFile
 from ebb.common.messages import ShardSpec
-from ebb.common.output import CommitRecord, OutputFile, OutputStore, new_commit
+from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec
 
 from . import metrics

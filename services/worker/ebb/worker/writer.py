@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from ebb.common.output import OutputFile, OutputStore, attempt_dir
+from ebb.common.layout import OutputFile, attempt_dir
+from ebb.common.output import OutputStore
 from ebb.common.spec import OutputSpec
 
 from .columns import VALUE, Columns, is_plain, num_rows, to_arrow

@@ -1,0 +1,119 @@
+"""What an output root holds, and where: the records (`_job.json`, commit records, the
+manifest) and the paths of data files, commit records and claims. The protocol that writes
+them is output.py's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DATA_DIR = "data"
+COMMITS_DIR = "_commits"
+MANIFEST = "_manifest.json"
+OWNER = "_job.json"
+"""Names the job that owns the output root; created exclusively when the job is accepted."""
+CLAIMS_DIR = "_claims"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputOwner:
+    """The record in `_job.json`: which job owns the root, what it computes, how it ended."""
+
+    job: str
+    claimed_at: float = 0.0
+    generation: int = 0
+    """0 for the root's first owner; each job that takes it over after one that let go of it
+    counts one more."""
+    took_over_from: str = ""
+    """The job that let go of the root before this one took it over."""
+    output_fields: dict[str, Any] | None = None
+    """What decides the job's rows (JobSpec.output_fields); None in a record written before
+    they were kept, which has `spec_digest` only."""
+    output_digest: str = ""
+    spec_digest: str = ""
+    """Older records: JobSpec.whole_sections_digest of the spec the job was submitted with."""
+    state: str = ""
+    """How the job ended (SUCCEEDED, FAILED, CANCELLED); "" while it runs, or if its master
+    stopped before it could say."""
+    shards_done: int = 0
+    shards_total: int = 0
+    rows_done: int = 0
+    released: bool = False
+    """The job ended with nothing committed: it owns nothing, and another job may take the
+    root over."""
+
+
+def claim_path(generation: int) -> str:
+    return f"{CLAIMS_DIR}/generation={generation}.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputFile:
+    path: str
+    """Relative to the output root."""
+    rows: int
+    error_rows: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    job: str
+    shard: int
+    attempt: int
+    files: list[OutputFile]
+    worker: str = ""
+    committed_at: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def error_rows(self) -> int:
+        return sum(f.error_rows for f in self.files)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestFile:
+    path: str
+    shard: int
+    attempt: int
+    rows: int
+    error_rows: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuarantinedShard:
+    """A shard no attempt could finish (its rows are in no file): where it is, and why."""
+
+    shard: int
+    path: str
+    rows: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    job: str
+    files: list[ManifestFile]
+    rows: int
+    error_rows: int
+    shards: int
+    quarantined_shards: list[int] = field(default_factory=list)
+    quarantined: list[QuarantinedShard] = field(default_factory=list)
+    """The quarantined shards with their input and their last error (within the job's
+    error threshold, or the job would have failed)."""
+    created_at: float = 0.0
+
+
+def shard_dir(shard: int) -> str:
+    return f"{DATA_DIR}/shard={shard:05d}"
+
+
+def attempt_dir(shard: int, attempt: int) -> str:
+    return f"{shard_dir(shard)}/attempt={attempt}"
+
+
+def commit_path(shard: int) -> str:
+    return f"{COMMITS_DIR}/shard={shard:05d}.json"
