@@ -3,6 +3,10 @@ and which fault policy. It is the same map whether it arrives as YAML, JSON or m
 
 Every field is validated on load (types by `schema.load`, values by `__post_init__`), so a bad
 spec is refused with the path of the first bad field before any state changes anywhere.
+
+One module for the whole schema, though it is long: each field's docstring here is the job
+spec reference (docs/gen_spec.py renders it), and a section split from its validation or its
+neighbours would let the two drift.
 """
 
 from __future__ import annotations

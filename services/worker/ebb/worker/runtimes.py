@@ -4,6 +4,10 @@ A row is an array (one row of the model's input) or a map of arrays keyed by the
 input names; with `input: field` in the stage spec, that field of a map row is the input.
 The batch's column goes to the runtime as one array (no per-row stacking when it arrives as a
 tensor column); one output comes back as the rows' value, several as a map per row.
+
+Both runtimes in one module, past 400 lines: what differs between them (loading, threads,
+devices, warm-up) is short beside what they share (feeds from columns, padding and masks,
+the checks of inputs and outputs), and the shared part is read with either.
 """
 
 from __future__ import annotations
