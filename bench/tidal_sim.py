@@ -397,8 +397,8 @@ async def _drive(
         for minute, load in enumerate(loads):
             sim.set_online_pods(round(load / ONLINE_POD_CORES))
             try:
-                if backend.tide is not None:
-                    await backend.tidal_step(minute * minute_s)
+                if backend.harvester is not None:
+                    await backend.harvester.step(minute * minute_s)
                 await reconciler.reconcile_once()
             except Exception as e:
                 ctx.log(f"  reconcile failed: {e!r}")

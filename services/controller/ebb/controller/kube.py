@@ -41,6 +41,7 @@ from .avoidance import NodeAvoidance
 from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .capacity import Bin, Resources, add
 from .failures import classify
+from .harvest import TidalHarvester
 from .informer import Informer, Obj
 from .kube_settings import KubeConfig
 from .podspec import (
@@ -54,15 +55,13 @@ from .podspec import (
     worker_pod,
 )
 from .tidal import LABEL as TIDAL
-from .tidal import STATES, ForecastTide, MixedNode, State, Tide
-from .views import RESOURCES, NodeView, PodView, parse_time
+from .tidal import ForecastTide, Tide
+from .views import RESOURCES, NodeView, PodView, parse_time, selector_matches
 
 __all__ = ["APP", "APP_LABEL", "JOB_LABEL", "WORKER_LABEL", "KubeConfig", "KubernetesBackend"]
 __all__ += ["from_cluster", "pod_name", "repository", "running_image", "selector_matches"]
 
 log = logging.getLogger(__name__)
-
-_MERGE_PATCH = {"_content_type": "application/merge-patch+json"}
 
 
 def repository(image: str) -> str:
@@ -128,25 +127,6 @@ async def from_cluster(
     return dataclasses.replace(config, owner=owner)
 
 
-def selector_matches(labels: dict[str, str], selector: str) -> bool:
-    """Equality-based label selectors (`a=b,c!=d,e`), as used for online pods."""
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            k, v = term.split("!=", 1)
-            if labels.get(k.strip()) == v.strip():
-                return False
-        elif "=" in term:
-            k, v = term.split("=", 1)
-            if labels.get(k.strip()) != v.strip().lstrip("="):
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
 class KubernetesBackend:
     def __init__(
         self, config: KubeConfig, api: ApiClient, *, signer: WorkerSigner | None = None
@@ -177,15 +157,12 @@ class KubernetesBackend:
             label_selector=f"{APP_LABEL}={APP}",
             on_change=self.changed.set,
         )
-        self.tide: Tide | ForecastTide | None = None
+        self.harvester: TidalHarvester | None = None
+        """The tide: lends and reclaims mixed nodes (None: no tidal config)."""
         if config.tidal is not None:
             forecast = config.tidal.policy == "forecast"
-            self.tide = ForecastTide(config.tidal) if forecast else Tide(config.tidal)
-        self._draining: set[str] = set()
-        """Worker pods the tide has drained: terminating, whatever the cache says yet (the
-        reconciler must not drain others in their stead)."""
-        self._budget_cpu: float | None = None
-        """forecast policy: CPU cores batch pods may take on lent mixed nodes (None: no cap)."""
+            tide = ForecastTide(config.tidal) if forecast else Tide(config.tidal)
+            self.harvester = TidalHarvester(self, tide)
         self._memory_factor: dict[str, float] = defaultdict(lambda: 1.0)
         self._specs: dict[str, JobStatus] = {}
         self.avoidance = NodeAvoidance(
@@ -200,8 +177,8 @@ class KubernetesBackend:
             "pods": self.pods.run(),
             "workers": self.workers.run(),
         }
-        if self.tide is not None:
-            agents["tide"] = self.tidal_loop()
+        if self.harvester is not None:
+            agents["tide"] = self.harvester.run()
         return agents
 
     async def synced(self) -> None:
@@ -216,7 +193,7 @@ class KubernetesBackend:
         now = asyncio.get_running_loop().time()
         out = []
         pods = [PodView(p) for p in self.workers.values()]
-        self._draining &= {pod.name for pod in pods}
+        draining = self.harvester.forget_gone(pods) if self.harvester else set()
         await self._ensure_credentials(pods)
         for pod in pods:
             failure = classify(pod.obj)
@@ -225,7 +202,7 @@ class KubernetesBackend:
                 phase = "succeeded"
             elif pod.phase == "Failed" or failure is not None:
                 phase = "failed"
-            elif pod.meta.deleting or pod.name in self._draining:
+            elif pod.meta.deleting or pod.name in draining:
                 phase = "terminating"
             elif pod.phase == "Running":
                 phase = "running"
@@ -276,7 +253,8 @@ class KubernetesBackend:
                 {k: v for k, v in allocatable.items() if k in RESOURCES}, used[node.name], -1.0
             )
             bins.append(Bin(node.name, free, rank=0 if pool == "offline" else 1))
-        if self._budget_cpu is not None:
+        budget_cpu = self.harvester.budget_cpu if self.harvester else None
+        if budget_cpu is not None:
             # The tide's budget caps what new batch pods may take on the mixed pool; the pods
             # there already keep their place (draining them is the tide's call, not ours).
             offline_nodes = {
@@ -289,7 +267,7 @@ class KubernetesBackend:
                 for p in map(PodView, self.workers.values())
                 if p.name in live and p.node not in offline_nodes
             )
-            left = max(self._budget_cpu, held)
+            left = max(budget_cpu, held)
             for b in sorted((b for b in bins if b.rank == 1), key=lambda b: b.name):
                 b.free["cpu"] = min(b.free.get("cpu", 0.0), max(0.0, left))
                 left -= b.free["cpu"]
@@ -337,10 +315,10 @@ class KubernetesBackend:
             await self._create_credentials({**body, "metadata": {**body["metadata"], "uid": uid}})
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
-        await self._delete(worker_id, grace_s=int(grace_s))
+        await self.delete_pod(worker_id, grace_s=int(grace_s))
 
     async def forget(self, worker_id: str) -> None:
-        await self._delete(worker_id, grace_s=0)
+        await self.delete_pod(worker_id, grace_s=0)
 
     async def close(self, *, grace_s: float) -> None:
         """Worker pods outlive the controller: the next one adopts them."""
@@ -390,7 +368,7 @@ class KubernetesBackend:
                 raise
         self._credentialed.add(meta["uid"])
 
-    async def _delete(self, worker_id: str, *, grace_s: int) -> None:
+    async def delete_pod(self, worker_id: str, *, grace_s: int) -> None:
         try:
             await self.core.delete_namespaced_pod(
                 pod_name(worker_id), self.config.namespace, grace_period_seconds=grace_s
@@ -398,127 +376,3 @@ class KubernetesBackend:
         except ApiException as e:
             if e.status != 404:  # gone already is what we wanted; anything else: next pass
                 log.warning("could not delete pod %s: %s %s", worker_id, e.status, e.reason)
-
-    # -- the tide --------------------------------------------------------------------------
-
-    def mixed_nodes(self) -> list[tuple[NodeView, MixedNode]]:
-        batch: dict[str, int] = defaultdict(int)
-        online: dict[str, float] = defaultdict(float)
-        for pod in map(PodView, self.pods.values()):
-            labels = pod.meta.labels
-            if not pod.node:
-                continue
-            if labels.get(APP_LABEL) == APP:
-                batch[pod.node] += 1
-            elif selector_matches(labels, self.config.online_selector):
-                online[pod.node] += pod.cpu()
-        out = []
-        for node in map(NodeView, self.nodes.values()):
-            labels = node.meta.labels
-            if labels.get(self.config.pool_label) != "mixed":
-                continue
-            label = labels.get(TIDAL, "online")
-            state: State = next((s for s in STATES if s == label), "online")
-            mixed = MixedNode(
-                name=node.name,
-                state=state,
-                batch_pods=batch[node.name],
-                online_use=online[node.name] / max(node.cpu(default=1.0), 1e-9),
-            )
-            out.append((node, mixed))
-        return out
-
-    def pending_online(self) -> tuple[int, float]:
-        """Online pods that cannot be scheduled: how many, and their CPU requests."""
-        count, cpu = 0, 0.0
-        for pod in map(PodView, self.pods.values()):
-            pending = not pod.node and pod.phase == "Pending"
-            if pending and selector_matches(pod.meta.labels, self.config.online_selector):
-                count += 1
-                cpu += pod.cpu()
-        return count, cpu
-
-    async def tidal_step(self, now: float) -> None:
-        """One sample of the tide: measure, decide, relabel, drain what is reclaimed."""
-        assert self.tide is not None
-        await self.synced()
-        mixed = self.mixed_nodes()
-        load = sum(m.online_use for _, m in mixed)
-        pending, pending_cpu = self.pending_online()
-        node_cpu = [n.cpu(default=1.0) for n, _ in mixed]
-        average = sum(node_cpu) / len(node_cpu) if node_cpu else 1.0
-        moves = self.tide.decide(
-            now,
-            online_load=load,
-            pending_online=pending,
-            pending_load=pending_cpu / max(average, 1e-9),
-            nodes=[m for _, m in mixed],
-        )
-        if moves:
-            log.debug("tide: load %.2f nodes, %d online pods pending: %s", load, pending, moves)
-        for move in moves:
-            body = {"metadata": {"labels": {TIDAL: move.to}}}
-            await self.api.patch_node(move.node, body, **_MERGE_PATCH)
-            log.info("tide: node %s -> %s", move.node, move.to)
-        if isinstance(self.tide, ForecastTide):
-            self._budget_cpu = self.tide.budget * average
-            metrics.TIDAL_BUDGET.set(self._budget_cpu)
-            metrics.TIDAL_FORECAST.set(self.tide.expected * average)
-            await self._drain_over_budget(mixed, self.tide.drain_above * average)
-        reclaiming = {m.node for m in moves if m.to == "offline2online"}
-        reclaiming |= {m.name for _, m in mixed if m.state == "offline2online"}
-        for pod in map(PodView, self.pods.values()):
-            if (
-                pod.meta.labels.get(APP_LABEL) == APP
-                and pod.node in reclaiming
-                and not pod.meta.deleting
-            ):
-                metrics.BATCH_EVICTIONS.inc()
-                await self._delete(pod.name, grace_s=self.config.grace_s)
-        counts: dict[str, int] = defaultdict(int)
-        harvested = 0.0
-        after = {m.node: m.to for m in moves}
-        for node, m in mixed:
-            state = after.get(m.name, m.state)
-            counts[state] += 1
-            if state == "offline":
-                harvested += node.cpu(default=0.0)
-        for state in ("online", "online2offline", "offline", "offline2online"):
-            metrics.NODE_STATES.labels(state).set(counts[state])
-        metrics.HARVESTED.set(harvested)
-        if moves:
-            self.changed.set()
-
-    async def _drain_over_budget(
-        self, mixed: list[tuple[NodeView, MixedNode]], budget: float
-    ) -> None:
-        """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first
-        (their age stands in for their shards' progress, which we do not see)."""
-        lent = {m.name for _, m in mixed if m.state in ("offline", "online2offline")}
-        pods = [
-            p
-            for p in map(PodView, self.pods.values())
-            if p.meta.labels.get(APP_LABEL) == APP
-            and p.node in lent
-            and not p.meta.deleting
-            and p.name not in self._draining
-        ]
-        used = sum(p.cpu() for p in pods)
-        youngest = sorted(pods, key=lambda p: (p.meta.created, p.name), reverse=True)
-        for pod in youngest:
-            if used <= budget + 1e-9:
-                break
-            used -= pod.cpu()
-            self._draining.add(pod.name)
-            metrics.BATCH_EVICTIONS.inc()
-            await self._delete(pod.name, grace_s=self.config.grace_s)
-
-    async def tidal_loop(self) -> None:
-        assert self.tide is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                await self.tidal_step(loop.time())
-            except ApiException as e:
-                log.warning("tide: API error %s; next sample will try again", e.status)
-            await asyncio.sleep(self.tide.config.sample_s)

@@ -130,3 +130,22 @@ class NodeView:
     def cpu(self, default: float) -> float:
         """Allocatable CPU cores; `default` if the node does not say."""
         return self.allocatable().get("cpu", default)
+
+
+def selector_matches(labels: dict[str, str], selector: str) -> bool:
+    """Equality-based label selectors (`a=b,c!=d,e`), as used for online pods."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k.strip()) == v.strip():
+                return False
+        elif "=" in term:
+            k, v = term.split("=", 1)
+            if labels.get(k.strip()) != v.strip().lstrip("="):
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
