@@ -18,14 +18,14 @@ from typing import Any
 import nats.errors
 import pytest
 
-from ebb.common.messages import JobEvent, LeaseReply, ShardState
+from ebb.common.messages import JobEvent, JobState, LeaseReply, ShardState
 from ebb.common.output import CommitRecord, OutputFile, OutputStore, attempt_dir, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
 from ebb.shard_master.jobs import Job
 from ebb.shard_master.store import JobRecord, ShardRecord, shard_key
 from ebb.shard_master.table import LeaseTable
-from ebb.shard_master.transitions import SHARD_STATES, TRANSITIONS, check_transition
+from ebb.shard_master.transitions import JOB_STATES, SHARD_STATES, TRANSITIONS, check_transition
 
 from .helpers import job_spec, write_dataset, write_model
 
@@ -187,6 +187,25 @@ async def test_an_illegal_move_is_refused_before_anything_is_written(
     assert store.shards == stored
     assert shard.record.state == old
     assert (Counter(job.counts), set(job.doing), list(job.todo)) == indexes
+
+
+@pytest.mark.parametrize("new", [n for n in JOB_STATES if n != "SUCCEEDED"])
+async def test_an_illegal_move_of_a_job_is_refused_before_anything_is_written(
+    tmp_path: Path, new: JobState
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1)
+    assert await table.intake.submit(spec)
+    reply = await table.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    await table.commit(reply.token)
+    job = table.jobs[spec.id]
+    assert job.state == "SUCCEEDED"
+    stored = dict(store.jobs)
+    with pytest.raises(IllegalTransition, match=f"from SUCCEEDED to {new}"):
+        await table.lifecycle.move(job, replace(job.record, state=new))
+    assert store.jobs == stored and job.state == "SUCCEEDED"
 
 
 async def test_every_move_of_a_job_keeps_its_indexes_equal_to_its_records(tmp_path: Path) -> None:
