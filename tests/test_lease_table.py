@@ -10,7 +10,9 @@ import asyncio
 import dataclasses
 import itertools
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,15 @@ from ebb.common.output import CommitRecord, OutputFile, OutputStore, attempt_dir
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
 from ebb.shard_master.jobs import Job
+from ebb.shard_master.moves import PERSISTED_PERIODS
 from ebb.shard_master.store import JobRecord, ShardRecord, shard_key
 from ebb.shard_master.table import LeaseTable
-from ebb.shard_master.transitions import JOB_STATES, SHARD_STATES, TRANSITIONS, check_transition
+from ebb.shard_master.transitions import (
+    JOB_STATES,
+    SHARD_STATES,
+    TRANSITIONS,
+    check_transition,
+)
 
 from .helpers import job_spec, write_dataset, write_model
 
@@ -87,10 +95,22 @@ class Clock:
         return self.now
 
 
-def new_table(store: MemoryStore, clock: Clock, events: list[JobEvent] | None = None) -> LeaseTable:
+def new_table(
+    store: MemoryStore,
+    clock: Clock,
+    events: list[JobEvent] | None = None,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+) -> LeaseTable:
     sink = events.append if events is not None else (lambda _event: None)
     return LeaseTable(
-        store=store, epoch=1, on_event=sink, clock=clock, speculate_after_s=5.0, lease_grace_s=2.0
+        store=store,
+        epoch=1,
+        on_event=sink,
+        clock=clock,
+        wall_clock=wall_clock,
+        speculate_after_s=5.0,
+        lease_grace_s=2.0,
     )
 
 
@@ -707,3 +727,53 @@ async def test_a_crash_is_blamed_on_the_shard_its_worker_held_longest_alone(
         ("QUARANTINED", 3, 0),
         ("TODO", 0, 3),
     ]
+
+
+async def test_a_restarted_table_reads_lease_times_by_the_wall_clock_they_were_written_on(
+    tmp_path: Path,
+) -> None:
+    """A master taking over 50 s after a grant gives the lease what its record has left plus
+    the grace, and knows the attempt has run 50 s; one taking over long after the record ran
+    out gives it the grace alone."""
+    store, clock, wall = MemoryStore(), Clock(), Clock()
+    wall.now = 1_700_000_000.0
+    table = new_table(store, clock, wall_clock=wall)
+    spec = make_job(tmp_path, shards=1, lease_s=60)
+    assert await table.intake.submit(spec)
+    held = await table.lease(spec.id, "w1")
+    (lease,) = store.shards[shard_key(spec.id, 0)][0].leases
+    assert (lease.granted_at, lease.expires_at) == (wall.now, wall.now + 60 * PERSISTED_PERIODS)
+    for later, left in ((50.0, 60 * PERSISTED_PERIODS - 50 + 2), (200.0, 2.0)):
+        restarted_clock, restarted_wall = Clock(), Clock()
+        restarted_wall.now = wall.now + later
+        restarted = new_table(store, restarted_clock, wall_clock=restarted_wall)
+        await restarted.load()
+        shard = restarted.jobs[spec.id].shards[0]
+        assert shard.deadlines[held.token] - restarted_clock.now == left
+        assert restarted_clock.now - shard.granted[held.token] == later
+
+
+async def test_a_jobs_times_are_on_the_wall_clock_and_its_retention_runs_from_its_end(
+    tmp_path: Path,
+) -> None:
+    store, clock, wall = MemoryStore(), Clock(), Clock()
+    wall.now = 1_700_000_000.0
+    table = new_table(store, clock, wall_clock=wall)
+    spec = make_job(tmp_path, shards=1)
+    assert await table.intake.submit(spec)
+    reply = await table.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    wall.now += 3_600  # an hour's work
+    await table.commit(reply.token)
+    record = store.jobs[spec.id][0]
+    assert (record.state, record.submitted_at, record.finished_at) == (
+        "SUCCEEDED",
+        1_700_000_000.0,
+        1_700_003_600.0,
+    )
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None and manifest.created_at == wall.now
+    kept = await table.lifecycle.forget_ended(now=wall.now + 60, retention_s=60)
+    assert kept == [] and spec.id in table.jobs
+    gone = await table.lifecycle.forget_ended(now=wall.now + 61, retention_s=60)
+    assert gone == [spec.id] and table.jobs == {} and store.jobs == {}

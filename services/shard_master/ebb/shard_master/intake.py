@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
@@ -77,6 +76,7 @@ class JobIntake:
         on_event: EventSink,
         open_output: OutputOpener,
         clock: Callable[[], float],
+        wall_clock: Callable[[], float],
         lease_grace_s: float,
     ) -> None:
         self._jobs = jobs
@@ -85,6 +85,7 @@ class JobIntake:
         self._emit = on_event
         self._open_output = open_output
         self._clock = clock
+        self._wall_clock = wall_clock
         self._lease_grace_s = lease_grace_s
         self.rejected = RejectionLog()
 
@@ -122,7 +123,7 @@ class JobIntake:
         # The output root becomes this job's, atomically: no other job can write into it.
         await self._claim_output(submitted)
         if job is None:
-            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=time.time())
+            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=self._wall_clock())
             revision = await self._store.create_job(record)
             if revision is None:
                 found = await self._store.get_job(spec.id)
@@ -149,7 +150,7 @@ class JobIntake:
         job.adopt_shards(
             entries,
             now=self._clock(),
-            wall_now=time.time(),
+            wall_now=self._wall_clock(),
             lease_s=spec.fault.lease_s,
             grace_s=self._lease_grace_s,
         )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -48,6 +47,7 @@ class JobLifecycle:
         on_event: EventSink,
         open_output: OutputOpener,
         clock: Callable[[], float],
+        wall_clock: Callable[[], float],
         lease_grace_s: float,
     ) -> None:
         self._jobs = jobs
@@ -55,6 +55,7 @@ class JobLifecycle:
         self._emit = on_event
         self._open_output = open_output
         self._clock = clock
+        self._wall_clock = wall_clock
         self._lease_grace_s = lease_grace_s
 
     async def move(self, job: Job, record: JobRecord) -> None:
@@ -115,7 +116,9 @@ class JobLifecycle:
                     await self._succeed(job)
 
     async def _succeed(self, job: Job) -> None:
-        manifest = await write_manifest(job, self._open_output(job.spec.output.uri))
+        manifest = await write_manifest(
+            job, self._open_output(job.spec.output.uri), created_at=self._wall_clock()
+        )
         await self.end(job, "SUCCEEDED", "", manifest=manifest)
 
     async def end(self, job: Job, state: JobState, reason: str, *, manifest: str = "") -> None:
@@ -127,7 +130,7 @@ class JobLifecycle:
                 job.record,
                 state=state,
                 reason=reason,
-                finished_at=time.time(),
+                finished_at=self._wall_clock(),
                 shards_done=job.counts["DONE"],
                 shards_quarantined=job.counts["QUARANTINED"],
                 rows_done=job.rows_done,
@@ -239,7 +242,7 @@ class JobLifecycle:
             job.adopt_shards(
                 reopened,
                 now=self._clock(),
-                wall_now=time.time(),
+                wall_now=self._wall_clock(),
                 lease_s=job.spec.fault.lease_s,
                 grace_s=self._lease_grace_s,
             )

@@ -12,7 +12,7 @@ shards proceed concurrently. Picking a shard from the queue is synchronous (no a
 looking and taking), so two workers can never be handed the same TODO shard.
 
 Deadlines live on the master's monotonic clock (`clock`). Each lease record also keeps, in
-wall-clock time, when it was granted and when it expires as of its latest
+wall-clock time (`wall_clock`), when it was granted and when it expires as of its latest
 renewal: a restarted master gives a lease what it had left plus a grace (never a fresh full
 period, or a master that restarts more often than a lease lasts would keep a dead holder's
 shard forever), and knows how long each attempt has run, which speculation needs.
@@ -84,6 +84,7 @@ class LeaseTable:
         speculate_after_s: float = 5.0,
         lease_grace_s: float = 5.0,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._epoch = epoch
@@ -91,6 +92,7 @@ class LeaseTable:
         self._speculate_after_s = speculate_after_s
         self._lease_grace_s = lease_grace_s
         self._clock = clock or asyncio.get_running_loop().time
+        self._wall_clock = wall_clock
         self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
         self.jobs: dict[str, Job] = {}
         self.expiries = ExpiryHeap(clock=self._clock)
@@ -100,6 +102,7 @@ class LeaseTable:
             on_event=on_event,
             open_output=open_output,
             clock=self._clock,
+            wall_clock=wall_clock,
             lease_grace_s=lease_grace_s,
         )
         self.intake = JobIntake(
@@ -109,6 +112,7 @@ class LeaseTable:
             on_event=on_event,
             open_output=open_output,
             clock=self._clock,
+            wall_clock=wall_clock,
             lease_grace_s=lease_grace_s,
         )
         self.moves = ShardMoves(
@@ -137,7 +141,7 @@ class LeaseTable:
                 job.adopt_shards(
                     await self._store.load_shards(job.id),
                     now=now,
-                    wall_now=time.time(),
+                    wall_now=self._wall_clock(),
                     lease_s=spec.fault.lease_s,
                     grace_s=self._lease_grace_s,
                 )
@@ -237,7 +241,7 @@ class LeaseTable:
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             attempt = record.attempts + 1
             token = make_token(self._epoch, job.id, shard.index, attempt)
-            wall_now = time.time()
+            wall_now = self._wall_clock()
             lease = LeaseRecord(
                 token=token,
                 attempt=attempt,
@@ -326,7 +330,7 @@ class LeaseTable:
                 shard.deadlines[token] = now + lease_s
                 metrics.LEASE_RENEWALS.labels(job.id).inc()
                 return RenewReply(lease_s=lease_s)
-            expires_at = time.time() + lease_s * PERSISTED_PERIODS
+            expires_at = self._wall_clock() + lease_s * PERSISTED_PERIODS
             record = shard.record
             leases = [
                 replace(lease, expires_at=expires_at) if lease.token == token else lease
