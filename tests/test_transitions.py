@@ -1,21 +1,34 @@
-"""The job transition map and where a resumed job's shards go: pure, driven by tables of cases."""
+"""The transition maps of shards and jobs, and where a resumed job's shards go: pure, driven by
+tables of cases."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 
-from ebb.common.messages import JobState, ShardSpec, ShardState
+from ebb.common.messages import ShardSpec, ShardState
 from ebb.shard_master.errors import IllegalTransition
 from ebb.shard_master.store import LeaseRecord, ShardRecord
 from ebb.shard_master.transitions import (
     JOB_STATES,
     JOB_TRANSITIONS,
+    SHARD_STATES,
+    TRANSITIONS,
     check_job_transition,
+    check_transition,
     reopen,
 )
 
+SHARD_MOVES = {
+    ("TODO", "DOING"),  # a lease
+    ("DOING", "DOING"),  # a renewal, a second (speculative) lease, one of two ending
+    ("DOING", "TODO"),  # released, or expired, with attempts left
+    ("DOING", "DONE"),
+    ("DOING", "QUARANTINED"),
+}
 JOB_MOVES = {
     ("SUBMITTED", "RUNNING"),  # planned and written
     ("SUBMITTED", "FAILED"),  # planning given up, or the controller found it cannot run
@@ -26,18 +39,29 @@ JOB_MOVES = {
     ("FAILED", "RUNNING"),  # resumed
     ("CANCELLED", "RUNNING"),  # resumed
 }
+MAPS: dict[str, tuple[Mapping[Any, frozenset[Any]], set[tuple[str, str]], Callable[..., None]]] = {
+    "shard": (TRANSITIONS, SHARD_MOVES, check_transition),
+    "job": (JOB_TRANSITIONS, JOB_MOVES, check_job_transition),
+}
 
 
-@pytest.mark.parametrize(("old", "new"), list(itertools.product(JOB_STATES, JOB_STATES)))
-def test_the_job_transition_map_allows_exactly_the_moves_jobs_make(
-    old: JobState, new: JobState
+@pytest.mark.parametrize(
+    ("kind", "old", "new"),
+    [
+        *(("shard", old, new) for old, new in itertools.product(SHARD_STATES, SHARD_STATES)),
+        *(("job", old, new) for old, new in itertools.product(JOB_STATES, JOB_STATES)),
+    ],
+)
+def test_each_transition_map_allows_exactly_the_moves_of_the_design(
+    kind: str, old: str, new: str
 ) -> None:
-    assert (new in JOB_TRANSITIONS[old]) == ((old, new) in JOB_MOVES)
-    if (old, new) in JOB_MOVES:
-        check_job_transition(old, new)
+    transitions, moves, check = MAPS[kind]
+    assert (new in transitions[old]) == ((old, new) in moves)
+    if (old, new) in moves:
+        check(old, new)
     else:
-        with pytest.raises(IllegalTransition, match=f"a job cannot go from {old} to {new}"):
-            check_job_transition(old, new)
+        with pytest.raises(IllegalTransition, match=f"a {kind} cannot go from {old} to {new}"):
+            check(old, new)
 
 
 def test_a_job_that_succeeded_goes_nowhere_and_an_ended_one_ends_only_once() -> None:

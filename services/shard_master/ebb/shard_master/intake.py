@@ -12,20 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from ebb.common.messages import JobEvent
 from ebb.common.output import OutputOwner, OutputStore
 from ebb.common.spec import JobSpec
 
+from .context import TableContext
 from .errors import BadRequest, OutputTaken
-from .jobs import Job, OutputOpener
+from .jobs import Job
 from .lifecycle import JobLifecycle
 from .ownership import OwnerView, spec_mismatch, taken_reason, view_from_record
 from .planner import plan_input
-from .status import EventSink, job_event
-from .store import JobRecord, RecordStore, ShardRecord
+from .store import JobRecord, ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -67,36 +67,19 @@ class RejectionLog(Mapping[str, str]):
 
 
 class JobIntake:
-    def __init__(
-        self,
-        *,
-        jobs: dict[str, Job],
-        store: RecordStore,
-        lifecycle: JobLifecycle,
-        on_event: EventSink,
-        open_output: OutputOpener,
-        clock: Callable[[], float],
-        wall_clock: Callable[[], float],
-        lease_grace_s: float,
-    ) -> None:
-        self._jobs = jobs
-        self._store = store
+    def __init__(self, context: TableContext, *, lifecycle: JobLifecycle) -> None:
+        self._context = context
         self._lifecycle = lifecycle
-        self._emit = on_event
-        self._open_output = open_output
-        self._clock = clock
-        self._wall_clock = wall_clock
-        self._lease_grace_s = lease_grace_s
         self.rejected = RejectionLog()
 
     def reject(self, job_id: str, reason: str) -> None:
         """Remember a refused submission for a while, so `status` can say why."""
         reason = self.rejected.add(job_id, reason)
-        self._emit(JobEvent(job=job_id, kind="rejected", reason=reason))
+        self._context.emit(JobEvent(job=job_id, kind="rejected", reason=reason))
 
     async def abandon(self, job_id: str, reason: str) -> None:
         """A submission that could not be completed: a job left SUBMITTED is marked FAILED."""
-        job = self._jobs.get(job_id)
+        job = self._context.jobs.get(job_id)
         if job is None:
             self.reject(job_id, reason)
             return
@@ -106,7 +89,8 @@ class JobIntake:
 
     async def submit(self, spec: JobSpec) -> bool:
         """Plan and persist a validated job. False if it was known already (a resubmission)."""
-        job = self._jobs.get(spec.id)
+        jobs, store = self._context.jobs, self._context.store
+        job = jobs.get(spec.id)
         if job is not None and job.state != "SUBMITTED":
             return False
         # Plan before writing anything: input that cannot be planned is refused with no trace.
@@ -123,23 +107,24 @@ class JobIntake:
         # The output root becomes this job's, atomically: no other job can write into it.
         await self._claim_output(submitted)
         if job is None:
-            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=self._wall_clock())
-            revision = await self._store.create_job(record)
+            submitted_at = self._context.wall_clock()
+            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=submitted_at)
+            revision = await store.create_job(record)
             if revision is None:
-                found = await self._store.get_job(spec.id)
+                found = await store.get_job(spec.id)
                 if found is None:
                     raise BadRequest(f"job {spec.id} vanished during submission")
                 record, revision = found
                 if record.state != "SUBMITTED":
                     return False
             job = Job(record, revision, spec)
-            self._jobs[job.id] = job
+            jobs[job.id] = job
         records = [ShardRecord(job=spec.id, spec=s, seq=s.index) for s in shard_specs]
         for start in range(0, len(records), _CREATE_CHUNK):
             chunk = records[start : start + _CREATE_CHUNK]
             # Records that exist already come from an interrupted planning of this same job.
-            await asyncio.gather(*(self._store.create_shard(r) for r in chunk))
-        entries = await self._store.load_shards(spec.id)
+            await asyncio.gather(*(store.create_shard(r) for r in chunk))
+        entries = await store.load_shards(spec.id)
         running = replace(
             job.record,
             state="RUNNING",
@@ -147,15 +132,9 @@ class JobIntake:
             rows_total=sum(s.rows for s in shard_specs),
         )
         await self._lifecycle.move(job, running)
-        job.adopt_shards(
-            entries,
-            now=self._clock(),
-            wall_now=self._wall_clock(),
-            lease_s=spec.fault.lease_s,
-            grace_s=self._lease_grace_s,
-        )
+        self._context.adopt_shards(job, entries)
         log.info("job %s accepted: %d shards, ~%d rows", job.id, len(records), running.rows_total)
-        self._emit(job_event(job, "accepted"))
+        self._context.event(job, "accepted")
         return True
 
     async def _claim_output(self, spec: JobSpec) -> None:
@@ -164,7 +143,7 @@ class JobIntake:
         stack: the same id) must compute the rows it committed there."""
         uri = spec.output.uri
         fields = spec.output_fields()
-        output = self._open_output(uri)
+        output = self._context.open_output(uri)
         try:
             owner, taken_from = await asyncio.to_thread(output.claim, spec.id, fields=fields)
             if owner.job != spec.id:
@@ -187,7 +166,7 @@ class JobIntake:
 
     async def _owner_view(self, owner: OutputOwner, output: OutputStore) -> OwnerView:
         """The job that owns a root, as this master knows it, or else as the root tells."""
-        job = self._jobs.get(owner.job)
+        job = self._context.jobs.get(owner.job)
         if job is not None:
             ended = job.ended
             return OwnerView(

@@ -9,21 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
 
 from ebb.common.messages import TERMINAL_JOB_STATES, JobState, ShardState
-from ebb.common.output import OutputStore
 from ebb.common.spec import JobSpec
 
 from . import metrics
-from .errors import JobNotFound
 from .store import JobRecord, ShardRecord
-from .transitions import JOB_STATES
 
 _KEEP_DURATIONS = 256
-
-OutputOpener = Callable[[str], OutputStore]
-"""How the master reaches a job's output root from its URI (a test gives its own)."""
 
 
 class Shard:
@@ -159,16 +152,3 @@ class Job:
     def publish_gauges(self, *states: ShardState) -> None:
         for state in states or ("TODO", "DOING", "DONE", "QUARANTINED"):
             metrics.SHARDS.labels(self.id, state).set(self.counts[state])
-
-
-def find_job(jobs: Mapping[str, Job], job_id: str) -> Job:
-    job = jobs.get(job_id)
-    if job is None:
-        raise JobNotFound(f"no job {job_id!r}")
-    return job
-
-
-def publish_job_gauges(jobs: Iterable[Job]) -> None:
-    counts = Counter(j.state for j in jobs)
-    for state in JOB_STATES:
-        metrics.JOBS.labels(state).set(counts[state])

@@ -3,7 +3,7 @@ forgotten past its retention.
 
 Every change of a job's state goes through `JobLifecycle.move`, which checks it against the
 job transition map (`transitions.py`), writes the record (compare-and-set), and only then
-shows it in memory, as `LeaseTable.apply` does for shards.
+shows it in memory, as `ShardMoves.apply` does for shards.
 
 Ending a job takes every lock of its shards, in index order (nothing else holds two): a
 shard transition under way (a commit reading its record from the output, say) finishes
@@ -17,16 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import replace
 
 from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobState, ResumeReply
 
+from .context import TableContext
 from .errors import Deposed, JobNotFound, NotResumable
 from .finish import failure_reason, write_manifest
-from .jobs import Job, OutputOpener, find_job, publish_job_gauges
-from .status import EventSink, job_event
-from .store import JobRecord, RecordStore, ShardRecord
+from .jobs import Job
+from .store import JobRecord, ShardRecord
 from .transitions import check_job_transition, reopen
 
 log = logging.getLogger(__name__)
@@ -39,38 +38,22 @@ FORGET_AT_ONCE = 32
 
 
 class JobLifecycle:
-    def __init__(
-        self,
-        *,
-        jobs: dict[str, Job],
-        store: RecordStore,
-        on_event: EventSink,
-        open_output: OutputOpener,
-        clock: Callable[[], float],
-        wall_clock: Callable[[], float],
-        lease_grace_s: float,
-    ) -> None:
-        self._jobs = jobs
-        self._store = store
-        self._emit = on_event
-        self._open_output = open_output
-        self._clock = clock
-        self._wall_clock = wall_clock
-        self._lease_grace_s = lease_grace_s
+    def __init__(self, context: TableContext) -> None:
+        self._context = context
 
     async def move(self, job: Job, record: JobRecord) -> None:
         """Move a job to its new record, in another state (caller holds what keeps the job
         from changing under it): the one place a job's state changes. The move is checked
         against the job transition map, written to KV (compare-and-set), and only then shown."""
         check_job_transition(job.state, record.state)
-        job.revision = await self._store.update_job(record, last=job.revision)
+        job.revision = await self._context.store.update_job(record, last=job.revision)
         if record.state in TERMINAL_JOB_STATES:
             # Before the end shows (a client that sees it may stop this very master, as `ebb
             # run` stops its stack): the next job to name the root learns from it how this
             # one ended.
             await self._record_end_in_output(job, record)
         job.record = record
-        publish_job_gauges(self._jobs.values())
+        self._context.publish_job_gauges()
 
     # -- outcomes --------------------------------------------------------------------------
 
@@ -117,7 +100,9 @@ class JobLifecycle:
 
     async def _succeed(self, job: Job) -> None:
         manifest = await write_manifest(
-            job, self._open_output(job.spec.output.uri), created_at=self._wall_clock()
+            job,
+            self._context.open_output(job.spec.output.uri),
+            created_at=self._context.wall_clock(),
         )
         await self.end(job, "SUCCEEDED", "", manifest=manifest)
 
@@ -130,7 +115,7 @@ class JobLifecycle:
                 job.record,
                 state=state,
                 reason=reason,
-                finished_at=self._wall_clock(),
+                finished_at=self._context.wall_clock(),
                 shards_done=job.counts["DONE"],
                 shards_quarantined=job.counts["QUARANTINED"],
                 rows_done=job.rows_done,
@@ -139,7 +124,7 @@ class JobLifecycle:
             )
             await self.move(job, record)
             log.info("job %s %s %s", job.id, state, reason)
-            self._emit(job_event(job, "state"))
+            self._context.event(job, "state")
             job.release_shards()
 
     async def _record_end_in_output(self, job: Job, record: JobRecord) -> None:
@@ -147,7 +132,7 @@ class JobLifecycle:
         job lets go of it. Best effort: a root that never hears of the end keeps its owner."""
         uri = job.spec.output.uri
         try:
-            output = self._open_output(uri)
+            output = self._context.open_output(uri)
             owner = await asyncio.to_thread(
                 output.record_end,
                 job.id,
@@ -167,7 +152,7 @@ class JobLifecycle:
     ) -> CancelReply:
         """End a job that has not ended: CANCELLED (a user's wish) or FAILED (the controller
         found it cannot run). Its leases are void from now on."""
-        job = find_job(self._jobs, job_id)
+        job = self._context.find(job_id)
         async with job.lock:
             if not job.ended:
                 await self.end(job, state, reason)
@@ -192,14 +177,14 @@ class JobLifecycle:
         it, so a retry of that request (its reply lost, or the master replaced before it
         could answer) is told what happened instead of being refused as a running job's.
         """
-        job = self._jobs.get(job_id)
+        job = self._context.jobs.get(job_id)
         if job is None:
             raise JobNotFound(
                 f"no job {job_id!r} (never submitted here, or forgotten: a job that ended "
                 "leaves the master job_retention_s after; its output is still there)"
             )
         async with job.lock:
-            if self._jobs.get(job_id) is not job:
+            if self._context.jobs.get(job_id) is not job:
                 raise JobNotFound(f"job {job_id!r} was forgotten (job_retention_s)")
             resumable = job.state in ("FAILED", "CANCELLED")
             if key and job.record.resume_key == key and not resumable:
@@ -213,7 +198,8 @@ class JobLifecycle:
                     f"job {job_id} failed before its input was planned ({job.record.reason}): "
                     "nothing to resume; submit it again"
                 )
-            entries = sorted(await self._store.load_shards(job.id), key=lambda e: e[0].spec.index)
+            store = self._context.store
+            entries = sorted(await store.load_shards(job.id), key=lambda e: e[0].spec.index)
             if len(entries) != job.record.shards_total:
                 raise NotResumable(
                     f"job {job_id} has {len(entries)} shard records of "
@@ -222,7 +208,7 @@ class JobLifecycle:
             await self._reclaim_output(job)
             reopened: list[tuple[ShardRecord, int]] = []
             for (old, last), new in zip(entries, reopen([r for r, _ in entries]), strict=True):
-                revision = last if new is old else await self._store.update_shard(new, last=last)
+                revision = last if new is old else await store.update_shard(new, last=last)
                 reopened.append((new, revision))
             retried = sum(1 for old, _ in entries if old.state == "QUARANTINED")
             record = replace(
@@ -239,13 +225,7 @@ class JobLifecycle:
             )
             await self.move(job, record)
             job.finish_failures = 0
-            job.adopt_shards(
-                reopened,
-                now=self._clock(),
-                wall_now=self._wall_clock(),
-                lease_s=job.spec.fault.lease_s,
-                grace_s=self._lease_grace_s,
-            )
+            self._context.adopt_shards(job, reopened)
             log.info(
                 "job %s resumed: %d shards done, %d quarantined ones retried, %d to run",
                 job.id,
@@ -253,7 +233,7 @@ class JobLifecycle:
                 retried,
                 job.counts["TODO"],
             )
-            self._emit(job_event(job, "state"))
+            self._context.event(job, "state")
         # Nothing may be left to run (a job cancelled as its last shard committed).
         await self.settle(job)
         return self._resumed(job, retried=retried)
@@ -271,7 +251,7 @@ class JobLifecycle:
     async def _reclaim_output(self, job: Job) -> None:
         """The job's output root is its own again for a resume, or NotResumable: a job that
         ended with nothing committed let go of it, and another may have taken it since."""
-        output = self._open_output(job.spec.output.uri)
+        output = self._context.open_output(job.spec.output.uri)
         owner = await asyncio.to_thread(output.reclaim, job.id)
         if owner is not None and owner.job != job.id:
             raise NotResumable(
@@ -297,18 +277,18 @@ class JobLifecycle:
 
         async def forget(job: Job) -> str | None:
             async with job.lock:  # a resume may be under way: look again once it is over
-                if not expired(job) or self._jobs.get(job.id) is not job:
+                if not expired(job) or self._context.jobs.get(job.id) is not job:
                     return None
-                await self._store.forget_job(job.id)
-                del self._jobs[job.id]
+                await self._context.store.forget_job(job.id)
+                del self._context.jobs[job.id]
                 return job.id
 
-        candidates = [j for j in self._jobs.values() if expired(j)][:limit]
+        candidates = [j for j in self._context.jobs.values() if expired(j)][:limit]
         gone: list[str] = []
         for start in range(0, len(candidates), FORGET_AT_ONCE):
             chunk = candidates[start : start + FORGET_AT_ONCE]
             # Purges are idempotent: if one fails, the next pass purges that job again.
             gone += [i for i in await asyncio.gather(*(forget(j) for j in chunk)) if i]
         if gone:
-            publish_job_gauges(self._jobs.values())
+            self._context.publish_job_gauges()
         return gone

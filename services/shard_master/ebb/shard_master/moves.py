@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import replace
 
 from ebb.common.messages import ShardState
 from ebb.common.output import CommitRecord
 
 from . import metrics
+from .context import TableContext
 from .errors import ForeignCommit
 from .expiry import Expiry, ExpiryHeap
-from .jobs import Job, OutputOpener, Shard
-from .status import EventSink, job_event
-from .store import RecordStore, ShardRecord
+from .jobs import Job, Shard
+from .store import ShardRecord
 from .transitions import check_transition
 
 log = logging.getLogger(__name__)
@@ -40,20 +39,9 @@ to hear the next renewal. It gives a dead worker's lease at most one period, as 
 
 
 class ShardMoves:
-    def __init__(
-        self,
-        *,
-        store: RecordStore,
-        expiries: ExpiryHeap,
-        on_event: EventSink,
-        open_output: OutputOpener,
-        clock: Callable[[], float],
-    ) -> None:
-        self._store = store
+    def __init__(self, context: TableContext, *, expiries: ExpiryHeap) -> None:
+        self._context = context
         self._expiries = expiries
-        self._emit = on_event
-        self._open_output = open_output
-        self._clock = clock
 
     async def apply(
         self, job: Job, shard: Shard, new: ShardRecord, *, lease: tuple[str, float] | None = None
@@ -69,7 +57,7 @@ class ShardMoves:
         requeued = new.state == "TODO" and old.state != "TODO"
         if requeued:  # behind every shard queued so far, after a restart too
             new = replace(new, seq=job.next_seq)
-        shard.revision = await self._store.update_shard(new, last=shard.revision)
+        shard.revision = await self._context.store.update_shard(new, last=shard.revision)
         shard.record = new
         if requeued:
             job.next_seq += 1
@@ -84,7 +72,7 @@ class ShardMoves:
             shard.persisted.pop(token, None)
         if lease is not None:
             token, lease_s = lease
-            now = self._clock()
+            now = self._context.clock()
             shard.deadlines[token] = now + lease_s
             shard.granted.setdefault(token, now)
             shard.persisted[token] = now + lease_s * PERSISTED_PERIODS
@@ -93,7 +81,7 @@ class ShardMoves:
     async def read_commit(self, job: Job, shard: Shard) -> CommitRecord | None:
         """The shard's commit record in the job's output, if there is one; ForeignCommit if it
         belongs to another job."""
-        output = self._open_output(job.spec.output.uri)
+        output = self._context.open_output(job.spec.output.uri)
         commit = await asyncio.to_thread(output.read_commit, shard.index)
         if commit is not None and commit.job != job.id:
             raise ForeignCommit(
@@ -121,7 +109,7 @@ class ShardMoves:
         metrics.SHARDS_DONE.labels(job.id).inc()
         metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
         metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
-        self._emit(job_event(job, "progress"))
+        self._context.event(job, "progress")
 
     async def drop_lease(
         self, job: Job, shard: Shard, token: str, *, reason: str, failed: bool, lost: bool = False

@@ -16,11 +16,11 @@ from dataclasses import replace
 from ebb.common.messages import WorkerEndedReply
 
 from . import metrics
+from .context import TableContext
 from .expiry import Expiry, ExpiryHeap
-from .jobs import Job, find_job
+from .jobs import Job
 from .lifecycle import JobLifecycle
 from .moves import ShardMoves
-from .store import RecordStore
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +28,13 @@ log = logging.getLogger(__name__)
 class LeaseReaper:
     def __init__(
         self,
+        context: TableContext,
         *,
-        jobs: dict[str, Job],
-        store: RecordStore,
         expiries: ExpiryHeap,
         moves: ShardMoves,
         lifecycle: JobLifecycle,
     ) -> None:
-        self._jobs = jobs
-        self._store = store
+        self._context = context
         self._expiries = expiries
         self._moves = moves
         self._lifecycle = lifecycle
@@ -46,7 +44,7 @@ class LeaseReaper:
         return await self._expiries.expire_due(self._expire)
 
     async def _expire(self, entry: Expiry) -> bool:
-        job = self._jobs.get(entry.job)
+        job = self._context.jobs.get(entry.job)
         if job is None or job.ended or entry.shard >= len(job.shards):
             return False
         shard = job.shards[entry.shard]
@@ -82,7 +80,7 @@ class LeaseReaper:
         counts as failed; every other attempt lost with it (the cluster took the worker) is
         forgiven. Idempotent: a worker that holds nothing changes nothing, and a worker is
         counted as lost once."""
-        job = find_job(self._jobs, job_id)
+        job = self._context.find(job_id)
         released: list[int] = []
         forgiven = 0
         settle = False
@@ -146,6 +144,6 @@ class LeaseReaper:
                 workers_lost=lost,
                 attempts_forgiven=job.record.attempts_forgiven + forgiven,
             )
-            job.revision = await self._store.update_job(record, last=job.revision)
+            job.revision = await self._context.store.update_job(record, last=job.revision)
             job.record = record
             job.ended_workers.add(worker)

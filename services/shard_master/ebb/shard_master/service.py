@@ -340,14 +340,7 @@ class ShardMaster:
         )
 
     async def _status(self, r: StatusRequest, subject: str) -> Message:
-        return self._table().status(
-            r.job,
-            include_spec=r.include_spec,
-            include_leases=r.include_leases,
-            active_only=r.active_only,
-            limit=r.limit,
-            after=r.after,
-        )
+        return self._table().status(r)
 
     async def _cancel(self, r: CancelRequest, subject: str) -> Message:
         return await self._table().lifecycle.cancel(r.job, r.reason)

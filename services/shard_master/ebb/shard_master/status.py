@@ -3,35 +3,26 @@ it publishes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Literal
 
-from ebb.common.messages import JobEvent, JobStatus, LeaseInfo, StatusReply
+from ebb.common.messages import JobEvent, JobStatus, LeaseInfo, StatusReply, StatusRequest
 
 from .errors import BadRequest, JobNotFound
 from .jobs import Job
 
 EventKind = Literal["accepted", "rejected", "progress", "state"]
-EventSink = Callable[[JobEvent], None]
 
 STATUS_PAGE = 500
 """Jobs in one status reply at most (about 350 bytes each without their specs)."""
 
 
 def status_reply(
-    jobs: Mapping[str, Job],
-    rejected: Mapping[str, str],
-    *,
-    now: float,
-    job_id: str = "",
-    include_spec: bool = False,
-    include_leases: bool = False,
-    active_only: bool = False,
-    limit: int = 0,
-    after: str = "",
+    jobs: Mapping[str, Job], rejected: Mapping[str, str], request: StatusRequest, *, now: float
 ) -> StatusReply:
-    """One job (`job_id`), or a page of them in id order after `after`; `rejected`: refused
+    """One job (`request.job`), or a page of them in id order; `rejected`: refused
     submissions by id. `now` is the master's monotonic clock."""
+    job_id, limit, after = request.job, request.limit, request.after
     if limit < 0:
         raise BadRequest(f"limit must be 0 (the page size) or more, not {limit}")
     if job_id:
@@ -46,11 +37,16 @@ def status_reply(
         # A page at a time, in id order: every job in one reply would outgrow NATS's
         # largest message once a few thousand jobs are kept.
         ids = sorted(i for i in jobs if i > after)
-        listed = [jobs[i] for i in ids if not (active_only and jobs[i].ended)]
+        listed = [jobs[i] for i in ids if not (request.active_only and jobs[i].ended)]
         chosen, more = listed[: limit or STATUS_PAGE], listed[limit or STATUS_PAGE :]
     return StatusReply(
         jobs=[
-            describe(j, now=now, include_spec=include_spec, include_leases=include_leases)
+            describe(
+                j,
+                now=now,
+                include_spec=request.include_spec,
+                include_leases=request.include_leases,
+            )
             for j in chosen
         ],
         rejected={} if job_id or after else dict(rejected),

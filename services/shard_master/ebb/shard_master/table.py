@@ -37,19 +37,21 @@ from ebb.common.messages import (
     RenewReply,
     ShardState,
     StatusReply,
+    StatusRequest,
 )
 from ebb.common.output import OutputStore
 from ebb.common.spec import parse_job
 
 from . import metrics
+from .context import EventSink, OutputOpener, TableContext
 from .errors import ForeignCommit, JobEnded, NoCommitRecord, NotHolder, StaleToken
 from .expiry import Expiry, ExpiryHeap
 from .intake import JobIntake
-from .jobs import Job, OutputOpener, Shard, find_job, publish_job_gauges
+from .jobs import Job, Shard
 from .lifecycle import JobLifecycle
 from .moves import PERSISTED_PERIODS, ShardMoves
 from .reaper import LeaseReaper
-from .status import EventSink, status_reply
+from .status import status_reply
 from .store import LeaseRecord, RecordStore
 
 log = logging.getLogger(__name__)
@@ -86,95 +88,47 @@ class LeaseTable:
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self._store = store
         self._epoch = epoch
         self._wait_retry_s = wait_retry_s
         self._speculate_after_s = speculate_after_s
-        self._lease_grace_s = lease_grace_s
-        self._clock = clock or asyncio.get_running_loop().time
-        self._wall_clock = wall_clock
         self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
-        self.jobs: dict[str, Job] = {}
-        self.expiries = ExpiryHeap(clock=self._clock)
-        self.lifecycle = JobLifecycle(
-            jobs=self.jobs,
+        self.context = context = TableContext(
+            jobs={},
             store=store,
-            on_event=on_event,
+            emit=on_event,
             open_output=open_output,
-            clock=self._clock,
+            clock=clock or asyncio.get_running_loop().time,
             wall_clock=wall_clock,
             lease_grace_s=lease_grace_s,
         )
-        self.intake = JobIntake(
-            jobs=self.jobs,
-            store=store,
-            lifecycle=self.lifecycle,
-            on_event=on_event,
-            open_output=open_output,
-            clock=self._clock,
-            wall_clock=wall_clock,
-            lease_grace_s=lease_grace_s,
-        )
-        self.moves = ShardMoves(
-            store=store,
-            expiries=self.expiries,
-            on_event=on_event,
-            open_output=open_output,
-            clock=self._clock,
-        )
+        self.jobs = context.jobs
+        self.expiries = ExpiryHeap(clock=context.clock)
+        self.lifecycle = JobLifecycle(context)
+        self.intake = JobIntake(context, lifecycle=self.lifecycle)
+        self.moves = ShardMoves(context, expiries=self.expiries)
         self.reaper = LeaseReaper(
-            jobs=self.jobs,
-            store=store,
-            expiries=self.expiries,
-            moves=self.moves,
-            lifecycle=self.lifecycle,
+            context, expiries=self.expiries, moves=self.moves, lifecycle=self.lifecycle
         )
 
     async def load(self) -> None:
         """Rebuild the table from KV: every job, and every shard of the jobs still running."""
-        now = self._clock()
-        for record, revision in await self._store.load_jobs():
-            spec = parse_job(record.spec)
-            job = Job(record, revision, spec)
+        store = self.context.store
+        for record, revision in await store.load_jobs():
+            job = Job(record, revision, parse_job(record.spec))
             self.jobs[job.id] = job
             if record.state == "RUNNING":
-                job.adopt_shards(
-                    await self._store.load_shards(job.id),
-                    now=now,
-                    wall_now=self._wall_clock(),
-                    lease_s=spec.fault.lease_s,
-                    grace_s=self._lease_grace_s,
-                )
+                self.context.adopt_shards(job, await store.load_shards(job.id))
                 for shard in job.shards:
                     for token, deadline in shard.deadlines.items():
                         self.expiries.push(Expiry(deadline, job.id, shard.index, token))
-        publish_job_gauges(self.jobs.values())
+        self.context.publish_job_gauges()
         log.info("loaded %d jobs (%d running)", len(self.jobs), len(self.running_jobs()))
 
     def running_jobs(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state == "RUNNING"]
 
-    def status(
-        self,
-        job_id: str = "",
-        *,
-        include_spec: bool = False,
-        include_leases: bool = False,
-        active_only: bool = False,
-        limit: int = 0,
-        after: str = "",
-    ) -> StatusReply:
-        return status_reply(
-            self.jobs,
-            self.intake.rejected,
-            now=self._clock(),
-            job_id=job_id,
-            include_spec=include_spec,
-            include_leases=include_leases,
-            active_only=active_only,
-            limit=limit,
-            after=after,
-        )
+    def status(self, request: StatusRequest) -> StatusReply:
+        return status_reply(self.jobs, self.intake.rejected, request, now=self.context.clock())
 
     # -- the lease protocol ----------------------------------------------------------------
 
@@ -216,7 +170,7 @@ class LeaseTable:
         return reply
 
     async def _lease(self, job_id: str, worker: str) -> LeaseReply:
-        job = find_job(self.jobs, job_id)
+        job = self.context.find(job_id)
         if job.ended:
             return LeaseReply(status="end")
         if job.state != "RUNNING":
@@ -241,7 +195,7 @@ class LeaseTable:
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             attempt = record.attempts + 1
             token = make_token(self._epoch, job.id, shard.index, attempt)
-            wall_now = self._wall_clock()
+            wall_now = self.context.wall_clock()
             lease = LeaseRecord(
                 token=token,
                 attempt=attempt,
@@ -284,7 +238,7 @@ class LeaseTable:
         if not job.spec.fault.speculative or not job.durations:
             return None
         min_age = max(self._speculate_after_s, 1.5 * statistics.median(job.durations))
-        now = self._clock()
+        now = self.context.clock()
         best: Shard | None = None
         best_age = 0.0
         for index in job.doing:
@@ -323,14 +277,14 @@ class LeaseTable:
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
             self._check_holder(shard, token, caller)
-            now = self._clock()
+            now = self.context.clock()
             if shard.persisted.get(token, now) - now >= lease_s:
                 # KV's record still covers a full period beyond now: what a master taking
                 # over would read is right as it is, so this renewal need not be written.
                 shard.deadlines[token] = now + lease_s
                 metrics.LEASE_RENEWALS.labels(job.id).inc()
                 return RenewReply(lease_s=lease_s)
-            expires_at = self._wall_clock() + lease_s * PERSISTED_PERIODS
+            expires_at = self.context.wall_clock() + lease_s * PERSISTED_PERIODS
             record = shard.record
             leases = [
                 replace(lease, expires_at=expires_at) if lease.token == token else lease
@@ -371,7 +325,7 @@ class LeaseTable:
                     raise NoCommitRecord(
                         f"no commit record for shard {shard.index} in {job.spec.output.uri}"
                     )
-                now = self._clock()
+                now = self.context.clock()
                 seconds = now - shard.granted.get(token, now)
                 await self.moves.record_done(job, shard, commit, seconds=seconds)
                 failpoints.hit(failpoints.MASTER_AFTER_RECORDING_DONE, detail=str(shard.index))
