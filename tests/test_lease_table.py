@@ -10,7 +10,9 @@ import asyncio
 import dataclasses
 import itertools
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,14 +21,19 @@ import nats.errors
 import pytest
 
 from ebb.common.layout import CommitRecord, OutputFile, attempt_dir
-from ebb.common.messages import JobEvent, LeaseReply, ShardState
+from ebb.common.messages import JobEvent, JobState, LeaseReply, ShardState, StatusRequest
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
 from ebb.shard_master.jobs import Job
+from ebb.shard_master.moves import PERSISTED_PERIODS
 from ebb.shard_master.store import JobRecord, ShardRecord, shard_key
 from ebb.shard_master.table import LeaseTable
-from ebb.shard_master.transitions import SHARD_STATES, TRANSITIONS, check_transition
+from ebb.shard_master.transitions import (
+    JOB_STATES,
+    SHARD_STATES,
+    TRANSITIONS,
+)
 
 from .helpers import job_spec, write_dataset, write_model
 
@@ -88,10 +95,22 @@ class Clock:
         return self.now
 
 
-def new_table(store: MemoryStore, clock: Clock, events: list[JobEvent] | None = None) -> LeaseTable:
+def new_table(
+    store: MemoryStore,
+    clock: Clock,
+    events: list[JobEvent] | None = None,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+) -> LeaseTable:
     sink = events.append if events is not None else (lambda _event: None)
     return LeaseTable(
-        store=store, epoch=1, on_event=sink, clock=clock, speculate_after_s=5.0, lease_grace_s=2.0
+        store=store,
+        epoch=1,
+        on_event=sink,
+        clock=clock,
+        wall_clock=wall_clock,
+        speculate_after_s=5.0,
+        lease_grace_s=2.0,
     )
 
 
@@ -136,25 +155,6 @@ def assert_indexes_match_records(job: Job, store: MemoryStore) -> None:
         assert set(shard.deadlines) == {lease.token for lease in shard.record.leases}
 
 
-@pytest.mark.parametrize(("old", "new"), list(itertools.product(SHARD_STATES, SHARD_STATES)))
-def test_the_transition_map_allows_only_the_moves_of_the_design(
-    old: ShardState, new: ShardState
-) -> None:
-    legal = {
-        ("TODO", "DOING"),
-        ("DOING", "DOING"),
-        ("DOING", "TODO"),
-        ("DOING", "DONE"),
-        ("DOING", "QUARANTINED"),
-    }
-    assert (new in TRANSITIONS[old]) == ((old, new) in legal)
-    if (old, new) in legal:
-        check_transition(old, new)
-    else:
-        with pytest.raises(IllegalTransition, match=f"from {old} to {new}"):
-            check_transition(old, new)
-
-
 @pytest.mark.parametrize(
     ("old", "new"),
     [(o, n) for o, n in itertools.product(SHARD_STATES, SHARD_STATES) if n not in TRANSITIONS[o]],
@@ -166,7 +166,7 @@ async def test_an_illegal_move_is_refused_before_anything_is_written(
     table = new_table(store, clock)
     # Two shards, so that shard 0 ending leaves the job running.
     spec = make_job(tmp_path, shards=2, max_attempts=1, max_error_fraction=1.0)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     shard = job.shards[0]
     # Put the shard in `old` the way the table would: through its one transition point.
@@ -183,11 +183,27 @@ async def test_an_illegal_move_is_refused_before_anything_is_written(
 
     async with shard.lock:
         with pytest.raises(IllegalTransition):
-            await table.apply(job, shard, replace(shard.record, state=new))
+            await table.moves.apply(job, shard, replace(shard.record, state=new))
 
     assert store.shards == stored
     assert shard.record.state == old
     assert (Counter(job.counts), set(job.doing), list(job.todo)) == indexes
+
+
+@pytest.mark.parametrize("new", [n for n in JOB_STATES if n != "RUNNING"])
+async def test_an_illegal_move_of_a_job_is_refused_before_anything_is_written(
+    tmp_path: Path, new: JobState
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1)
+    assert await table.intake.submit(spec)
+    await table.lifecycle.cancel(spec.id, "stop")  # only a resume moves it again
+    job = table.jobs[spec.id]
+    stored = dict(store.jobs)
+    with pytest.raises(IllegalTransition, match=f"from CANCELLED to {new}"):
+        await table.lifecycle.move(job, replace(job.record, state=new))
+    assert store.jobs == stored and job.state == "CANCELLED"
 
 
 async def test_every_move_of_a_job_keeps_its_indexes_equal_to_its_records(tmp_path: Path) -> None:
@@ -195,7 +211,7 @@ async def test_every_move_of_a_job_keeps_its_indexes_equal_to_its_records(tmp_pa
     events: list[JobEvent] = []
     table = new_table(store, clock, events)
     spec = make_job(tmp_path, shards=4, max_attempts=2, max_error_fraction=1.0)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     assert_indexes_match_records(job, store)
 
@@ -235,18 +251,18 @@ async def test_an_expired_lease_goes_to_the_tail_and_the_last_one_quarantines(
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=2, lease_s=30, max_attempts=2, max_error_fraction=1.0)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     first = await table.lease(spec.id, "w1")
-    assert table.next_expiry() == clock.now + 30
+    assert table.expiries.next_expiry() == clock.now + 30
 
     clock.now += 29.9
-    assert await table.expire_due() == 0
+    assert await table.reaper.expire_due() == 0
     await table.renew(first.token)  # a renewal moves the deadline a full period on
     clock.now += 29.9
-    assert await table.expire_due() == 0
+    assert await table.reaper.expire_due() == 0
     clock.now += 0.2
-    assert await table.expire_due() == 1
+    assert await table.reaper.expire_due() == 1
     assert job.shards[0].record.state == "TODO"
     assert list(job.todo) == [1, 0]  # the tail
     assert job.shards[0].record.errors == ["lease of attempt 1 expired (worker w1)"]
@@ -258,7 +274,7 @@ async def test_an_expired_lease_goes_to_the_tail_and_the_last_one_quarantines(
     second = await table.lease(spec.id, "w3")
     assert second.shard is not None and second.shard.index == 0
     clock.now += 31
-    assert await table.expire_due() == 2
+    assert await table.reaper.expire_due() == 2
     assert [s.record.state for s in job.shards] == ["QUARANTINED", "TODO"]
     assert_indexes_match_records(job, store)
 
@@ -269,7 +285,7 @@ async def test_an_idle_worker_gets_a_speculative_attempt_and_the_first_commit_wi
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=2, lease_s=600)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     fast = await table.lease(spec.id, "fast")
     slow = await table.lease(spec.id, "slow")
@@ -304,7 +320,7 @@ async def test_a_restarted_table_keeps_each_lease_no_longer_than_its_deadline_pl
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=3, lease_s=60)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     held = await table.lease(spec.id, "w1")
     await table.lease(spec.id, "w2")
     await table.release((await table.lease(spec.id, "w3")).token, "busy", retryable=True)
@@ -330,7 +346,7 @@ async def test_renewals_are_written_to_kv_only_when_its_record_runs_short(
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1, lease_s=30)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     held = await table.lease(spec.id, "w1")
     key = shard_key(spec.id, 0)
     revisions = [store.shards[key][1]]
@@ -355,7 +371,7 @@ async def test_a_record_someone_else_wrote_deposes_the_table(tmp_path: Path) -> 
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     reply = await table.lease(spec.id, "w1")
     key = shard_key(spec.id, 0)
     record, revision = store.shards[key]
@@ -377,20 +393,20 @@ async def test_jobs_ended_past_the_retention_are_forgotten_and_others_kept(
     specs = []
     for k in range(3):
         spec = dataclasses.replace(make_job(tmp_path / f"j{k}", shards=2), id=f"job-{k}")
-        assert await table.submit(spec)
+        assert await table.intake.submit(spec)
         specs.append(spec)
-    await table.cancel("job-0", "done with it")
-    await table.cancel("job-1", "done with it")
+    await table.lifecycle.cancel("job-0", "done with it")
+    await table.lifecycle.cancel("job-1", "done with it")
     ended_at = store.jobs["job-0"][0].finished_at
     assert ended_at > 0
     # Not yet: ended less than the retention ago.
-    assert await table.forget_ended(now=ended_at + 10, retention_s=60) == []
-    gone = await table.forget_ended(now=ended_at + 61, retention_s=60)
+    assert await table.lifecycle.forget_ended(now=ended_at + 10, retention_s=60) == []
+    gone = await table.lifecycle.forget_ended(now=ended_at + 61, retention_s=60)
     assert sorted(gone) == ["job-0", "job-1"]
     assert set(table.jobs) == {"job-2"}  # the running job stays, whatever its age
     assert set(store.jobs) == {"job-2"}
     assert all(key.startswith("job-2.") for key in store.shards)
-    assert [j.id for j in table.status().jobs] == ["job-2"]
+    assert [j.id for j in table.status(StatusRequest()).jobs] == ["job-2"]
 
 
 async def test_forgetting_goes_a_bounded_number_of_jobs_a_pass(tmp_path: Path) -> None:
@@ -398,12 +414,12 @@ async def test_forgetting_goes_a_bounded_number_of_jobs_a_pass(tmp_path: Path) -
     table = new_table(store, clock)
     for k in range(7):
         spec = dataclasses.replace(make_job(tmp_path / f"j{k}", shards=2), id=f"job-{k}")
-        assert await table.submit(spec)
-        await table.cancel(spec.id, "done with it")
+        assert await table.intake.submit(spec)
+        await table.lifecycle.cancel(spec.id, "done with it")
     ended_at = max(record.finished_at for record, _ in store.jobs.values())
-    first = await table.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
-    second = await table.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
-    third = await table.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
+    first = await table.lifecycle.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
+    second = await table.lifecycle.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
+    third = await table.lifecycle.forget_ended(now=ended_at + 61, retention_s=60, limit=3)
     assert (len(first), len(second), len(third)) == (3, 3, 1)
     assert sorted(first + second + third) == [f"job-{k}" for k in range(7)]
     assert table.jobs == {} and store.jobs == {} and store.shards == {}
@@ -414,12 +430,12 @@ async def test_status_comes_a_page_at_a_time_in_id_order(tmp_path: Path) -> None
     table = new_table(store, clock)
     for k in (3, 1, 4, 2, 0):
         spec = dataclasses.replace(make_job(tmp_path / f"j{k}", shards=1), id=f"job-{k}")
-        assert await table.submit(spec)
-    first = table.status(limit=2)
+        assert await table.intake.submit(spec)
+    first = table.status(StatusRequest(limit=2))
     assert [j.id for j in first.jobs] == ["job-0", "job-1"] and first.next == "job-1"
-    second = table.status(limit=2, after=first.next)
+    second = table.status(StatusRequest(limit=2, after=first.next))
     assert [j.id for j in second.jobs] == ["job-2", "job-3"]
-    last = table.status(limit=2, after=second.next)
+    last = table.status(StatusRequest(limit=2, after=second.next))
     assert [j.id for j in last.jobs] == ["job-4"] and last.next == ""
 
 
@@ -429,7 +445,7 @@ async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1, lease_s=30, max_attempts=3)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     await table.lease(spec.id, "w1")
     writes = store.update_shard
@@ -440,13 +456,13 @@ async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path
     store.update_shard = refused  # type: ignore[method-assign]
     clock.now += 31
     failed_at = clock.now
-    assert await table.expire_due() == 0
-    first_retry = table.next_expiry()
+    assert await table.reaper.expire_due() == 0
+    first_retry = table.expiries.next_expiry()
     assert first_retry is not None and first_retry > failed_at
-    assert await table.expire_due() == 0  # not yet: nothing is tried before the retry time
+    assert await table.reaper.expire_due() == 0  # not yet: nothing is tried before the retry time
     clock.now = first_retry
-    assert await table.expire_due() == 0
-    second_retry = table.next_expiry()
+    assert await table.reaper.expire_due() == 0
+    second_retry = table.expiries.next_expiry()
     assert second_retry is not None
     assert second_retry - first_retry > first_retry - failed_at  # backing off
     # Nothing changed while the store was away.
@@ -454,7 +470,7 @@ async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path
 
     store.update_shard = writes  # type: ignore[method-assign]
     clock.now = second_retry
-    assert await table.expire_due() == 1
+    assert await table.reaper.expire_due() == 1
     assert [s.record.state for s in job.shards] == ["TODO"]
     assert_indexes_match_records(job, store)
 
@@ -465,12 +481,12 @@ async def test_a_worker_the_cluster_took_gives_its_shards_back_at_once_without_p
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1)  # max_attempts: the default, 3
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     for _ in range(10):  # far more losses than max_attempts, each one forgiven
         reply = await table.lease(spec.id, "w1")
         assert reply.shard is not None and reply.shard.index == 0
-        told = await table.worker_ended(
+        told = await table.reaper.worker_ended(
             spec.id, "w1", kind="capacity", blame=False, reason="preempted"
         )
         assert (told.released, told.forgiven) == ([0], 1)
@@ -481,7 +497,7 @@ async def test_a_worker_the_cluster_took_gives_its_shards_back_at_once_without_p
     assert "worker w1 was lost (capacity: preempted)" in record.errors[-1]
     assert job.record.workers_lost == {"capacity": 1}  # one worker, told ten times
     assert job.record.attempts_forgiven == 10
-    status = table.status(spec.id).jobs[0]
+    status = table.status(StatusRequest(job=spec.id)).jobs[0]
     assert (status.workers_lost, status.attempts_forgiven) == ({"capacity": 1}, 10)
     assert_indexes_match_records(job, store)
 
@@ -490,13 +506,17 @@ async def test_word_of_a_worker_is_idempotent(tmp_path: Path) -> None:
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=2)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     await table.lease(spec.id, "w1")
     await table.lease(spec.id, "w1")
-    first = await table.worker_ended(spec.id, "w1", kind="capacity", blame=False, reason="gone")
+    first = await table.reaper.worker_ended(
+        spec.id, "w1", kind="capacity", blame=False, reason="gone"
+    )
     assert first.released == [0, 1]
     stored = (dict(store.shards), dict(store.jobs))
-    again = await table.worker_ended(spec.id, "w1", kind="capacity", blame=False, reason="gone")
+    again = await table.reaper.worker_ended(
+        spec.id, "w1", kind="capacity", blame=False, reason="gone"
+    )
     assert (again.released, again.forgiven) == ([], 0)
     assert (dict(store.shards), dict(store.jobs)) == stored
 
@@ -505,12 +525,14 @@ async def test_a_worker_that_crashed_on_its_shards_counts_against_them(tmp_path:
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     for attempt in range(1, 4):
         reply = await table.lease(spec.id, f"w{attempt}")
         assert reply.shard is not None and reply.shard.index == 0
-        await table.worker_ended(spec.id, f"w{attempt}", kind="oom", blame=True, reason="OOM")
+        await table.reaper.worker_ended(
+            spec.id, f"w{attempt}", kind="oom", blame=True, reason="OOM"
+        )
     record = store.shards[shard_key(spec.id, 0)][0]  # the job ended with it: nothing else ran
     assert (record.state, record.failures, record.losses) == ("QUARANTINED", 3, 0)
     assert (job.state, job.record.attempts_forgiven, job.record.workers_lost) == (
@@ -527,12 +549,14 @@ async def test_a_shard_that_takes_down_every_worker_is_quarantined_at_the_loss_c
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1)
     assert spec.fault.worker_loss_cap() == 15  # 5 x the default max_attempts
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     for n in range(15):
         reply = await table.lease(spec.id, f"w{n}")
         assert reply.shard is not None and reply.shard.index == 0
-        await table.worker_ended(spec.id, f"w{n}", kind="capacity", blame=False, reason="killed")
+        await table.reaper.worker_ended(
+            spec.id, f"w{n}", kind="capacity", blame=False, reason="killed"
+        )
     record = store.shards[shard_key(spec.id, 0)][0]
     assert (record.state, record.failures, record.losses) == ("QUARANTINED", 0, 15)
     assert "15 workers were lost while computing it" in record.errors[-1]
@@ -545,10 +569,10 @@ async def test_a_lease_that_expires_with_no_word_still_counts_as_a_failure(
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=1, lease_s=30)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     await table.lease(spec.id, "w1")
     clock.now += 31
-    assert await table.expire_due() == 1
+    assert await table.reaper.expire_due() == 1
     record = table.jobs[spec.id].shards[0].record
     assert (record.failures, record.losses) == (1, 0)
 
@@ -557,13 +581,13 @@ async def test_ready_workers_are_counted_from_their_leases_and_renewals(tmp_path
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=3)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     first = await table.lease(spec.id, "w1")  # not ready yet: its stages are starting
-    assert table.status(spec.id).jobs[0].workers_ready == 0
+    assert table.status(StatusRequest(job=spec.id)).jobs[0].workers_ready == 0
     await table.renew(first.token, caller="w1", ready=True)
     await table.lease(spec.id, "w2", ready=True)
     await table.lease(spec.id, "w2", ready=True)
-    assert table.status(spec.id).jobs[0].workers_ready == 2
+    assert table.status(StatusRequest(job=spec.id)).jobs[0].workers_ready == 2
 
 
 class BlockingOutput(OutputStore):
@@ -600,13 +624,13 @@ async def test_a_commit_racing_a_cancel_and_a_resume_is_not_taken_for_a_depositi
     )
     spec = make_job(tmp_path, shards=2)
     proceed.set()
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     proceed.clear()
     reply = await table.lease(spec.id, "w1")
     commit_record(spec, reply)
     committing = asyncio.create_task(table.commit(reply.token))
     await opener.entered.wait()
-    cancelling = asyncio.create_task(table.cancel(spec.id, "changed my mind"))
+    cancelling = asyncio.create_task(table.lifecycle.cancel(spec.id, "changed my mind"))
     for _ in range(20):  # every turn the loop takes, the cancel waits for the commit's lock
         await asyncio.sleep(0)
     assert not cancelling.done()
@@ -615,7 +639,7 @@ async def test_a_commit_racing_a_cancel_and_a_resume_is_not_taken_for_a_depositi
     assert (await cancelling).state == "CANCELLED"
     job = table.jobs[spec.id]
     assert job.record.shards_done == 1  # the commit came first, and counts
-    resumed = await table.resume(spec.id)
+    resumed = await table.lifecycle.resume(spec.id)
     assert (resumed.state, resumed.shards_done, resumed.shards_todo) == ("RUNNING", 1, 1)
     # The first run's token is void in the second.
     with pytest.raises(StaleToken):
@@ -631,7 +655,7 @@ async def test_an_ended_job_records_exactly_the_commits_that_came_before_its_end
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=2)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     first = await table.lease(spec.id, "w1")
     commit_record(spec, first)
     shard = table.jobs[spec.id].shards[0]
@@ -639,7 +663,7 @@ async def test_an_ended_job_records_exactly_the_commits_that_came_before_its_end
     committing = asyncio.create_task(table.commit(first.token))  # in the queue for the lock
     for _ in range(5):
         await asyncio.sleep(0)
-    cancelling = asyncio.create_task(table.cancel(spec.id, "stop"))
+    cancelling = asyncio.create_task(table.lifecycle.cancel(spec.id, "stop"))
     for _ in range(5):
         await asyncio.sleep(0)
     shard.lock.release()
@@ -660,14 +684,16 @@ async def test_a_crash_is_blamed_on_the_shard_its_worker_held_longest_alone(
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
     spec = make_job(tmp_path, shards=3, max_error_fraction=1.0)
-    assert await table.submit(spec)
+    assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
     for n in range(3):
         first = await table.lease(spec.id, f"w{n}")
         clock.now += 0.5
         second = await table.lease(spec.id, f"w{n}")
         assert [first.shard.index, second.shard.index] == [0, 1]  # type: ignore[union-attr]
-        told = await table.worker_ended(spec.id, f"w{n}", kind="crash", blame=True, reason="-11")
+        told = await table.reaper.worker_ended(
+            spec.id, f"w{n}", kind="crash", blame=True, reason="-11"
+        )
         assert (told.released, told.forgiven) == ([0, 1], 1)
         await table.lease(spec.id, "other")  # shard 2 goes by; 0 and 1 come round in order
         if n < 2:
@@ -679,3 +705,53 @@ async def test_a_crash_is_blamed_on_the_shard_its_worker_held_longest_alone(
         ("QUARANTINED", 3, 0),
         ("TODO", 0, 3),
     ]
+
+
+async def test_a_restarted_table_reads_lease_times_by_the_wall_clock_they_were_written_on(
+    tmp_path: Path,
+) -> None:
+    """A master taking over 50 s after a grant gives the lease what its record has left plus
+    the grace, and knows the attempt has run 50 s; one taking over long after the record ran
+    out gives it the grace alone."""
+    store, clock, wall = MemoryStore(), Clock(), Clock()
+    wall.now = 1_700_000_000.0
+    table = new_table(store, clock, wall_clock=wall)
+    spec = make_job(tmp_path, shards=1, lease_s=60)
+    assert await table.intake.submit(spec)
+    held = await table.lease(spec.id, "w1")
+    (lease,) = store.shards[shard_key(spec.id, 0)][0].leases
+    assert (lease.granted_at, lease.expires_at) == (wall.now, wall.now + 60 * PERSISTED_PERIODS)
+    for later, left in ((50.0, 60 * PERSISTED_PERIODS - 50 + 2), (200.0, 2.0)):
+        restarted_clock, restarted_wall = Clock(), Clock()
+        restarted_wall.now = wall.now + later
+        restarted = new_table(store, restarted_clock, wall_clock=restarted_wall)
+        await restarted.load()
+        shard = restarted.jobs[spec.id].shards[0]
+        assert shard.deadlines[held.token] - restarted_clock.now == left
+        assert restarted_clock.now - shard.granted[held.token] == later
+
+
+async def test_a_jobs_times_are_on_the_wall_clock_and_its_retention_runs_from_its_end(
+    tmp_path: Path,
+) -> None:
+    store, clock, wall = MemoryStore(), Clock(), Clock()
+    wall.now = 1_700_000_000.0
+    table = new_table(store, clock, wall_clock=wall)
+    spec = make_job(tmp_path, shards=1)
+    assert await table.intake.submit(spec)
+    reply = await table.lease(spec.id, "w1")
+    commit_record(spec, reply)
+    wall.now += 3_600  # an hour's work
+    await table.commit(reply.token)
+    record = store.jobs[spec.id][0]
+    assert (record.state, record.submitted_at, record.finished_at) == (
+        "SUCCEEDED",
+        1_700_000_000.0,
+        1_700_003_600.0,
+    )
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None and manifest.created_at == wall.now
+    kept = await table.lifecycle.forget_ended(now=wall.now + 60, retention_s=60)
+    assert kept == [] and spec.id in table.jobs
+    gone = await table.lifecycle.forget_ended(now=wall.now + 61, retention_s=60)
+    assert gone == [spec.id] and table.jobs == {} and store.jobs == {}

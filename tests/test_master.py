@@ -29,11 +29,12 @@ from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.errors import Deposed
+from ebb.shard_master.intake import REASON_CHARS, REJECTIONS_KEPT, JobIntake
 from ebb.shard_master.leader import KEY, Leadership
+from ebb.shard_master.moves import PERSISTED_PERIODS
 from ebb.shard_master.ownership import spec_mismatch
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.store import shard_key
-from ebb.shard_master.table import PERSISTED_PERIODS, REASON_CHARS, REJECTIONS_KEPT, LeaseTable
 from ebb.worker.leases import LeaseKeeper, LeaseState
 from ebb.worker.service import Worker, WorkerConfig
 
@@ -893,12 +894,12 @@ async def test_a_submission_a_dead_master_never_acked_is_taken_up_at_once(
     spec = make_job(tmp_path)
     planning = asyncio.Event()
 
-    async def dies_while_planning(_table: LeaseTable, _spec: JobSpec) -> bool:
+    async def dies_while_planning(_intake: JobIntake, _spec: JobSpec) -> bool:
         planning.set()
         await asyncio.Event().wait()  # until the master is gone
         return False
 
-    monkeypatch.setattr(LeaseTable, "submit", dies_while_planning)
+    monkeypatch.setattr(JobIntake, "submit", dies_while_planning)
     submitting = asyncio.create_task(client.submit(spec))
     try:
         await wait_until(planning.is_set, timeout=10, what="the master to take the job")
@@ -1194,7 +1195,7 @@ async def test_a_job_forgotten_after_its_retention_cannot_be_resumed(
     await client.cancel(spec.id)
     assert master.service is not None and master.service.table is not None
     table = master.service.table
-    gone = await table.forget_ended(now=time.time() + 10, retention_s=1.0)
+    gone = await table.lifecycle.forget_ended(now=time.time() + 10, retention_s=1.0)
     assert gone == [spec.id]
     with pytest.raises(RemoteError) as e:
         await client.resume(spec.id)

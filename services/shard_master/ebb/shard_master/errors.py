@@ -68,8 +68,8 @@ class OutputTaken(PlanningError):
 
 
 class IllegalTransition(MasterError):
-    """A shard was about to make a move section 4 of the design does not allow: a bug in the
-    master, refused before anything is written."""
+    """A shard or a job was about to make a move section 4 of the design does not allow: a bug
+    in the master, refused before anything is written."""
 
 
 class Deposed(MasterError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from ebb.common.layout import MANIFEST, Manifest, ManifestFile, QuarantinedShard
 from ebb.common.output import OutputStore
@@ -55,9 +54,10 @@ def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, 
     return manifest, winners
 
 
-async def write_manifest(job: Job, output: OutputStore) -> str:
-    """Write the job's manifest, then remove the attempts that lost. Returns its URL."""
-    manifest, winners = build_manifest(job, created_at=time.time())
+async def write_manifest(job: Job, output: OutputStore, *, created_at: float) -> str:
+    """Write the job's manifest, then remove the attempts that lost. Returns its URL.
+    `created_at`: wall-clock seconds."""
+    manifest, winners = build_manifest(job, created_at=created_at)
     await asyncio.to_thread(output.write_manifest, manifest)
     try:
         removed = await asyncio.to_thread(output.remove_uncommitted, winners)

@@ -2,7 +2,7 @@
 
 The indexes (the TODO queue, the DOING set, the count of shards per state, the row totals)
 are derived from the shard records alone. They change in exactly two places: `adopt_shards`
-builds them from scratch, and `LeaseTable.apply` moves one shard with `leave` and `enter`.
+builds them from scratch, and `ShardMoves.apply` moves one shard with `leave` and `enter`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 
-from ebb.common.messages import TERMINAL_JOB_STATES, ShardState
+from ebb.common.messages import TERMINAL_JOB_STATES, JobState, ShardState
 from ebb.common.spec import JobSpec
 
 from . import metrics
@@ -68,7 +68,7 @@ class Job:
         return self.record.id
 
     @property
-    def state(self) -> str:
+    def state(self) -> JobState:
         return self.record.state
 
     @property

@@ -1,7 +1,7 @@
 """Why a job may not write into an output root, in words a user can act on.
 
 Pure functions of plain values: what the root's owner record says (`OutputOwner`), what this
-master knows of that job, and the spec submitted. The table reads those and raises
+master knows of that job, and the spec submitted. The intake reads those and raises
 `OutputTaken` with the sentence one of these returns.
 """
 

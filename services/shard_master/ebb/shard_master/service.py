@@ -56,8 +56,9 @@ from ebb.common.supervisor import AgentExited, Supervisor
 from . import metrics
 from .errors import BadRequest, Deposed, MasterError, PlanningError
 from .leader import Leadership
+from .lifecycle import FORGET_PER_PASS
 from .store import Store
-from .table import FORGET_PER_PASS, LeaseTable
+from .table import LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -332,26 +333,19 @@ class ShardMaster:
         )
 
     async def _status(self, r: StatusRequest, subject: str) -> Message:
-        return self._table().status(
-            r.job,
-            include_spec=r.include_spec,
-            include_leases=r.include_leases,
-            active_only=r.active_only,
-            limit=r.limit,
-            after=r.after,
-        )
+        return self._table().status(r)
 
     async def _cancel(self, r: CancelRequest, subject: str) -> Message:
-        return await self._table().cancel(r.job, r.reason)
+        return await self._table().lifecycle.cancel(r.job, r.reason)
 
     async def _fail(self, r: FailRequest, subject: str) -> Message:
-        return await self._table().cancel(r.job, r.reason, state="FAILED")
+        return await self._table().lifecycle.cancel(r.job, r.reason, state="FAILED")
 
     async def _resume(self, r: ResumeRequest, subject: str) -> Message:
-        return await self._table().resume(r.job, key=r.key)
+        return await self._table().lifecycle.resume(r.job, key=r.key)
 
     async def _worker_ended(self, r: WorkerEndedRequest, subject: str) -> Message:
-        return await self._table().worker_ended(
+        return await self._table().reaper.worker_ended(
             r.job, r.worker, kind=r.kind, blame=r.blame, reason=r.reason
         )
 
@@ -417,14 +411,14 @@ class ShardMaster:
             reason = str(e) if isinstance(e, SchemaError) else f"{type(e).__name__}: {e}"
             log.warning("job %s rejected: %s", claimed_id or "<no id>", reason)
             if claimed_id:
-                table.reject(claimed_id, reason)
+                table.intake.reject(claimed_id, reason)
             await msg.term()
             return
         try:
-            accepted = await table.submit(spec)
+            accepted = await table.intake.submit(spec)
         except PlanningError as e:
             log.warning("job %s rejected: %s", spec.id, e)
-            table.reject(spec.id, str(e))
+            table.intake.reject(spec.id, str(e))
             await msg.term()
             return
         except Deposed:
@@ -434,7 +428,9 @@ class ShardMaster:
             delivered = msg.metadata.num_delivered
             if delivered >= _MAX_SUBMIT_DELIVERIES:
                 log.exception("job %s: giving up after %d tries", spec.id, delivered)
-                await table.abandon(spec.id, f"could not be planned after {delivered} tries: {e}")
+                await table.intake.abandon(
+                    spec.id, f"could not be planned after {delivered} tries: {e}"
+                )
                 await msg.term()
             else:
                 log.warning("job %s: intake failed (%s); will retry", spec.id, e)
@@ -470,14 +466,14 @@ class ShardMaster:
         forget_at = loop.time()
         while True:
             try:
-                await table.expire_due()
+                await table.reaper.expire_due()
                 for job in table.running_jobs():
                     if job.counts["DONE"] + job.counts["QUARANTINED"] == job.record.shards_total:
-                        await table.settle(job)
+                        await table.lifecycle.settle(job)
                 if loop.time() >= forget_at:
                     forget_at = loop.time() + min(60.0, self.config.job_retention_s / 10)
                     # Finished-at times are wall-clock ones (written by whichever master).
-                    gone = await table.forget_ended(
+                    gone = await table.lifecycle.forget_ended(
                         now=time.time(), retention_s=self.config.job_retention_s
                     )
                     if len(gone) == FORGET_PER_PASS:
@@ -493,7 +489,7 @@ class ShardMaster:
             except Exception:
                 log.exception("reaper pass failed; retrying")
             wait = self.config.reaper_interval_s
-            next_expiry = table.next_expiry()
+            next_expiry = table.expiries.next_expiry()
             if next_expiry is not None:
                 wait = min(wait, max(0.01, next_expiry - loop.time()))
             await asyncio.sleep(wait)

@@ -1,14 +1,57 @@
-"""How the master describes a job: the `status` reply and the events it publishes."""
+"""How the master describes its jobs: the `status` reply, a page at a time, and the events
+it publishes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
-from ebb.common.messages import JobEvent, JobStatus, LeaseInfo
+from ebb.common.messages import JobEvent, JobStatus, LeaseInfo, StatusReply, StatusRequest
 
+from .errors import BadRequest, JobNotFound
 from .jobs import Job
 
 EventKind = Literal["accepted", "rejected", "progress", "state"]
+
+STATUS_PAGE = 500
+"""Jobs in one status reply at most (about 350 bytes each without their specs)."""
+
+
+def status_reply(
+    jobs: Mapping[str, Job], rejected: Mapping[str, str], request: StatusRequest, *, now: float
+) -> StatusReply:
+    """One job (`request.job`), or a page of them in id order; `rejected`: refused
+    submissions by id. `now` is the master's monotonic clock."""
+    job_id, limit, after = request.job, request.limit, request.after
+    if limit < 0:
+        raise BadRequest(f"limit must be 0 (the page size) or more, not {limit}")
+    if job_id:
+        job = jobs.get(job_id)
+        if job is None:
+            if job_id in rejected:
+                return StatusReply(jobs=[], rejected={job_id: rejected[job_id]})
+            raise JobNotFound(f"no job {job_id!r}")
+        chosen = [job]
+        more: list[Job] = []
+    else:
+        # A page at a time, in id order: every job in one reply would outgrow NATS's
+        # largest message once a few thousand jobs are kept.
+        ids = sorted(i for i in jobs if i > after)
+        listed = [jobs[i] for i in ids if not (request.active_only and jobs[i].ended)]
+        chosen, more = listed[: limit or STATUS_PAGE], listed[limit or STATUS_PAGE :]
+    return StatusReply(
+        jobs=[
+            describe(
+                j,
+                now=now,
+                include_spec=request.include_spec,
+                include_leases=request.include_leases,
+            )
+            for j in chosen
+        ],
+        rejected={} if job_id or after else dict(rejected),
+        next=chosen[-1].id if not job_id and more else "",
+    )
 
 
 def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) -> JobStatus:

@@ -1,0 +1,183 @@
+"""How a job enters the table: planned, given its output root, and written with its shards;
+or refused, and remembered for a while with the reason.
+
+A submission is written in an order that survives a master dying anywhere in it: nothing
+before the input is planned (input that cannot be planned is refused with no trace), then
+the output root, the job's record (SUBMITTED), its shards' records, and last the job's move
+to RUNNING. A second delivery of the same submission finds the job SUBMITTED and completes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+
+from ebb.common.layout import OutputOwner
+from ebb.common.messages import JobEvent
+from ebb.common.output import OutputStore
+from ebb.common.spec import JobSpec
+
+from .context import TableContext
+from .errors import BadRequest, OutputTaken
+from .jobs import Job
+from .lifecycle import JobLifecycle
+from .ownership import OwnerView, spec_mismatch, taken_reason, view_from_record
+from .planner import plan_input
+from .store import JobRecord, ShardRecord
+
+log = logging.getLogger(__name__)
+
+_CREATE_CHUNK = 256
+REJECTIONS_KEPT = 256
+"""Refused submissions remembered (the newest), for `status` to say why."""
+REASON_CHARS = 512
+"""A refusal's reason kept at most: all REJECTIONS_KEPT of them, with their ids, stay far
+below NATS's largest message (1 MiB) in the status reply that carries them."""
+
+
+class RejectionLog(Mapping[str, str]):
+    """Refused submissions by job id, oldest first, and why each was refused: the newest
+    REJECTIONS_KEPT, each reason cut to REASON_CHARS (a reason may quote the spec, and every
+    unpaged `status` reply carries them all)."""
+
+    def __init__(self) -> None:
+        self._reasons: OrderedDict[str, str] = OrderedDict()
+
+    def add(self, job_id: str, reason: str) -> str:
+        """Remember a refusal; returns the reason as kept."""
+        if len(reason) > REASON_CHARS:  # the middle goes: a quoted value, most likely
+            half = REASON_CHARS // 2
+            reason = reason[: half - 1] + "…" + reason[-half:]
+        self._reasons.pop(job_id, None)  # refused again: the newest again
+        self._reasons[job_id] = reason
+        while len(self._reasons) > REJECTIONS_KEPT:
+            self._reasons.popitem(last=False)
+        return reason
+
+    def __getitem__(self, job_id: str) -> str:
+        return self._reasons[job_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._reasons)
+
+    def __len__(self) -> int:
+        return len(self._reasons)
+
+
+class JobIntake:
+    def __init__(self, context: TableContext, *, lifecycle: JobLifecycle) -> None:
+        self._context = context
+        self._lifecycle = lifecycle
+        self.rejected = RejectionLog()
+
+    def reject(self, job_id: str, reason: str) -> None:
+        """Remember a refused submission for a while, so `status` can say why."""
+        reason = self.rejected.add(job_id, reason)
+        self._context.emit(JobEvent(job=job_id, kind="rejected", reason=reason))
+
+    async def abandon(self, job_id: str, reason: str) -> None:
+        """A submission that could not be completed: a job left SUBMITTED is marked FAILED."""
+        job = self._context.jobs.get(job_id)
+        if job is None:
+            self.reject(job_id, reason)
+            return
+        async with job.lock:
+            if job.state == "SUBMITTED":
+                await self._lifecycle.end(job, "FAILED", reason)
+
+    async def submit(self, spec: JobSpec) -> bool:
+        """Plan and persist a validated job. False if it was known already (a resubmission)."""
+        jobs, store = self._context.jobs, self._context.store
+        job = jobs.get(spec.id)
+        if job is not None and job.state != "SUBMITTED":
+            return False
+        # Plan before writing anything: input that cannot be planned is refused with no trace.
+        # Planning reads only metadata, but of possibly many files: off the event loop.
+        submitted = spec  # as submitted: what the output records, before planning types it
+        required = [*(spec.input.columns or []), *spec.output.carryover]
+        plan = await asyncio.to_thread(
+            plan_input, spec.input, required_columns=list(dict.fromkeys(required))
+        )
+        shard_specs = plan.shards
+        if plan.column_types != spec.input.column_types:
+            # The spec workers get says how to type each column: every shard alike.
+            spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
+        # The output root becomes this job's, atomically: no other job can write into it.
+        await self._claim_output(submitted)
+        if job is None:
+            submitted_at = self._context.wall_clock()
+            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=submitted_at)
+            revision = await store.create_job(record)
+            if revision is None:
+                found = await store.get_job(spec.id)
+                if found is None:
+                    raise BadRequest(f"job {spec.id} vanished during submission")
+                record, revision = found
+                if record.state != "SUBMITTED":
+                    return False
+            job = Job(record, revision, spec)
+            jobs[job.id] = job
+        records = [ShardRecord(job=spec.id, spec=s, seq=s.index) for s in shard_specs]
+        for start in range(0, len(records), _CREATE_CHUNK):
+            chunk = records[start : start + _CREATE_CHUNK]
+            # Records that exist already come from an interrupted planning of this same job.
+            await asyncio.gather(*(store.create_shard(r) for r in chunk))
+        entries = await store.load_shards(spec.id)
+        running = replace(
+            job.record,
+            state="RUNNING",
+            shards_total=len(records),
+            rows_total=sum(s.rows for s in shard_specs),
+        )
+        await self._lifecycle.move(job, running)
+        self._context.adopt_shards(job, entries)
+        log.info("job %s accepted: %d shards, ~%d rows", job.id, len(records), running.rows_total)
+        self._context.event(job, "accepted")
+        return True
+
+    async def _claim_output(self, spec: JobSpec) -> None:
+        """Make the spec's output root this job's, or raise OutputTaken saying whose it is
+        and what the user can do. A job that carries on in its own root (a resume on a new
+        stack: the same id) must compute the rows it committed there."""
+        uri = spec.output.uri
+        fields = spec.output_fields()
+        output = self._context.open_output(uri)
+        try:
+            owner, taken_from = await asyncio.to_thread(output.claim, spec.id, fields=fields)
+            if owner.job != spec.id:
+                raise OutputTaken(taken_reason(uri, await self._owner_view(owner, output)))
+            if taken_from:
+                log.info(
+                    "job %s takes %s over from job %s, which ended with nothing committed",
+                    spec.id,
+                    uri,
+                    taken_from,
+                )
+                return
+            mismatch = spec_mismatch(uri, owner, spec, fields)
+            if mismatch:
+                raise OutputTaken(mismatch)
+            if owner.state:  # it ended there before: it runs again
+                await asyncio.to_thread(output.reclaim, spec.id)
+        except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
+            raise OutputTaken(f"cannot write to {uri}: {e}") from e
+
+    async def _owner_view(self, owner: OutputOwner, output: OutputStore) -> OwnerView:
+        """The job that owns a root, as this master knows it, or else as the root tells."""
+        job = self._context.jobs.get(owner.job)
+        if job is not None:
+            ended = job.ended
+            return OwnerView(
+                job=job.id,
+                state=job.state,
+                shards_done=job.record.shards_done if ended else job.counts["DONE"],
+                shards_total=job.record.shards_total,
+                rows_done=job.record.rows_done if ended else job.rows_done,
+                here=True,
+            )
+        committed = 0 if owner.state else await asyncio.to_thread(output.committed_shards)
+        complete = not owner.state and await asyncio.to_thread(output.read_manifest) is not None
+        return view_from_record(owner, committed=committed, complete=complete)
