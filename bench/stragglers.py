@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common.bus import nats_environment
+from ebb.common.natsconfig import nats_environment
 from ebb.common.spec import parse_job
 
 from .common import REPO, Context, Section, median, spread, table

@@ -58,8 +58,9 @@ import pyarrow.parquet as pq
 
 from ebb.client.sdk import EbbClient
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.embedded import EmbeddedNats
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.controller.kube import APP, APP_LABEL, KubeConfig, KubernetesBackend
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig

@@ -17,8 +17,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from ebb.common import bus
-from ebb.common.bus import NatsConfig
 from ebb.common.embedded import EmbeddedNats
+from ebb.common.natsconfig import NatsConfig
 
 ASSETS = Path(__file__).parent / "assets"
 

@@ -17,8 +17,9 @@ from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import auth, bus, envvars, identity
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, RemoteError
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.common.subjects import WORKER_OPS, Subjects, check_worker_id
 from ebb.worker.service import default_worker_id

@@ -19,9 +19,10 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.errors import RemoteError
 from ebb.common.messages import JobStatus
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.controller.backend import Capacity, WorkerInfo
 from ebb.controller.local import LocalBackend, LocalConfig, machine_cores

@@ -18,13 +18,14 @@ from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
-from ebb.common import bus, schema
+from ebb.common import provision, schema
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import RemoteError
 from ebb.common.layout import OWNER, OutputFile, OutputOwner, attempt_dir
 from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest, ResumeRequest
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
@@ -920,7 +921,7 @@ async def test_a_submission_no_master_accepts_in_time_is_said_to_be_queued_and_t
     spec = make_job(tmp_path)
     config = MasterConfig(nats=nats_config, id="late", data_roots=[str(tmp_path), str(ASSETS)])
     # The stack's stream exists, but its master is away (restarting, say).
-    await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=config.leader_ttl_s)
+    await provision.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=config.leader_ttl_s)
     async with await EbbClient.connect(nats_config) as client:
         with pytest.raises(SubmitPending) as e:
             await client.submit(spec, accept_timeout_s=1.5)
@@ -968,7 +969,7 @@ async def test_a_lone_master_leads_again_after_a_nats_outage_longer_than_its_ttl
 async def test_a_refresh_written_though_its_reply_was_lost_is_not_a_deposition(
     nc: NATS, subjects: Subjects
 ) -> None:
-    await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=0.9)
+    await provision.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=0.9)
     kv = await nc.jetstream().key_value(subjects.leader_bucket)
     ours = Leadership(kv, holder="m", ttl_s=0.9)
     await ours.acquire()

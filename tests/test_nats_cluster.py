@@ -18,10 +18,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
-from ebb.common import bus, envvars
-from ebb.common.bus import NatsConfig
+from ebb.common import envvars, provision
 from ebb.common.embedded import find_nats_server
 from ebb.common.errors import BusError, RemoteError
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
 
@@ -124,7 +124,7 @@ async def test_state_at_three_replicas_survives_a_server_down(cluster: Cluster, 
 
     async def jetstream_ready() -> bool:
         try:
-            await bus.ensure_jetstream(js, subjects, leader_ttl_s=5.0, replicas=3)
+            await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0, replicas=3)
         except (nats.errors.Error, TimeoutError):
             return False  # the cluster is still electing its meta leader
         return True
@@ -179,7 +179,7 @@ async def test_a_job_runs_exactly_once_through_a_server_killed_and_restarted(
 
     async def jetstream_ready() -> bool:
         try:
-            await bus.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=5.0, replicas=3)
+            await provision.ensure_jetstream(nc.jetstream(), subjects, leader_ttl_s=5.0, replicas=3)
         except (nats.errors.Error, TimeoutError):
             return False  # the cluster is still electing its meta leader
         return True

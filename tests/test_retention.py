@@ -23,8 +23,9 @@ from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
 from ebb.common import schema
-from ebb.common.bus import NatsConfig, nats_environment, parse_reply
+from ebb.common.bus import parse_reply
 from ebb.common.messages import StatusReply, StatusRequest
+from ebb.common.natsconfig import NatsConfig, nats_environment
 from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
 

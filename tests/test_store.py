@@ -7,6 +7,7 @@ import asyncio
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig
 
+from ebb.common import provision
 from ebb.shard_master.store import _snapshot
 
 
@@ -35,14 +36,13 @@ async def test_snapshots_taken_under_load_hold_every_live_key_and_only_those(nc:
 
 
 async def test_a_forgotten_job_leaves_no_record_of_itself_or_its_shards(nc: NATS) -> None:
-    from ebb.common import bus
     from ebb.common.messages import ShardSpec
     from ebb.common.subjects import Subjects
     from ebb.shard_master.store import JobRecord, ShardRecord, Store
 
     subjects = Subjects("forget")
     js = nc.jetstream()
-    await bus.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
+    await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
     store = Store(
         js,
         jobs=await js.key_value(subjects.jobs_bucket),

@@ -17,7 +17,7 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars, schema
-from ebb.common.bus import NatsConfig, nats_environment
+from ebb.common.natsconfig import NatsConfig, nats_environment
 from ebb.common.runner import EXIT_OK, EXIT_SETUP
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects

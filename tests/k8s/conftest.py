@@ -14,7 +14,7 @@ import pytest
 from kubernetes_asyncio.client import ApiClient
 
 from ebb.client.sdk import EbbClient
-from ebb.common.bus import NatsConfig
+from ebb.common.natsconfig import NatsConfig
 from ebb.shard_master.service import MasterConfig
 from tests.helpers import ASSETS
 from tests.k8s.fake_apiserver import FakeKubeAPI

@@ -11,8 +11,9 @@ from kubernetes_asyncio.client import ApiClient
 
 from ebb.client.sdk import EbbClient
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.identity import WorkerSigner
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.controller.kube import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig

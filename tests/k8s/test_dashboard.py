@@ -24,7 +24,7 @@ import pytest
 from prometheus_client import start_http_server
 
 from ebb.client.sdk import EbbClient
-from ebb.common.bus import NatsConfig, nats_environment
+from ebb.common.natsconfig import NatsConfig, nats_environment
 from ebb.common.spec import parse_job
 from ebb.controller.kube import KubeConfig, KubernetesBackend
 from ebb.controller.service import Controller, ControllerConfig

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars, identity
 from ebb.common.api import MasterClient
-from ebb.common.bus import NatsConfig
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.controller.__main__ import worker_signer
 from ebb.controller.election import LeaderElector

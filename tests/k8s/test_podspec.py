@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ebb.common import schema
-from ebb.common.bus import NatsConfig
+from ebb.common.natsconfig import NatsConfig
 from ebb.controller.avoidance import NodeAvoidance
 from ebb.controller.capacity import Resources
 from ebb.controller.failures import Failure

@@ -20,9 +20,9 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ebb.common import auth, bus, identity
-from ebb.common.bus import NatsConfig
+from ebb.common import auth, bus, identity, provision
 from ebb.common.embedded import find_nats_server
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.subjects import Subjects
 from tests.helpers import free_port, wait_until
 
@@ -265,7 +265,7 @@ async def test_the_overlays_nats_forms_a_cluster_holds_ebbs_state_and_hands_over
 
         async def jetstream_ready() -> bool:
             try:
-                await bus.ensure_jetstream(js, subjects, leader_ttl_s=5.0, replicas=replicas)
+                await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0, replicas=replicas)
             except (nats.errors.Error, TimeoutError):
                 return False  # the cluster is still electing its meta leader
             return True

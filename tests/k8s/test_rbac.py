@@ -14,7 +14,7 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.common import identity
-from ebb.common.bus import NatsConfig
+from ebb.common.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
 from ebb.controller.podspec import credentials_secret_name

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 from rich.table import Table
 
 from ebb.common import envvars
-from ebb.common.bus import NatsConfig, nats_config_from_env
 from ebb.common.errors import EbbError
+from ebb.common.natsconfig import NatsConfig, nats_config_from_env
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 from ebb.common.spec import load_job_file
 

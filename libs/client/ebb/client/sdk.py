@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 
 from ebb.common import bus, schema
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SchemaError
 from ebb.common.messages import (
     TERMINAL_JOB_STATES,
@@ -29,6 +29,7 @@ from ebb.common.messages import (
     ResumeReply,
     StatusReply,
 )
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import JobSpec
 from ebb.common.subjects import Subjects
 

@@ -20,9 +20,10 @@ from typing import IO, Any
 
 from ebb.common import auth, envvars, identity
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig, connect, nats_environment
+from ebb.common.bus import Backoff, connect
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import BusError, EbbError, RemoteError
+from ebb.common.natsconfig import NatsConfig, nats_environment
 
 log = logging.getLogger(__name__)
 

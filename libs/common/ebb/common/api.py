@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 
-from .bus import Backoff, NatsConfig, request
+from .bus import Backoff, request
 from .errors import ErrorCode, RemoteError
 from .messages import (
     CancelReply,
@@ -29,6 +29,7 @@ from .messages import (
     WorkerEndedReply,
     WorkerEndedRequest,
 )
+from .natsconfig import NatsConfig
 from .schema import Message
 from .subjects import Subjects
 

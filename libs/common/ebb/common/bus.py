@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,24 +17,15 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.client import RawCredentials
-from nats.js import JetStreamContext
-from nats.js.api import (
-    DiscardPolicy,
-    KeyValueConfig,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
-from nats.js.kv import KeyValue
 
-from . import envvars, schema
+from . import schema
 from .aio import until
 from .auth import inbox_for_user
 from .errors import BusError, ErrorCode, RemoteError, SchemaError
 from .identity import credentials_name
 from .messages import ErrorReply
+from .natsconfig import NatsConfig
 from .schema import Message
-from .subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -61,36 +51,6 @@ class Backoff:
         """Delay after the `attempt`-th failure (0-based), with jitter in [50%, 100%]."""
         ceiling = min(self.max_s, self.first_s * self.factor ** min(attempt, 32))
         return ceiling * (0.5 + random.random() / 2)  # noqa: S311 - jitter, not crypto
-
-
-@dataclass(frozen=True, kw_only=True)
-class NatsConfig:
-    url: str = "nats://127.0.0.1:4222"
-    """One server URL, or several separated by commas."""
-    prefix: str = "ebb"
-    """First token of every subject and name, so that several Ebb installations can share NATS."""
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: str | None = None
-    """A NATS .creds file (JWT + nkey seed)."""
-    creds: str | None = field(default=None, repr=False)
-    """The text of a .creds file: a credential minted for this process (ebb.common.identity)."""
-    inbox_prefix: str | None = None
-    """Where replies to this connection's requests come; None: its role's (ebb.common.auth)
-    for a role user, else NATS's default."""
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 5.0
-    """Time a request waits for its reply before it is retried."""
-    first_connect_timeout_s: float | None = None
-    """How long the first connection may take (NATS starting up); None: as long as it takes."""
-
-    @property
-    def servers(self) -> list[str]:
-        return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
 _FIRST_CONNECT_WARN_EVERY_S = 5.0
@@ -273,55 +233,6 @@ def error_reply(code: ErrorCode, message: str) -> bytes:
     return schema.encode(ErrorReply(code=code, message=message))
 
 
-async def ensure_jetstream(
-    js: JetStreamContext, subjects: Subjects, *, leader_ttl_s: float, replicas: int = 1
-) -> None:
-    """Create the stream and buckets Ebb needs, or check they exist. Idempotent.
-
-    `replicas`: copies of each on a NATS cluster (3 on a three-node cluster: any one server
-    may go down, for an upgrade or for good, without losing or stopping anything)."""
-    stream = StreamConfig(
-        name=subjects.jobs_stream,
-        subjects=[subjects.submit],
-        storage=StorageType.FILE,
-        # A submitted job is work to do exactly once: acked messages are removed.
-        retention=RetentionPolicy.WORK_QUEUE,
-        # Bounded: past these, a submission is refused (the submitter hears it), never an
-        # unplanned one dropped.
-        discard=DiscardPolicy.NEW,
-        max_msgs=JOBS_STREAM_MAX_MSGS,
-        max_bytes=JOBS_STREAM_MAX_BYTES,
-        duplicate_window=120.0,
-        max_msg_size=1024 * 1024,
-        num_replicas=replicas,
-    )
-    try:
-        await js.stream_info(subjects.jobs_stream)
-    except nats.js.errors.NotFoundError:
-        await js.add_stream(stream)
-    for bucket, ttl in (
-        (subjects.jobs_bucket, None),
-        (subjects.shards_bucket, None),
-        (subjects.leader_bucket, leader_ttl_s),
-    ):
-        await ensure_bucket(
-            js, KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=replicas)
-        )
-
-
-JOBS_STREAM_MAX_MSGS = 100_000
-"""Submissions waiting for the master at most (they leave the stream once planned)."""
-JOBS_STREAM_MAX_BYTES = 1024**3
-
-
-async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
-    try:
-        return await js.key_value(config.bucket)
-    except nats.js.errors.BucketNotFoundError:
-        config.storage = StorageType.FILE
-        return await js.create_key_value(config=config)
-
-
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 """Answers a request: (payload, the subject it came on) -> reply payload."""
 
@@ -391,62 +302,3 @@ class RequestServer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-
-
-NATS_ENVIRONMENT: dict[str, str] = {
-    "url": envvars.NATS_URL,
-    "prefix": envvars.PREFIX,
-    "user": envvars.NATS_USER,
-    "password": envvars.NATS_PASSWORD,
-    "token": envvars.NATS_TOKEN,
-    "creds_file": envvars.NATS_CREDS,
-    "creds": envvars.NATS_CREDENTIALS,
-    "tls_ca": envvars.NATS_TLS_CA,
-    "tls_cert": envvars.NATS_TLS_CERT,
-    "tls_key": envvars.NATS_TLS_KEY,
-}
-"""The NatsConfig field each EBB_NATS_* variable sets: read and written through this alone."""
-
-
-def nats_config_from_env(environ: Mapping[str, str], **given: Any) -> NatsConfig:
-    """The NATS settings in `environ`; `given` values that are not None take precedence
-    (the command line over the environment)."""
-    found: dict[str, Any] = {
-        field: environ[name] for field, name in NATS_ENVIRONMENT.items() if environ.get(name)
-    }
-    found.update({field: value for field, value in given.items() if value is not None})
-    return NatsConfig(**found)
-
-
-def nats_environment(config: NatsConfig) -> dict[str, str]:
-    """Environment that gives a child process the same NATS connection settings."""
-    pairs = {name: getattr(config, field) for field, name in NATS_ENVIRONMENT.items()}
-    return {k: v for k, v in pairs.items() if v}
-
-
-def add_nats_arguments(parser: Any) -> None:
-    """The NATS options every service takes: flags, defaulting to EBB_NATS_* variables.
-
-    Secrets (password, token) are read from the environment only, never from the command
-    line, where any user of the machine could see them in the process list.
-    """
-    parser.add_argument("--nats", help=f"NATS URL (default: {envvars.NATS_URL}, else local)")
-    parser.add_argument("--prefix", help=f"subject prefix (default: {envvars.PREFIX}, else ebb)")
-    parser.add_argument("--nats-user")
-    parser.add_argument("--nats-creds", help=".creds file")
-    parser.add_argument("--nats-tls-ca")
-    parser.add_argument("--nats-tls-cert")
-    parser.add_argument("--nats-tls-key")
-
-
-def nats_config_from_args(args: Any) -> NatsConfig:
-    return nats_config_from_env(
-        os.environ,
-        url=args.nats,
-        prefix=args.prefix,
-        user=args.nats_user,
-        creds_file=args.nats_creds,
-        tls_ca=args.nats_tls_ca,
-        tls_cert=args.nats_tls_cert,
-        tls_key=args.nats_tls_key,
-    )

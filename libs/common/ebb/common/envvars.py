@@ -7,7 +7,7 @@ Both sides name them from here, so that a rename cannot leave one side behind.
 
 from __future__ import annotations
 
-# NATS connection, shared by every service and the CLI (see bus.NATS_ENVIRONMENT).
+# NATS connection, shared by every service and the CLI (see natsconfig.NATS_ENVIRONMENT).
 NATS_URL = "EBB_NATS_URL"
 PREFIX = "EBB_PREFIX"
 NATS_USER = "EBB_NATS_USER"

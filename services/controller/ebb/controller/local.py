@@ -19,9 +19,9 @@ from typing import IO, Any
 import psutil
 
 from ebb.common import envvars
-from ebb.common.bus import NatsConfig, nats_environment
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
+from ebb.common.natsconfig import NatsConfig, nats_environment
 from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
 
 from .backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment

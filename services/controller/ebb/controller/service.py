@@ -21,8 +21,9 @@ from ebb.common import bus
 from ebb.common import metrics as metrics_server
 from ebb.common.aio import until
 from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, NatsConfig
+from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, RemoteError
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.subjects import Subjects
 from ebb.common.supervisor import Supervisor
 

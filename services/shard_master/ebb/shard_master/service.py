@@ -31,10 +31,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ebb.common import bus, schema
+from ebb.common import bus, provision, schema
 from ebb.common import metrics as metrics_server
 from ebb.common.aio import sleep_or_stop, until
-from ebb.common.bus import NatsConfig, RequestServer
+from ebb.common.bus import RequestServer
 from ebb.common.errors import ErrorCode, SchemaError, SpecError
 from ebb.common.messages import (
     CancelRequest,
@@ -48,6 +48,7 @@ from ebb.common.messages import (
     StatusRequest,
     WorkerEndedRequest,
 )
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.schema import Message
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
 from ebb.common.subjects import WORKER_ID_RE, WORKER_OPS, Subjects
@@ -181,7 +182,7 @@ class ShardMaster:
 
     async def _run(self, nc: NATS) -> None:
         js = nc.jetstream()
-        await bus.ensure_jetstream(
+        await provision.ensure_jetstream(
             js,
             self.subjects,
             leader_ttl_s=self.config.leader_ttl_s,

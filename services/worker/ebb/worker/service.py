@@ -38,10 +38,10 @@ from ebb.common import auth, bus
 from ebb.common import metrics as metrics_server
 from ebb.common.aio import sleep_or_stop, until
 from ebb.common.api import MasterClient
-from ebb.common.bus import NatsConfig
 from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.layout import CommitRecord
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
+from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore
 from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP
 from ebb.common.spec import parse_job
