@@ -9,26 +9,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import metrics
+from .informer import Informer
+from .kube_settings import KubeConfig
 from .podspec import APP, APP_LABEL
 from .tidal import LABEL as TIDAL
 from .tidal import STATES, ForecastTide, MixedNode, State, Tide
 from .views import NodeView, PodView, selector_matches
-
-if TYPE_CHECKING:
-    from .kube import KubernetesBackend
 
 log = logging.getLogger(__name__)
 
 _MERGE_PATCH = {"_content_type": "application/merge-patch+json"}
 
 
+class Cluster(Protocol):
+    """What the tide needs of the Kubernetes backend: its caches, its API, and its ways to
+    drain a pod and to say that capacity changed."""
+
+    config: KubeConfig
+    api: Any
+    nodes: Informer
+    pods: Informer
+    changed: asyncio.Event
+
+    async def synced(self) -> None: ...
+
+    async def delete_pod(self, worker_id: str, *, grace_s: int) -> None: ...
+
+
 class TidalHarvester:
-    def __init__(self, cluster: KubernetesBackend, tide: Tide | ForecastTide) -> None:
+    def __init__(self, cluster: Cluster, tide: Tide | ForecastTide) -> None:
         self.cluster = cluster
         self.tide = tide
         self.draining: set[str] = set()
