@@ -83,7 +83,10 @@ async def test_fifty_thousand_rows_on_three_workers_exactly_once(
     rows = 60_000
     write_dataset(tmp_path / "data", rows=rows, files=3, row_group_size=5_000)
     write_model(tmp_path / "model.onnx")
-    spec = parse_job(job_spec(tmp_path, rows_per_shard=5_000, workers=(3, 3)))
+    # A shard takes a second or more (50 batches of 20 ms): long enough that the workers
+    # that started first cannot take all twelve before the last is up on a busy machine.
+    stages = slow_stages(tmp_path, seconds_per_batch=0.02)
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=5_000, workers=(3, 3), stages=stages))
     job_id = await client.submit(spec)
     final = await client.wait(job_id)
     assert final.state == "SUCCEEDED", final.reason
