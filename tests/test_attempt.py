@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pyarrow as pa
@@ -9,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from ebb.common.layout import OutputFile, attempt_dir
-from ebb.common.messages import ShardSpec
+from ebb.common.messages import ShardSpec, rest_of
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
-from ebb.worker.attempt import run_attempt
+from ebb.worker.attempt import AttemptStopped, run_attempt
 from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, RunResult
 
 from .helpers import job_spec, reference_predictions, write_dataset, write_model
@@ -36,7 +37,7 @@ class Broken:
     def __init__(self) -> None:
         self.runs = 0
 
-    async def run_columns(self, rows: pa.Table) -> RunResult:
+    async def run_columns(self, rows: pa.Table, *, stop: asyncio.Event | None = None) -> RunResult:
         self.runs += 1
         raise PipelineBroken("the router is gone")
 
@@ -94,3 +95,117 @@ async def test_an_attempt_whose_pipeline_breaks_commits_nothing(tmp_path: Path) 
         )
     assert broken.runs >= 1
     assert store.read_commit(0) is None
+
+
+def _slow(tmp_path: Path, seconds_per_batch: float) -> PipelineConfig:
+    """The job's pipeline behind a stage that sleeps per batch of 100 rows."""
+    stages = [
+        {
+            "name": "slow",
+            "modelet": "ebbtest_modelets:Slow",
+            "params": {"seconds_per_batch": seconds_per_batch},
+            "batch_size": 100,
+        },
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 200},
+    ]
+    slow = parse_job(job_spec(tmp_path, stages=stages))
+    return PipelineConfig(stages=slow.pipeline.stages, code_paths=slow.pipeline.code_paths)
+
+
+def _ids(out: Path, files: list[OutputFile]) -> list[int]:
+    table = pa.concat_tables(pq.read_table(out / f.path) for f in files)
+    ids: list[int] = table.column("id").to_numpy().tolist()
+    return ids
+
+
+async def test_a_stopped_attempt_commits_its_first_rows_as_a_part_and_the_rest_follows(
+    tmp_path: Path,
+) -> None:
+    spec, shard = _job(tmp_path)
+    store = OutputStore(spec.output.uri)
+    pipeline = Pipeline(_slow(tmp_path, 0.05))
+    await pipeline.start()
+    stop = asyncio.Event()
+    seen: list[int] = []
+
+    def progress(rows: int) -> None:
+        seen.append(rows)
+        stop.set()  # once the first chunk is written: the second is in the pipeline
+
+    try:
+        part = await run_attempt(
+            spec,
+            shard,
+            1,
+            pipeline=pipeline,
+            store=store,
+            worker_id="w1",
+            chunk_rows=400,
+            stop=stop,
+            progress=progress,
+        )
+        rest = rest_of(shard, part.split_at, index=1)
+        whole = await run_attempt(
+            spec, rest, 1, pipeline=pipeline, store=store, worker_id="w2", chunk_rows=400
+        )
+    finally:
+        await pipeline.stop()
+    out = Path(spec.output.uri)
+    assert seen[0] == 400 and 400 <= part.split_at < ROWS
+    assert part.rows == part.split_at == seen[-1]
+    assert store.read_commit(0) == part
+    assert _ids(out, part.files) == list(range(part.split_at)), "the first rows, in order"
+    assert (rest.rows, rest.row_offset) == (ROWS - part.split_at, part.split_at)
+    assert whole.split_at == 0 and whole.rows == rest.rows
+    assert _ids(out, whole.files) == list(range(part.split_at, ROWS))
+    expected = reference_predictions(tmp_path / "data", tmp_path / "model.onnx")
+    for f in [*part.files, *whole.files]:
+        for row in pq.read_table(out / f.path).select(["id", "label"]).to_pylist():
+            assert row["label"] == expected[row["id"]][0]
+
+
+async def test_an_attempt_stopped_before_any_row_is_done_commits_nothing(tmp_path: Path) -> None:
+    spec, shard = _job(tmp_path)
+    store = OutputStore(spec.output.uri)
+    pipeline = Pipeline(_slow(tmp_path, 0.05))
+    await pipeline.start()
+    stop = asyncio.Event()
+    stop.set()
+    try:
+        with pytest.raises(AttemptStopped):
+            await run_attempt(
+                spec, shard, 1, pipeline=pipeline, store=store, worker_id="w1", stop=stop
+            )
+    finally:
+        await pipeline.stop()
+    assert store.read_commit(0) is None
+
+
+async def test_a_stop_after_the_last_row_commits_the_whole_shard(tmp_path: Path) -> None:
+    spec, shard = _job(tmp_path)
+    store = OutputStore(spec.output.uri)
+    pipeline = Pipeline(
+        PipelineConfig(stages=spec.pipeline.stages, code_paths=spec.pipeline.code_paths)
+    )
+    await pipeline.start()
+    stop = asyncio.Event()
+
+    def progress(rows: int) -> None:
+        if rows == ROWS:
+            stop.set()
+
+    try:
+        record = await run_attempt(
+            spec,
+            shard,
+            1,
+            pipeline=pipeline,
+            store=store,
+            worker_id="w1",
+            stop=stop,
+            progress=progress,
+        )
+    finally:
+        await pipeline.stop()
+    assert stop.is_set() and record.split_at == 0 and record.rows == ROWS

@@ -22,17 +22,26 @@ HELD, COMMITTED, LOST, RELEASED = LeaseState
 class Master:
     """Answers every renewal with `answer`: a period, or an error raised."""
 
-    def __init__(self, answer: float | Exception) -> None:
+    def __init__(self, answer: float | Exception, *, split: bool = False) -> None:
         self.answer = answer
+        self.split = split
         self.asked: list[tuple[str, bool]] = []
+        self.rows_told: list[int] = []
 
     async def renew(
-        self, token: str, *, worker: str, timeout_s: float | None = None, ready: bool = False
+        self,
+        token: str,
+        *,
+        worker: str,
+        timeout_s: float | None = None,
+        ready: bool = False,
+        rows_done: int = 0,
     ) -> RenewReply:
         self.asked.append((token, ready))
+        self.rows_told.append(rows_done)
         if isinstance(self.answer, Exception):
             raise self.answer
-        return RenewReply(lease_s=self.answer)
+        return RenewReply(lease_s=self.answer, split=self.split)
 
 
 def granted(token: str = "t1", lease_s: float = 9.0) -> LeaseReply:
@@ -146,3 +155,31 @@ async def test_renew_soon_brings_every_renewal_forward() -> None:
     assert all(a.renew_at <= asyncio.get_running_loop().time() for a in leases)
     keeper.drop(leases[0])
     assert list(keeper.leases) == ["b"]
+
+
+async def test_a_renewal_tells_the_rows_done_and_a_split_answer_stops_the_attempt() -> None:
+    master = Master(12.0)
+    keeper = LeaseKeeper(master, worker="w1")
+    active = keeper.hold(granted(), sent_at=0.0)
+    active.progress(4_000)
+    await keeper.renew_one(active)
+    assert master.rows_told == [4_000] and not active.stop.is_set()
+    master.split = True
+    await keeper.renew_one(active)
+    assert active.stop.is_set() and "idle worker" in active.stop_reason
+    assert active.state is HELD, "still ours: it commits its part under this lease"
+
+
+async def test_a_committed_lease_is_not_asked_to_stop() -> None:
+    keeper = LeaseKeeper(Master(12.0, split=True), worker="w1")
+    active = keeper.hold(granted(), sent_at=0.0)
+    active.mark_committed()
+    await keeper.renew_one(active)
+    assert not active.stop.is_set()
+
+
+def test_the_first_reason_to_stop_is_the_one_kept() -> None:
+    active = lease_in(HELD)
+    active.split("worker draining")
+    active.split("the master asked")
+    assert active.stop.is_set() and active.stop_reason == "worker draining"

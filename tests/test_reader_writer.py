@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from ebb.common.messages import ShardSpec
+from ebb.common.messages import ShardSpec, rest_of
 from ebb.common.spec import OutputSpec
 from ebb.worker.columns import VALUE, from_arrow, to_arrow
 from ebb.worker.reader import ShardReadError, read_shard
@@ -48,6 +50,37 @@ def test_a_value_not_of_its_columns_type_fails_only_its_row(tmp_path: Path) -> N
     assert data.table.column("id").to_pylist() == [1, 2, 3, 4]  # the row keeps its id
     assert data.table.column("v").to_pylist() == [2.5, None, None, 4.0]  # NA is a null
     assert data.bad_rows == {1: "column 'v': 'oops' is not double"}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_the_remainder_of_a_split_text_shard_starts_where_its_part_ended(
+    tmp_path: Path, fmt: str
+) -> None:
+    path = tmp_path / f"x.{fmt}"
+    if fmt == "csv":
+        path.write_text("id,v\n1,a\n2,b,EXTRA\n3,c\n4,d\n5,e\n")
+    else:
+        path.write_text('{"id": 1}\n{"id": 2\n{"id": 3}\n{"id": 4}\n{"id": 5}\n')
+    shard = replace(_text_shard(path, fmt), rows=5)
+    rest = rest_of(shard, 1, index=7)
+    assert (rest.index, rest.rows, rest.row_offset) == (7, 4, 1)
+    data = read_shard(rest, None)
+    assert data.table.column("id").to_pylist() == [None, 3, 4, 5]
+    assert list(data.bad_rows) == [0], "the bad row keeps its place, counted from the rest"
+    again = read_shard(rest_of(rest, 2, index=8), None)
+    assert again.table.column("id").to_pylist() == [4, 5] and not again.bad_rows
+
+
+def test_the_remainder_of_a_split_parquet_shard_reads_from_the_row_after_its_part(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"id": list(range(1000))}), path, row_group_size=300)
+    shard = ShardSpec(index=0, path=str(path), format="parquet", rows=1000, row_groups=[0, 1, 2, 3])
+    rest = rest_of(shard, 650, index=1)
+    assert read_shard(rest, None).table.column("id").to_pylist() == list(range(650, 1000))
+    with pytest.raises(ValueError, match="one row or more"):
+        rest_of(shard, 0, index=1)
 
 
 def test_malformed_jsonl_lines_become_error_rows(tmp_path: Path) -> None:

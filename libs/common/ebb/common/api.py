@@ -63,12 +63,18 @@ class MasterClient:
     # token used by any worker but the one it was leased to.
 
     async def renew(
-        self, token: str, *, worker: str, timeout_s: float | None = None, ready: bool = False
+        self,
+        token: str,
+        *,
+        worker: str,
+        timeout_s: float | None = None,
+        ready: bool = False,
+        rows_done: int = 0,
     ) -> RenewReply:
         return await request(
             self.nc,
             self.subjects.worker_op("renew", worker),
-            RenewRequest(token=token, ready=ready),
+            RenewRequest(token=token, ready=ready, rows_done=rows_done),
             RenewReply,
             timeout_s=timeout_s or self.timeout_s,
         )

@@ -64,6 +64,11 @@ class CommitRecord:
     files: list[OutputFile]
     worker: str = ""
     committed_at: float = 0.0
+    split_at: int = 0
+    """0: the attempt computed the whole shard. Otherwise it stopped (its worker had to go, or
+    the master asked for the rest to run elsewhere) after the shard's first `split_at` rows,
+    and these files are those rows: a part of the shard. The master makes the rest a shard of
+    its own (`ebb.common.messages.rest_of`)."""
 
     @property
     def rows(self) -> int:

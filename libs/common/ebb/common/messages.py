@@ -6,7 +6,7 @@ reply message (`ok: true`) or an `ErrorReply` (`ok: false`, a stable `code` and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 from .schema import Message
@@ -27,12 +27,28 @@ class ShardSpec(Message):
     row_groups: list[int] = field(default_factory=list)
     """Parquet: the row groups read, in order."""
     row_offset: int = 0
-    """Parquet: rows skipped at the start of the first row group. Planners since whole-row-group
-    shards write 0; a shard planned before, with a row group cut into ranges, still reads."""
+    """Rows of the range above skipped before the shard's first row: the remainder of a split
+    shard starts where the part committed before it ended (`rest_of`). Parquet row groups
+    wholly skipped are not read; a text range is read and its first rows dropped. (A shard
+    planned before whole-row-group shards may have it too, for a row group cut into ranges.)"""
     byte_start: int = 0
     """Text formats: first byte of the shard, at the start of a line."""
     byte_end: int = 0
     """Text formats: one past the last byte, at the end of a line."""
+
+
+def rest_of(shard: ShardSpec, split_at: int, *, index: int) -> ShardSpec:
+    """The remainder of `shard` once its first `split_at` rows are committed: a shard of its
+    own (`index`), over the same range, starting `split_at` rows further in. (A text shard's
+    rows are an estimate: its remainder has at least one.)"""
+    if split_at <= 0:
+        raise ValueError(f"a shard is split after one row or more, not {split_at}")
+    return replace(
+        shard,
+        index=index,
+        rows=max(shard.rows - split_at, 1 if shard.format != "parquet" else 0),
+        row_offset=shard.row_offset + split_at,
+    )
 
 
 ShardState = Literal["TODO", "DOING", "DONE", "QUARANTINED"]
@@ -91,6 +107,9 @@ class RenewRequest(Message):
     token: str
     ready: bool = False
     """As in LeaseRequest: the renewing worker's pipeline has started."""
+    rows_done: int = 0
+    """Rows of the shard the attempt has written so far: how the master judges which shard
+    to split at the tail of a job."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +117,9 @@ class RenewReply(Message):
     KIND: ClassVar[str] = "renew_reply"
     ok: bool = True
     lease_s: float
+    split: bool = False
+    """Workers are idle and nothing is queued: stop at the next batch, commit the rows done as
+    a part of the shard, and the rest goes to one of them (the liquid tail)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +177,12 @@ class LeaseInfo(Message):
     attempt: int
     worker: str
     expires_in_s: float
+    rows: int = 0
+    """Rows in the shard (an estimate for text input)."""
+    rows_done: int = 0
+    """Rows its holder last told it had written."""
+    splitting: bool = False
+    """Its holder is asked to split the shard for an idle worker."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -361,8 +361,21 @@ class OutputStore:
 
 
 def new_commit(
-    *, job: str, shard: int, attempt: int, files: list[OutputFile], worker: str
+    *,
+    job: str,
+    shard: int,
+    attempt: int,
+    files: list[OutputFile],
+    worker: str,
+    split_at: int = 0,
 ) -> CommitRecord:
+    """A commit record of now. `split_at`: the rows of a part (0: the whole shard)."""
     return CommitRecord(
-        job=job, shard=shard, attempt=attempt, files=files, worker=worker, committed_at=time.time()
+        job=job,
+        shard=shard,
+        attempt=attempt,
+        files=files,
+        worker=worker,
+        committed_at=time.time(),
+        split_at=split_at,
     )

@@ -349,6 +349,11 @@ class FaultPolicy:
     """Stage processes above this RSS are recycled between batches."""
     speculative: bool = True
     """Re-lease the oldest running shards to idle workers at the tail of the job."""
+    split_tail: bool = True
+    """At the tail of the job (nothing queued, a worker idle), ask the holder of the running
+    shard with the most work left to commit the rows it has done and hand over the rest,
+    before any shard is re-leased whole (speculation stays for holders that tell no
+    progress)."""
 
     def worker_loss_cap(self) -> int:
         """Forgiven losses of one shard after which it is quarantined anyway."""

@@ -76,3 +76,10 @@ class Deposed(MasterError):
     """Another master wrote the state we hold: we are no longer the only writer. Stop now."""
 
     code = ErrorCode.NOT_LEADER
+
+
+class StateUnsure(Deposed):
+    """A transition was half written (a split's part is DONE in KV, its remainder's record
+    could not be created): what this master holds in memory may no longer be what KV says.
+    Like a deposition, it ends this round; the master campaigns again and loads the table
+    from KV, which completes the transition (`transitions.missing_remainders`)."""

@@ -8,9 +8,25 @@ import logging
 from ebb.common.layout import MANIFEST, Manifest, ManifestFile, QuarantinedShard
 from ebb.common.output import OutputStore
 
-from .jobs import Job
+from .jobs import Job, Shard
 
 log = logging.getLogger(__name__)
+
+
+def in_input_order(job: Job) -> list[Shard]:
+    """The job's shards in the order of their rows in the input: each planned shard followed
+    by the remainders split off it, so that the manifest lists a split shard's parts in order
+    (a remainder's index is the next free one, after every planned shard)."""
+    ordered: list[Shard] = []
+    for planned in job.shards:
+        if planned.record.split_from is not None:
+            continue  # placed after the shard it was split from
+        part: Shard | None = planned
+        while part is not None:
+            ordered.append(part)
+            rest = part.record.remainder
+            part = job.shards[rest.index] if rest and rest.index < len(job.shards) else None
+    return ordered
 
 
 def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, int]]:
@@ -18,7 +34,7 @@ def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, 
     files: list[ManifestFile] = []
     winners: dict[int, int] = {}
     quarantined: list[QuarantinedShard] = []
-    for shard in job.shards:
+    for shard in in_input_order(job):
         record = shard.record
         if record.state == "QUARANTINED":
             quarantined.append(
@@ -46,7 +62,7 @@ def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, 
         files=files,
         rows=job.rows_done,
         error_rows=job.error_rows,
-        shards=job.record.shards_total,
+        shards=job.shards_total,
         quarantined_shards=[q.shard for q in quarantined],
         quarantined=quarantined,
         created_at=created_at,
@@ -75,7 +91,7 @@ def failure_reason(job: Job, errors: int) -> str:
         f"{job.spec.fault.max_error_fraction} of {job.record.rows_total} rows"
     ]
     quarantined = [s for s in job.shards if s.record.state == "QUARANTINED"]
-    if quarantined and len(quarantined) == job.record.shards_total:
+    if quarantined and len(quarantined) == job.shards_total:
         parts = ["every shard was quarantined"]
     for shard in quarantined[:3]:
         last = shard.record.errors[-1] if shard.record.errors else "?"

@@ -20,7 +20,16 @@ _KEEP_DURATIONS = 256
 
 
 class Shard:
-    __slots__ = ("deadlines", "granted", "lock", "persisted", "record", "revision")
+    __slots__ = (
+        "deadlines",
+        "granted",
+        "lock",
+        "persisted",
+        "progress",
+        "record",
+        "revision",
+        "split_asked",
+    )
 
     def __init__(self, record: ShardRecord, revision: int) -> None:
         self.record = record
@@ -33,6 +42,11 @@ class Shard:
         self.persisted: dict[str, float] = {}
         """Active lease tokens and until when the record in KV says each lasts (monotonic):
         a renewal writes KV only when this is less than a period away."""
+        self.progress: dict[str, int] = {}
+        """Active lease tokens and the rows each holder last told it had done (in memory:
+        told again on every renewal)."""
+        self.split_asked: set[str] = set()
+        """Active lease tokens whose holders are asked to split (on their renewals' replies)."""
 
     @property
     def index(self) -> int:
@@ -56,10 +70,19 @@ class Job:
         self.quarantined_rows = 0
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         self.next_seq = 0
+        self.head_seq = 0
+        """Below every queued shard's seq: a remainder of a split shard goes first."""
+        self.splitting = asyncio.Lock()
+        """Held across a split (the part's DONE, the remainder's record): a remainder's index
+        is the next one, `len(shards)`, and two splits must not both take it. Taken with a
+        shard's lock held, never the other way round."""
         self.finish_failures = 0
         self.ready_workers: set[str] = set()
         """Workers that said their pipeline has started (in memory: told again on every
         lease and renewal, so a new master hears within a third of a lease)."""
+        self.split_asks: dict[str, int] = {}
+        """Idle workers, each with the shard whose holder was asked to split for it: one
+        split at a time per idle worker, not one per lease request while it waits."""
         self.ended_workers: set[str] = set()
         """Workers the controller said have ended (a repeat of its word counts once)."""
 
@@ -97,6 +120,7 @@ class Job:
         for shard in self.shards:
             rec = shard.record
             self.next_seq = max(self.next_seq, rec.seq + 1)
+            self.head_seq = min(self.head_seq, rec.seq)
             if rec.state != "TODO":  # queued below, in the order of their seq
                 self.enter(shard)
             for lease in rec.leases:
@@ -114,11 +138,24 @@ class Job:
             self.enter(shard)
         self.publish_gauges()
 
-    def enter(self, shard: Shard) -> None:
-        """Add the shard to the indexes of the state its record is in."""
+    @property
+    def shards_total(self) -> int:
+        """Shards of the job, remainders of split shards included."""
+        return len(self.shards) if self.shards else self.record.shards_total
+
+    @property
+    def settled(self) -> bool:
+        """Every shard is DONE or QUARANTINED."""
+        return self.counts["DONE"] + self.counts["QUARANTINED"] == self.shards_total
+
+    def enter(self, shard: Shard, *, first: bool = False) -> None:
+        """Add the shard to the indexes of the state its record is in. `first`: a TODO shard
+        goes to the head of the queue (a split's remainder), not the tail."""
         rec = shard.record
         self.counts[rec.state] += 1
-        if rec.state == "TODO":
+        if rec.state == "TODO" and first:
+            self.todo.appendleft(shard.index)
+        elif rec.state == "TODO":
             self.todo.append(shard.index)  # the tail: others get their turn first
         elif rec.state == "DOING":
             self.doing.add(shard.index)

@@ -25,6 +25,7 @@ from .context import TableContext
 from .errors import Deposed, JobNotFound, NotResumable
 from .finish import failure_reason, write_manifest
 from .jobs import Job
+from .moves import load_with_remainders
 from .store import JobRecord, ShardRecord
 from .transitions import check_job_transition, reopen
 
@@ -86,13 +87,11 @@ class JobLifecycle:
         async with job.lock:
             if job.state != "RUNNING":
                 return
-            total = job.record.shards_total
-            settled = job.counts["DONE"] + job.counts["QUARANTINED"]
             errors = job.error_rows + job.quarantined_rows
             budget = job.spec.fault.max_error_fraction * max(job.record.rows_total, 1)
             if errors > budget:
                 await self.end(job, "FAILED", failure_reason(job, errors))
-            elif settled == total:
+            elif job.settled:
                 if job.counts["DONE"] == 0:
                     await self.end(job, "FAILED", failure_reason(job, errors))
                 else:
@@ -116,6 +115,7 @@ class JobLifecycle:
                 state=state,
                 reason=reason,
                 finished_at=self._context.wall_clock(),
+                shards_total=job.shards_total,
                 shards_done=job.counts["DONE"],
                 shards_quarantined=job.counts["QUARANTINED"],
                 rows_done=job.rows_done,
@@ -199,7 +199,7 @@ class JobLifecycle:
                     "nothing to resume; submit it again"
                 )
             store = self._context.store
-            entries = sorted(await store.load_shards(job.id), key=lambda e: e[0].spec.index)
+            entries = await load_with_remainders(store, job.id)
             if len(entries) != job.record.shards_total:
                 raise NotResumable(
                     f"job {job_id} has {len(entries)} shard records of "

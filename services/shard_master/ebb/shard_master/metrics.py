@@ -23,6 +23,16 @@ SHARDS = Gauge("ebb_shards", "Shards per state", ["job_id", "state"])
 SHARDS_DONE = Counter("ebb_shards_done_total", "Shards committed", ["job_id"])
 ROWS_DONE = Counter("ebb_rows_done_total", "Rows committed (error rows included)", ["job_id"])
 ERROR_ROWS = Counter("ebb_error_rows_total", "Rows committed with an error", ["job_id"])
+SPLITS = Counter(
+    "ebb_shard_splits_total",
+    "Shards split: a part committed by an attempt that stopped, the rest queued first",
+    ["job_id"],
+)
+SPLIT_REQUESTS = Counter(
+    "ebb_split_requests_total",
+    "Holders of long-running shards asked to split them for idle workers (the liquid tail)",
+    ["job_id"],
+)
 JOBS = Gauge("ebb_jobs", "Jobs per state, as this master knows them", ["state"])
 SETUP_FAILURES = Counter(
     "ebb_master_setup_failures",

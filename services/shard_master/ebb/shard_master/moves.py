@@ -13,19 +13,27 @@ interleave, while different shards proceed concurrently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import replace
+
+import nats.errors
 
 from ebb.common.layout import CommitRecord
 from ebb.common.messages import ShardState
 
 from . import metrics
 from .context import TableContext
-from .errors import ForeignCommit
+from .errors import Deposed, ForeignCommit, StateUnsure
 from .expiry import Expiry, ExpiryHeap
 from .jobs import Job, Shard
-from .store import ShardRecord
-from .transitions import check_transition
+from .store import RecordStore, ShardRecord
+from .transitions import (
+    check_transition,
+    missing_remainders,
+    remainder_record,
+    split_part,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,19 @@ once less than one period of that is left. Workers renew every third of a period
 other renewal is written, not each; and a master that takes over from KV still finds at least
 1.5 - 2/3 of a period (plus its grace) on a live worker's lease, more than the third it needs
 to hear the next renewal. It gives a dead worker's lease at most one period, as ever."""
+
+
+async def load_with_remainders(store: RecordStore, job: str) -> list[tuple[ShardRecord, int]]:
+    """The job's shard records in the order of their indexes, with the remainders of splits
+    whose own record a master that died in between never created (created now)."""
+    entries = await store.load_shards(job)
+    for record in missing_remainders([r for r, _ in entries]):
+        revision = await store.create_shard(record)
+        if revision is None:
+            raise Deposed(f"shard {record.spec.index} of job {job} was created by someone else")
+        log.info("job %s: created shard %d, the rest of a split shard", job, record.spec.index)
+        entries.append((record, revision))
+    return sorted(entries, key=lambda e: e[0].spec.index)
 
 
 class ShardMoves:
@@ -70,6 +91,8 @@ class ShardMoves:
             del shard.deadlines[token]
             shard.granted.pop(token, None)
             shard.persisted.pop(token, None)
+            shard.progress.pop(token, None)
+            shard.split_asked.discard(token)
         if lease is not None:
             token, lease_s = lease
             now = self._context.clock()
@@ -94,22 +117,60 @@ class ShardMoves:
         self, job: Job, shard: Shard, commit: CommitRecord, *, seconds: float = 0.0
     ) -> None:
         """The shard's output is the commit record's. `seconds`: how long the winning attempt
-        ran, if known."""
-        new = replace(
-            shard.record,
-            state="DONE",
-            leases=[],
-            done_attempt=commit.attempt,
-            seconds=seconds,
-            rows=commit.rows,
-            error_rows=commit.error_rows,
-            files=commit.files,
-        )
-        await self.apply(job, shard, new)
+        ran, if known. A commit record of a part (`split_at`) splits the shard: it is DONE by
+        the part, and the rest is a shard of its own at the head of the queue."""
+        splitting = job.splitting if commit.split_at else contextlib.nullcontext()
+        async with splitting:
+            new = replace(
+                shard.record,
+                state="DONE",
+                leases=[],
+                done_attempt=commit.attempt,
+                seconds=seconds,
+                rows=commit.rows,
+                error_rows=commit.error_rows,
+                files=commit.files,
+            )
+            if commit.split_at:
+                new = split_part(new, commit.split_at, index=len(job.shards))
+            await self.apply(job, shard, new)
+            if new.remainder is not None:
+                await self._queue_remainder(job, new)
         metrics.SHARDS_DONE.labels(job.id).inc()
         metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
         metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
         self._context.event(job, "progress")
+
+    async def _queue_remainder(self, job: Job, part: ShardRecord) -> None:
+        """Create the record of the shard a split leaves, first in the queue (caller holds
+        the job's `splitting` lock: its index is the next one)."""
+        record = remainder_record(job.id, part, seq=job.head_seq - 1)
+        try:
+            revision = await self._context.store.create_shard(record)
+        except (nats.errors.Error, TimeoutError) as e:
+            # The part is DONE in KV and the remainder nowhere but in its record: carrying on
+            # from memory would finish the job without those rows. Load the table again,
+            # which creates the remainder (`missing_remainders`).
+            raise StateUnsure(
+                f"job {job.id}: shard {part.spec.index} was split but its remainder "
+                f"{record.spec.index} could not be written ({e})"
+            ) from e
+        if revision is None:
+            raise Deposed(f"shard {record.spec.index} of job {job.id} was created by someone else")
+        job.head_seq -= 1
+        remainder = Shard(record, revision)
+        job.shards.append(remainder)
+        job.enter(remainder, first=True)
+        job.publish_gauges("TODO")
+        metrics.SPLITS.labels(job.id).inc()
+        log.info(
+            "job %s: shard %d split after %d rows; the rest (%d rows) is shard %d",
+            job.id,
+            part.spec.index,
+            part.split_at,
+            record.spec.rows,
+            record.spec.index,
+        )
 
     async def drop_lease(
         self, job: Job, shard: Shard, token: str, *, reason: str, failed: bool, lost: bool = False

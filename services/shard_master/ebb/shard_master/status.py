@@ -76,6 +76,9 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
                             attempt=lease.attempt,
                             worker=lease.worker,
                             expires_in_s=shard.deadlines[lease.token] - now,
+                            rows=shard.record.spec.rows,
+                            rows_done=shard.progress.get(lease.token, 0),
+                            splitting=lease.token in shard.split_asked,
                         )
                     )
     return JobStatus(
@@ -84,7 +87,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         state=record.state,
         reason=record.reason,
         priority=job.spec.priority,
-        shards_total=record.shards_total,
+        shards_total=job.shards_total,
         shards=shards,
         rows_total=record.rows_total,
         rows_done=rows_done,
@@ -109,7 +112,7 @@ def job_event(job: Job, kind: EventKind) -> JobEvent:
         state=job.state,
         reason=job.record.reason,
         shards_done=job.counts["DONE"],
-        shards_total=job.record.shards_total,
+        shards_total=job.shards_total,
         rows_done=job.rows_done,
         error_rows=job.error_rows,
     )

@@ -63,6 +63,15 @@ class ShardRecord:
     rows: int = 0
     error_rows: int = 0
     files: list[OutputFile] = field(default_factory=list)
+    split_at: int = 0
+    """DONE by a part: the winning attempt committed the first `split_at` rows (its commit
+    record's `split_at`), and `remainder` is the rest."""
+    remainder: ShardSpec | None = None
+    """The shard made of the rows after `split_at`. Written here, in the same record as the
+    part's DONE, so that the split is one durable transition: a master that dies before it
+    created the remainder's own record creates it when it loads the job (`splits.py`)."""
+    split_from: int | None = None
+    """The shard this one is the remainder of."""
 
 
 @dataclass(frozen=True, kw_only=True)

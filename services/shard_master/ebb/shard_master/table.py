@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -49,10 +48,11 @@ from .expiry import Expiry, ExpiryHeap
 from .intake import JobIntake
 from .jobs import Job, Shard
 from .lifecycle import JobLifecycle
-from .moves import PERSISTED_PERIODS, ShardMoves
+from .moves import PERSISTED_PERIODS, ShardMoves, load_with_remainders
 from .reaper import LeaseReaper
 from .status import status_reply
 from .store import LeaseRecord, RecordStore
+from .tail import pick_speculative, pick_split
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class LeaseTable:
             job = Job(record, revision, parse_job(record.spec))
             self.jobs[job.id] = job
             if record.state == "RUNNING":
-                self.context.adopt_shards(job, await store.load_shards(job.id))
+                self.context.adopt_shards(job, await load_with_remainders(store, job.id))
                 for shard in job.shards:
                     for token, deadline in shard.deadlines.items():
                         self.expiries.push(Expiry(deadline, job.id, shard.index, token))
@@ -178,7 +178,12 @@ class LeaseTable:
         shard = self._pick(job)
         speculative = False
         if shard is None:
-            shard = self._pick_speculative(job, worker)
+            if job.doing and self._ask_split(job, worker):
+                return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+            now = self.context.clock()
+            shard = pick_speculative(
+                job, worker, now=now, speculate_after_s=self._speculate_after_s
+            )
             if shard is None:
                 if job.doing:
                     return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
@@ -229,27 +234,36 @@ class LeaseTable:
                 return shard
         return None
 
-    def _pick_speculative(self, job: Job, worker: str) -> Shard | None:
-        """The running shard that has run longest, if it runs well past the usual shard time.
-
-        Only once some shards have finished (so that "usual" means something), only a shard
-        with a single attempt running, and never one the asking worker holds itself.
-        """
-        if not job.spec.fault.speculative or not job.durations:
-            return None
-        min_age = max(self._speculate_after_s, 1.5 * statistics.median(job.durations))
-        now = self.context.clock()
-        best: Shard | None = None
-        best_age = 0.0
-        for index in job.doing:
-            shard = job.shards[index]
-            leases = shard.record.leases
-            if len(leases) != 1 or leases[0].worker == worker:
-                continue
-            age = now - shard.granted.get(leases[0].token, now)
-            if age >= min_age and age > best_age:
-                best, best_age = shard, age
-        return best
+    def _ask_split(self, job: Job, worker: str) -> bool:
+        """At the tail: ask a holder to split its shard for `worker`, idle (its renewal's
+        reply carries the ask). True while a split asked for this worker is under way."""
+        asked = job.split_asks.get(worker)
+        if asked is not None:
+            pending = job.shards[asked]
+            if pending.record.state == "DOING" and pending.split_asked:
+                return True
+            del job.split_asks[worker]
+        lease_s = job.spec.fault.lease_s
+        shard = pick_split(
+            job,
+            worker,
+            now=self.context.clock(),
+            min_left_s=max(self._speculate_after_s, lease_s * 2 / 3),
+        )
+        if shard is None:
+            return False
+        token = shard.record.leases[0].token
+        shard.split_asked.add(token)
+        job.split_asks[worker] = shard.index
+        metrics.SPLIT_REQUESTS.labels(job.id).inc()
+        log.info(
+            "job %s: asking the holder of shard %d (%d of %d rows done) to split it",
+            job.id,
+            shard.index,
+            shard.progress.get(token, 0),
+            shard.record.spec.rows,
+        )
+        return True
 
     def _check_holder(self, shard: Shard, token: str, caller: str | None) -> None:
         """Refuse a current lease token used by anyone but the worker it was granted to
@@ -265,9 +279,10 @@ class LeaseTable:
             )
 
     async def renew(
-        self, token: str, *, caller: str | None = None, ready: bool = False
+        self, token: str, *, caller: str | None = None, ready: bool = False, rows_done: int = 0
     ) -> RenewReply:
-        """`ready`: the caller's pipeline has started."""
+        """`ready`: the caller's pipeline has started. `rows_done`: the rows of the shard its
+        attempt has written. The reply asks the holder to split if it was chosen to."""
         job, shard = self._locate(token)
         if ready and caller is not None:
             job.ready_workers.add(caller)
@@ -277,13 +292,16 @@ class LeaseTable:
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
             self._check_holder(shard, token, caller)
+            if rows_done > 0:
+                shard.progress[token] = rows_done
+            split = token in shard.split_asked
             now = self.context.clock()
             if shard.persisted.get(token, now) - now >= lease_s:
                 # KV's record still covers a full period beyond now: what a master taking
                 # over would read is right as it is, so this renewal need not be written.
                 shard.deadlines[token] = now + lease_s
                 metrics.LEASE_RENEWALS.labels(job.id).inc()
-                return RenewReply(lease_s=lease_s)
+                return RenewReply(lease_s=lease_s, split=split)
             expires_at = self.context.wall_clock() + lease_s * PERSISTED_PERIODS
             record = shard.record
             leases = [
@@ -294,7 +312,7 @@ class LeaseTable:
                 job, shard, replace(record, leases=leases), lease=(token, lease_s)
             )
         metrics.LEASE_RENEWALS.labels(job.id).inc()
-        return RenewReply(lease_s=lease_s)
+        return RenewReply(lease_s=lease_s, split=split)
 
     async def commit(self, token: str, *, caller: str | None = None) -> CommitReply:
         job_id, index = parse_token(token)

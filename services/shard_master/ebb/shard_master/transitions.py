@@ -5,6 +5,12 @@ expiry with attempts left), or QUARANTINED (attempts exhausted, or a commit reco
 of this job can replace). DOING → DOING is a change within the state: a renewal, a second
 (speculative) lease, one of two leases ending. DONE and QUARANTINED are final while the job runs.
 
+A shard may also be split: an attempt that had to stop commits the rows it finished as a part
+(the shard goes DOING → DONE by that part, its record naming the remainder), and the rest is a
+new shard, TODO at the head of the queue. The part's record is the one durable transition; the
+remainder's own record follows it, and a master that died in between creates it on load
+(`missing_remainders`).
+
 Resuming an ended job (FAILED or CANCELLED) is the one way back: it moves its shards by
 `REOPEN`, outside the lease protocol, while no lease of the job is current. What was
 committed stays DONE; everything else is queued again.
@@ -20,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import get_args
 
-from ebb.common.messages import JobState, ShardState
+from ebb.common.messages import JobState, ShardState, rest_of
 
 from .errors import IllegalTransition
 from .store import ShardRecord
@@ -90,3 +96,32 @@ def reopen(records: list[ShardRecord]) -> list[ShardRecord]:
             next_seq += requeued
         reopened.append(new)
     return reopened
+
+
+def remainder_record(job: str, part: ShardRecord, *, seq: int) -> ShardRecord:
+    """The TODO record of the shard a split leaves after `part` (DONE, with a remainder)."""
+    assert part.remainder is not None
+    return ShardRecord(job=job, spec=part.remainder, seq=seq, split_from=part.spec.index)
+
+
+def missing_remainders(records: list[ShardRecord]) -> list[ShardRecord]:
+    """The records a split wrote in its part but whose own record was never created (the
+    master died between the two): each a TODO shard at the head of the queue, in the order
+    of their indexes, as they were split."""
+    present = {r.spec.index for r in records}
+    missing = sorted(
+        (r for r in records if r.remainder is not None and r.remainder.index not in present),
+        key=lambda r: r.remainder.index if r.remainder is not None else 0,
+    )
+    head = min((r.seq for r in records), default=0)
+    return [remainder_record(r.job, r, seq=head - len(missing) + k) for k, r in enumerate(missing)]
+
+
+def split_part(record: ShardRecord, split_at: int, *, index: int) -> ShardRecord:
+    """`record` DONE by a part of `split_at` rows (its files, rows and attempt are the
+    commit's, set by the caller), naming the remainder `index`. A Parquet part that covers
+    every row (a stop that came as the last row finished) is the whole shard."""
+    spec = record.spec
+    if spec.format == "parquet" and split_at >= spec.rows:
+        return replace(record, split_at=0, remainder=None)
+    return replace(record, split_at=split_at, remainder=rest_of(spec, split_at, index=index))

@@ -2,6 +2,11 @@
 
 `run_attempt` knows nothing of the master or of NATS: it ends with the shard's commit record,
 which decides the shard's output, and leaves telling the master to its caller.
+
+An attempt told to stop (`stop`: its worker must go, or the master wants the rest of the shard
+run elsewhere) keeps what it has done: it reads no further, takes the rows that have come
+back from the pipeline from the first on, writes them, and commits them as a part of the shard
+(`CommitRecord.split_at`); the master makes the rest a shard of its own.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 import numpy as np
@@ -36,9 +41,16 @@ _CHUNKS_IN_FLIGHT = 2
 
 
 class Runner(Protocol):
-    """What runs a shard's rows: a started `Pipeline`, or one that waits for its start."""
+    """What runs a shard's rows: a started `Pipeline`, or one that waits for its start.
+    Once `stop` is set, a run ends with the rows that have come back from the first on."""
 
-    async def run_columns(self, rows: pa.Table) -> RunResult: ...
+    async def run_columns(
+        self, rows: pa.Table, *, stop: asyncio.Event | None = None
+    ) -> RunResult: ...
+
+
+class AttemptStopped(Exception):
+    """The attempt was told to stop before any row of it was done: nothing to commit."""
 
 
 async def run_attempt(
@@ -50,10 +62,16 @@ async def run_attempt(
     store: OutputStore,
     worker_id: str,
     chunk_rows: int = CHUNK_ROWS,
+    stop: asyncio.Event | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> CommitRecord:
     """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
     attempt of this job committed first (an earlier one found before anything ran, or one
-    that won the race to create it: ours is then garbage)."""
+    that won the race to create it: ours is then garbage).
+
+    `stop`: once set, the attempt commits the rows done so far as a part of the shard (or
+    raises AttemptStopped if there are none). `progress(rows)`: the shard's rows done so far,
+    after each chunk is written."""
     existing = await asyncio.to_thread(store.read_commit, shard.index)
     if existing is not None and existing.job == spec.id:
         log.info(
@@ -72,11 +90,11 @@ async def run_attempt(
     )
     started = time.perf_counter()
     files: list[OutputFile] = []
-    rows = error_rows = 0
+    rows = error_rows = rows_in = 0
     try:
         # Closed on the way out whatever happens here, not when it is collected: its
         # runs still under way must end with this attempt.
-        async with contextlib.aclosing(_computed(reader, pipeline, spec)) as computed:
+        async with contextlib.aclosing(_computed(reader, pipeline, spec, stop)) as computed:
             async for data, good, result in computed:
                 table, errors = await asyncio.to_thread(_output, data, good, result, spec)
                 files += await asyncio.to_thread(
@@ -92,10 +110,21 @@ async def run_attempt(
                 )
                 rows += table.num_rows
                 error_rows += errors
+                rows_in += data.table.num_rows
+                if progress is not None:
+                    progress(rows_in)
+        whole = reader.exhausted and rows_in == reader.rows_read
     finally:
         reader.close()
+    if not whole and not rows_in:
+        raise AttemptStopped(f"shard {shard.index}: stopped before any row was done")
     record = new_commit(
-        job=spec.id, shard=shard.index, attempt=attempt, files=files, worker=worker_id
+        job=spec.id,
+        shard=shard.index,
+        attempt=attempt,
+        files=files,
+        worker=worker_id,
+        split_at=0 if whole else rows_in,
     )
     won, record = await asyncio.to_thread(store.create_commit, record)
     log.debug(
@@ -115,23 +144,39 @@ async def run_attempt(
 
 
 async def _computed(
-    reader: ShardReader, pipeline: Runner, spec: JobSpec
+    reader: ShardReader, pipeline: Runner, spec: JobSpec, stop: asyncio.Event | None = None
 ) -> AsyncGenerator[tuple[ShardData, np.ndarray, RunResult], None]:
     """Each chunk of the shard with its results, in order. Two chunks are in the pipeline
     at once, the next read while they compute: the pipeline never runs dry between
-    chunks, and the shard's memory is a few chunks whatever its size."""
+    chunks, and the shard's memory is a few chunks whatever its size.
+
+    Once `stop` is set no chunk is read, and the last chunk given may be the first rows of
+    one (those done when the stop came); nothing follows it."""
     window: deque[tuple[ShardData, np.ndarray, asyncio.Task[RunResult]]] = deque()
     try:
-        while (data := await asyncio.to_thread(reader.next)) is not None:
+        while not (stop is not None and stop.is_set()):
+            data = await asyncio.to_thread(reader.next)
+            if data is None:
+                break
             inputs, good = _inputs(data, spec)
             # The rows travel as Arrow and become columns in the first stage's processes.
-            window.append((data, good, asyncio.create_task(pipeline.run_columns(inputs))))
-            if len(window) >= _CHUNKS_IN_FLIGHT:
-                done, good_rows, run = window.popleft()
-                yield done, good_rows, await run
+            computing = pipeline.run_columns(inputs, stop=stop)
+            window.append((data, good, asyncio.create_task(computing)))
+            if len(window) < _CHUNKS_IN_FLIGHT:
+                continue
+            done, good_rows, result = await _next_done(window)
+            if result.rows < len(good_rows):
+                if (part := _done_part(done, good_rows, result)) is not None:
+                    yield part
+                return
+            yield done, good_rows, result
         while window:
-            done, good_rows, run = window.popleft()
-            yield done, good_rows, await run
+            done, good_rows, result = await _next_done(window)
+            if result.rows < len(good_rows):
+                if (part := _done_part(done, good_rows, result)) is not None:
+                    yield part
+                return
+            yield done, good_rows, result
     finally:
         # Cancelled (the lease lost, a drain) or failed: the runs still under way end
         # too, and their rows leave the pipeline (Pipeline.run_columns cancels them).
@@ -142,6 +187,26 @@ async def _computed(
             for _, _, run in window:
                 if not run.cancelled():
                     run.exception()  # retrieved: the first failure is what we raise
+
+
+async def _next_done(
+    window: deque[tuple[ShardData, np.ndarray, asyncio.Task[RunResult]]],
+) -> tuple[ShardData, np.ndarray, RunResult]:
+    done, good, run = window.popleft()
+    return done, good, await run
+
+
+def _done_part(
+    data: ShardData, good: np.ndarray, result: RunResult
+) -> tuple[ShardData, np.ndarray, RunResult] | None:
+    """The first rows of a chunk whose run stopped short: up to the first row that went in
+    and did not come back (unreadable rows before it are error rows, done as they are).
+    None if that is no row at all."""
+    upto = int(good[result.rows])
+    if upto == 0:
+        return None
+    bad = {i: why for i, why in data.bad_rows.items() if i < upto}
+    return ShardData(data.table.slice(0, upto), bad), good[: result.rows], result
 
 
 def _inputs(data: ShardData, spec: JobSpec) -> tuple[pa.Table, np.ndarray]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
@@ -64,6 +64,21 @@ class ActiveLease:
     """The task running the shard's attempt: cancelled when the lease is lost."""
     state: LeaseState = LeaseState.HELD
     lost_reason: str = ""
+    rows_done: int = 0
+    """Rows of the shard its attempt has written so far: told in renewals."""
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the attempt must stop and commit what it has done as a part of the shard (its
+    worker must go, or the master wants the rest run elsewhere)."""
+    stop_reason: str = ""
+
+    def progress(self, rows: int) -> None:
+        self.rows_done = rows
+
+    def split(self, reason: str) -> None:
+        """Ask the attempt to stop at its next batch and commit the rows done as a part."""
+        if not self.stop.is_set():
+            self.stop_reason = reason
+            self.stop.set()
 
     @property
     def renewable(self) -> bool:
@@ -100,7 +115,13 @@ class Renews(Protocol):
     """Whoever renews a lease: the master, through `ebb.common.api.MasterClient`."""
 
     async def renew(
-        self, token: str, *, worker: str, timeout_s: float | None = None, ready: bool = False
+        self,
+        token: str,
+        *,
+        worker: str,
+        timeout_s: float | None = None,
+        ready: bool = False,
+        rows_done: int = 0,
     ) -> RenewReply: ...
 
 
@@ -162,6 +183,7 @@ class LeaseKeeper:
                 worker=self.worker,
                 timeout_s=max(0.5, min(5.0, active.lease_s / 4)),
                 ready=self.ready(),
+                rows_done=active.rows_done,
             )
         except RemoteError as e:
             if not active.renewable:
@@ -182,6 +204,8 @@ class LeaseKeeper:
                 active.renew_at = loop.time() + min(1.0, active.lease_s / 10)
             return
         metrics.RENEWALS.inc()
+        if reply.split and active.state is LeaseState.HELD:
+            active.split("the master asked for the rest to run on an idle worker")
         active.deadline = sent + reply.lease_s
         # Early, with jitter, so that a fleet of workers does not renew in lockstep.
         active.renew_at = sent + reply.lease_s / 3 * random.uniform(0.8, 1.0)  # noqa: S311

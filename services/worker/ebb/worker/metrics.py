@@ -7,6 +7,10 @@ from prometheus_client import Counter, Gauge, Histogram
 ROWS = Counter("ebb_worker_rows_total", "Rows written by this worker (error rows included)")
 ERROR_ROWS = Counter("ebb_worker_error_rows_total", "Rows written with an error")
 SHARDS = Counter("ebb_worker_shards_total", "Shard attempts by outcome", ["result"])
+ROWS_KEPT = Counter(
+    "ebb_worker_rows_kept_by_splits_total",
+    "Rows committed as parts of shards that had to stop (a drain, or the master's ask)",
+)
 SHARD_SECONDS = Histogram(
     "ebb_worker_shard_seconds",
     "Time from lease to commit of a shard",

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ebb.common.aio import until
+
 from .columns import Columns, from_rows, num_rows, scatter, take, to_rows
 from .router import Router
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
@@ -96,6 +98,23 @@ class _Run:
         columns, _ = scatter(self.pieces, self.n)
         return RunResult(self.n, columns, self.errors)
 
+    def done_prefix(self) -> int:
+        """How many rows from the first have all come back: where a stopped run ends."""
+        pending = np.flatnonzero(~self.seen)
+        return int(pending[0]) if len(pending) else self.n
+
+    def prefix_result(self, rows: int) -> RunResult:
+        """The result of the first `rows` rows (all of which have come back)."""
+        pieces = []
+        for index, chunk in self.pieces:
+            keep = index < rows
+            if keep.all():
+                pieces.append((index, chunk))
+            elif keep.any():
+                pieces.append((index[keep], take(chunk, keep)))
+        columns, _ = scatter(pieces, rows)
+        return RunResult(rows, columns, {i: m for i, m in self.errors.items() if i < rows})
+
 
 class Pipeline:
     """The asyncio side: `run(rows)` returns every row's result, in order.
@@ -156,10 +175,17 @@ class Pipeline:
         """One Outcome per row, in order (the per-row view of `run_columns`)."""
         return (await self.run_columns(rows)).outcomes()
 
-    async def run_columns(self, rows: Sequence[Any] | pa.Table | Columns) -> RunResult:
+    async def run_columns(
+        self, rows: Sequence[Any] | pa.Table | Columns, *, stop: asyncio.Event | None = None
+    ) -> RunResult:
         """Every row's result, in order: rows given as an Arrow table (the fast path: it
         travels as Arrow, and becomes columns in the first stage's processes), a chunk of
-        columns, or per-row values."""
+        columns, or per-row values.
+
+        `stop`: once it is set, the run ends with the rows that have come back from the first
+        on (its `rows` then fewer than were given: a batch boundary, as batches mostly come
+        back in order); the rest are not computed. How an attempt that must stop keeps the
+        work it has done."""
         self._raise_if_failed()
         router = self._router
         assert router is not None, "start() the pipeline first"
@@ -180,14 +206,25 @@ class Pipeline:
                 while self._inflight and self._inflight + size > self._limit:
                     self._raise_if_failed()  # no room will ever come back
                     self._space.clear()
-                    await self._space.wait()
+                    if stop is None:
+                        await self._space.wait()
+                    else:
+                        await until(self._space.wait(), stop)
+                    if stop is not None and stop.is_set():
+                        break
+                if stop is not None and stop.is_set():
+                    break
                 self._raise_if_failed()
                 self._inflight += size
                 router.submit(base + start, chunk, size)
             router.flush()
-            if n:
+            if n and stop is not None:
+                await until(asyncio.shield(run.finished), stop)
+            elif n:
                 await run.finished
             self._raise_if_failed()
+            if run.remaining:
+                return run.prefix_result(run.done_prefix())
             return run.result()
         finally:
             del self._runs[base]

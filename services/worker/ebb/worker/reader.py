@@ -80,6 +80,7 @@ class ShardReader:
         self._batches: Iterator[pa.RecordBatch] | None = None
         self._file: Any = None
         self._ended = False
+        self._all_read = False
 
     def next(self) -> ShardData | None:
         """The next chunk of the shard's rows, or None once they have all been read."""
@@ -91,6 +92,7 @@ class ShardReader:
             if shard.format == "parquet":
                 table = retrying(what, self._next_parquet, passthrough=(ShardReadError,))
                 if table is None:
+                    self._all_read = True
                     self._end()
                     return None
                 self.rows_read += table.num_rows
@@ -105,13 +107,22 @@ class ShardReader:
         except (OSError, pa.ArrowException) as e:
             self._end()
             raise ShardReadError(f"cannot read shard {shard.index} of {shard.path}: {e}") from e
-        self._ended = True  # a text shard is one chunk
+        self._ended = self._all_read = True  # a text shard is one chunk
         if shard.format == "csv":
             data = _parse_csv(header, chunk, self.column_types, self.newlines_in_values)
         else:
             data = _parse_jsonl(chunk)
+        if shard.row_offset:  # the remainder of a split shard: its part's rows are done
+            data = _without_first(data, shard.row_offset)
         self.rows_read += data.table.num_rows
         return data
+
+    @property
+    def exhausted(self) -> bool:
+        """Every row of the shard has been handed out."""
+        if self.shard.format == "parquet" and self.rows_read >= self.shard.rows:
+            return True
+        return self._all_read
 
     def close(self) -> None:
         self._end()
@@ -180,6 +191,12 @@ class ShardReader:
             use_threads=False,
         )
         self._batches = _dropping(batches, skip)
+
+
+def _without_first(data: ShardData, rows: int) -> ShardData:
+    """`data` without its first `rows` rows."""
+    bad = {i - rows: why for i, why in data.bad_rows.items() if i >= rows}
+    return ShardData(data.table.slice(min(rows, data.table.num_rows)), bad)
 
 
 def _dropping(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:

@@ -4,13 +4,16 @@ Agents (tasks of one supervisor):
 - leaser:  leases shards and runs each in its own task, up to `shards_in_flight` at once, so
            the next shard is leased and read while the current one computes (prefetch).
            One shard's attempt is `attempt.run_attempt`; its commit is then reported here.
-- renewer: renews every held lease at about a third of its period; a lease the master
-           refuses (expired, superseded, job over) is lost, and its shard's task is cancelled
-           (leases.py).
+- renewer: renews every held lease at about a third of its period, telling the rows done;
+           a lease the master refuses (expired, superseded, job over) is lost, and its
+           shard's task is cancelled; a renewal answered with `split` stops the shard's
+           attempt at its next batch, which commits what it has done (leases.py).
 - gauges:  the pipeline's queue depths and its devices' utilisation (session.py).
 
 SIGTERM drains in stages: stop leasing; let shards in flight finish within the grace period;
-release (retryable) whatever is still unfinished; stop the stage processes; exit 0.
+`split_reserve_s` before its end, stop those still computing and commit the rows each has
+done as a part of its shard (the master queues the rest first); release (retryable) whatever
+is still unfinished at its end; stop the stage processes; exit 0.
 
 The stage processes start (models load) while the first shard is leased and read
 (session.py). A pipeline that cannot start here, or that breaks later, is no shard's fault:
@@ -49,7 +52,7 @@ from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
 from . import cpus, devices, metrics
-from .attempt import run_attempt
+from .attempt import AttemptStopped, run_attempt
 from .leases import ActiveLease, LeaseState
 from .pipeline import Pipeline, PipelineError, PipelineSetupError
 from .reader import CHUNK_ROWS
@@ -78,7 +81,12 @@ class WorkerConfig:
     """Before the first lease, wait a random time up to this: a fleet started at once does not
     hit the store (and the master) in one burst."""
     shutdown_grace_s: float = 30.0
-    """On SIGTERM, time for shards in flight to finish before they are released."""
+    """On SIGTERM, time for shards in flight to finish. A shard that has not finished
+    `split_reserve_s` before its end stops and commits the rows it has done (a part of the
+    shard; the master queues the rest first); one with none done is released."""
+    split_reserve_s: float = 5.0
+    """The end of the grace period kept for writing and committing parts (at most half of
+    it): the drain asks shards still computing to stop this long before the grace runs out."""
     stage_stop_grace_s: float = 10.0
     release_timeout_s: float = 5.0
 
@@ -228,7 +236,7 @@ class Worker:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 task.add_done_callback(lambda _: slots.release())
-            await self._finish_in_flight()
+            await self._finish_in_flight(session)
         finally:
             for task in self._tasks:
                 task.cancel()
@@ -260,11 +268,21 @@ class Worker:
             )
         return None
 
-    async def _finish_in_flight(self) -> None:
+    async def _finish_in_flight(self, session: JobSession) -> None:
+        """Wait for the shards in flight. On a drain, within the grace period: those that
+        cannot finish in it stop at their next batch and commit what they have done, and any
+        still running at its end are released."""
         if not self._tasks:
             return
         if self.draining.is_set():
-            _, pending = await asyncio.wait(self._tasks, timeout=self.config.shutdown_grace_s)
+            grace = self.config.shutdown_grace_s
+            reserve = min(self.config.split_reserve_s, grace / 2)
+            _, pending = await asyncio.wait(self._tasks, timeout=grace - reserve)
+            if pending:
+                for active in list(session.leases.leases.values()):
+                    active.split("worker draining")
+                log.info("grace period ending: committing the rows done of %d shards", len(pending))
+                _, pending = await asyncio.wait(pending, timeout=reserve)
             for task in pending:
                 log.info("grace period over: releasing %s", task.get_name())
                 task.cancel()
@@ -284,11 +302,21 @@ class Worker:
                 store=OutputStore(session.spec.output.uri),
                 worker_id=self.config.id,
                 chunk_rows=self.config.chunk_rows,
+                stop=active.stop,
+                progress=active.progress,
             )
             await self._commit(session.master, active, record)
-            metrics.SHARDS.labels("done").inc()
-            metrics.SHARD_SECONDS.observe(time.perf_counter() - started)
+            if record.split_at:
+                metrics.SHARDS.labels("split").inc()
+                metrics.ROWS_KEPT.inc(record.split_at)
+            else:
+                metrics.SHARDS.labels("done").inc()
+                metrics.SHARD_SECONDS.observe(time.perf_counter() - started)
             self.shards_done += 1
+        except AttemptStopped:
+            # Told to stop before a row was done: nothing to keep. Back unharmed.
+            await self._release(session.master, active, active.stop_reason, retryable=True)
+            metrics.SHARDS.labels("released").inc()
         except asyncio.CancelledError:
             if active.state is LeaseState.LOST:
                 # We cancelled ourselves because the lease is gone: not an error, not a stop.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
+from ebb.common.aio import until
 from ebb.common.api import MasterClient
 from ebb.common.spec import JobSpec
 
@@ -88,11 +89,14 @@ class JobSession:
         if error is not None:
             self._on_failed_start(error)
 
-    async def run_columns(self, rows: pa.Table) -> RunResult:
+    async def run_columns(self, rows: pa.Table, *, stop: asyncio.Event | None = None) -> RunResult:
         """The pipeline's results for `rows`, once it has started (raising why, if it cannot):
-        an attempt reads its first rows while the models load."""
-        await asyncio.shield(self._starting)
-        return await self.pipeline.run_columns(rows)
+        an attempt reads its first rows while the models load. `stop`: as `Pipeline`'s."""
+        if stop is None:
+            await asyncio.shield(self._starting)
+        elif not await until(_started(self._starting), stop):
+            return RunResult(0, {})  # stopped while the models load: nothing computed
+        return await self.pipeline.run_columns(rows, stop=stop)
 
     async def close(self, *, grace_s: float) -> None:
         """Stop the stage processes, started or starting."""
@@ -120,3 +124,8 @@ class JobSession:
             for device in used:
                 metrics.DEVICE_UTILIZATION.labels(device).set(monitor.busy(device))
             await asyncio.sleep(1.0)
+
+
+async def _started(starting: asyncio.Future[None]) -> bool:
+    await asyncio.shield(starting)
+    return True

@@ -1,0 +1,280 @@
+"""Splitting a shard: a part committed by an attempt that had to stop, the rest a shard of its
+own, in one durable transition (the lease table on an in-memory store, as test_lease_table.py).
+
+What a worker does on a drain is tested end to end in test_drain_split.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats.errors
+import pytest
+
+from ebb.common.layout import OutputFile, attempt_dir
+from ebb.common.messages import LeaseReply, ShardSpec
+from ebb.common.output import OutputStore, new_commit
+from ebb.common.spec import JobSpec
+from ebb.shard_master.errors import StateUnsure
+from ebb.shard_master.finish import in_input_order
+from ebb.shard_master.store import ShardRecord
+from ebb.shard_master.table import LeaseTable
+from ebb.shard_master.transitions import missing_remainders, split_part
+
+from .test_lease_table import (
+    Clock,
+    MemoryStore,
+    assert_indexes_match_records,
+    make_job,
+    new_table,
+)
+
+
+def commit_part(spec: JobSpec, reply: LeaseReply, *, rows: int, split_at: int = 0) -> None:
+    """What a worker does before `commit`: its file, then its commit record (of a part of
+    `split_at` rows, or of the whole shard)."""
+    assert reply.shard is not None
+    store = OutputStore(spec.output.uri)
+    path = f"{attempt_dir(reply.shard.index, reply.attempt)}/part-00000.parquet"
+    store.write_file(path, b"data")
+    won, _ = store.create_commit(
+        new_commit(
+            job=spec.id,
+            shard=reply.shard.index,
+            attempt=reply.attempt,
+            files=[OutputFile(path=path, rows=rows)],
+            worker="w",
+            split_at=split_at,
+        )
+    )
+    assert won
+
+
+async def finish_all(table: LeaseTable, spec: JobSpec) -> list[int]:
+    """Lease and commit whole every shard left, in queue order; the indexes leased."""
+    leased: list[int] = []
+    while (reply := await table.lease(spec.id, "w9")).status == "granted":
+        assert reply.shard is not None
+        leased.append(reply.shard.index)
+        commit_part(spec, reply, rows=reply.shard.rows)
+        await table.commit(reply.token)
+    return leased
+
+
+async def test_a_part_s_commit_splits_the_shard_and_the_rest_is_leased_next(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=3)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    first = await table.lease(spec.id, "w1")
+    assert first.shard is not None and first.shard.index == 0
+
+    commit_part(spec, first, rows=40, split_at=40)
+    assert (await table.commit(first.token)).status == "done"
+
+    part = job.shards[0].record
+    assert (part.state, part.rows, part.split_at) == ("DONE", 40, 40)
+    assert part.remainder is not None and part.remainder.index == 3
+    rest = job.shards[3].record
+    assert (rest.state, rest.split_from) == ("TODO", 0)
+    assert (rest.spec.rows, rest.spec.row_offset, rest.spec.row_groups) == (60, 40, [0])
+    assert job.shards_total == 4 and not job.settled
+    assert_indexes_match_records(job, store)
+
+    assert await finish_all(table, spec) == [3, 1, 2], "the rest first, then the queue"
+    assert job.record.state == "SUCCEEDED"
+    assert (job.record.shards_total, job.record.rows_done) == (4, 300)
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None
+    assert [f.shard for f in manifest.files] == [0, 3, 1, 2], "in the input's order"
+    assert manifest.rows == 300 and manifest.shards == 4
+
+
+async def test_a_part_committed_before_the_master_heard_is_adopted_when_its_lease_expires(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2, lease_s=30)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    lost = await table.lease(spec.id, "w1")
+    commit_part(spec, lost, rows=25, split_at=25)  # and the worker dies before `commit`
+    clock.now += 31
+    assert await table.reaper.expire_due() == 1
+    assert job.shards[0].record.state == "DONE" and job.shards[0].record.split_at == 25
+    assert job.shards[2].record.spec.row_offset == 25
+    assert job.shards[0].record.failures == 0
+    assert_indexes_match_records(job, store)
+    assert await finish_all(table, spec) == [2, 1]
+    assert job.record.rows_done == 200
+
+
+async def test_a_master_that_dies_between_the_part_and_the_rest_creates_the_rest_on_load(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2)
+    assert await table.intake.submit(spec)
+    reply = await table.lease(spec.id, "w1")
+    commit_part(spec, reply, rows=70, split_at=70)
+
+    create = store.create_shard
+
+    async def unreachable(record: ShardRecord) -> int | None:
+        raise nats.errors.TimeoutError
+
+    store.create_shard = unreachable  # type: ignore[method-assign]
+    with pytest.raises(StateUnsure, match="its remainder 2 could not be written"):
+        await table.commit(reply.token)
+    store.create_shard = create  # type: ignore[method-assign]
+    assert store.shards[f"{spec.id}.0000000"][0].remainder is not None
+    assert f"{spec.id}.0000002" not in store.shards
+
+    restarted = new_table(store, Clock())
+    await restarted.load()
+    job = restarted.jobs[spec.id]
+    assert [s.record.state for s in job.shards] == ["DONE", "TODO", "TODO"]
+    assert job.shards[2].record.split_from == 0
+    assert_indexes_match_records(job, store)
+    assert await finish_all(restarted, spec) == [2, 1]
+    assert job.record.rows_done == 200
+    # A second load finds the rest there already: nothing created twice.
+    again = new_table(store, Clock())
+    await again.load()
+    assert len(store.shards) == 3
+
+
+async def test_splits_at_once_take_distinct_indexes(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=3)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    replies = [await table.lease(spec.id, f"w{i}") for i in range(3)]
+    for reply in replies:
+        commit_part(spec, reply, rows=10, split_at=10)
+    await asyncio.gather(*(table.commit(r.token) for r in replies))
+    rests = sorted(s.record.spec.index for s in job.shards if s.record.split_from is not None)
+    assert rests == [3, 4, 5]
+    assert_indexes_match_records(job, store)
+    assert sorted(await finish_all(table, spec)) == [3, 4, 5]
+    assert job.record.rows_done == 300
+
+
+async def test_a_split_shard_s_parts_stay_done_when_its_job_is_resumed(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2)
+    assert await table.intake.submit(spec)
+    reply = await table.lease(spec.id, "w1")
+    commit_part(spec, reply, rows=30, split_at=30)
+    await table.commit(reply.token)
+    await table.lifecycle.cancel(spec.id, "a user's wish")
+    job = table.jobs[spec.id]
+    assert job.record.shards_total == 3
+
+    resumed = await table.lifecycle.resume(spec.id)
+    assert (resumed.shards_done, resumed.shards_todo) == (1, 2)
+    assert_indexes_match_records(job, store)
+    assert sorted(await finish_all(table, spec)) == [1, 2]
+    assert job.record.state == "SUCCEEDED" and job.record.rows_done == 200
+
+
+def _record(index: int, *, seq: int, rest: int | None = None) -> ShardRecord:
+    spec = ShardSpec(index=index, path="x.parquet", format="parquet", rows=100, row_groups=[0])
+    record = ShardRecord(job="j", spec=spec, seq=seq)
+    if rest is None:
+        return record
+    return split_part(record, 10, index=rest)
+
+
+def test_missing_remainders_are_the_splits_whose_rest_has_no_record_first_in_the_queue() -> None:
+    records = [_record(0, seq=0, rest=3), _record(1, seq=-1, rest=4), _record(2, seq=2)]
+    missing = missing_remainders(records)
+    assert [(r.spec.index, r.split_from, r.seq, r.state) for r in missing] == [
+        (3, 0, -3, "TODO"),
+        (4, 1, -2, "TODO"),
+    ]
+    assert missing[0].spec.row_offset == 10 and missing[0].spec.rows == 90
+    present = [*records, *missing]
+    assert missing_remainders(present) == []
+
+
+def test_a_parquet_part_that_covers_every_row_is_the_whole_shard() -> None:
+    whole = split_part(_record(0, seq=0), 100, index=1)
+    assert whole.split_at == 0 and whole.remainder is None
+
+
+async def test_the_input_order_puts_each_shard_s_parts_after_it(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    first = await table.lease(spec.id, "w1")
+    commit_part(spec, first, rows=10, split_at=10)
+    await table.commit(first.token)
+    again = await table.lease(spec.id, "w2")  # the rest of shard 0: shard 2
+    commit_part(spec, again, rows=20, split_at=20)
+    await table.commit(again.token)
+    assert [s.index for s in in_input_order(job)] == [0, 2, 3, 1]
+    assert job.shards[3].record.spec.row_offset == 30
+
+
+async def test_at_the_tail_the_holder_with_most_left_is_asked_to_split_for_an_idle_worker(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=3, lease_s=30)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    slow = await table.lease(spec.id, "slow")
+    slower = await table.lease(spec.id, "slower")
+    idle = await table.lease(spec.id, "idle")
+    clock.now += 10
+    commit_part(spec, idle, rows=100)
+    await table.commit(idle.token)
+    assert not (await table.renew(slow.token, rows_done=50)).split  # 10 s more to go
+    assert not (await table.renew(slower.token, rows_done=10)).split  # 90 s more to go
+
+    assert (await table.lease(spec.id, "idle")).status == "wait"
+    assert job.shards[1].split_asked == {slower.token} and not job.shards[0].split_asked
+    assert (await table.lease(spec.id, "idle")).status == "wait"  # one ask per idle worker
+    assert not job.shards[0].split_asked
+    assert (await table.renew(slower.token, rows_done=12)).split
+    assert not (await table.renew(slow.token, rows_done=60)).split
+
+    commit_part(spec, slower, rows=12, split_at=12)
+    await table.commit(slower.token)
+    rest = await table.lease(spec.id, "idle")
+    assert rest.shard is not None and (rest.shard.index, rest.shard.row_offset) == (3, 12)
+    assert not rest.speculative
+    assert_indexes_match_records(job, store)
+
+
+async def test_no_split_is_asked_of_a_holder_that_tells_no_progress_or_when_turned_off(
+    tmp_path: Path,
+) -> None:
+    for split_tail in (True, False):
+        store, clock = MemoryStore(), Clock()
+        table = new_table(store, clock)
+        spec = make_job(tmp_path / str(split_tail), shards=2, lease_s=30, split_tail=split_tail)
+        assert await table.intake.submit(spec)
+        job = table.jobs[spec.id]
+        held = await table.lease(spec.id, "w1")
+        done = await table.lease(spec.id, "w2")
+        clock.now += 2
+        commit_part(spec, done, rows=100)
+        await table.commit(done.token)
+        clock.now += 10
+        await table.renew(held.token, rows_done=0 if split_tail else 5)
+        reply = await table.lease(spec.id, "w2")
+        # No split: speculation takes the shard that has run 6x the usual time instead.
+        assert reply.speculative and not job.shards[0].split_asked
