@@ -124,7 +124,8 @@ class KubernetesBackend:
         """Gives each worker pod a NATS credential of its own, minted by `signer`; None:
         workers share `config.nats_secret`."""
         self.changed = asyncio.Event()
-        """Set when the cluster changed: the reconciler may look again sooner."""
+        """Set when an informer lists anew or sees a node or pod change, and when the tide
+        moves a node (see ClusterBackend.changed)."""
         ns = config.namespace
         self.nodes = Informer("nodes", self.core.list_node, on_change=self.changed.set)
         self.pods = Informer(

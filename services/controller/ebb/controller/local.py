@@ -82,6 +82,7 @@ class LocalBackend:
         self._orphans = Orphans(config.log_dir, grace_s=config.orphan_grace_s)
         """Workers an earlier controller started that outlived it (through `log_dir`)."""
         self.changed = asyncio.Event()
+        """Set when a worker exits (see ClusterBackend.changed)."""
 
     async def observe(self) -> list[WorkerInfo]:
         now = asyncio.get_running_loop().time()
