@@ -8,11 +8,12 @@ import os
 import platform
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -123,6 +124,39 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     memory = psutil.virtual_memory().total / 2**30
     return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, Python {platform.python_version()}"
+
+
+class PeriodicSampler:
+    """Takes a sample every `every_s` seconds, on a thread of its own, while in its `with`
+    block. `begin` and `end` run on that thread before the first sample and after the last."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def begin(self) -> None:
+        """Before the first sample (nothing, unless a sampler needs it)."""
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        """After the last sample (nothing, unless a sampler needs it)."""
+
+    def _run(self) -> None:
+        self.begin()
+        while not self._stop.wait(self.every_s):
+            self.sample()
+        self.end()
 
 
 @contextlib.asynccontextmanager

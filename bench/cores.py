@@ -32,9 +32,9 @@ import functools
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from .common import (
     BENCH_DIR,
     REPO,
     Context,
+    PeriodicSampler,
     Rate,
     Section,
     ebb_stack,
@@ -163,34 +164,23 @@ def job(data: Path, model: Path, out: Path, *, workers: int, columnar: bool) -> 
     }
 
 
-class CpuSampler:
+class CpuSampler(PeriodicSampler):
     """CPU seconds of the processes under this one, by part of Ebb, sampled while a job
     runs: the last reading of each process and thread counts (one that ends between two
     samples loses its last fraction of a second)."""
 
     def __init__(self, every_s: float = 0.25) -> None:
-        self.every_s = every_s
+        super().__init__(every_s)
         self.seconds: dict[tuple[int, int], tuple[str, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
+    def sample(self) -> None:
+        for p in psutil.Process().children(recursive=True):
+            try:
+                self._read(p)
+            except (psutil.Error, OSError):
+                continue
 
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            for p in psutil.Process().children(recursive=True):
-                try:
-                    self._sample(p)
-                except (psutil.Error, OSError):
-                    continue
-
-    def _sample(self, p: psutil.Process) -> None:
+    def _read(self, p: psutil.Process) -> None:
         comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
         if comm.startswith("ebb:"):
             t = p.cpu_times()
@@ -213,15 +203,17 @@ class CpuSampler:
         return dict(out)
 
 
-async def _ebb_once(
+async def _ebb(
     ctx: Context,
     data: Path,
     model: Path,
+    cpu: dict[str, Any],
+    *,
     workers: int,
     columnar: bool,
-    cpu: dict[str, Any],
     pinned: bool,
 ) -> Rate:
+    """One run of the job on Ebb; where its CPU went goes into `cpu`."""
     out = ctx.dir("cores-out") / f"ebb-{time.monotonic_ns()}"
     spec = parse_job(job(data, model, out, workers=workers, columnar=columnar))
     async with ebb_stack(ctx, "cores", max_workers=workers, pin_cpus=pinned) as (_, client):
@@ -232,19 +224,6 @@ async def _ebb_once(
     cpu.update(sampler.split())
     cpu["wall"] = seconds
     return Rate(final.rows_done / seconds, float("nan"))
-
-
-def _ebb(
-    ctx: Context,
-    data: Path,
-    model: Path,
-    workers: int,
-    columnar: bool,
-    cpu: dict[str, Any],
-    pinned: bool = False,
-) -> Rate:
-    rate: Rate = asyncio.run(_ebb_once(ctx, data, model, workers, columnar, cpu, pinned))
-    return rate
 
 
 def read_amplification(data: Path, size: int) -> float:
@@ -274,7 +253,15 @@ def run(ctx: Context) -> Section:
     ctx.log(f"  read amplification {amplification:.3f}x")
     out = ctx.dir("cores-out")
     cpu: dict[str, dict[str, Any]] = defaultdict(dict)
-    variants = {
+
+    def ebb(name: str, *, workers: int, columnar: bool, pinned: bool = False) -> Callable[[], Rate]:
+        """Variant `name`: the job on Ebb so; where its CPU went goes into `cpu[name]`."""
+        split = cpu[name]  # now: the CPU table lists the variants in this order
+        return lambda: asyncio.run(
+            _ebb(ctx, data, model, split, workers=workers, columnar=columnar, pinned=pinned)
+        )
+
+    variants: dict[str, Callable[[], Rate]] = {
         "plain loop, whole process": functools.partial(_plain_process, data, model, out, rows),
         "plain loop, loop only": functools.partial(_plain, data, model, out),
     }
@@ -283,9 +270,9 @@ def run(ctx: Context) -> Section:
             name = f"Ebb, {workers} worker{'s' if workers > 1 else ''}, " + (
                 "columnar modelet" if columnar else "per-row modelet"
             )
-            variants[name] = functools.partial(_ebb, ctx, data, model, workers, columnar, cpu[name])
+            variants[name] = ebb(name, workers=workers, columnar=columnar)
     pinned = "Ebb, 2 workers, columnar modelet, pinned"
-    variants[pinned] = functools.partial(_ebb, ctx, data, model, 2, True, cpu[pinned], True)
+    variants[pinned] = ebb(pinned, workers=2, columnar=True, pinned=True)
     whole, steady = interleaved_rates(variants, ctx)
     del steady  # the plain loop has no steady state apart from its whole
     base = median(whole["plain loop, whole process"])

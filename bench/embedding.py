@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from ebb.common.spec import parse_job
 from .common import (
     BENCH_DIR,
     Context,
+    PeriodicSampler,
     Rate,
     Section,
     interleaved_rates,
@@ -207,29 +207,28 @@ def job(
     }
 
 
-class GpuSampler:
+class GpuSampler(PeriodicSampler):
     """The GPU's busy share, sampled every 100 ms by pynvml while in use."""
 
     def __init__(self) -> None:
+        super().__init__(every_s=0.1)
         self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._handle: Any = None
 
-    def __enter__(self) -> GpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
+    def begin(self) -> None:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        while not self._stop.wait(0.1):
-            self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def sample(self) -> None:
+        import pynvml
+
+        self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0)
+
+    def end(self) -> None:
+        import pynvml
+
         pynvml.nvmlShutdown()
 
 

@@ -70,8 +70,12 @@ class ClusterBackend(Protocol):
     """Where workers run. Every method is idempotent: the reconciler may repeat itself."""
 
     changed: asyncio.Event
-    """Set when something the reconciler should see has changed (a worker ended, a node
-    came or went): the next pass comes at once instead of at the next resync."""
+    """A wake-up, and nothing more: set when something a pass would see has changed (a
+    worker ended, a node came or went, the tide lent or reclaimed a node), so that the next
+    pass comes at once instead of at the next resync. It says nothing of what changed: the
+    reconciler clears it before each pass and reads everything anew (`observe`,
+    `capacity`), so a set during a pass brings one more, and many sets between two passes
+    bring one."""
 
     async def observe(self) -> list[WorkerInfo]:
         """Every worker this backend knows of, ended ones included until `forget`."""

@@ -5,15 +5,8 @@ Three informers keep the picture: the nodes, every pod that is not finished (clu
 what the nodes have free is their allocatable minus what all their pods request), and the
 worker pods of our namespace (finished ones too: how they ended is what the reconciler needs).
 The reconciler reads them; writes are the pods it creates and deletes, the tidal labels
-on mixed nodes, and (given a signer) each worker pod's NATS credentials Secret.
-
-Credentials: with a `WorkerSigner`, every worker pod mounts a Secret of its own holding a
-credential minted for that worker alone (ebb.common.identity). The pod is created first,
-then its Secret, owned by the pod (the uid is only known once the pod exists), so that
-Kubernetes deletes it with the pod; the kubelet keeps the container waiting until the
-Secret is there. A controller that dies between the two steps, or a create that failed,
-is repaired on a later pass: a pending pod of ours whose Secret we have not created gets
-one (a 409 means it exists). The controller never reads Secrets.
+on mixed nodes (harvest.py), and (given a signer) each worker pod's NATS credentials Secret
+(credentials.py).
 
 Batch workers go to the offline pool, or to mixed nodes in tidal state `offline` (lent), the
 offline pool preferred; never to nodes where our pods keep failing (for a while).
@@ -40,20 +33,12 @@ from . import metrics
 from .avoidance import NodeAvoidance
 from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .capacity import Bin, Resources, add
+from .credentials import CredentialIssuer
 from .failures import classify
 from .harvest import TidalHarvester
-from .informer import Informer, Obj
+from .informer import Informer
 from .kube_settings import KubeConfig
-from .podspec import (
-    APP,
-    APP_LABEL,
-    JOB_LABEL,
-    WORKER_LABEL,
-    credentials_secret,
-    mounted_credentials,
-    pod_name,
-    worker_pod,
-)
+from .podspec import APP, APP_LABEL, JOB_LABEL, WORKER_LABEL, pod_name, worker_pod
 from .tidal import LABEL as TIDAL
 from .tidal import ForecastTide, Tide
 from .views import RESOURCES, NodeView, PodView, parse_time, selector_matches
@@ -132,17 +117,15 @@ class KubernetesBackend:
         self, config: KubeConfig, api: ApiClient, *, signer: WorkerSigner | None = None
     ) -> None:
         self.config = config
-        self.signer = signer
-        """Mints each worker pod a NATS credential of its own; None: workers share
-        `config.nats_secret`."""
-        self._credentialed: set[str] = set()
-        """Uids of worker pods whose credentials Secret exists (we created it, or found it
-        there); pods gone are dropped on each pass."""
         self.core = CoreV1Api(api)
         self.api: Any = self.core
         """The same client, for calls its type stubs describe too narrowly."""
+        self.credentials = CredentialIssuer(self.api, signer) if signer is not None else None
+        """Gives each worker pod a NATS credential of its own, minted by `signer`; None:
+        workers share `config.nats_secret`."""
         self.changed = asyncio.Event()
-        """Set when the cluster changed: the reconciler may look again sooner."""
+        """Set when an informer lists anew or sees a node or pod change, and when the tide
+        moves a node (see ClusterBackend.changed)."""
         ns = config.namespace
         self.nodes = Informer("nodes", self.core.list_node, on_change=self.changed.set)
         self.pods = Informer(
@@ -194,7 +177,8 @@ class KubernetesBackend:
         out = []
         pods = [PodView(p) for p in self.workers.values()]
         draining = self.harvester.forget_gone(pods) if self.harvester else set()
-        await self._ensure_credentials(pods)
+        if self.credentials is not None:
+            await self.credentials.repair(pods)
         for pod in pods:
             failure = classify(pod.obj)
             phase: Phase
@@ -300,7 +284,7 @@ class KubernetesBackend:
             shape=self.shape(status),
             avoid=self.avoidance.avoided(asyncio.get_running_loop().time()),
             env=job_environment(status),
-            own_credentials=self.signer is not None,
+            own_credentials=self.credentials is not None,
         )
         try:
             # A plain JSON map: the client sends it as it is (its stubs only know V1Pod).
@@ -310,9 +294,9 @@ class KubernetesBackend:
             if e.status != 409:  # 409: it exists already (a repeated pass)
                 raise
             return  # its Secret, if it lacks one, comes with the next pass's observe()
-        if self.signer is not None:
+        if self.credentials is not None:
             uid = str(created.metadata.uid)
-            await self._create_credentials({**body, "metadata": {**body["metadata"], "uid": uid}})
+            await self.credentials.issue({**body, "metadata": {**body["metadata"], "uid": uid}})
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
         await self.delete_pod(worker_id, grace_s=int(grace_s))
@@ -328,45 +312,6 @@ class KubernetesBackend:
         self._memory_factor[job] *= self.config.oom_factor
 
     # -- pods --------------------------------------------------------------------------------
-
-    async def _ensure_credentials(self, pods: list[PodView]) -> None:
-        """Every pending worker pod of ours that mounts a credentials Secret has one."""
-        self._credentialed &= {pod.meta.uid for pod in pods}
-        if self.signer is None:
-            return
-        for pod in pods:
-            if (
-                pod.phase == "Pending"
-                and not pod.meta.deleting
-                and pod.meta.uid
-                and pod.meta.uid not in self._credentialed
-                and mounted_credentials(pod.obj) is not None
-            ):
-                try:
-                    await self._create_credentials(pod.obj)
-                except ApiException as e:
-                    log.warning(
-                        "no credentials for pod %s yet (%s %s): next pass",
-                        pod.name,
-                        e.status,
-                        e.reason,
-                    )
-
-    async def _create_credentials(self, pod: Obj) -> None:
-        """The credentials Secret of worker pod `pod` (created, with its uid), holding a
-        credential for that worker alone: its id is the pod's name."""
-        assert self.signer is not None
-        meta = pod["metadata"]
-        secret = credentials_secret(pod, self.signer.credentials(meta["name"]))
-        if secret["metadata"]["name"] != mounted_credentials(pod):
-            return  # not a pod of this make: it reads no Secret of ours
-        try:
-            await self.api.create_namespaced_secret(meta["namespace"], secret)
-            log.info("created the NATS credentials of pod %s", meta["name"])
-        except ApiException as e:
-            if e.status != 409:  # 409: there already (a repeated pass)
-                raise
-        self._credentialed.add(meta["uid"])
 
     async def delete_pod(self, worker_id: str, *, grace_s: int) -> None:
         try:

@@ -22,9 +22,14 @@ class KubeConfig:
     priority_class: str | None = None
     """priorityClassName of worker pods (a low one, so that online pods preempt them)."""
     nats: NatsConfig = field(default_factory=NatsConfig)
-    """How workers reach NATS (URL, prefix). Credentials come from `nats_secret`."""
+    """How workers reach NATS: its URL and subject prefix, nothing else of it. Their
+    credentials: each worker pod's own, minted by a controller that has the workers'
+    signing key (credentials.py); without one, `nats_secret`."""
     nats_secret: str | None = "ebb-nats-worker"  # noqa: S105 - the Secret's name
-    """A Secret with keys user/password/token/creds (each optional) for workers."""
+    """Read only by a controller without the workers' signing key: a Secret that all
+    workers share, whose keys `user`, `password` and `token` (each optional, as is the
+    Secret) become their NATS user, password and token. With the key, each pod mounts a
+    Secret of its own instead and this one is not named. None: no shared Secret."""
     grace_s: int = 60
     """terminationGracePeriodSeconds: the time a worker has to drain on SIGTERM."""
     pool_label: str = "ebb.io/pool"

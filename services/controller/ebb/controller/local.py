@@ -1,11 +1,14 @@
-"""The local backend: workers are child processes of the controller (`ebb run`, `ebb up`)."""
+"""The local backend: workers are child processes of the controller (`ebb run`, `ebb up`).
+
+How a worker's end reads is exits.py's; the pid files through which a successor finds the
+workers that outlived us, pidfiles.py's; the machine's cores, cores.py's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -16,16 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import psutil
-
 from ebb.common import envvars
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig, nats_environment
-from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
 
+from . import exits
 from .backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
-from .failures import Kind
+from .cores import allowed_cores, least_held, machine_cores
+from .pidfiles import Orphans, remove_pid_file, write_pid_file
+
+__all__ = ["LocalBackend", "LocalConfig", "machine_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -69,56 +73,20 @@ class LocalConfig:
     pid files in `log_dir`) drains on its own: it is killed if it still runs after this."""
 
 
-@dataclass(eq=False)
-class _Orphan:
-    """A worker an earlier controller (killed before it could drain them) started, found
-    through its pid file. It drains on its own once its parent is gone; until it has exited
-    it holds its slot."""
-
-    id: str
-    job: str
-    process: psutil.Process
-    kill_at: float
-
-
 class LocalBackend:
+    """Workers as child processes of this one, each given its share of this machine."""
+
     def __init__(self, config: LocalConfig) -> None:
         self.config = config
         self._children: dict[str, _Child] = {}
-        self._orphans: dict[str, _Orphan] | None = None
-        """None until the first look at the pid files."""
+        self._orphans = Orphans(config.log_dir, grace_s=config.orphan_grace_s)
+        """Workers an earlier controller started that outlived it (through `log_dir`)."""
         self.changed = asyncio.Event()
-
-    def _observe_orphans(self, now: float) -> list[WorkerInfo]:
-        if self._orphans is None:
-            found = _find_orphans(self.config.log_dir, now, self.config.orphan_grace_s)
-            self._orphans = {o.id: o for o in found}
-            for orphan in self._orphans.values():
-                log.warning(
-                    "worker %s (pid %d) of job %s outlived the controller that started it: "
-                    "counting it until it has drained",
-                    orphan.id,
-                    orphan.process.pid,
-                    orphan.job,
-                )
-        out = []
-        for orphan in list(self._orphans.values()):
-            if not _alive(orphan.process):
-                del self._orphans[orphan.id]
-                _remove_pid_file(self.config.log_dir, orphan.id)
-                continue
-            if now >= orphan.kill_at:
-                log.warning("worker %s did not drain in time: killing it", orphan.id)
-                with contextlib.suppress(psutil.Error):
-                    orphan.process.kill()
-            out.append(
-                WorkerInfo(id=orphan.id, job=orphan.job, phase="terminating", started_at=now)
-            )
-        return out
+        """Set when a worker exits (see ClusterBackend.changed)."""
 
     async def observe(self) -> list[WorkerInfo]:
         now = asyncio.get_running_loop().time()
-        out = self._observe_orphans(now)
+        out = self._orphans.observe(now)
         for child in self._children.values():
             code = child.process.returncode
             if code is None and child.kill_at is not None and now >= child.kill_at:
@@ -140,9 +108,12 @@ class LocalBackend:
             if child.log_file is not None:
                 child.log_file.close()
                 child.log_file = None
-            said = _read_termination_message(child.termination_log)
-            if not said and code > 0 and self.config.log_dir is not None:
-                said = _tail(Path(self.config.log_dir) / f"{child.id}.log")
+            log_dir = self.config.log_dir
+            said = exits.evidence(
+                code,
+                termination_log=child.termination_log,
+                log=Path(log_dir) / f"{child.id}.log" if log_dir is not None else None,
+            )
             out.append(
                 WorkerInfo(
                     id=child.id,
@@ -150,8 +121,8 @@ class LocalBackend:
                     phase="succeeded" if code == 0 else "failed",
                     started_at=child.started_at,
                     exit_code=code,
-                    reason=_describe(code) + (f": {said}" if said else ""),
-                    failure=_failure_kind(code),
+                    reason=exits.reason(code, said),
+                    failure=exits.failure_kind(code),
                     node=THIS_MACHINE,
                 )
             )
@@ -215,7 +186,7 @@ class LocalBackend:
         )
         if self.config.log_dir:
             # For the next controller, should we be killed before we can drain this worker.
-            _write_pid_file(self.config.log_dir, worker_id, job.id, process.pid)
+            write_pid_file(self.config.log_dir, worker_id, job.id, process.pid)
         log.info("launched worker %s for job %s (pid %d)", worker_id, job.id, process.pid)
 
     def _at_once(self, job: JobStatus) -> int:
@@ -237,11 +208,7 @@ class LocalBackend:
             if c.process.returncode is None
             for core in c.cores
         )
-        try:
-            mine = sorted(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            return ()
-        return tuple(sorted(sorted(mine, key=lambda core: (held[core], core))[:count]))
+        return least_held(allowed_cores(), held, count)
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
         child = self._children.get(worker_id)
@@ -257,7 +224,7 @@ class LocalBackend:
         child = self._children.get(worker_id)
         if child is not None and child.process.returncode is not None:
             del self._children[worker_id]
-            _remove_pid_file(self.config.log_dir, worker_id)
+            remove_pid_file(self.config.log_dir, worker_id)
 
     def agents(self) -> dict[str, Coroutine[Any, Any, None]]:
         return {}
@@ -288,12 +255,9 @@ class LocalBackend:
         for child in self._children.values():
             if child.log_file is not None:
                 child.log_file.close()
-            _remove_pid_file(self.config.log_dir, child.id)
+            remove_pid_file(self.config.log_dir, child.id)
         self._children.clear()
-        for orphan in (self._orphans or {}).values():
-            with contextlib.suppress(psutil.Error):
-                orphan.process.kill()  # it was draining already: its grace is over
-        self._orphans = None
+        self._orphans.kill()
 
 
 _NOT_INHERITED = (
@@ -306,112 +270,6 @@ _NOT_INHERITED = (
 cannot serve them all)."""
 
 
-_PID_SUFFIX = ".pid"
-
-
-def _write_pid_file(folder: str, worker_id: str, job: str, pid: int) -> None:
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    entry = {"pid": pid, "job": job, "parent": os.getpid()}
-    (Path(folder) / f"{worker_id}{_PID_SUFFIX}").write_text(json.dumps(entry))
-
-
-def _remove_pid_file(folder: str | None, worker_id: str) -> None:
-    if folder:
-        with contextlib.suppress(FileNotFoundError):
-            (Path(folder) / f"{worker_id}{_PID_SUFFIX}").unlink()
-
-
-def _find_orphans(folder: str | None, now: float, grace_s: float) -> list[_Orphan]:
-    """Workers named in pid files that still run, and not as the child of the controller
-    that wrote the file. A pid is taken for the worker only if the process's command line
-    names that worker: pids are reused."""
-    if not folder or not Path(folder).is_dir():
-        return []
-    found = []
-    for path in Path(folder).glob(f"*{_PID_SUFFIX}"):
-        worker_id = path.name[: -len(_PID_SUFFIX)]
-        try:
-            entry = json.loads(path.read_text())
-            process = psutil.Process(int(entry["pid"]))
-            command, parent = process.cmdline(), process.ppid()
-        except psutil.NoSuchProcess:
-            path.unlink(missing_ok=True)  # it has exited
-            continue
-        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-            continue  # unreadable, or not ours to look at: leave it to whoever wrote it
-        if parent == entry.get("parent"):
-            continue  # its controller lives (another one, sharing this folder)
-        if "ebb.worker" in command and worker_id in command and _alive(process):
-            found.append(
-                _Orphan(id=worker_id, job=str(entry["job"]), process=process, kill_at=now + grace_s)
-            )
-        else:
-            path.unlink(missing_ok=True)
-    return found
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _open_log(folder: str, worker_id: str) -> IO[bytes]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     return open(Path(folder) / f"{worker_id}.log", "ab")
-
-
-def _read_termination_message(path: Path | None) -> str:
-    if path is None:
-        return ""
-    try:
-        return path.read_text(errors="replace").strip()
-    except OSError:  # it had nothing to say
-        return ""
-
-
-_KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-"""Signals a process gets from someone else; one that crashes raises others (SIGSEGV...)."""
-
-
-def machine_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _failure_kind(code: int) -> Kind | None:
-    """As on Kubernetes: the worker says its job's configuration cannot work, or that its
-    pipeline cannot start here; a worker killed from outside (an operator, a machine short
-    of memory, a spot reclaim) did nothing wrong itself. Any other end is a crash."""
-    if code == EXIT_CONFIG:
-        return "fatal"
-    if code == EXIT_SETUP:
-        return "setup"
-    if -code in _KILLED_FROM_OUTSIDE:
-        return "capacity"
-    return None
-
-
-def _tail(path: Path, *, lines: int = 5, limit: int = 800) -> str:
-    """The last lines a worker wrote (the evidence of why it crashed), in one line."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 16 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    last = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
-    return " | ".join(last)[-limit:]
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
