@@ -21,10 +21,12 @@ from . import envvars
 
 WORKER_AFTER_COMMIT_RECORD = "worker.after_commit_record"
 """A worker has written its shard's commit record and not yet told the master."""
+WORKER_BEFORE_COMMIT_RECORD = "worker.before_commit_record"
+"""A worker has written its shard's (or part's) files and not yet its commit record."""
 MASTER_AFTER_RECORDING_DONE = "master.after_recording_done"
 """The master has recorded a shard DONE in KV and not yet replied to the worker's commit."""
 
-POINTS = (WORKER_AFTER_COMMIT_RECORD, MASTER_AFTER_RECORDING_DONE)
+POINTS = (WORKER_BEFORE_COMMIT_RECORD, WORKER_AFTER_COMMIT_RECORD, MASTER_AFTER_RECORDING_DONE)
 
 
 def hit(name: str, detail: str = "") -> None:

@@ -323,7 +323,9 @@ class ShardMaster:
         return await self._table().lease(r.job, caller, r.request_id, ready=r.ready)
 
     async def _renew(self, r: RenewRequest, subject: str) -> Message:
-        return await self._table().renew(r.token, caller=self._caller(subject), ready=r.ready)
+        return await self._table().renew(
+            r.token, caller=self._caller(subject), ready=r.ready, rows_done=r.rows_done
+        )
 
     async def _commit(self, r: CommitRequest, subject: str) -> Message:
         return await self._table().commit(r.token, caller=self._caller(subject))
@@ -469,7 +471,7 @@ class ShardMaster:
             try:
                 await table.reaper.expire_due()
                 for job in table.running_jobs():
-                    if job.counts["DONE"] + job.counts["QUARANTINED"] == job.record.shards_total:
+                    if job.settled:
                         await table.lifecycle.settle(job)
                 if loop.time() >= forget_at:
                     forget_at = loop.time() + min(60.0, self.config.job_retention_s / 10)

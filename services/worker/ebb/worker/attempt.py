@@ -126,6 +126,7 @@ async def run_attempt(
         worker=worker_id,
         split_at=0 if whole else rows_in,
     )
+    failpoints.hit(failpoints.WORKER_BEFORE_COMMIT_RECORD, detail=str(shard.index))
     won, record = await asyncio.to_thread(store.create_commit, record)
     log.debug(
         "shard %d: %d rows read, computed and written in %.2fs",
