@@ -173,17 +173,24 @@ async def test_a_worker_killed_around_its_part_s_commit_record_loses_and_doubles
 async def test_at_the_tail_a_straggler_s_shard_is_split_for_the_idle_worker(
     tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two workers, three shards: one worker takes the last shard while the other is idle,
-    which asks the master for work; the holder is asked (on a renewal's reply) to split, and
-    the idle worker runs the rest. Speculation is off: nothing is computed twice."""
+    """Two workers, one four times slower than the other. The fast one ends its shards and
+    asks for more while the slow one is still at its own: the master asks the straggler (on
+    a renewal's reply) to commit the rows it has done, and the fast one runs the rest.
+    Speculation is off: nothing is computed twice."""
     monkeypatch.setenv(envvars.CHUNK_ROWS, "500")
-    rows = 3 * SHARD_ROWS
+    rows = 4 * SHARD_ROWS
     write_dataset(tmp_path / "data", rows=rows, row_group_size=SHARD_ROWS)
     write_model(tmp_path / "model.onnx")
+    stages = slow_stages(tmp_path, 0.1)
+    stages[0] = {
+        **stages[0],
+        "modelet": "ebbtest_modelets:Straggler",
+        "params": {"seconds_per_batch": 0.1, "factor": 4, "claim": str(tmp_path / "straggler")},
+    }
     spec = job_spec(
         tmp_path,
         rows_per_shard=SHARD_ROWS,
-        stages=slow_stages(tmp_path, 0.5),
+        stages=stages,
         workers=(2, 2),
         fault={"lease_s": 6, "speculative": False},
     )
@@ -198,6 +205,8 @@ async def test_at_the_tail_a_straggler_s_shard_is_split_for_the_idle_worker(
     assert_exactly_once(tmp_path, rows)
     commits = _commits(tmp_path)
     parts = [c for c in commits.values() if c["split_at"]]
-    assert parts, "the tail was split"
-    assert final.shards_total == 3 + len(parts)
+    assert parts, "the straggler's shard was split"
+    straggler = (tmp_path / "straggler").read_text()
+    assert all(pid_of(c["worker"]) in (None, int(straggler)) for c in parts)
+    assert final.shards_total == 4 + len(parts)
     assert all(c["attempt"] == 1 for c in commits.values()), "no shard computed twice"

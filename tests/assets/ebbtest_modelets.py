@@ -56,6 +56,37 @@ class Slow:
         return [np.asarray(r["features"], dtype=np.float32) for r in rows]
 
 
+class Straggler:
+    """Slow, as `Slow`, and `factor` times slower again in the worker that claims `claim`
+    first (a file: the first worker's pid is written in it): one straggler in a fleet."""
+
+    def __init__(self, seconds_per_batch: float, factor: float, claim: str) -> None:
+        worker = _worker_pid()
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(worker).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        with open(claim) as f:
+            straggles = f.read().strip() == str(worker)
+        self.seconds = seconds_per_batch * (factor if straggles else 1.0)
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        time.sleep(self.seconds)
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
+def _worker_pid() -> int:
+    """The worker process this stage process runs under."""
+    import psutil
+
+    for parent in psutil.Process().parents():
+        if "ebb.worker" in " ".join(parent.cmdline()):
+            return int(parent.pid)
+    return os.getpid()
+
+
 class Hog:
     """Features, holding on to `mb_per_batch` MB more with every batch (a leak)."""
 

@@ -69,6 +69,8 @@ class Job:
         self.error_rows = 0
         self.quarantined_rows = 0
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
+        self.rates: deque[float] = deque(maxlen=_KEEP_DURATIONS)
+        """Rows a second of the attempts that won their shards (or parts), newest last."""
         self.next_seq = 0
         self.head_seq = 0
         """Below every queued shard's seq: a remainder of a split shard goes first."""
@@ -163,7 +165,10 @@ class Job:
             self.rows_done += rec.rows
             self.error_rows += rec.error_rows
             if rec.seconds > 0:
-                self.durations.append(rec.seconds)
+                if not rec.split_at:  # a part is no shard's whole time
+                    self.durations.append(rec.seconds)
+                if rec.rows > 0:
+                    self.rates.append(rec.rows / rec.seconds)
         elif rec.state == "QUARANTINED":
             self.quarantined_rows += rec.spec.rows
 

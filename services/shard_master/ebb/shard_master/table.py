@@ -248,7 +248,7 @@ class LeaseTable:
             job,
             worker,
             now=self.context.clock(),
-            min_left_s=max(self._speculate_after_s, lease_s * 2 / 3),
+            min_gain_s=max(self._speculate_after_s, lease_s * 2 / 3),
         )
         if shard is None:
             return False

@@ -1,10 +1,11 @@
 """The tail of a job: nothing is queued, some workers are idle, and the last shards still run.
 
 Two answers, both to a lease request that finds nothing queued:
-- the liquid split (`pick_split`): the holder of the running shard with the most work left,
-  judged by the rows it tells in its renewals, is asked (on its next renewal's reply) to stop
-  at its next batch and commit the rows it has done; the rest becomes a shard at the head of
-  the queue, for the idle worker. Nothing is computed twice.
+- the liquid split (`pick_split`): the holder of a running shard that computes well below the
+  job's usual rate (a straggler: a slow node, a noisy neighbour), judged by the rows it tells
+  in its renewals, is asked (on its next renewal's reply) to stop at its next batch and commit
+  the rows it has done; the rest becomes a shard at the head of the queue, for the idle
+  worker. Nothing is computed twice.
 - speculation (`pick_speculative`): the shard that has run longest, well past the usual shard
   time, is leased a second time; the first commit wins. For holders that tell no progress
   (gone quiet, or a job with `split_tail` off), at the price of computing a shard twice.
@@ -18,28 +19,57 @@ import statistics
 
 from .jobs import Job, Shard
 
+STRAGGLER = 0.6
+"""A holder computing at less than this share of the job's usual rate is a straggler: the
+rest of its shard goes faster elsewhere."""
 
-def pick_split(job: Job, worker: str, *, now: float, min_left_s: float) -> Shard | None:
-    """The running shard whose holder would take longest to finish it alone, if that is more
-    than `min_left_s` (a split costs a renewal's round and a commit): one lease, a holder
-    other than `worker` that has told rows done, and no split asked of it already."""
-    if not job.spec.fault.split_tail:
-        return None
-    best: Shard | None = None
-    best_left = min_left_s
+
+def usual_rate(job: Job, *, now: float) -> float | None:
+    """The job's usual rows a second for one attempt: the median of the attempts that won,
+    or before any did, of the holders that have told rows done. None if nothing tells."""
+    if job.rates:
+        return statistics.median(job.rates)
+    running = [rate for _, rate in _holder_rates(job, now=now)]
+    return statistics.median(running) if running else None
+
+
+def _holder_rates(job: Job, *, now: float) -> list[tuple[Shard, float]]:
+    """Each running shard with one lease whose holder has told rows done, with its rate."""
+    rates: list[tuple[Shard, float]] = []
     for index in job.doing:
         shard = job.shards[index]
         leases = shard.record.leases
-        if len(leases) != 1 or leases[0].worker == worker:
+        if len(leases) != 1:
             continue
         token = leases[0].token
         rows = shard.progress.get(token, 0)
         ran = now - shard.granted.get(token, now)
-        if token in shard.split_asked or rows <= 0 or ran <= 0:
+        if rows > 0 and ran > 0:
+            rates.append((shard, rows / ran))
+    return rates
+
+
+def pick_split(job: Job, worker: str, *, now: float, min_gain_s: float) -> Shard | None:
+    """The running shard whose rest would finish soonest sooner on a worker at the job's
+    usual rate than on its holder, a straggler, if that gains more than `min_gain_s` (a
+    split costs a renewal's round and a commit). A split of a holder that runs at the usual
+    rate gains nothing: the rest would only move from one worker to another. Never the
+    asking worker's own shard, nor one asked to split already."""
+    if not job.spec.fault.split_tail:
+        return None
+    usual = usual_rate(job, now=now)
+    if not usual:
+        return None
+    best: Shard | None = None
+    best_gain = min_gain_s
+    for shard, rate in _holder_rates(job, now=now):
+        lease = shard.record.leases[0]
+        if lease.worker == worker or lease.token in shard.split_asked or rate >= STRAGGLER * usual:
             continue
-        left_s = max(0, shard.record.spec.rows - rows) * ran / rows
-        if left_s > best_left:
-            best, best_left = shard, left_s
+        left = max(0, shard.record.spec.rows - shard.progress[lease.token])
+        gain = left / rate - left / usual
+        if gain > best_gain:
+            best, best_gain = shard, gain
     return best
 
 
