@@ -19,7 +19,7 @@ import pytest
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import InputSpec
 from ebb.shard_master.errors import PlanningError
-from ebb.shard_master.planner import list_input_files, plan_input, plan_shards
+from ebb.shard_master.planner import fleet_shard_rows, list_input_files, plan_input, plan_shards
 from ebb.worker.reader import ShardReader, read_shard
 
 
@@ -255,3 +255,42 @@ def test_missing_empty_and_corrupt_inputs_are_planning_errors(tmp_path: Path) ->
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(PlanningError, match="cannot read Parquet metadata"):
         plan_shards(InputSpec(uri=str(tmp_path / "bad.parquet")))
+
+
+@pytest.mark.parametrize(
+    ("total", "workers", "rows"),
+    [
+        (1_000, 1, 10_000),  # never below AUTO_MIN_ROWS
+        (100_000, 1, 25_000),  # four shards for the one worker
+        (8_000_000, 100, 20_000),
+        (100_000_000, 10, 1_048_576),  # never above AUTO_MAX_ROWS
+        (10**12, 1_000, 1_048_576),
+    ],
+)
+def test_shards_sized_for_the_fleet_give_each_worker_four_within_bounds(
+    total: int, workers: int, rows: int
+) -> None:
+    assert fleet_shard_rows(total, workers) == rows
+
+
+@pytest.mark.parametrize(("workers", "shards"), [(1, 4), (10, 10)])
+def test_parquet_sized_for_the_fleet_packs_whole_row_groups(
+    tmp_path: Path, workers: int, shards: int
+) -> None:
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": list(range(100_000))}), path, row_group_size=5_000)
+    planned = plan_shards(InputSpec(uri=str(path)), workers=workers)
+    assert len(planned) == shards
+    assert [s.index for s in planned] == list(range(shards))
+    groups = [g for s in planned for g in s.row_groups]
+    assert groups == list(range(20)), "every row group once, in order"
+    assert sum(s.rows for s in planned) == 100_000
+
+
+def test_text_sized_for_the_fleet_is_cut_by_the_rows_its_size_promises(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text("id,v\n" + "".join(f"{i},{i % 7}\n" for i in range(100_000)))
+    planned = plan_shards(InputSpec(uri=str(path)), workers=1)
+    assert 3 <= len(planned) <= 5
+    assert planned[0].byte_start == len("id,v\n") and planned[-1].byte_end == path.stat().st_size
+    assert all(a.byte_end == b.byte_start for a, b in itertools.pairwise(planned))

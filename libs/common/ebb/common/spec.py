@@ -93,8 +93,12 @@ class InputSpec:
     """parquet, csv or jsonl. Inferred from the file suffix when absent."""
     columns: list[str] | None = None
     """Columns handed to the pipeline, per row. None: every column."""
-    rows_per_shard: int = 10_000
-    """Target rows in one shard, the unit of leasing, retry and commit."""
+    rows_per_shard: int | None = None
+    """Target rows in one shard, the unit of leasing, retry and commit. None (the default):
+    sized for the fleet: four shards or more for each of the job's `max_workers`, of 10,000
+    to 1,048,576 rows (Parquet: whole row groups, never cut). A worker told to go commits the
+    rows it has done and a straggler's rest moves to an idle worker (a split), so big shards
+    lose nothing."""
     column_types: dict[str, str] = field(default_factory=dict)
     """CSV: Arrow types of columns by name ("int64", "double", "string", "bool",
     "timestamp[s]", "date32", ...). The shard master types the other columns from samples
@@ -107,7 +111,8 @@ class InputSpec:
     def __post_init__(self) -> None:
         if not self.uri:
             raise _bad("uri", "must not be empty")
-        _positive("rows_per_shard", self.rows_per_shard)
+        if self.rows_per_shard is not None:
+            _positive("rows_per_shard", self.rows_per_shard)
         if self.format is None:
             suffix = posixpath.splitext(self.uri.rstrip("/"))[1].lower()
             inferred = FORMAT_SUFFIXES.get(suffix)

@@ -99,7 +99,10 @@ class JobIntake:
         submitted = spec  # as submitted: what the output records, before planning types it
         required = [*(spec.input.columns or []), *spec.output.carryover]
         plan = await asyncio.to_thread(
-            plan_input, spec.input, required_columns=list(dict.fromkeys(required))
+            plan_input,
+            spec.input,
+            required_columns=list(dict.fromkeys(required)),
+            workers=spec.resources.max_workers,
         )
         shard_specs = plan.shards
         if plan.column_types != spec.input.column_types:

@@ -1,5 +1,13 @@
 """Shard planning: split a dataset into shards of about `rows_per_shard` rows, from metadata.
 
+Without `rows_per_shard` (the default), shards are sized for the fleet, `fleet_shard_rows`:
+at least `SHARDS_PER_WORKER` shards for each of the job's workers, so that each has work from
+the start and the tail is short, and at most `AUTO_MAX_ROWS` (minutes of work at the rates of
+common models), so that the master's work per row stays small however many rows there are.
+Parquet is cut into its row groups, packed into such shards (`pack`); text is cut by the
+rows that its files' sizes and the first file's lines promise. Big shards are safe: a worker
+that must go commits the rows it has done (a split), and a straggler's rest goes elsewhere.
+
 - Parquet: from the footer's row-group sizes. Small row groups are packed together; a row group
   larger than a shard is a shard of its own, never cut into row ranges: Parquet cannot read part
   of a row group without decoding all of it, so every shard cut from one would read the whole
@@ -80,8 +88,65 @@ def _suffix(path: str) -> str:
     return posixpath.splitext(path)[1].lower()
 
 
+def _estimate_text_rows(files: Sequence[str], fmt: InputFormat) -> int:
+    """Rows in text files, estimated from their sizes and the lines of the first one's start."""
+
+    def estimate() -> int:
+        fs, _ = fsspec.core.url_to_fs(files[0])
+        sizes = [int(fs.size(fsspec.core.url_to_fs(f)[1])) for f in files]
+        with fsspec.open(files[0], "rb") as f:
+            sample = f.read(_SAMPLE_BYTES)
+        if fmt == "csv":
+            sample = sample[sample.find(b"\n") + 1 :]  # not the header
+        avg_line = max(1.0, len(sample) / max(1, sample.count(b"\n")))
+        return int(sum(sizes) / avg_line)
+
+    try:
+        return retrying(f"size up {files[0]}", estimate)
+    except StoreError as e:
+        raise PlanningError(f"cannot {e}") from e
+
+
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+AUTO_MIN_ROWS = 10_000
+AUTO_MAX_ROWS = 1_048_576
+"""Most rows of a shard sized for the fleet: a row group as pyarrow writes by default."""
+SHARDS_PER_WORKER = 4
+
+
+def fleet_shard_rows(total_rows: int, workers: int) -> int:
+    """Rows a shard of a job of `total_rows` rows on `workers` workers: SHARDS_PER_WORKER
+    shards for each worker, within [AUTO_MIN_ROWS, AUTO_MAX_ROWS]."""
+    per_shard = -(-total_rows // max(1, workers * SHARDS_PER_WORKER))
+    return max(AUTO_MIN_ROWS, min(AUTO_MAX_ROWS, per_shard))
+
+
+def pack(pieces: Sequence[ShardSpec], rows_per_shard: int) -> list[ShardSpec]:
+    """Adjacent pieces of one file joined into shards of at most `rows_per_shard` rows (a
+    piece larger than that stays a shard of its own). Parquet pieces join their row groups;
+    text pieces, byte ranges that meet."""
+    shards: list[ShardSpec] = []
+    for piece in pieces:
+        last = shards[-1] if shards else None
+        joins = (
+            last is not None
+            and last.path == piece.path
+            and last.rows + piece.rows <= rows_per_shard
+            and (piece.format == "parquet" or last.byte_end == piece.byte_start)
+        )
+        if last is not None and joins:
+            shards[-1] = replace(
+                last,
+                rows=last.rows + piece.rows,
+                row_groups=[*last.row_groups, *piece.row_groups],
+                byte_end=piece.byte_end,
+            )
+        else:
+            shards.append(piece)
+    return shards
 
 
 @dataclass
@@ -91,24 +156,32 @@ class Plan:
     """CSV: every column's Arrow type (the spec's own, and those typed from samples)."""
 
 
-def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> Plan:
+def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = (), workers: int = 1) -> Plan:
     """Every shard of the input, numbered from 0 in file order, and the CSV column types.
 
     required_columns: columns every Parquet file must have (checked in each footer), so that a
     misspelt column is refused at submission rather than failing every shard later.
+    workers: the most the job runs at once, for shards sized for the fleet (no
+    `rows_per_shard` given).
     """
     shards: list[ShardSpec] = []
     samples = _Samples()
-    for path in list_input_files(spec.uri, spec.fmt):
+    files = list_input_files(spec.uri, spec.fmt)
+    rows_per_shard = spec.rows_per_shard
+    if rows_per_shard is None and spec.fmt == "parquet":
+        rows_per_shard = 1  # a row group each, packed below
+    elif rows_per_shard is None:
+        rows_per_shard = fleet_shard_rows(_estimate_text_rows(files, spec.fmt), workers)
+    for path in files:
 
         def plan_file(path: str = path) -> list[ShardSpec]:
             mark = samples.mark()
             try:
                 if spec.fmt == "parquet":
-                    return list(_plan_parquet(path, spec.rows_per_shard, required_columns))
+                    return list(_plan_parquet(path, rows_per_shard, required_columns))
                 if spec.newlines_in_values:
-                    return list(_plan_csv_rows(path, spec.rows_per_shard, samples))
-                return list(_plan_text(path, spec.fmt, spec.rows_per_shard, samples))
+                    return list(_plan_csv_rows(path, rows_per_shard, samples))
+                return list(_plan_text(path, spec.fmt, rows_per_shard, samples))
             except BaseException:
                 samples.reset(mark)  # the file is planned again from its start, or not at all
                 raise
@@ -120,12 +193,17 @@ def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> Plan
         shards += [replace(piece, index=len(shards) + i) for i, piece in enumerate(pieces)]
     if not shards:
         raise PlanningError(f"input {spec.uri!r} holds no rows")
+    if spec.rows_per_shard is None and spec.fmt == "parquet":
+        target = fleet_shard_rows(sum(s.rows for s in shards), workers)
+        shards = [replace(s, index=i) for i, s in enumerate(pack(shards, target))]
     types = samples.column_types(spec) if spec.fmt == "csv" else {}
     return Plan(shards, types)
 
 
-def plan_shards(spec: InputSpec, *, required_columns: Sequence[str] = ()) -> list[ShardSpec]:
-    return plan_input(spec, required_columns=required_columns).shards
+def plan_shards(
+    spec: InputSpec, *, required_columns: Sequence[str] = (), workers: int = 1
+) -> list[ShardSpec]:
+    return plan_input(spec, required_columns=required_columns, workers=workers).shards
 
 
 class _Samples:
