@@ -27,6 +27,13 @@ from ebb.common.messages import LeaseReply, RenewReply, ShardSpec
 from . import metrics
 
 
+class StopCause(Enum):
+    """Why an attempt is asked to stop and commit the rows it has done."""
+
+    DRAIN = "worker draining"
+    STRAGGLER = "the master asked for the rest to run on an idle worker"
+
+
 class LeaseState(Enum):
     HELD = "held"
     """Ours: its shard's attempt runs."""
@@ -69,15 +76,15 @@ class ActiveLease:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the attempt must stop and commit what it has done as a part of the shard (its
     worker must go, or the master wants the rest run elsewhere)."""
-    stop_reason: str = ""
+    stop_cause: StopCause | None = None
 
     def progress(self, rows: int) -> None:
         self.rows_done = rows
 
-    def split(self, reason: str) -> None:
+    def split(self, cause: StopCause) -> None:
         """Ask the attempt to stop at its next batch and commit the rows done as a part."""
         if not self.stop.is_set():
-            self.stop_reason = reason
+            self.stop_cause = cause
             self.stop.set()
 
     @property
@@ -205,7 +212,7 @@ class LeaseKeeper:
             return
         metrics.RENEWALS.inc()
         if reply.split and active.state is LeaseState.HELD:
-            active.split("the master asked for the rest to run on an idle worker")
+            active.split(StopCause.STRAGGLER)
         active.deadline = sent + reply.lease_s
         # Early, with jitter, so that a fleet of workers does not renew in lockstep.
         active.renew_at = sent + reply.lease_s / 3 * random.uniform(0.8, 1.0)  # noqa: S311

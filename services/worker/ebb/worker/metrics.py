@@ -9,7 +9,8 @@ ERROR_ROWS = Counter("ebb_worker_error_rows_total", "Rows written with an error"
 SHARDS = Counter("ebb_worker_shards_total", "Shard attempts by outcome", ["result"])
 ROWS_KEPT = Counter(
     "ebb_worker_rows_kept_by_splits_total",
-    "Rows committed as parts of shards that had to stop (a drain, or the master's ask)",
+    "Rows committed as parts of shards that had to stop, by cause (drain, straggler)",
+    ["cause"],
 )
 SHARD_SECONDS = Histogram(
     "ebb_worker_shard_seconds",

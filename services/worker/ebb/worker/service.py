@@ -53,7 +53,7 @@ from ebb.common.supervisor import Supervisor
 
 from . import cpus, devices, metrics
 from .attempt import AttemptStopped, run_attempt
-from .leases import ActiveLease, LeaseState
+from .leases import ActiveLease, LeaseState, StopCause
 from .pipeline import Pipeline, PipelineError, PipelineSetupError
 from .reader import CHUNK_ROWS
 from .session import JobSession, pipeline_config
@@ -280,7 +280,7 @@ class Worker:
             _, pending = await asyncio.wait(self._tasks, timeout=grace - reserve)
             if pending:
                 for active in list(session.leases.leases.values()):
-                    active.split("worker draining")
+                    active.split(StopCause.DRAIN)
                 log.info("grace period ending: committing the rows done of %d shards", len(pending))
                 _, pending = await asyncio.wait(pending, timeout=reserve)
             for task in pending:
@@ -308,14 +308,16 @@ class Worker:
             await self._commit(session.master, active, record)
             if record.split_at:
                 metrics.SHARDS.labels("split").inc()
-                metrics.ROWS_KEPT.inc(record.split_at)
+                cause = active.stop_cause or StopCause.DRAIN
+                metrics.ROWS_KEPT.labels(cause.name.lower()).inc(record.split_at)
             else:
                 metrics.SHARDS.labels("done").inc()
                 metrics.SHARD_SECONDS.observe(time.perf_counter() - started)
             self.shards_done += 1
         except AttemptStopped:
             # Told to stop before a row was done: nothing to keep. Back unharmed.
-            await self._release(session.master, active, active.stop_reason, retryable=True)
+            reason = (active.stop_cause or StopCause.DRAIN).value
+            await self._release(session.master, active, reason, retryable=True)
             metrics.SHARDS.labels("released").inc()
         except asyncio.CancelledError:
             if active.state is LeaseState.LOST:
