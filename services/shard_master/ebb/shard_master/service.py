@@ -195,7 +195,12 @@ class ShardMaster:
         server = RequestServer(nc, queue="ebb-master", concurrency=self.config.concurrency)
         requests = MasterRequests(table, subjects=self.subjects, on_deposed=self._depose)
         await requests.serve_on(server)
-        submissions = Submissions(table, subjects=self.subjects, data_roots=self.config.data_roots)
+        submissions = Submissions(
+            table,
+            subjects=self.subjects,
+            data_roots=self.config.data_roots,
+            stop=self.supervisor.stop_requested,
+        )
         # Our subscriptions reach the server with the next flush: only then do we serve.
         await nc.flush()
         self._step_down = asyncio.Event()

@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ebb.common import schema
+from ebb.common.aio import sleep_or_stop
 from ebb.common.errors import SchemaError, SpecError
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
 from ebb.common.subjects import Subjects
@@ -45,11 +46,14 @@ class Submissions:
         *,
         subjects: Subjects,
         data_roots: list[str],
+        stop: asyncio.Event,
     ) -> None:
         self.table = table
         self.subjects = subjects
         self.data_roots = data_roots
         """Input, output, model and code paths of a job must lie under one of these."""
+        self.stop = stop
+        """Cuts short the wait between two fetches that failed."""
 
     async def intake(self, js: JetStreamContext) -> None:
         """Take submitted jobs off the stream, one at a time, acking each once it is persisted."""
@@ -87,7 +91,8 @@ class Submissions:
                 continue
             except nats.errors.Error as e:
                 log.warning("intake: fetch failed (%s); retrying", e)
-                await asyncio.sleep(1.0)
+                if await sleep_or_stop(1.0, self.stop):
+                    return
                 continue
             for msg in messages:
                 await self._take_job(msg)
