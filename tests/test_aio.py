@@ -1,4 +1,4 @@
-"""Waiting until stopped: `until` and `sleep_or_stop`."""
+"""Waiting until stopped or woken: `until`, `sleep_or_stop` and `wait_any`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ebb.common.aio import sleep_or_stop, until
+from ebb.common.aio import sleep_or_stop, until, wait_any
 
 
 async def forever() -> int:
@@ -103,3 +103,50 @@ async def test_sleep_or_stop_returns_at_once_when_stopped_already() -> None:
     stop.set()
     assert await sleep_or_stop(10, stop) is True
     assert await sleep_or_stop(0, stop) is True
+
+
+async def test_wait_any_wakes_at_the_first_event_set() -> None:
+    first, second = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    loop.call_later(0.02, second.set)
+    assert await wait_any([first, second], timeout_s=10) is True
+    assert loop.time() - started < 5
+    assert second.is_set() and not first.is_set()
+
+
+async def test_wait_any_gives_false_after_the_timeout() -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await wait_any([asyncio.Event(), asyncio.Event()], timeout_s=0.05) is False
+    assert loop.time() - started >= 0.05
+
+
+async def test_wait_any_returns_at_once_when_an_event_is_set_already() -> None:
+    woken = asyncio.Event()
+    woken.set()
+    assert await wait_any([asyncio.Event(), woken], timeout_s=10) is True
+    assert await wait_any([woken], timeout_s=0) is True
+    assert woken.is_set()  # left for the caller to clear
+
+
+async def test_wait_any_without_a_timeout_waits_for_an_event() -> None:
+    woken = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.02, woken.set)
+    assert await wait_any([woken], timeout_s=None) is True
+
+
+async def test_wait_any_needs_an_event() -> None:
+    with pytest.raises(ValueError, match="an event"):
+        await wait_any([], timeout_s=1)
+
+
+async def test_cancelling_wait_any_leaves_no_waiter_behind() -> None:
+    waiting = asyncio.create_task(wait_any([asyncio.Event(), asyncio.Event()], timeout_s=None))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0)  # the waiters' cancellation lands
+    me = asyncio.current_task()
+    assert [t for t in asyncio.all_tasks() if t is not me and not t.done()] == []

@@ -22,6 +22,25 @@ async def test_a_stop_cancels_every_agent() -> None:
     assert all(t.cancelled() for t in tasks)
 
 
+async def test_a_stop_during_the_wait_ends_it() -> None:
+    sup = Supervisor("svc")
+    async with sup:
+        task = sup.spawn("a", forever())
+        asyncio.get_running_loop().call_later(0.02, sup.request_stop)
+        await sup.wait()
+        assert not task.done()
+    assert task.cancelled()
+
+
+async def test_without_agents_only_a_stop_ends_the_wait() -> None:
+    sup = Supervisor("svc")
+    waiting = asyncio.create_task(sup.wait())
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    sup.request_stop()
+    await waiting
+
+
 async def test_an_agent_that_fails_stops_the_service_with_its_error() -> None:
     async def broken() -> None:
         raise RuntimeError("disk on fire")

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from ebb.common import bus, schema
+from ebb.common.aio import wait_any
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SchemaError
@@ -179,8 +180,7 @@ class EbbClient:
                 if status.state in TERMINAL_JOB_STATES:
                     return status
                 woken.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken.wait(), poll_s)
+                await wait_any([woken], timeout_s=poll_s)
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await events.unsubscribe()

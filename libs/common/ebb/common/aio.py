@@ -1,14 +1,16 @@
 """Waiting that a stop ends: every service's agents wait on work, or sleep, until told to stop.
 
 `until(work, stop)` awaits `work` unless `stop` is set first, and then cancels it;
-`sleep_or_stop(seconds, stop)` is the sleep between two tries that a stop cuts short.
+`sleep_or_stop(seconds, stop)` is the sleep between two tries that a stop cuts short;
+`wait_any(events, timeout_s=...)` is the wait of a loop that something wakes (a change, a
+message) and that looks again after a while if nothing does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,3 +44,20 @@ async def sleep_or_stop(seconds: float, stop: asyncio.Event) -> bool:
         async with asyncio.timeout(seconds):
             await stop.wait()
     return stop.is_set()
+
+
+async def wait_any(events: Iterable[asyncio.Event], *, timeout_s: float | None) -> bool:
+    """Until one of `events` is set, or `timeout_s` has passed (None: no limit). True if one
+    is set. At once if one is set already; the events are left as they are (clearing one
+    before the work it wakes for is the caller's part). Cancelling the caller leaves no
+    waiter behind."""
+    events = list(events)
+    if not events:
+        raise ValueError("wait_any needs an event to wait for")
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    return any(event.is_set() for event in events)

@@ -15,6 +15,7 @@ from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any
 
+from .aio import until
 from .errors import EbbError
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,12 @@ class Supervisor:
 
     async def wait(self) -> None:
         """Until stop is requested or a task ends. Raises if a task failed or exited early."""
-        stopper = asyncio.create_task(self.stop_requested.wait(), name=f"{self.name}.stop")
-        try:
-            done, _ = await asyncio.wait(
-                [stopper, *self._tasks.values()], return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            stopper.cancel()
+        if not self._tasks:  # nothing to watch: only a stop ends the wait
+            await self.stop_requested.wait()
+            return
+        first = asyncio.wait(list(self._tasks.values()), return_when=asyncio.FIRST_COMPLETED)
+        ended = await until(first, self.stop_requested)
+        done = ended[0] if ended is not None else set()
         for name, task in self._tasks.items():
             if task in done:
                 if task.cancelled():

@@ -19,7 +19,7 @@ import nats.errors
 
 from ebb.common import bus
 from ebb.common import metrics as metrics_server
-from ebb.common.aio import until
+from ebb.common.aio import until, wait_any
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, RemoteError
@@ -129,14 +129,7 @@ class Controller:
                     metrics.RECONCILES.labels("error").inc()
                     log.exception("reconcile pass failed")
             await asyncio.sleep(self.config.min_interval_s)
-            waits = [asyncio.ensure_future(event.wait()) for event in wakers]
-            try:
-                await asyncio.wait(
-                    waits, timeout=self.config.resync_s, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:  # cancelled too: no waiter outlives the loop
-                for waiter in waits:
-                    waiter.cancel()
+            await wait_any(wakers, timeout_s=self.config.resync_s)
 
 
 async def _acquired(elector: LeaderElector) -> bool:
