@@ -865,7 +865,7 @@ async def test_a_worker_keeps_reporting_its_commit_record_through_a_long_master_
     record = OutputStore(spec.output.uri).read_commit(reply.shard.index)
     assert record is not None
     active = keeper.hold(reply, sent_at=sent_at)
-    reporting = asyncio.create_task(worker._commit(master_api, active, record))
+    reporting = asyncio.create_task(worker.reports.commit(master_api, active, record))
     active.task = reporting
     renewer = asyncio.create_task(keeper.renewer())
     try:

@@ -42,7 +42,6 @@ from ebb.common import metrics as metrics_server
 from ebb.common.aio import sleep_or_stop, until
 from ebb.common.api import MasterClient
 from ebb.common.errors import BusError, ErrorCode, RemoteError
-from ebb.common.layout import CommitRecord
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore
@@ -53,9 +52,10 @@ from ebb.common.supervisor import Supervisor
 
 from . import cpus, devices, metrics
 from .attempt import AttemptStopped, run_attempt
-from .leases import ActiveLease, LeaseState, StopCause
+from .leases import LeaseState, StopCause
 from .pipeline import Pipeline, PipelineError, PipelineSetupError
 from .reader import CHUNK_ROWS
+from .reports import Reports
 from .session import JobSession, pipeline_config
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class Worker:
         message."""
         self._tasks: set[asyncio.Task[None]] = set()
         self.shards_done = 0
+        self.reports = Reports(worker=config.id, timeout_s=config.release_timeout_s)
 
     def request_drain(self) -> None:
         """Stop leasing and wind down gracefully (SIGTERM)."""
@@ -259,7 +260,7 @@ class Worker:
         except (TimeoutError, RemoteError, BusError):
             return None
         if late.status == "granted" and late.shard is not None:
-            await self._release_token(
+            await self.reports.release_token(
                 session.master,
                 late.token,
                 late.shard.index,
@@ -305,7 +306,7 @@ class Worker:
                 stop=active.stop,
                 progress=active.progress,
             )
-            await self._commit(session.master, active, record)
+            await self.reports.commit(session.master, active, record)
             if record.split_at:
                 metrics.SHARDS.labels("split").inc()
                 cause = active.stop_cause or StopCause.DRAIN
@@ -317,7 +318,7 @@ class Worker:
         except AttemptStopped:
             # Told to stop before a row was done: nothing to keep. Back unharmed.
             reason = (active.stop_cause or StopCause.DRAIN).value
-            await self._release(session.master, active, reason, retryable=True)
+            await self.reports.release(session.master, active, reason, retryable=True)
             metrics.SHARDS.labels("released").inc()
         except asyncio.CancelledError:
             if active.state is LeaseState.LOST:
@@ -333,7 +334,9 @@ class Worker:
                 )
                 metrics.SHARDS.labels("lost").inc()
                 return
-            await self._release(session.master, active, "worker shutting down", retryable=True)
+            await self.reports.release(
+                session.master, active, "worker shutting down", retryable=True
+            )
             metrics.SHARDS.labels("released").inc()
             raise
         except PipelineError as e:
@@ -341,80 +344,14 @@ class Worker:
             # hand this one back unharmed.
             self._give_up(e)
             reason = f"worker's pipeline failed: {e}"
-            await self._release(session.master, active, reason, retryable=True)
+            await self.reports.release(session.master, active, reason, retryable=True)
             metrics.SHARDS.labels("released").inc()
         except Exception as e:
             log.exception("shard %d attempt %d failed", index, active.attempt)
             # Past the commit record the shard is done whatever happens here: hand it back
             # unharmed, and the master takes the record as the shard's output.
             reason = f"{type(e).__name__}: {e}"
-            await self._release(session.master, active, reason, retryable=active.committed)
+            await self.reports.release(session.master, active, reason, retryable=active.committed)
             metrics.SHARDS.labels("failed").inc()
         finally:
             session.leases.drop(active)
-
-    async def _commit(
-        self, master: MasterClient, active: ActiveLease, record: CommitRecord
-    ) -> None:
-        """Report the commit record to the master, retrying through master restarts and
-        store hiccups. The record already decides the shard's output; this only tells."""
-        active.mark_committed()
-        attempt = 0
-        while True:
-            try:
-                reply = await master.commit(
-                    active.token,
-                    worker=self.config.id,
-                    rows=record.rows,
-                    error_rows=record.error_rows,
-                )
-                break
-            except RemoteError as e:
-                if e.lease_lost:
-                    # The record stands: whoever holds the shard now will find and report it.
-                    log.info("shard %d: commit refused (%s)", active.shard.index, e)
-                    return
-                if not e.retryable:
-                    raise
-                delay = master.backoff.delay(attempt)
-                log.warning(
-                    "shard %d: commit not taken (%s); retrying in %.1fs",
-                    active.shard.index,
-                    e,
-                    delay,
-                )
-                attempt += 1
-                await asyncio.sleep(delay)
-        log.info(
-            "shard %d attempt %d %s: %d rows, %d errors",
-            active.shard.index,
-            active.attempt,
-            reply.status,
-            record.rows,
-            record.error_rows,
-        )
-
-    async def _release(
-        self, master: MasterClient, active: ActiveLease, reason: str, *, retryable: bool
-    ) -> None:
-        active.release()
-        await self._release_token(
-            master, active.token, active.shard.index, reason=reason, retryable=retryable
-        )
-
-    async def _release_token(
-        self, master: MasterClient, token: str, shard: int, *, reason: str, retryable: bool
-    ) -> None:
-        """Hand a shard back. Shielded and bounded: it must happen even while we are being
-        cancelled, and must not hold up a shutdown if the master is unreachable."""
-
-        async def release() -> None:
-            try:
-                await asyncio.wait_for(
-                    master.release(token, reason, worker=self.config.id, retryable=retryable),
-                    self.config.release_timeout_s,
-                )
-            except (RemoteError, BusError, TimeoutError) as e:
-                log.info("release of shard %d not confirmed (%s); its lease will expire", shard, e)
-
-        await asyncio.shield(release())

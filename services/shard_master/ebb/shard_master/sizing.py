@@ -1,0 +1,54 @@
+"""Shards sized for the fleet: how many rows a shard gets when the job does not say.
+
+Without `rows_per_shard`, a shard gets `fleet_shard_rows` rows: at least `SHARDS_PER_WORKER`
+shards for each of the job's workers, so that each has work from the start and the tail is
+short, and at most `AUTO_MAX_ROWS` (minutes of work at the rates of
+common models), so that the master's work per row stays small however many rows there are.
+Parquet is cut into its row groups, packed into such shards (`pack`); text is cut by the
+rows that its files' sizes and the first file's lines promise. Big shards are safe: a worker
+that must go commits the rows it has done (a split), and a straggler's rest goes elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ebb.common.messages import ShardSpec
+
+AUTO_MIN_ROWS = 10_000
+AUTO_MAX_ROWS = 1_048_576
+"""Most rows of a shard sized for the fleet: a row group as pyarrow writes by default."""
+SHARDS_PER_WORKER = 4
+
+
+def fleet_shard_rows(total_rows: int, workers: int) -> int:
+    """Rows a shard of a job of `total_rows` rows on `workers` workers: SHARDS_PER_WORKER
+    shards for each worker, within [AUTO_MIN_ROWS, AUTO_MAX_ROWS]."""
+    per_shard = -(-total_rows // max(1, workers * SHARDS_PER_WORKER))
+    return max(AUTO_MIN_ROWS, min(AUTO_MAX_ROWS, per_shard))
+
+
+def pack(pieces: Sequence[ShardSpec], rows_per_shard: int) -> list[ShardSpec]:
+    """Adjacent pieces of one file joined into shards of at most `rows_per_shard` rows (a
+    piece larger than that stays a shard of its own). Parquet pieces join their row groups;
+    text pieces, byte ranges that meet."""
+    shards: list[ShardSpec] = []
+    for piece in pieces:
+        last = shards[-1] if shards else None
+        joins = (
+            last is not None
+            and last.path == piece.path
+            and last.rows + piece.rows <= rows_per_shard
+            and (piece.format == "parquet" or last.byte_end == piece.byte_start)
+        )
+        if last is not None and joins:
+            shards[-1] = replace(
+                last,
+                rows=last.rows + piece.rows,
+                row_groups=[*last.row_groups, *piece.row_groups],
+                byte_end=piece.byte_end,
+            )
+        else:
+            shards.append(piece)
+    return shards
