@@ -20,6 +20,7 @@ from ebb.shard_master.errors import StateUnsure
 from ebb.shard_master.finish import in_input_order
 from ebb.shard_master.store import ShardRecord
 from ebb.shard_master.table import LeaseTable
+from ebb.shard_master.tail import KEEP_REST_S
 from ebb.shard_master.transitions import missing_remainders, split_part
 
 from .test_lease_table import (
@@ -253,9 +254,35 @@ async def test_at_the_tail_the_holder_with_most_left_is_asked_to_split_for_an_id
 
     commit_part(spec, slower, rows=12, split_at=12)
     await table.commit(slower.token)
+    # The straggler, free first, is not given its own rest back: it is kept for "idle".
+    assert (await table.lease(spec.id, "slower")).status == "wait"
     rest = await table.lease(spec.id, "idle")
     assert rest.shard is not None and (rest.shard.index, rest.shard.row_offset) == (3, 12)
     assert not rest.speculative
+    assert_indexes_match_records(job, store)
+
+
+async def test_a_rest_kept_for_a_worker_that_never_comes_goes_to_another_after_a_while(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2, lease_s=30)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    straggler = await table.lease(spec.id, "straggler")
+    idle = await table.lease(spec.id, "idle")
+    clock.now += 10
+    commit_part(spec, idle, rows=100)
+    await table.commit(idle.token)
+    await table.renew(straggler.token, rows_done=5)
+    assert (await table.lease(spec.id, "idle")).status == "wait"  # the split is asked
+    commit_part(spec, straggler, rows=6, split_at=6)
+    await table.commit(straggler.token)
+    assert (await table.lease(spec.id, "straggler")).status == "wait"
+    clock.now += KEEP_REST_S
+    rest = await table.lease(spec.id, "straggler")  # "idle" went away: no row waits forever
+    assert rest.shard is not None and rest.shard.index == 2
     assert_indexes_match_records(job, store)
 
 

@@ -23,9 +23,11 @@ class Shard:
     __slots__ = (
         "deadlines",
         "granted",
+        "kept_for",
         "lock",
         "persisted",
         "progress",
+        "progress_at",
         "record",
         "revision",
         "split_asked",
@@ -45,6 +47,13 @@ class Shard:
         self.progress: dict[str, int] = {}
         """Active lease tokens and the rows each holder last told it had done (in memory:
         told again on every renewal)."""
+        self.progress_at: dict[str, float] = {}
+        """When each of those counts last grew (monotonic): a holder's rate is its rows over
+        the time to then, not to its latest renewal (which may have told nothing new)."""
+        self.kept_for: tuple[str, float] | None = None
+        """A straggler's rest: kept for the idle worker it was split for, until then
+        (monotonic), so that the straggler, free the moment its part commits, does not
+        take it back."""
         self.split_asked: set[str] = set()
         """Active lease tokens whose holders are asked to split (on their renewals' replies)."""
 
@@ -82,6 +91,9 @@ class Job:
         self.ready_workers: set[str] = set()
         """Workers that said their pipeline has started (in memory: told again on every
         lease and renewal, so a new master hears within a third of a lease)."""
+        self.no_split_before = 0.0
+        """No straggler was found then: the next look waits a little (monotonic), so that a
+        fleet of idle workers polling does not scan the running shards at every poll."""
         self.split_asks: dict[str, int] = {}
         """Idle workers, each with the shard whose holder was asked to split for it: one
         split at a time per idle worker, not one per lease request while it waits."""

@@ -28,6 +28,7 @@ from .errors import Deposed, ForeignCommit, StateUnsure
 from .expiry import Expiry, ExpiryHeap
 from .jobs import Job, Shard
 from .store import RecordStore, ShardRecord
+from .tail import KEEP_REST_S
 from .transitions import (
     check_transition,
     missing_remainders,
@@ -92,6 +93,7 @@ class ShardMoves:
             shard.granted.pop(token, None)
             shard.persisted.pop(token, None)
             shard.progress.pop(token, None)
+            shard.progress_at.pop(token, None)
             shard.split_asked.discard(token)
         if lease is not None:
             token, lease_s = lease
@@ -159,6 +161,10 @@ class ShardMoves:
             raise Deposed(f"shard {record.spec.index} of job {job.id} was created by someone else")
         job.head_seq -= 1
         remainder = Shard(record, revision)
+        asker = next((w for w, i in job.split_asks.items() if i == part.spec.index), None)
+        if asker is not None:  # a straggler's rest: for the worker it was split for
+            del job.split_asks[asker]
+            remainder.kept_for = (asker, self._context.clock() + KEEP_REST_S)
         job.shards.append(remainder)
         job.enter(remainder, first=True)
         job.publish_gauges("TODO")

@@ -57,6 +57,8 @@ from .tail import pick_speculative, pick_split
 log = logging.getLogger(__name__)
 
 _LEASE_REPLY_CACHE = 4096
+_SPLIT_LOOK_S = 1.0
+"""Between two looks for a straggler to split when none was found."""
 
 
 def make_token(epoch: int, job: str, shard: int, attempt: int) -> str:
@@ -175,7 +177,7 @@ class LeaseTable:
             return LeaseReply(status="end")
         if job.state != "RUNNING":
             return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
-        shard = self._pick(job)
+        shard = self._pick(job, worker)
         speculative = False
         if shard is None:
             if job.doing and self._ask_split(job, worker):
@@ -185,7 +187,7 @@ class LeaseTable:
                 job, worker, now=now, speculate_after_s=self._speculate_after_s
             )
             if shard is None:
-                if job.doing:
+                if job.doing or job.counts["TODO"]:  # queued: a rest kept for another worker
                     return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
                 return LeaseReply(status="end")
             speculative = True
@@ -227,12 +229,26 @@ class LeaseTable:
             speculative=speculative,
         )
 
-    def _pick(self, job: Job) -> Shard | None:
-        while job.todo:
-            shard = job.shards[job.todo.popleft()]
-            if shard.record.state == "TODO":
+    def _pick(self, job: Job, worker: str) -> Shard | None:
+        """The first TODO shard in the queue for `worker`: a straggler's rest kept for
+        another worker is passed over (it stays first) until its keep runs out."""
+        now = self.context.clock()
+        passed: list[int] = []
+        try:
+            while job.todo:
+                index = job.todo.popleft()
+                shard = job.shards[index]
+                if shard.record.state != "TODO":
+                    continue
+                kept = shard.kept_for
+                if kept is not None and kept[0] != worker and now < kept[1]:
+                    passed.append(index)
+                    continue
+                shard.kept_for = None
                 return shard
-        return None
+            return None
+        finally:
+            job.todo.extendleft(reversed(passed))
 
     def _ask_split(self, job: Job, worker: str) -> bool:
         """At the tail: ask a holder to split its shard for `worker`, idle (its renewal's
@@ -243,14 +259,15 @@ class LeaseTable:
             if pending.record.state == "DOING" and pending.split_asked:
                 return True
             del job.split_asks[worker]
+        now = self.context.clock()
+        if now < job.no_split_before:
+            return False
         lease_s = job.spec.fault.lease_s
         shard = pick_split(
-            job,
-            worker,
-            now=self.context.clock(),
-            min_gain_s=max(self._speculate_after_s, lease_s * 2 / 3),
+            job, worker, now=now, min_gain_s=max(self._speculate_after_s, lease_s * 2 / 3)
         )
         if shard is None:
+            job.no_split_before = now + _SPLIT_LOOK_S
             return False
         token = shard.record.leases[0].token
         shard.split_asked.add(token)
@@ -292,8 +309,9 @@ class LeaseTable:
             if token not in shard.deadlines:
                 raise StaleToken("lease is no longer current")
             self._check_holder(shard, token, caller)
-            if rows_done > 0:
+            if rows_done > shard.progress.get(token, 0):
                 shard.progress[token] = rows_done
+                shard.progress_at[token] = self.context.clock()
             split = token in shard.split_asked
             now = self.context.clock()
             if shard.persisted.get(token, now) - now >= lease_s:

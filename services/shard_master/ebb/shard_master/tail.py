@@ -19,6 +19,9 @@ import statistics
 
 from .jobs import Job, Shard
 
+KEEP_REST_S = 5.0
+"""How long a straggler's rest is kept for the idle worker it was split for: that worker asks
+again within a couple of seconds of the `wait` it was answered."""
 STRAGGLER = 0.6
 """A holder computing at less than this share of the job's usual rate is a straggler: the
 rest of its shard goes faster elsewhere."""
@@ -43,7 +46,8 @@ def _holder_rates(job: Job, *, now: float) -> list[tuple[Shard, float]]:
             continue
         token = leases[0].token
         rows = shard.progress.get(token, 0)
-        ran = now - shard.granted.get(token, now)
+        told = shard.progress_at.get(token, now)
+        ran = told - shard.granted.get(token, told)
         if rows > 0 and ran > 0:
             rates.append((shard, rows / ran))
     return rates
