@@ -53,12 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the harness only")
     p.add_argument("--only", default=",".join(ORDER), help=f"some of: {','.join(ORDER)}")
     p.add_argument("--repeats", type=int, default=None, help="runs of each variant (median)")
-    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the report (default docs/benchmarks.md; required with --smoke, whose figures "
+        "mean nothing)",
+    )
     p.add_argument("--workdir", default=None, help="scratch space (default: a temporary folder)")
     args = p.parse_args(argv)
+    if args.smoke and args.out is None:
+        p.error("--smoke needs --out: its figures must not replace docs/benchmarks.md")
     chosen = [name for name in ORDER if name in args.only.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ebb-bench-"))
-    out = Path(args.out)
+    out = Path(args.out) if args.out else REPO / "docs" / "benchmarks.md"
     ctx = Context(
         quick=args.quick or args.smoke,
         smoke=args.smoke,
