@@ -15,8 +15,8 @@ time (`--shards-in-flight 1`: with the default prefetch a worker would hold two 
   simply taking fewer; at the end a shard still running well past the usual shard time (and
   5 s at least) is run again on an idle worker, and the first commit wins.
 - small shards + liquid tail: the same 64 shards, the liquid tail instead of speculation.
-- sized for the fleet: no `rows_per_shard`, so shards of at least 10,000 rows (for a job this
-  small, fewer shards than workers), with speculation and the liquid tail: the defaults.
+- sized for the fleet: no `rows_per_shard`, so four shards or more a worker (16 here), with
+  speculation and the liquid tail: the defaults.
 
 Workers tell the master the rows they have done in their renewals (every third of the lease
 period), counted after each chunk they write: the benchmark sets `EBB_CHUNK_ROWS` to a row

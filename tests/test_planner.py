@@ -261,7 +261,8 @@ def test_missing_empty_and_corrupt_inputs_are_planning_errors(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("total", "workers", "rows"),
     [
-        (1_000, 1, 10_000),  # never below AUTO_MIN_ROWS
+        (100, 1, 1_000),  # never below AUTO_MIN_ROWS
+        (24_000, 4, 1_500),
         (100_000, 1, 25_000),  # four shards for the one worker
         (8_000_000, 100, 20_000),
         (100_000_000, 10, 1_048_576),  # never above AUTO_MAX_ROWS
@@ -274,7 +275,7 @@ def test_shards_sized_for_the_fleet_give_each_worker_four_within_bounds(
     assert fleet_shard_rows(total, workers) == rows
 
 
-@pytest.mark.parametrize(("workers", "shards"), [(1, 4), (10, 10)])
+@pytest.mark.parametrize(("workers", "shards"), [(1, 4), (2, 10), (10, 20)])
 def test_parquet_sized_for_the_fleet_packs_whole_row_groups(
     tmp_path: Path, workers: int, shards: int
 ) -> None:

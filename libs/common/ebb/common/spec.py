@@ -95,7 +95,7 @@ class InputSpec:
     """Columns handed to the pipeline, per row. None: every column."""
     rows_per_shard: int | None = None
     """Target rows in one shard, the unit of leasing, retry and commit. None (the default):
-    sized for the fleet: four shards or more for each of the job's `max_workers`, of 10,000
+    sized for the fleet: four shards or more for each of the job's `max_workers`, of 1,000
     to 1,048,576 rows (Parquet: whole row groups, never cut). A worker told to go commits the
     rows it has done and a straggler's rest moves to an idle worker (a split), so big shards
     lose nothing."""

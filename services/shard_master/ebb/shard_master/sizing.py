@@ -16,7 +16,9 @@ from dataclasses import replace
 
 from ebb.common.messages import ShardSpec
 
-AUTO_MIN_ROWS = 10_000
+AUTO_MIN_ROWS = 1_000
+"""Fewest rows of a shard sized for the fleet: below, a shard costs the master more than its
+rows cost a worker."""
 AUTO_MAX_ROWS = 1_048_576
 """Most rows of a shard sized for the fleet: a row group as pyarrow writes by default."""
 SHARDS_PER_WORKER = 4
