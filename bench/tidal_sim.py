@@ -422,7 +422,8 @@ async def _run(
 ) -> RunResult:
     root = ctx.dir(f"tidal-{time.monotonic_ns()}")
     data = root / "rows.parquet"
-    pq.write_table(pa.table({"id": np.arange(1_000)}), data)  # shards: more than workers
+    # A shard a row group (a planner never cuts one): 1,000 shards, more than workers.
+    pq.write_table(pa.table({"id": np.arange(1_000)}), data, row_group_size=1)
     nats = EmbeddedNats(state_dir=root / "nats")
     await asyncio.to_thread(nats.start)
     master = None
