@@ -21,8 +21,8 @@ renewals and its next lease with its work, so this is an upper bound.
 Time is compressed where it can be, to keep the section to minutes: shards held, the lease
 period and the waits all run faster by one factor, so every count stays what it would be,
 and the master sees more requests a second than a real fleet would send it, up to 300. A
-fleet that would send more runs in real time: a thousand workers do, each asking once a
-second at the end, when it has nothing left to do. Each configuration runs once.
+fleet that would send more runs in real time: a thousand workers do. Each configuration runs
+once.
 """
 
 from __future__ import annotations
@@ -460,8 +460,9 @@ def run(ctx: Context, *, rows_per_s_per_worker: float | None) -> Section:
         "per million rows at this rate, whatever the shards' size."
     )
     section.notes.append(
-        "Waits: at the end of the job a worker left with nothing to do asks again every "
-        f"{MasterConfig().wait_retry_s:g} s (the master's `wait_retry_s`) until the last shard "
+        "Waits: at the end of the job a worker left with nothing to do (no shard queued, no "
+        "straggler to split, nothing to speculate on) asks again every "
+        f"{min(5.0, LEASE_S / 10):g} s, a tenth of the lease at most 5 s, until the last shard "
         "is committed; once the queue is empty a worker may still hold two shards (one "
         "computing, one leased ahead). The controller, which drains a job's workers beyond its "
         "shards left (down to `min_workers`), is not simulated: it would stop some of those "

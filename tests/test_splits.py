@@ -305,3 +305,19 @@ async def test_no_split_is_asked_of_a_holder_that_tells_no_progress_or_when_turn
         reply = await table.lease(spec.id, "w2")
         # No split: speculation takes the shard that has run 6x the usual time instead.
         assert reply.speculative and not job.shards[0].split_asked
+
+
+async def test_a_worker_with_nothing_to_do_at_the_tail_asks_again_less_often(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1, lease_s=60, speculative=False)
+    assert await table.intake.submit(spec)
+    await table.lease(spec.id, "busy")
+    idle = await table.lease(spec.id, "idle")
+    assert idle.status == "wait" and idle.retry_after_s == 5.0  # a tenth of a lease, at most 5 s
+    short = make_job(tmp_path / "short", shards=1, lease_s=6, speculative=False)
+    assert await table.intake.submit(short)
+    await table.lease(short.id, "busy")
+    assert (await table.lease(short.id, "idle")).retry_after_s == 1.0  # never below wait_retry_s

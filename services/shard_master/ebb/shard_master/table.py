@@ -57,6 +57,7 @@ from .tail import pick_speculative, pick_split
 log = logging.getLogger(__name__)
 
 _LEASE_REPLY_CACHE = 4096
+_TAIL_WAIT_S = 5.0
 _SPLIT_LOOK_S = 1.0
 """Between two looks for a straggler to split when none was found."""
 
@@ -187,8 +188,10 @@ class LeaseTable:
                 job, worker, now=now, speculate_after_s=self._speculate_after_s
             )
             if shard is None:
-                if job.doing or job.counts["TODO"]:  # queued: a rest kept for another worker
+                if job.counts["TODO"]:  # queued: a rest kept for another worker, briefly
                     return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+                if job.doing:
+                    return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
                 return LeaseReply(status="end")
             speculative = True
         lease_s = job.spec.fault.lease_s
@@ -228,6 +231,14 @@ class LeaseTable:
             lease_s=lease_s,
             speculative=speculative,
         )
+
+    def _tail_wait(self, job: Job) -> float:
+        """How long a worker with nothing to do at the tail waits before it asks again: the
+        queue is empty, no straggler to split, nothing to speculate on. Only a shard that
+        comes back (a release, an expiry) or a straggler found later can change that: up to
+        a tenth of a lease later, not at every `wait_retry_s`. A thousand idle workers asking
+        every second would be most of the master's work of a job."""
+        return max(self._wait_retry_s, min(_TAIL_WAIT_S, job.spec.fault.lease_s / 10))
 
     def _pick(self, job: Job, worker: str) -> Shard | None:
         """The first TODO shard in the queue for `worker`: a straggler's rest kept for
