@@ -446,3 +446,27 @@ async def test_workers_of_a_killed_controller_drain_and_exit(
         for p in left:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+
+
+@pytest.mark.parametrize(("env", "told"), [({}, "7"), ({"EBB_SHUTDOWN_GRACE_S": "2"}, "2")])
+async def test_a_local_worker_is_told_a_grace_shorter_than_the_time_before_its_kill(
+    tmp_path: Path,
+    nats_config: NatsConfig,
+    running_master: Master,
+    env: dict[str, str],
+    told: str,
+) -> None:
+    """Its drain, the parts it commits included, must end before the controller kills it."""
+    write_dataset(tmp_path / "data", rows=1_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000))
+    backend = LocalBackend(LocalConfig(nats=nats_config, max_workers=1, worker_grace_s=12, env=env))
+    async with await EbbClient.connect(nats_config) as client:
+        job_id = await client.submit(spec)
+        await backend.launch(await client.job(job_id), "w-1")
+        try:
+            pid = backend.pids()["w-1"]
+            environ = psutil.Process(pid).environ()
+            assert environ["EBB_SHUTDOWN_GRACE_S"] == told
+        finally:
+            await backend.close(grace_s=30)

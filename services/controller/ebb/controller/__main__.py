@@ -139,7 +139,11 @@ async def amain(args: argparse.Namespace) -> int:
                 nats, user=None, password=None, token=None, creds=None, creds_file=None
             )
         local = LocalConfig(
-            nats=nats, log_dir=args.log_dir, worker_nats=worker_nats, worker_signer=signer
+            nats=nats,
+            log_dir=args.log_dir,
+            worker_nats=worker_nats,
+            worker_signer=signer,
+            worker_grace_s=args.worker_grace,
         )
         if args.max_workers:
             local = dataclasses.replace(local, max_workers=args.max_workers)

@@ -33,6 +33,9 @@ __all__ = ["LocalBackend", "LocalConfig", "machine_cores"]
 
 log = logging.getLogger(__name__)
 
+_KILL_MARGIN_S = 5.0
+"""A worker's own grace is this much shorter than the time it is given before SIGKILL."""
+
 
 @dataclass(eq=False)
 class _Child:
@@ -65,6 +68,11 @@ class LocalConfig:
     worker_signer: WorkerSigner | None = None
     """Mints each worker a credential of its own (ebb.common.identity), used instead of any
     in `worker_nats`: no worker can then act in another's name."""
+    worker_grace_s: float = 30.0
+    """Between a worker's SIGTERM and its SIGKILL (the reconciler's and the controller's
+    grace). A worker is told 5 s less as its own (`EBB_SHUTDOWN_GRACE_S`, unless set), as a
+    pod is told its grace less 10 s: its drain, the parts it commits included, ends before the
+    kill."""
     pin_cpus: bool = False
     """Pin each worker (and so its stage processes) to cores of its own, its share of the
     machine, rather than letting the kernel move them over every core."""
@@ -144,6 +152,8 @@ class LocalBackend:
         if self.config.worker_signer is not None:
             nats = dataclasses.replace(nats, creds=self.config.worker_signer.credentials(worker_id))
         env = {**inherited, **self.config.env, **nats_environment(nats)}
+        grace = max(1.0, self.config.worker_grace_s - _KILL_MARGIN_S)
+        env.setdefault(envvars.SHUTDOWN_GRACE_S, f"{grace:g}")
         # In a session of its own, a worker would outlive us if we were killed: this tells
         # it whom to watch, to drain when we are gone.
         env[envvars.PARENT_PID] = str(os.getpid())
