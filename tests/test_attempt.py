@@ -14,9 +14,10 @@ from ebb.common.messages import ShardSpec, rest_of
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.worker.attempt import AttemptStopped, run_attempt
-from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, RunResult
+from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, RowsBack, RunResult
+from ebb.worker.progress import AttemptProgress
 
-from .helpers import job_spec, reference_predictions, write_dataset, write_model
+from .helpers import job_spec, reference_predictions, wait_until, write_dataset, write_model
 
 ROWS = 1_500
 
@@ -37,7 +38,13 @@ class Broken:
     def __init__(self) -> None:
         self.runs = 0
 
-    async def run_columns(self, rows: pa.Table, *, stop: asyncio.Event | None = None) -> RunResult:
+    async def run_columns(
+        self,
+        rows: pa.Table,
+        *,
+        stop: asyncio.Event | None = None,
+        rows_back: RowsBack | None = None,
+    ) -> RunResult:
         self.runs += 1
         raise PipelineBroken("the router is gone")
 
@@ -143,7 +150,7 @@ async def test_a_stopped_attempt_commits_its_first_rows_as_a_part_and_the_rest_f
             worker_id="w1",
             chunk_rows=400,
             stop=stop,
-            progress=progress,
+            progress=AttemptProgress(on_written=progress),
         )
         rest = rest_of(shard, part.split_at, index=1)
         whole = await run_attempt(
@@ -204,8 +211,42 @@ async def test_a_stop_after_the_last_row_commits_the_whole_shard(tmp_path: Path)
             store=store,
             worker_id="w1",
             stop=stop,
-            progress=progress,
+            progress=AttemptProgress(on_written=progress),
         )
     finally:
         await pipeline.stop()
     assert stop.is_set() and record.split_at == 0 and record.rows == ROWS
+
+
+async def test_progress_tells_the_rows_back_of_a_chunk_before_it_is_written(
+    tmp_path: Path,
+) -> None:
+    """A slow model's chunk may take minutes: a renewal must hear of it before its end."""
+    spec, shard = _job(tmp_path)
+    store = OutputStore(spec.output.uri)
+    pipeline = Pipeline(_slow(tmp_path, 0.05))
+    await pipeline.start()
+    progress = AttemptProgress()
+    try:
+        attempt = asyncio.create_task(
+            run_attempt(
+                spec,
+                shard,
+                1,
+                pipeline=pipeline,
+                store=store,
+                worker_id="w1",
+                chunk_rows=ROWS,  # the whole shard is one chunk
+                progress=progress,
+            )
+        )
+        midway = await wait_until(
+            lambda: 0 < progress.rows_done() < ROWS and progress.written == 0,
+            timeout=60,
+            what="rows back before the chunk is written",
+        )
+        record = await attempt
+    finally:
+        await pipeline.stop()
+    assert midway and record.rows == ROWS
+    assert progress.written == progress.rows_done() == ROWS

@@ -162,7 +162,7 @@ async def test_a_renewal_tells_the_rows_done_and_a_split_answer_stops_the_attemp
     master = Master(12.0)
     keeper = LeaseKeeper(master, worker="w1")
     active = keeper.hold(granted(), sent_at=0.0)
-    active.progress(4_000)
+    active.progress.wrote(4_000)
     await keeper.renew_one(active)
     assert master.rows_told == [4_000] and not active.stop.is_set()
     master.split = True

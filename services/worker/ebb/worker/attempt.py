@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import numpy as np
@@ -30,7 +30,8 @@ from ebb.common.spec import JobSpec
 
 from . import metrics
 from .columns import scatter
-from .pipeline import RunResult
+from .pipeline import RowsBack, RunResult
+from .progress import AttemptProgress
 from .reader import CHUNK_ROWS, ShardData, ShardReader
 from .writer import build_output, write_attempt
 
@@ -45,7 +46,11 @@ class Runner(Protocol):
     Once `stop` is set, a run ends with the rows that have come back from the first on."""
 
     async def run_columns(
-        self, rows: pa.Table, *, stop: asyncio.Event | None = None
+        self,
+        rows: pa.Table,
+        *,
+        stop: asyncio.Event | None = None,
+        rows_back: RowsBack | None = None,
     ) -> RunResult: ...
 
 
@@ -63,15 +68,15 @@ async def run_attempt(
     worker_id: str,
     chunk_rows: int = CHUNK_ROWS,
     stop: asyncio.Event | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: AttemptProgress | None = None,
 ) -> CommitRecord:
     """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
     attempt of this job committed first (an earlier one found before anything ran, or one
     that won the race to create it: ours is then garbage).
 
     `stop`: once set, the attempt commits the rows done so far as a part of the shard (or
-    raises AttemptStopped if there are none). `progress(rows)`: the shard's rows done so far,
-    after each chunk is written."""
+    raises AttemptStopped if there are none). `progress`: how far it has got, kept up to date
+    for the renewals to tell."""
     existing = await asyncio.to_thread(store.read_commit, shard.index)
     if existing is not None and existing.job == spec.id:
         log.info(
@@ -94,7 +99,9 @@ async def run_attempt(
     try:
         # Closed on the way out whatever happens here, not when it is collected: its
         # runs still under way must end with this attempt.
-        async with contextlib.aclosing(_computed(reader, pipeline, spec, stop)) as computed:
+        async with contextlib.aclosing(
+            _computed(reader, pipeline, spec, stop, progress)
+        ) as computed:
             async for data, good, result in computed:
                 table, errors = await asyncio.to_thread(_output, data, good, result, spec)
                 files += await asyncio.to_thread(
@@ -112,7 +119,7 @@ async def run_attempt(
                 error_rows += errors
                 rows_in += data.table.num_rows
                 if progress is not None:
-                    progress(rows_in)
+                    progress.wrote(rows_in)
         whole = reader.exhausted and rows_in == reader.rows_read
     finally:
         reader.close()
@@ -145,7 +152,11 @@ async def run_attempt(
 
 
 async def _computed(
-    reader: ShardReader, pipeline: Runner, spec: JobSpec, stop: asyncio.Event | None = None
+    reader: ShardReader,
+    pipeline: Runner,
+    spec: JobSpec,
+    stop: asyncio.Event | None = None,
+    progress: AttemptProgress | None = None,
 ) -> AsyncGenerator[tuple[ShardData, np.ndarray, RunResult], None]:
     """Each chunk of the shard with its results, in order. Two chunks are in the pipeline
     at once, the next read while they compute: the pipeline never runs dry between
@@ -161,7 +172,10 @@ async def _computed(
                 break
             inputs, good = _inputs(data, spec)
             # The rows travel as Arrow and become columns in the first stage's processes.
-            computing = pipeline.run_columns(inputs, stop=stop)
+            rows_back = RowsBack()
+            if progress is not None:
+                progress.computing.append(rows_back)
+            computing = pipeline.run_columns(inputs, stop=stop, rows_back=rows_back)
             window.append((data, good, asyncio.create_task(computing)))
             if len(window) < _CHUNKS_IN_FLIGHT:
                 continue

@@ -25,6 +25,7 @@ from ebb.common.errors import BusError, RemoteError
 from ebb.common.messages import LeaseReply, RenewReply, ShardSpec
 
 from . import metrics
+from .progress import AttemptProgress
 
 
 class StopCause(Enum):
@@ -71,15 +72,16 @@ class ActiveLease:
     """The task running the shard's attempt: cancelled when the lease is lost."""
     state: LeaseState = LeaseState.HELD
     lost_reason: str = ""
-    rows_done: int = 0
-    """Rows of the shard its attempt has written so far: told in renewals."""
+    progress: AttemptProgress = field(default_factory=AttemptProgress)
+    """How far its attempt has got: told in renewals."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the attempt must stop and commit what it has done as a part of the shard (its
     worker must go, or the master wants the rest run elsewhere)."""
     stop_cause: StopCause | None = None
 
-    def progress(self, rows: int) -> None:
-        self.rows_done = rows
+    @property
+    def rows_done(self) -> int:
+        return self.progress.rows_done()
 
     def split(self, cause: StopCause) -> None:
         """Ask the attempt to stop at its next batch and commit the rows done as a part."""

@@ -116,6 +116,17 @@ class _Run:
         return RunResult(rows, columns, {i: m for i, m in self.errors.items() if i < rows})
 
 
+class RowsBack:
+    """How many rows of one run have come back from the first on, read when called (0 before
+    the run starts): an attempt's progress within a chunk."""
+
+    def __init__(self) -> None:
+        self.run: _Run | None = None
+
+    def __call__(self) -> int:
+        return self.run.done_prefix() if self.run is not None else 0
+
+
 class Pipeline:
     """The asyncio side: `run(rows)` returns every row's result, in order.
 
@@ -176,7 +187,11 @@ class Pipeline:
         return (await self.run_columns(rows)).outcomes()
 
     async def run_columns(
-        self, rows: Sequence[Any] | pa.Table | Columns, *, stop: asyncio.Event | None = None
+        self,
+        rows: Sequence[Any] | pa.Table | Columns,
+        *,
+        stop: asyncio.Event | None = None,
+        rows_back: RowsBack | None = None,
     ) -> RunResult:
         """Every row's result, in order: rows given as an Arrow table (the fast path: it
         travels as Arrow, and becomes columns in the first stage's processes), a chunk of
@@ -185,7 +200,7 @@ class Pipeline:
         `stop`: once it is set, the run ends with the rows that have come back from the first
         on (its `rows` then fewer than were given: a batch boundary, as batches mostly come
         back in order); the rest are not computed. How an attempt that must stop keeps the
-        work it has done."""
+        work it has done. `rows_back`: set to tell how far this run has got."""
         self._raise_if_failed()
         router = self._router
         assert router is not None, "start() the pipeline first"
@@ -201,6 +216,8 @@ class Pipeline:
         self._next_uid += n
         run = _Run(asyncio.get_running_loop(), base, n)
         self._runs[base] = run
+        if rows_back is not None:
+            rows_back.run = run
         try:
             for start, chunk, size in chunks:
                 while self._inflight and self._inflight + size > self._limit:

@@ -23,7 +23,7 @@ from ebb.common.spec import JobSpec
 from . import devices, metrics
 from .elastic import DeviceMonitor
 from .leases import LeaseKeeper
-from .pipeline import Pipeline, PipelineConfig, RunResult
+from .pipeline import Pipeline, PipelineConfig, RowsBack, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +89,20 @@ class JobSession:
         if error is not None:
             self._on_failed_start(error)
 
-    async def run_columns(self, rows: pa.Table, *, stop: asyncio.Event | None = None) -> RunResult:
+    async def run_columns(
+        self,
+        rows: pa.Table,
+        *,
+        stop: asyncio.Event | None = None,
+        rows_back: RowsBack | None = None,
+    ) -> RunResult:
         """The pipeline's results for `rows`, once it has started (raising why, if it cannot):
         an attempt reads its first rows while the models load. `stop`: as `Pipeline`'s."""
         if stop is None:
             await asyncio.shield(self._starting)
         elif not await until(_started(self._starting), stop):
             return RunResult(0, {})  # stopped while the models load: nothing computed
-        return await self.pipeline.run_columns(rows, stop=stop)
+        return await self.pipeline.run_columns(rows, stop=stop, rows_back=rows_back)
 
     async def close(self, *, grace_s: float) -> None:
         """Stop the stage processes, started or starting."""
