@@ -233,11 +233,10 @@ class LeaseTable:
         )
 
     def _tail_wait(self, job: Job) -> float:
-        """How long a worker with nothing to do at the tail waits before it asks again: the
-        queue is empty, no straggler to split, nothing to speculate on. Only a shard that
-        comes back (a release, an expiry) or a straggler found later can change that: up to
-        a tenth of a lease later, not at every `wait_retry_s`. A thousand idle workers asking
-        every second would be most of the master's work of a job."""
+        """How long a worker with nothing to do at the tail (nothing queued, to split or to
+        speculate on) waits to ask again: only a shard that comes back or a straggler found
+        later can change that. A thousand idle workers asking every second would be most of
+        the master's work of a job."""
         return max(self._wait_retry_s, min(_TAIL_WAIT_S, job.spec.fault.lease_s / 10))
 
     def _pick(self, job: Job, worker: str) -> Shard | None:
