@@ -27,13 +27,12 @@ STRAGGLER = 0.6
 rest of its shard goes faster elsewhere."""
 
 
-def usual_rate(job: Job, *, now: float) -> float | None:
+def usual_rate(job: Job, holders: list[tuple[Shard, float]]) -> float | None:
     """The job's usual rows a second for one attempt: the median of the attempts that won,
-    or before any did, of the holders that have told rows done. None if nothing tells."""
+    or before any did, of the holders' (`_holder_rates`). None if nothing tells."""
     if job.rates:
         return statistics.median(job.rates)
-    running = [rate for _, rate in _holder_rates(job, now=now)]
-    return statistics.median(running) if running else None
+    return statistics.median(rate for _, rate in holders) if holders else None
 
 
 def _holder_rates(job: Job, *, now: float) -> list[tuple[Shard, float]]:
@@ -54,19 +53,20 @@ def _holder_rates(job: Job, *, now: float) -> list[tuple[Shard, float]]:
 
 
 def pick_split(job: Job, worker: str, *, now: float, min_gain_s: float) -> Shard | None:
-    """The running shard whose rest would finish soonest sooner on a worker at the job's
-    usual rate than on its holder, a straggler, if that gains more than `min_gain_s` (a
-    split costs a renewal's round and a commit). A split of a holder that runs at the usual
-    rate gains nothing: the rest would only move from one worker to another. Never the
-    asking worker's own shard, nor one asked to split already."""
+    """The running shard whose rest would end the most sooner on a worker at the job's usual
+    rate than on its holder (a straggler), if by more than `min_gain_s` (a split costs a
+    renewal's round and a commit). A split of a holder at the usual rate gains nothing: the
+    rest would only move from one worker to another. Never the asking worker's own shard,
+    nor one asked to split already."""
     if not job.spec.fault.split_tail:
         return None
-    usual = usual_rate(job, now=now)
+    holders = _holder_rates(job, now=now)
+    usual = usual_rate(job, holders)
     if not usual:
         return None
     best: Shard | None = None
     best_gain = min_gain_s
-    for shard, rate in _holder_rates(job, now=now):
+    for shard, rate in holders:
         lease = shard.record.leases[0]
         if lease.worker == worker or lease.token in shard.split_asked or rate >= STRAGGLER * usual:
             continue
