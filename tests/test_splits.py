@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import pytest
@@ -18,6 +19,7 @@ from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec
 from ebb.shard_master.errors import StateUnsure
 from ebb.shard_master.finish import in_input_order
+from ebb.shard_master.jobs import Job
 from ebb.shard_master.store import ShardRecord
 from ebb.shard_master.table import LeaseTable
 from ebb.shard_master.tail import KEEP_REST_S
@@ -30,6 +32,18 @@ from .test_lease_table import (
     make_job,
     new_table,
 )
+
+
+async def running_job(
+    tmp_path: Path, **options: Any
+) -> tuple[MemoryStore, Clock, LeaseTable, JobSpec, Job]:
+    """A job (`make_job(tmp_path, **options)`) submitted to a table on an in-memory store,
+    with the store, the clock the test moves, the table, the spec and the job."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, **options)
+    assert await table.intake.submit(spec)
+    return store, clock, table, spec, table.jobs[spec.id]
 
 
 def commit_part(spec: JobSpec, reply: LeaseReply, *, rows: int, split_at: int = 0) -> None:
@@ -66,11 +80,7 @@ async def finish_all(table: LeaseTable, spec: JobSpec) -> list[int]:
 async def test_a_part_s_commit_splits_the_shard_and_the_rest_is_leased_next(
     tmp_path: Path,
 ) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=3)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    store, _clock, table, spec, job = await running_job(tmp_path, shards=3)
     first = await table.lease(spec.id, "w1")
     assert first.shard is not None and first.shard.index == 0
 
@@ -98,11 +108,7 @@ async def test_a_part_s_commit_splits_the_shard_and_the_rest_is_leased_next(
 async def test_a_part_committed_before_the_master_heard_is_adopted_when_its_lease_expires(
     tmp_path: Path,
 ) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=2, lease_s=30)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    store, clock, table, spec, job = await running_job(tmp_path, shards=2, lease_s=30)
     lost = await table.lease(spec.id, "w1")
     commit_part(spec, lost, rows=25, split_at=25)  # and the worker dies before `commit`
     clock.now += 31
@@ -118,10 +124,7 @@ async def test_a_part_committed_before_the_master_heard_is_adopted_when_its_leas
 async def test_a_master_that_dies_between_the_part_and_the_rest_creates_the_rest_on_load(
     tmp_path: Path,
 ) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=2)
-    assert await table.intake.submit(spec)
+    store, _clock, table, spec, job = await running_job(tmp_path, shards=2)
     reply = await table.lease(spec.id, "w1")
     commit_part(spec, reply, rows=70, split_at=70)
 
@@ -152,11 +155,7 @@ async def test_a_master_that_dies_between_the_part_and_the_rest_creates_the_rest
 
 
 async def test_splits_at_once_take_distinct_indexes(tmp_path: Path) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=3)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    store, _clock, table, spec, job = await running_job(tmp_path, shards=3)
     replies = [await table.lease(spec.id, f"w{i}") for i in range(3)]
     for reply in replies:
         commit_part(spec, reply, rows=10, split_at=10)
@@ -169,15 +168,11 @@ async def test_splits_at_once_take_distinct_indexes(tmp_path: Path) -> None:
 
 
 async def test_a_split_shard_s_parts_stay_done_when_its_job_is_resumed(tmp_path: Path) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=2)
-    assert await table.intake.submit(spec)
+    store, _clock, table, spec, job = await running_job(tmp_path, shards=2)
     reply = await table.lease(spec.id, "w1")
     commit_part(spec, reply, rows=30, split_at=30)
     await table.commit(reply.token)
     await table.lifecycle.cancel(spec.id, "a user's wish")
-    job = table.jobs[spec.id]
     assert job.record.shards_total == 3
 
     resumed = await table.lifecycle.resume(spec.id)
@@ -213,11 +208,7 @@ def test_a_parquet_part_that_covers_every_row_is_the_whole_shard() -> None:
 
 
 async def test_the_input_order_puts_each_shard_s_parts_after_it(tmp_path: Path) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=2)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    _store, _clock, table, spec, job = await running_job(tmp_path, shards=2)
     first = await table.lease(spec.id, "w1")
     commit_part(spec, first, rows=10, split_at=10)
     await table.commit(first.token)
@@ -231,11 +222,7 @@ async def test_the_input_order_puts_each_shard_s_parts_after_it(tmp_path: Path) 
 async def test_at_the_tail_the_holder_with_most_left_is_asked_to_split_for_an_idle_worker(
     tmp_path: Path,
 ) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=3, lease_s=30)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    store, clock, table, spec, job = await running_job(tmp_path, shards=3, lease_s=30)
     slow = await table.lease(spec.id, "slow")
     slower = await table.lease(spec.id, "slower")
     idle = await table.lease(spec.id, "idle")
@@ -265,11 +252,7 @@ async def test_at_the_tail_the_holder_with_most_left_is_asked_to_split_for_an_id
 async def test_a_rest_kept_for_a_worker_that_never_comes_goes_to_another_after_a_while(
     tmp_path: Path,
 ) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=2, lease_s=30)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    store, clock, table, spec, job = await running_job(tmp_path, shards=2, lease_s=30)
     straggler = await table.lease(spec.id, "straggler")
     idle = await table.lease(spec.id, "idle")
     clock.now += 10
@@ -290,11 +273,9 @@ async def test_no_split_is_asked_of_a_holder_that_tells_no_progress_or_when_turn
     tmp_path: Path,
 ) -> None:
     for split_tail in (True, False):
-        store, clock = MemoryStore(), Clock()
-        table = new_table(store, clock)
-        spec = make_job(tmp_path / str(split_tail), shards=2, lease_s=30, split_tail=split_tail)
-        assert await table.intake.submit(spec)
-        job = table.jobs[spec.id]
+        _store, clock, table, spec, job = await running_job(
+            tmp_path / str(split_tail), shards=2, lease_s=30, split_tail=split_tail
+        )
         held = await table.lease(spec.id, "w1")
         done = await table.lease(spec.id, "w2")
         clock.now += 2
@@ -310,10 +291,9 @@ async def test_no_split_is_asked_of_a_holder_that_tells_no_progress_or_when_turn
 async def test_a_worker_with_nothing_to_do_at_the_tail_asks_again_less_often(
     tmp_path: Path,
 ) -> None:
-    store, clock = MemoryStore(), Clock()
-    table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=1, lease_s=60, speculative=False)
-    assert await table.intake.submit(spec)
+    _store, _clock, table, spec, _job = await running_job(
+        tmp_path, shards=1, lease_s=60, speculative=False
+    )
     await table.lease(spec.id, "busy")
     idle = await table.lease(spec.id, "idle")
     assert idle.status == "wait" and idle.retry_after_s == 5.0  # a tenth of a lease, at most 5 s
