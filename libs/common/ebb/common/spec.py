@@ -136,9 +136,46 @@ class InputSpec:
         return self.format
 
 
+def _runtime(model: str, runtime: Runtime | None) -> Runtime:
+    """The runtime that serves a model file: the one named (checked against the file's
+    suffix), or the one its suffix implies."""
+    suffix = posixpath.splitext(model)[1].lower()
+    inferred = MODEL_SUFFIXES.get(suffix)
+    if runtime is None:
+        if inferred is None:
+            known = ", ".join(MODEL_SUFFIXES)
+            raise _bad("model", f"unknown model suffix {suffix!r} (known: {known})")
+        return inferred
+    if inferred is not None and inferred != runtime:
+        raise _bad("runtime", f"{runtime} does not match a {suffix} model file")
+    return runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """One model of a `models` stage: its file, the column it reads, the column it writes."""
+
+    model: str
+    """Path or URL of an ONNX (.onnx) or TorchScript (.pt, .ts) file."""
+    runtime: Runtime | None = None
+    """onnx or torchscript. Inferred from the model file's suffix when absent."""
+    output: str
+    """The column the model's output goes under (several outputs: a map per row)."""
+    input: str | None = None
+    """The column the model reads; it is consumed (left out of the stage's output). None: the
+    whole row, as a `model` stage without `input` reads it."""
+    dtype: ModelDtype | None = None
+    """The precision to run the model in, as a `model` stage's `dtype`."""
+
+    def __post_init__(self) -> None:
+        if not self.output:
+            raise _bad("output", "must name a column")
+        object.__setattr__(self, "runtime", _runtime(self.model, self.runtime))
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageSpec:
-    """One stage of the pipeline: a user modelet class, or a model file served by a runtime."""
+    """One stage of the pipeline: a user modelet class, or model files served by runtimes."""
 
     name: str = ""
     """Shown in logs and metrics. Defaults to `stage<N>`."""
@@ -148,12 +185,18 @@ class StageSpec:
     """Path or URL of an ONNX (.onnx) or TorchScript (.pt, .ts) file."""
     runtime: Runtime | None = None
     """onnx or torchscript. Inferred from the model file's suffix when absent."""
+    models: list[ModelSpec] | None = None
+    """Several models served by one process (instead of `model`), for models that fit one
+    device together: an A/B pair, a few checkpoints. Every model runs on every batch and reads
+    it as it came in (no model sees another's output); the batch comes out less the columns
+    the models read as `input`, plus each model's `output` column. `threads`, `device` and
+    `finite_inputs` apply to each model; a model that raises fails the batch."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the modelet's constructor."""
     input: str | None = None
-    """Model stages: feed this field of a map item to the model, instead of the item itself."""
+    """`model` stages: feed this field of a map item to the model, instead of the item itself."""
     output: str | None = None
-    """Model stages: put the model's output under this key of the (map) item, keeping the
+    """`model` stages: put the model's output under this key of the (map) item, keeping the
     item's other fields (but the `input` field, which the model consumes), instead of
     replacing the item with it."""
     fanout: bool = False
@@ -180,7 +223,7 @@ class StageSpec:
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
     dtype: ModelDtype | None = None
-    """Model stages: the precision to run in. TorchScript converts the model and its floating
+    """`model` stages: the precision to run in. TorchScript converts the model and its floating
     inputs at load time (outputs come back as float32); an ONNX model must have been exported
     in this precision (its inputs are checked against it)."""
     batch_tokens: int | None = None
@@ -196,20 +239,23 @@ class StageSpec:
     NaN as "missing" (tree ensembles)."""
 
     def __post_init__(self) -> None:
-        if (self.modelet is None) == (self.model is None):
-            raise _bad("modelet", "a stage names exactly one of `modelet` or `model`")
+        named = [self.modelet, self.model, self.models]
+        if sum(n is not None for n in named) != 1:
+            raise _bad("modelet", "a stage names exactly one of `modelet`, `model` or `models`")
         if self.modelet is not None and not MODELET_RE.match(self.modelet):
             raise _bad("modelet", f"expected `module:Class`, got {self.modelet!r}")
+        if self.models is not None:
+            if not self.models:
+                raise _bad("models", "needs at least one model")
+            for key in ("runtime", "input", "output", "dtype"):
+                if getattr(self, key) is not None:
+                    raise _bad(key, f"a `models` stage gives each model its own {key}")
+            outputs = [m.output for m in self.models]
+            twice = sorted({o for o in outputs if outputs.count(o) > 1})
+            if twice:
+                raise _bad("models", f"each model needs an output of its own: {twice} repeat")
         if self.model is not None:
-            suffix = posixpath.splitext(self.model)[1].lower()
-            inferred = MODEL_SUFFIXES.get(suffix)
-            if self.runtime is None:
-                if inferred is None:
-                    known = ", ".join(MODEL_SUFFIXES)
-                    raise _bad("model", f"unknown model suffix {suffix!r} (known: {known})")
-                object.__setattr__(self, "runtime", inferred)
-            elif inferred is not None and inferred != self.runtime:
-                raise _bad("runtime", f"{self.runtime} does not match a {suffix} model file")
+            object.__setattr__(self, "runtime", _runtime(self.model, self.runtime))
         elif self.runtime is not None:
             raise _bad("runtime", "only a model stage has a runtime")
         elif self.output is not None:
@@ -240,6 +286,17 @@ class StageSpec:
         if not re.match(r"^(cpu|cuda(:\d+)?)$", self.device):
             raise _bad("device", f"expected cpu, cuda or cuda:N, got {self.device!r}")
 
+    @property
+    def serves_models(self) -> bool:
+        """A runtime serves the stage (`model` or `models`), not a user modelet."""
+        return self.modelet is None
+
+    def runtimes(self) -> set[Runtime]:
+        """The runtimes that serve the stage's models (none for a user modelet)."""
+        if self.models is not None:
+            return {m.runtime for m in self.models if m.runtime is not None}
+        return {self.runtime} if self.runtime is not None else set()
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
@@ -269,7 +326,7 @@ class PipelineSpec:
     def runtime_modules(self) -> list[str]:
         """The model runtimes' modules the stages import (not user modelets': their imports
         may do anything, a GPU's set-up included)."""
-        return sorted({RUNTIME_MODULES[s.runtime] for s in self.stages if s.runtime is not None})
+        return sorted({RUNTIME_MODULES[r] for s in self.stages for r in s.runtimes()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,7 +485,7 @@ class JobSpec:
         computed (STAGE_PERFORMANCE_FIELDS, resources, fault policy, priority), nor where the
         output root is or how its files are cut: those may change between runs of one job.
         """
-        body = self.to_dict()
+        body = self._body()
         stages = [
             {k: v for k, v in stage.items() if k not in STAGE_PERFORMANCE_FIELDS}
             for stage in body["pipeline"]["stages"]
@@ -444,6 +501,15 @@ class JobSpec:
         loaded: dict[str, Any] = json.loads(json.dumps(flat, sort_keys=True, default=str))
         return loaded
 
+    def _body(self) -> dict[str, Any]:
+        """`to_dict` less the stage fields of LATER_STAGE_FIELDS a stage leaves unset."""
+        body = self.to_dict()
+        body["pipeline"]["stages"] = [
+            {k: v for k, v in stage.items() if not (k in LATER_STAGE_FIELDS and v is None)}
+            for stage in body["pipeline"]["stages"]
+        ]
+        return body
+
     def output_digest(self) -> str:
         """A digest of `output_fields`: equal for two specs that write the same rows."""
         return fields_digest(self.output_fields())
@@ -451,7 +517,7 @@ class JobSpec:
     def whole_sections_digest(self) -> str:
         """The digest an output root's owner record kept before `output_fields` existed: of
         the input, pipeline and output sections whole, batching and placement included."""
-        body = self.to_dict()
+        body = self._body()
         decisive = {k: body[k] for k in ("input", "pipeline", "output")}
         text = json.dumps(decisive, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -474,6 +540,10 @@ STAGE_PERFORMANCE_FIELDS = frozenset(
 )
 """A stage's fields that decide how fast and where its rows are computed, not what they are
 (a name is a label). Every other field of a stage, one added later included, counts."""
+LATER_STAGE_FIELDS = frozenset({"models"})
+"""Stage fields added after output roots began to keep the fields that decide their rows:
+left out of those while unset, so that a spec which does not use one carries on in an output
+root claimed before it came."""
 OUTPUT_LAYOUT_FIELDS = frozenset({"uri", "max_rows_per_file"})
 """Where the output root is and how a shard's rows are cut into files: the manifest names
 every file, so shards written either way read back as the same rows."""
@@ -555,6 +625,12 @@ def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
         replace(s, model=_resolve(s.model, base)) if s.model is not None else s
         for s in spec.pipeline.stages
     ]
+    stages = [
+        replace(s, models=[replace(m, model=_resolve(m.model, base)) for m in s.models])
+        if s.models is not None
+        else s
+        for s in stages
+    ]
     return replace(
         spec,
         input=replace(spec.input, uri=_resolve(spec.input.uri, base)),
@@ -590,6 +666,11 @@ def check_roots(spec: JobSpec, roots: list[str]) -> None:
         (f"pipeline.stages[{i}].model", s.model)
         for i, s in enumerate(spec.pipeline.stages)
         if s.model is not None
+    ]
+    named += [
+        (f"pipeline.stages[{i}].models[{j}].model", m.model)
+        for i, s in enumerate(spec.pipeline.stages)
+        for j, m in enumerate(s.models or [])
     ]
     named += [(f"pipeline.code_paths[{i}]", c) for i, c in enumerate(spec.pipeline.code_paths)]
     for where, uri in named:

@@ -91,7 +91,7 @@ def shares(stages: Sequence[StageSpec], processes: Sequence[int], cores: float) 
     share = max(1, math.floor(cores / max(1, on_cpu)))
     out = []
     for s in stages:
-        if s.model is None:
+        if not s.serves_models:
             out.append(0)
         elif s.threads:
             out.append(s.threads)
@@ -109,7 +109,7 @@ def room_for_model_process(
 
 
 def _model_on_cpu(stage: StageSpec) -> bool:
-    return stage.model is not None and not stage.device.startswith("cuda")
+    return stage.serves_models and not stage.device.startswith("cuda")
 
 
 def pin(environ: Mapping[str, str]) -> None:

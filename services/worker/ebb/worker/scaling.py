@@ -59,7 +59,7 @@ class Scaler:
             utilization, held, running = pool.measure(now, self.tick_s)
             assert spec.min_workers is not None and spec.max_workers is not None
             most = spec.max_workers
-            on_cpu = spec.model is not None and not spec.device.startswith("cuda")
+            on_cpu = spec.serves_models and not spec.device.startswith("cuda")
             # Another model process only while each still gets a core of its own.
             if on_cpu and not cpus.room_for_model_process(pools.specs, processes, pools.cores):
                 most = min(most, processes[k])
