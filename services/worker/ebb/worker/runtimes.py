@@ -110,7 +110,7 @@ def _check_finite(feeds: dict[str, np.ndarray], n: int) -> None:
             )
 
 
-class _ModelStage(Modelet):
+class ModelStage(Modelet):
     """A model file as a columnar modelet: the input columns go to the runtime as they are
     (one contiguous array each), its outputs come back as columns."""
 
@@ -224,7 +224,7 @@ def _padded(column: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return out, lengths
 
 
-class OnnxStage(_ModelStage):
+class OnnxStage(ModelStage):
     def setup(self) -> None:
         import onnxruntime as ort
 
@@ -295,7 +295,7 @@ class OnnxStage(_ModelStage):
         return dict(zip(self.output_names, results, strict=True))
 
 
-class TorchScriptStage(_ModelStage):
+class TorchScriptStage(ModelStage):
     """A TorchScript model. On a GPU the batch goes through pinned host memory and a copy
     stream of its own, so that the copy to the device does not wait behind (or hold up) the
     kernels of the previous batch; `dtype` runs the model in half or bfloat16 precision."""
@@ -415,7 +415,7 @@ def _host(tensor: Any) -> np.ndarray:
     return array
 
 
-def load_runtime(spec: StageSpec) -> Modelet:
+def load_runtime(spec: StageSpec) -> ModelStage:
     if spec.runtime == "onnx":
         return OnnxStage(spec)
     if spec.runtime == "torchscript":

@@ -34,6 +34,7 @@ from .board import BatchBoard
 from .columns import VALUE, Columns, concat, from_arrow, from_rows, is_plain, take, to_rows
 from .lifeline import die_with_parent, die_with_worker, name_this_thread
 from .modelet_api import StageError, columns_callable, resolve_class, rows_callable
+from .multimodel import MultiModelStage
 from .runtimes import load_runtime
 from .shm import Arena
 
@@ -66,6 +67,8 @@ def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:
             sys.path.insert(0, path)
     if spec.model is not None:
         return load_runtime(spec)
+    if spec.models is not None:
+        return MultiModelStage(spec)
     assert spec.modelet is not None
     cls = resolve_class(spec.modelet)
     try:
