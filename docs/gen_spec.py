@@ -135,7 +135,12 @@ def sections(classes: dict[str, SpecClass], root: str = ROOT) -> list[Section]:
 
 
 def _section_type(annotation: ast.expr, classes: dict[str, SpecClass]) -> tuple[str, bool] | None:
-    """(class name, is a list of them) when a field holds a section of its own."""
+    """(class name, is a list of them) when a field holds a section of its own, or may
+    (`list[ModelSpec] | None`)."""
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        sides = (annotation.left, annotation.right)
+        found = [s for s in (_section_type(side, classes) for side in sides) if s is not None]
+        return found[0] if found else None
     if isinstance(annotation, ast.Name) and annotation.id in classes:
         return annotation.id, False
     if (
