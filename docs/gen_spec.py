@@ -1,9 +1,11 @@
 """The job spec reference, generated from the spec's own code so that it cannot drift.
 
 `libs/common/ebb/common/spec.py` declares the job spec as dataclasses, a docstring under each
-field. This module reads that file with `ast` (nothing is imported: the docs build needs none
-of Ebb's dependencies), walks the sections from `JobSpec` down (`input`, `pipeline`,
-`pipeline.stages[]`, ...) and renders each as a table: field, type, default, what it does.
+field (a stage's metrics are `accumulators.py`'s `MetricSpec`). This module reads those files
+with `ast` (nothing is imported: the docs build needs none of Ebb's dependencies), walks the
+sections from `JobSpec` down (`input`, `pipeline`, `pipeline.stages[]`,
+`pipeline.stages[].metrics.<name>`, ...) and renders each as a table: field, type, default,
+what it does.
 
 MkDocs runs it as a hook (`hooks:` in mkdocs.yml): on a page, the line `<!-- spec-reference -->`
 is replaced by the tables. `python docs/gen_spec.py` prints them.
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 SPEC = Path(__file__).resolve().parent.parent / "libs" / "common" / "ebb" / "common" / "spec.py"
+SOURCES = [SPEC, SPEC.with_name("accumulators.py")]
+"""The modules whose dataclasses make up the spec."""
 MARKER = "<!-- spec-reference -->"
 ROOT = "JobSpec"
 
@@ -42,7 +46,8 @@ class SpecClass:
 @dataclass(frozen=True)
 class Section:
     path: str
-    """Where the section sits in a job file: "" for the top level, `pipeline.stages[]`."""
+    """Where the section sits in a job file: "" for the top level, `pipeline.stages[]`,
+    `pipeline.stages[].metrics.<name>`."""
     cls: SpecClass
 
 
@@ -60,6 +65,17 @@ def read_classes(source: str) -> tuple[dict[str, SpecClass], dict[str, ast.expr]
             classes[node.name] = SpecClass(
                 name=node.name, doc=ast.get_docstring(node) or "", fields=_fields(node)
             )
+    return classes, aliases
+
+
+def read_sources() -> tuple[dict[str, SpecClass], dict[str, ast.expr]]:
+    """`read_classes` of every module in SOURCES, together."""
+    classes: dict[str, SpecClass] = {}
+    aliases: dict[str, ast.expr] = {}
+    for path in SOURCES:
+        more_classes, more_aliases = read_classes(path.read_text())
+        classes.update(more_classes)
+        aliases.update(more_aliases)
     return classes, aliases
 
 
@@ -128,21 +144,21 @@ def sections(classes: dict[str, SpecClass], root: str = ROOT) -> list[Section]:
             child = _section_type(f.annotation, classes)
             if child is not None:
                 name_in_path = f"{path}.{f.name}" if path else f.name
-                walk(child[0], name_in_path + ("[]" if child[1] else ""))
+                walk(child[0], name_in_path + child[1])
 
     walk(root, "")
     return found
 
 
-def _section_type(annotation: ast.expr, classes: dict[str, SpecClass]) -> tuple[str, bool] | None:
-    """(class name, is a list of them) when a field holds a section of its own, or may
-    (`list[ModelSpec] | None`)."""
+def _section_type(annotation: ast.expr, classes: dict[str, SpecClass]) -> tuple[str, str] | None:
+    """(class name, what its path adds: "", "[]" for a list of them, ".<name>" for a map of
+    them by name) when a field holds a section of its own, or may (`list[ModelSpec] | None`)."""
     if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
         sides = (annotation.left, annotation.right)
         found = [s for s in (_section_type(side, classes) for side in sides) if s is not None]
         return found[0] if found else None
     if isinstance(annotation, ast.Name) and annotation.id in classes:
-        return annotation.id, False
+        return annotation.id, ""
     if (
         isinstance(annotation, ast.Subscript)
         and isinstance(annotation.value, ast.Name)
@@ -150,14 +166,33 @@ def _section_type(annotation: ast.expr, classes: dict[str, SpecClass]) -> tuple[
         and isinstance(annotation.slice, ast.Name)
         and annotation.slice.id in classes
     ):
-        return annotation.slice.id, True
+        return annotation.slice.id, "[]"
+    value = _map_value(annotation)
+    if value is not None and value in classes:
+        return value, ".<name>"
+    return None
+
+
+def _map_value(annotation: ast.expr) -> str | None:
+    """X of a `dict[str, X]` annotation."""
+    if (
+        isinstance(annotation, ast.Subscript)
+        and isinstance(annotation.value, ast.Name)
+        and annotation.value.id == "dict"
+        and isinstance(annotation.slice, ast.Tuple)
+        and len(annotation.slice.elts) == 2
+        and isinstance(annotation.slice.elts[1], ast.Name)
+    ):
+        return annotation.slice.elts[1].id
     return None
 
 
 def anchor(path: str) -> str:
-    """The heading id of a section: `pipeline.stages[]` -> `spec-pipeline-stages`; the top
-    level's is `spec`. Links to a section from other pages use these."""
-    return "-".join(["spec", *path.replace("[]", "").replace("_", "-").split(".")]).rstrip("-")
+    """The heading id of a section: `pipeline.stages[]` -> `spec-pipeline-stages`,
+    `pipeline.stages[].metrics.<name>` -> `spec-pipeline-stages-metrics`; the top level's is
+    `spec`. Links to a section from other pages use these."""
+    path = path.replace("[]", "").replace(".<name>", "").replace("_", "-")
+    return "-".join(["spec", *path.split(".")]).rstrip("-")
 
 
 def _type(annotation: ast.expr, aliases: dict[str, ast.expr], paths: dict[str, str]) -> str:
@@ -189,6 +224,9 @@ def _type(annotation: ast.expr, aliases: dict[str, ast.expr], paths: dict[str, s
         and annotation.slice.id in paths
     ):
         return f"list of [`{annotation.slice.id}`](#{anchor(paths[annotation.slice.id])})"
+    value = _map_value(annotation)
+    if value is not None and value in paths:
+        return f"map of names to [`{value}`](#{anchor(paths[value])})"
     return f"`{ast.unparse(annotation)}`"
 
 
@@ -199,7 +237,7 @@ def _cell(text: str) -> str:
 
 def render(source: str | None = None) -> str:
     """The reference: one heading and table per section of the spec."""
-    classes, aliases = read_classes(SPEC.read_text() if source is None else source)
+    classes, aliases = read_sources() if source is None else read_classes(source)
     found = sections(classes)
     paths = {s.cls.name: s.path for s in found}
     out: list[str] = []

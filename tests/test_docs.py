@@ -1,4 +1,4 @@
-"""The documentation: the job spec reference, generated from spec.py's own field docstrings,
+"""The documentation: the job spec reference, generated from the spec's own field docstrings,
 covers every field of every section; the site builds strictly (a broken link, a missing anchor
 or a page left out of the nav fails it); the README's links lead to pages that exist."""
 
@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from ebb.common import spec
+from ebb.common import accumulators, spec
 
 ROOT = Path(__file__).parent.parent
 
@@ -35,18 +35,20 @@ GEN = _load_generator()
 
 
 def spec_dataclasses() -> list[type]:
-    """Every dataclass spec.py defines (imported ones aside)."""
+    """Every dataclass the spec's modules define (imported ones aside)."""
     return [
         value
-        for value in vars(spec).values()
+        for module in (spec, accumulators)
+        for value in vars(module).values()
         if isinstance(value, type)
         and dataclasses.is_dataclass(value)
-        and value.__module__ == spec.__name__
+        and value.__module__ == module.__name__
     ]
 
 
 def test_the_generator_reads_what_python_sees() -> None:
-    classes, _ = GEN.read_classes(GEN.SPEC.read_text())
+    assert [Path(m.__file__ or "").resolve() for m in (spec, accumulators)] == GEN.SOURCES
+    classes, _ = GEN.read_sources()
     assert set(classes) == {cls.__name__ for cls in spec_dataclasses()}
     for cls in spec_dataclasses():
         parsed = [f.name for f in classes[cls.__name__].fields]
@@ -54,7 +56,7 @@ def test_the_generator_reads_what_python_sees() -> None:
 
 
 def test_every_spec_field_has_a_docstring() -> None:
-    classes, _ = GEN.read_classes(GEN.SPEC.read_text())
+    classes, _ = GEN.read_sources()
     missing = [
         f"{name}.{f.name}" for name, parsed in classes.items() for f in parsed.fields if not f.doc
     ]
@@ -62,7 +64,7 @@ def test_every_spec_field_has_a_docstring() -> None:
 
 
 def test_every_field_appears_in_the_reference() -> None:
-    classes, _ = GEN.read_classes(GEN.SPEC.read_text())
+    classes, _ = GEN.read_sources()
     sections = GEN.sections(classes)
     assert {s.cls.name for s in sections} == {cls.__name__ for cls in spec_dataclasses()}
     text = GEN.render()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from ebb.common.accumulators import MetricSpec
 from ebb.common.errors import SpecError
 from ebb.common.spec import JobSpec, check_roots, load_job_file, parse_job
 
@@ -177,3 +178,86 @@ def test_url_roots(tmp_path: Path) -> None:
     sneaky = parse_job({**spec.to_dict(), "output": {"uri": "s3://bucket/team/../other/out"}})
     with pytest.raises(SpecError):
         check_roots(sneaky, ["s3://bucket/team"])
+
+
+METRICS_YAML = """
+name: scoring
+input: {uri: /data/in.parquet}
+pipeline:
+  stages:
+    - model: /models/m.onnx
+      output: p
+      metrics:
+        auc: {kind: auc, label: churned, score: p, bins: 200}
+        rows: {kind: count}
+    - modelet: mine:Bucket
+      metrics:
+        p.hist: {kind: histogram, column: p, range: [0, 1]}
+output: {uri: /data/out}
+"""
+
+
+def test_metrics_on_stages_round_trip() -> None:
+    spec = parse_job(yaml.safe_load(METRICS_YAML))
+    metrics = spec.pipeline.all_metrics()
+    assert list(metrics) == ["auc", "rows", "p.hist"]
+    assert metrics["auc"] == MetricSpec(kind="auc", label="churned", score="p", bins=200)
+    assert metrics["auc"].range == [0.0, 1.0]
+    assert metrics["p.hist"].bins == 10
+    assert parse_job(spec.to_dict()) == spec
+    # What a metric computes decides what a job's committed partials mean: it counts.
+    assert spec.output_fields()["pipeline.stages[0].metrics.auc.bins"] == 200
+
+
+def test_a_spec_without_metrics_digests_as_before_metrics_existed() -> None:
+    spec = parse_job(
+        minimal(pipeline={"stages": [{"model": "/models/m.onnx"}, {"modelet": "a:B"}]})
+    )
+    # Computed by the version before stages had metrics (output roots' owner records keep them).
+    assert spec.whole_sections_digest() == "b3e2304ad994af1945dbd7ca3109fba2"
+    assert spec.output_digest() == "3227cb2b98c810f2c8efb930043939ef"
+
+
+@pytest.mark.parametrize(
+    ("stages", "path", "problem"),
+    [
+        (
+            [{"model": "/m.onnx", "metrics": {"n": {"kind": "sum"}}}],
+            "pipeline.stages[0].metrics.n.column",
+            "sum needs the column",
+        ),
+        (
+            [{"model": "/m.onnx", "metrics": {"n": {"kind": "count", "bins": 4}}}],
+            "pipeline.stages[0].metrics.n.bins",
+            "only a histogram or auc",
+        ),
+        (
+            [{"model": "/m.onnx", "metrics": {"n": {"kind": "median", "column": "p"}}}],
+            "pipeline.stages[0].metrics.n.kind",
+            "expected one of 'sum'",
+        ),
+        (
+            [{"model": "/m.onnx", "metrics": {"n": {"kind": "count", "colum": "p"}}}],
+            "pipeline.stages[0].metrics.n.colum",
+            "did you mean 'column'?",
+        ),
+        (
+            [{"model": "/m.onnx", "metrics": {"2nd": {"kind": "count"}}}],
+            "pipeline.stages[0].metrics.2nd",
+            "a metric name must match",
+        ),
+        (
+            [
+                {"model": "/m.onnx", "name": "score", "metrics": {"n": {"kind": "count"}}},
+                {"modelet": "a:B", "metrics": {"n": {"kind": "count", "column": "p"}}},
+            ],
+            "pipeline.stages[1].metrics.n",
+            "stage 'score' has a metric of that name already",
+        ),
+    ],
+)
+def test_bad_metrics_say_where(stages: list[dict[str, Any]], path: str, problem: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_job(minimal(pipeline={"stages": stages}))
+    assert e.value.path == path
+    assert problem in e.value.problem

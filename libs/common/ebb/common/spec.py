@@ -26,10 +26,12 @@ from urllib.parse import urlsplit
 import yaml
 
 from . import schema
+from .accumulators import MetricSpec
 from .errors import SchemaError, SpecError
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MODELET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 InputFormat = Literal["parquet", "csv", "jsonl"]
 Runtime = Literal["onnx", "torchscript"]
 ModelDtype = Literal["float32", "float16", "bfloat16"]
@@ -237,6 +239,10 @@ class StageSpec:
     """Model stages: a row whose floating-point model input holds NaN or inf fails alone (an
     error row that says so) instead of giving a NaN prediction. False for a model that reads
     NaN as "missing" (tree ensembles)."""
+    metrics: dict[str, MetricSpec] = field(default_factory=dict)
+    """Metrics over the stage's OUTPUT columns, by name (unique in the job): each output row
+    counted exactly once, whatever was retried or split, into `_metrics.json` when the job
+    ends."""
 
     def __post_init__(self) -> None:
         named = [self.modelet, self.model, self.models]
@@ -285,6 +291,9 @@ class StageSpec:
             raise _bad("length_column", "applies only with batch_tokens")
         if not re.match(r"^(cpu|cuda(:\d+)?)$", self.device):
             raise _bad("device", f"expected cpu, cuda or cuda:N, got {self.device!r}")
+        for name in self.metrics:
+            if not METRIC_NAME_RE.match(name):
+                raise _bad(f"metrics.{name}", f"a metric name must match {METRIC_NAME_RE.pattern}")
 
     @property
     def serves_models(self) -> bool:
@@ -321,7 +330,20 @@ class PipelineSpec:
             raise _bad("stages", "one fan-out (and one fan-in after it) at most")
         if fanins and (not fanouts or fanins[0] <= fanouts[0]):
             raise _bad(f"stages[{fanins[0]}].fanin", "a fan-in stage comes after a fan-out stage")
+        owners: dict[str, str] = {}
+        for i, stage in enumerate(named):
+            for metric in stage.metrics:
+                if metric in owners:
+                    raise _bad(
+                        f"stages[{i}].metrics.{metric}",
+                        f"stage {owners[metric]!r} has a metric of that name already",
+                    )
+                owners[metric] = stage.name
         object.__setattr__(self, "stages", named)
+
+    def all_metrics(self) -> dict[str, MetricSpec]:
+        """Every stage's metrics, by name (unique across the stages)."""
+        return {name: m for stage in self.stages for name, m in stage.metrics.items()}
 
     def runtime_modules(self) -> list[str]:
         """The model runtimes' modules the stages import (not user modelets': their imports
