@@ -11,7 +11,7 @@ import yaml
 
 from ebb.common.accumulators import MetricSpec
 from ebb.common.errors import SpecError
-from ebb.common.spec import JobSpec, check_roots, load_job_file, parse_job
+from ebb.common.spec import JobSpec, TrackingSpec, check_roots, load_job_file, parse_job
 
 
 def minimal(**overrides: Any) -> dict[str, Any]:
@@ -194,6 +194,7 @@ pipeline:
       metrics:
         p.hist: {kind: histogram, column: p, range: [0, 1]}
 output: {uri: /data/out}
+tracking: {mlflow_uri: "http://mlflow:5000"}
 """
 
 
@@ -207,6 +208,7 @@ def test_metrics_on_stages_round_trip() -> None:
     assert parse_job(spec.to_dict()) == spec
     # What a metric computes decides what a job's committed partials mean: it counts.
     assert spec.output_fields()["pipeline.stages[0].metrics.auc.bins"] == 200
+    assert spec.tracking == TrackingSpec(mlflow_uri="http://mlflow:5000", experiment="scoring")
 
 
 def test_a_spec_without_metrics_digests_as_before_metrics_existed() -> None:
@@ -261,3 +263,23 @@ def test_bad_metrics_say_where(stages: list[dict[str, Any]], path: str, problem:
         parse_job(minimal(pipeline={"stages": stages}))
     assert e.value.path == path
     assert problem in e.value.problem
+
+
+def test_a_local_tracking_store_is_a_path_under_the_data_roots(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "jobs").mkdir()
+    paths = {"input": {"uri": str(root / "in.parquet")}, "output": {"uri": str(root / "out")}}
+    spec = minimal(**paths, pipeline={"stages": [{"model": str(root / "m.onnx")}]})
+    spec["tracking"] = {"mlflow_uri": "../root/mlruns", "experiment": "churn"}
+    (tmp_path / "jobs" / "job.yaml").write_text(yaml.safe_dump(spec))
+    loaded = load_job_file(tmp_path / "jobs" / "job.yaml")
+    assert os.path.normpath(loaded.tracking.mlflow_uri or "") == str(root / "mlruns")
+    assert loaded.tracking.experiment == "churn"
+    check_roots(loaded, [str(root)])
+    for inside in (f"file://{root}/mlruns", f"sqlite:///{root}/mlflow.db", "https://mlflow.x"):
+        check_roots(parse_job({**spec, "tracking": {"mlflow_uri": inside}}), [str(root)])
+    for outside in ("/etc/mlruns", "file:///etc/mlruns", "sqlite:////etc/mlflow.db", "file:x"):
+        with pytest.raises(SpecError) as e:
+            check_roots(parse_job({**spec, "tracking": {"mlflow_uri": outside}}), [str(root)])
+        assert e.value.path == "tracking.mlflow_uri"

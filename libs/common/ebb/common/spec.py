@@ -242,7 +242,7 @@ class StageSpec:
     metrics: dict[str, MetricSpec] = field(default_factory=dict)
     """Metrics over the stage's OUTPUT columns, by name (unique in the job): each output row
     counted exactly once, whatever was retried or split, into `_metrics.json` when the job
-    ends."""
+    ends (and MLflow: see `tracking`)."""
 
     def __post_init__(self) -> None:
         named = [self.modelet, self.model, self.models]
@@ -456,6 +456,27 @@ class FaultPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrackingSpec:
+    """Where the job's metrics are logged besides its `_metrics.json`: an MLflow run."""
+
+    mlflow_uri: str | None = None
+    """An MLflow tracking URI: a server (`http://host:5000`, `databricks`), or a local store
+    under the data roots (a folder, which MLflow 3 writes only with
+    `MLFLOW_ALLOW_FILE_STORE=true` set; a `sqlite:` database, which needs the full `mlflow`
+    package). Logging needs the `mlflow` extra (`pip install 'ebb[mlflow]'`) where the
+    metrics are logged. None: not logged."""
+    experiment: str | None = None
+    """The MLflow experiment to log the run in, made if it does not exist. Default: the job's
+    name."""
+
+    def __post_init__(self) -> None:
+        if self.mlflow_uri is not None and not self.mlflow_uri:
+            raise _bad("mlflow_uri", "must not be empty (null: not logged)")
+        if self.experiment is not None and not self.experiment:
+            raise _bad("experiment", "must not be empty (null: the job's name)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobSpec:
     """A job: what to read, the pipeline to run on it, where to write, with what resources
     and which fault policy."""
@@ -477,12 +498,16 @@ class JobSpec:
     """Leases, retries and error budget (the `fault` section)."""
     priority: int = 0
     """Higher-priority jobs get capacity first."""
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    """Where the metrics are logged besides `_metrics.json` (the `tracking` section)."""
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 200:
             raise _bad("name", "must be 1 to 200 characters")
         if self.id and not JOB_ID_RE.match(self.id):
             raise _bad("id", f"must match {JOB_ID_RE.pattern}, got {self.id!r}")
+        if self.tracking.experiment is None:
+            object.__setattr__(self, "tracking", replace(self.tracking, experiment=self.name))
 
     def with_id(self) -> JobSpec:
         """This spec with an id: its own, or one made from the name and a random suffix."""
@@ -641,8 +666,23 @@ def _resolve(uri: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p))
 
 
+def _tracking_path(uri: str) -> str | None:
+    """The local path an MLflow tracking URI writes to: a folder (a path, or a file: URI) or a
+    sqlite: database (`sqlite:////abs/path.db`). None for a server's (http:, databricks)."""
+    if uri.startswith("sqlite:"):
+        return uri.removeprefix("sqlite:///")
+    if uri.startswith("file:"):
+        return urlsplit(uri).path
+    return None if _is_url(uri) else uri
+
+
 def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
     """Make every local path in the spec absolute, relative to `base` (the job file's folder)."""
+    tracking = spec.tracking
+    uri = tracking.mlflow_uri
+    if uri is not None and not uri.startswith("sqlite:") and _tracking_path(uri) is not None:
+        # A folder; a sqlite: URI is left as written (SQLAlchemy's own syntax).
+        tracking = replace(tracking, mlflow_uri=_resolve(uri, base))
     stages = [
         replace(s, model=_resolve(s.model, base)) if s.model is not None else s
         for s in spec.pipeline.stages
@@ -662,6 +702,7 @@ def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
             code_paths=[_resolve(c, base) for c in spec.pipeline.code_paths],
         ),
         output=replace(spec.output, uri=_resolve(spec.output.uri, base)),
+        tracking=tracking,
     )
 
 
@@ -695,6 +736,10 @@ def check_roots(spec: JobSpec, roots: list[str]) -> None:
         for j, m in enumerate(s.models or [])
     ]
     named += [(f"pipeline.code_paths[{i}]", c) for i, c in enumerate(spec.pipeline.code_paths)]
+    if spec.tracking.mlflow_uri is not None:
+        local = _tracking_path(spec.tracking.mlflow_uri)
+        if local is not None:
+            named.append(("tracking.mlflow_uri", local))
     for where, uri in named:
         if not _is_url(uri) and not os.path.isabs(uri):
             raise SpecError(where, f"{uri!r} must be absolute when submitted")

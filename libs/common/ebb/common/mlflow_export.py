@@ -1,0 +1,91 @@
+"""A job's metrics logged as one MLflow run.
+
+Each number among the results (a count, a sum, an AUC...) becomes an MLflow metric of the
+same name; the results whole (histograms, and metrics left undefined, as nulls) are logged
+beside them as the run's `metrics.json` artifact, the same map as the job's `_metrics.json`.
+MLflow metrics hold numbers only: the artifact is where a histogram can be read back.
+
+mlflow is an optional dependency (`pip install 'ebb[mlflow]'`, mlflow-skinny), imported
+only when a run is logged. The call blocks (it talks to the tracking server, or writes a
+local store): run it in a thread from the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import EbbError
+
+ARTIFACT = "metrics.json"
+"""The run's artifact holding the results whole."""
+
+
+class MlflowExportError(EbbError):
+    """The run could not be logged: mlflow is not installed, or the tracking store refused or
+    could not be reached (the cause is chained)."""
+
+
+def log_metrics(
+    *,
+    tracking_uri: str,
+    experiment: str,
+    run_name: str,
+    values: Mapping[str, Any],
+    params: Mapping[str, str],
+) -> str:
+    """Log `values` (metric results by name) as a finished run of `experiment` (made if it
+    does not exist) at `tracking_uri`, with `params` (the job's id, say); the run's id.
+
+    A run that fails half way is marked FAILED, and MlflowExportError raised."""
+    try:
+        import mlflow
+    except ImportError as e:
+        raise MlflowExportError(
+            "logging metrics to MLflow needs mlflow: pip install 'ebb[mlflow]'"
+        ) from e
+    numbers = {
+        name: float(value)
+        for name, value in values.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    now_ms = int(time.time() * 1000)
+    try:
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        run = client.create_run(_experiment_id(client, experiment), run_name=run_name)
+        run_id = str(run.info.run_id)
+    except (mlflow.exceptions.MlflowException, OSError) as e:
+        raise MlflowExportError(f"MLflow at {tracking_uri}: cannot start a run: {e}") from e
+    try:
+        client.log_batch(
+            run_id,
+            metrics=[mlflow.entities.Metric(k, v, now_ms, 0) for k, v in numbers.items()],
+            params=[mlflow.entities.Param(k, v) for k, v in params.items()],
+        )
+        client.log_dict(run_id, dict(values), ARTIFACT)
+        client.set_terminated(run_id, status="FINISHED")
+    except (mlflow.exceptions.MlflowException, OSError) as e:
+        try:
+            client.set_terminated(run_id, status="FAILED")
+        except (mlflow.exceptions.MlflowException, OSError):
+            pass  # the store is what failed: the error raised below says so
+        raise MlflowExportError(f"MLflow at {tracking_uri}: run {run_id}: {e}") from e
+    return run_id
+
+
+def _experiment_id(client: Any, name: str) -> str:
+    """The id of the experiment of that name, made if there is none (by this caller or by
+    another one at the same moment)."""
+    import mlflow
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return str(found.experiment_id)
+    try:
+        return str(client.create_experiment(name))
+    except mlflow.exceptions.MlflowException:
+        found = client.get_experiment_by_name(name)  # made by another caller meanwhile
+        if found is None:
+            raise
+        return str(found.experiment_id)
