@@ -61,20 +61,24 @@ class Straggler:
     first (a file: the first worker's pid is written in it): one straggler in a fleet."""
 
     def __init__(self, seconds_per_batch: float, factor: float, claim: str) -> None:
-        worker = _worker_pid()
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.write(fd, str(worker).encode())
-            os.close(fd)
-        except FileExistsError:
-            pass
-        with open(claim) as f:
-            straggles = f.read().strip() == str(worker)
-        self.seconds = seconds_per_batch * (factor if straggles else 1.0)
+        self.seconds = seconds_per_batch * (factor if _claims(claim) else 1.0)
 
     def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
         time.sleep(self.seconds)
         return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
+def _claims(claim: str) -> bool:
+    """Whether this worker is the first to claim the file `claim` (its pid is written in it)."""
+    worker = _worker_pid()
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, str(worker).encode())
+        os.close(fd)
+    except FileExistsError:
+        pass
+    with open(claim) as f:
+        return f.read().strip() == str(worker)
 
 
 def _worker_pid() -> int:
@@ -353,3 +357,77 @@ class Placement:
     def process(self, row: Any) -> Any:
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
         return f"{os.getpid()} {gpu} {os.environ.get('EBB_DEVICE', '-')}"
+
+
+class Weighted:
+    """{"id", "features"} -> {"id", <out>: features . weights}, columnar: a light model of its
+    own per branch. Rows whose id is in `poison` fail (alone, after bisection); a row whose
+    id is in `crash_on` kills the process (every time); `batch` records each row's batch
+    size, to see that branches batch on their own."""
+
+    def __init__(
+        self,
+        weight: float,
+        out: str,
+        poison: list[int] | None = None,
+        crash_on: list[int] | None = None,
+    ) -> None:
+        self.weight = weight
+        self.out = out
+        self.poison = set(poison or [])
+        self.crash_on = set(crash_on or [])
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = set(batch["id"].tolist())
+        if self.crash_on & ids:
+            os._exit(31)
+        if self.poison & ids:
+            raise ValueError(f"cannot score rows {sorted(self.poison & ids)}")
+        n = len(batch["id"])
+        return {
+            "id": batch["id"],
+            self.out: batch["features"].sum(axis=1) * self.weight,
+            f"{self.out}_batch": np.full(n, n, dtype=np.int64),
+        }
+
+
+class Difference:
+    """{"a", "b"} -> {"id", "diff": a - b}: a stage that reads two branches."""
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"id": batch["id"], "diff": batch["a"] - batch["b"]}
+
+
+class Labelled:
+    """{"id", "features"} -> the same with "label": 1 where the first feature is positive (the
+    truth an evaluation scores its models against)."""
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {**batch, "label": (batch["features"][:, 0] > 0).astype(np.int64)}
+
+
+class Probability:
+    """{"features", ...} -> the row's other columns and <out>: a probability from a linear
+    score of the features (`weights`, one per feature), with noise fixed by the row's id: a
+    light model that ranks the rows imperfectly. Optionally slow (`seconds_per_batch`)."""
+
+    def __init__(
+        self,
+        weights: list[float],
+        out: str,
+        seconds_per_batch: float = 0.0,
+        straggle: dict[str, Any] | None = None,
+    ) -> None:
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.out = out
+        self.seconds = seconds_per_batch
+        if straggle is not None and _claims(straggle["claim"]):
+            self.seconds *= straggle["factor"]
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.seconds:
+            time.sleep(self.seconds)
+        noise = np.sin(batch["id"].astype(np.float64) * 12.9898) * 0.8
+        logit = batch["features"].astype(np.float64) @ self.weights + noise
+        rest = {k: v for k, v in batch.items() if k != "features"}
+        return {**rest, self.out: 1.0 / (1.0 + np.exp(-logit))}

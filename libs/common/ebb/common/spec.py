@@ -207,6 +207,16 @@ class StageSpec:
     at the fan-in stage or at the end of the pipeline."""
     fanin: bool = False
     """The stage receives, per item, the list of results of its fanned-out parts."""
+    after: list[str] | None = None
+    """The stages whose output this stage reads, by name (stages listed before it). Stages
+    that name the same stage run beside each other on the same rows: branches, each with its
+    own processes and batching. A stage that names several gets each row's columns from all
+    of them, joined by row; so are the stages nobody reads from, before the output is
+    written. In a join a column that several inputs have is taken from the first named (a
+    column passed through both branches is the same), and a result that is not a map of
+    columns is named after its stage. None: the stage listed before it (the first stage: the
+    rows as read), a chain as without `after`. `[]`: the rows as read (a branch straight from
+    the input)."""
     batch_size: int = 32
     """Largest batch the stage assembles."""
     adaptive_batch: bool = False
@@ -340,6 +350,50 @@ class PipelineSpec:
                     )
                 owners[metric] = stage.name
         object.__setattr__(self, "stages", named)
+        reads = self.inputs()
+        if (fanouts or fanins) and not self.is_chain():
+            raise _bad("stages", "a fan-out needs a chain of stages (no branches by `after`)")
+        if fanouts:
+            # A fan-out stage's parts are rows of their own until they are gathered: a
+            # metric's values cannot follow them, nor theirs be told apart from their row's.
+            gathered = fanins[0] if fanins else len(named)
+            for i, stage in enumerate(named[:gathered]):
+                if stage.metrics:
+                    raise _bad(
+                        f"stages[{i}].metrics",
+                        "in a pipeline that fans out, only stages from the fan-in on have metrics",
+                    )
+        sinks = [k for k in range(len(named)) if not any(k in r for r in reads)]
+        for joined in [r for r in reads if len(r) > 1] + [sinks]:
+            keys = [named[k].output for k in joined if named[k].output is not None]
+            if len(set(keys)) < len(keys):
+                raise _bad("stages", f"stages whose rows are joined write the same key: {keys}")
+
+    def inputs(self) -> list[list[int]]:
+        """Each stage's inputs, by index (an empty list: the rows as read)."""
+        index = {s.name: k for k, s in enumerate(self.stages)}
+        reads: list[list[int]] = []
+        for k, stage in enumerate(self.stages):
+            if stage.after is None:
+                reads.append([k - 1] if k else [])
+                continue
+            named = []
+            for name in stage.after:
+                at = index.get(name)
+                if at is None or at >= k:
+                    raise _bad(
+                        f"stages[{k}].after",
+                        f"{name!r} is not a stage listed before {stage.name!r}",
+                    )
+                if at in named:
+                    raise _bad(f"stages[{k}].after", f"{name!r} is named twice")
+                named.append(at)
+            reads.append(named)
+        return reads
+
+    def is_chain(self) -> bool:
+        """Every stage reads the one listed before it: the pipeline has no branch or join."""
+        return all(r == ([k - 1] if k else []) for k, r in enumerate(self.inputs()))
 
     def all_metrics(self) -> dict[str, MetricSpec]:
         """Every stage's metrics, by name (unique across the stages)."""
@@ -549,10 +603,11 @@ class JobSpec:
         return loaded
 
     def _body(self) -> dict[str, Any]:
-        """`to_dict` less the stage fields of LATER_STAGE_FIELDS a stage leaves unset."""
+        """`to_dict` less the stage fields of LATER_STAGE_FIELDS a stage leaves unset (None,
+        or an empty map)."""
         body = self.to_dict()
         body["pipeline"]["stages"] = [
-            {k: v for k, v in stage.items() if not (k in LATER_STAGE_FIELDS and v is None)}
+            {k: v for k, v in stage.items() if not (k in LATER_STAGE_FIELDS and v in (None, {}))}
             for stage in body["pipeline"]["stages"]
         ]
         return body
@@ -587,7 +642,7 @@ STAGE_PERFORMANCE_FIELDS = frozenset(
 )
 """A stage's fields that decide how fast and where its rows are computed, not what they are
 (a name is a label). Every other field of a stage, one added later included, counts."""
-LATER_STAGE_FIELDS = frozenset({"models"})
+LATER_STAGE_FIELDS = frozenset({"models", "after", "metrics"})
 """Stage fields added after output roots began to keep the fields that decide their rows:
 left out of those while unset, so that a spec which does not use one carries on in an output
 root claimed before it came."""

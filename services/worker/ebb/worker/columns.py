@@ -29,6 +29,21 @@ VALUE = "__value__"
 """The one column of a chunk whose rows are plain values rather than maps."""
 
 
+METRIC = "__metric__:"
+"""The prefix of a column of a metric's per-row values (`StageSpec.metrics`): it travels with
+the rows to the worker's front, which sums them up for the rows it writes; no modelet sees
+it, nor does the output."""
+
+
+def split_metrics(chunk: Columns) -> tuple[Columns, Columns]:
+    """The chunk's own columns, and its metric columns (keyed by the metric's name)."""
+    if not any(name.startswith(METRIC) for name in chunk):
+        return chunk, {}
+    own = {k: v for k, v in chunk.items() if not k.startswith(METRIC)}
+    metrics = {k.removeprefix(METRIC): v for k, v in chunk.items() if k.startswith(METRIC)}
+    return own, metrics
+
+
 class ChunkError(ValueError):
     """Columns that do not make a chunk (different lengths, not arrays)."""
 

@@ -6,6 +6,9 @@ Rows leave the pipeline as results, from the last stage, or as errors, from any 
 a fan-out stage and the gathering (the fan-in stage, or the end of the pipeline) each part of
 an item travels as an item of its own (families.py).
 
+A pipeline that is not a chain (stages that name what they read: `after`) sends a stage's rows
+to each stage that reads it, and through joins where branches meet (joins.py).
+
 Rows nobody waits for any more (their run was cancelled: a lost lease, a drain) are cancelled
 by uid range: what still waits in a backlog is dropped, and reported as errors, which the
 asyncio front ignores for a run it no longer has; what a process holds finishes as usual.
@@ -21,11 +24,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ebb.common.spec import StageSpec
+from ebb.common.spec import PipelineSpec, StageSpec
 
 from . import frames, metrics
-from .columns import Columns, from_rows, to_rows
+from .columns import Columns, from_rows, take, to_rows
 from .families import Families
+from .joins import Graph, Join, Settled
 from .ledger import Blame, RowLedger, blame
 from .segments import SegmentLedger
 
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 
 ResultsCallback = Callable[[np.ndarray, Columns], None]
 ErrorsCallback = Callable[[np.ndarray, list[str]], None]
+OUT = -1
+"""Where the rows of the last stages go: out of the pipeline."""
 
 
 class Conveyor:
@@ -61,6 +67,22 @@ class Conveyor:
         self.fanout_stage: int | None = fanouts[0] if fanouts else None
         self.fanin_stage: int | None = fanins[0] if fanins else None
         self.families = Families()
+        self.graph = Graph.of(specs, PipelineSpec(stages=specs).inputs())
+        self.branched = not self.graph.is_chain
+        """Stages read other stages than the one before them: rows go by the graph."""
+        self.readers = [self.graph.readers(k) or [OUT] for k in range(self.stages)]
+        self.joins: dict[int, Join] = {}
+        """Where branches meet, by the stage that reads them (OUT: the end of the pipeline)."""
+        self.failed = Settled()
+        """Rows told as errors while copies of them may still run in other branches."""
+        self.resent = Settled()
+        """Rows sent through the branches again (a process that held them died)."""
+        sinks = self.graph.sinks
+        for k, reads in enumerate(self.graph.inputs):
+            if len(reads) > 1:
+                self.joins[k] = Join(reads, [self.names[i] for i in reads], resent=self.resent)
+        if len(sinks) > 1:
+            self.joins[OUT] = Join(sinks, [self.names[i] for i in sinks], resent=self.resent)
 
     def waiting(self, stage: int) -> int:
         """Rows in the backlog of `stage`."""
@@ -70,14 +92,21 @@ class Conveyor:
         """Segments of frames still in a backlog."""
         return {f.segment for b in self.backlog for f in b if f.segment}
 
+    def joined(self) -> int:
+        """Rows waiting in joins for another branch."""
+        return sum(len(j) for j in self.joins.values())
+
     def submit(self, start: int, data: pa.RecordBatch | Columns, rows: int) -> None:
-        """Rows for the first stage, kept until each is out."""
+        """Rows for the first stage(s), kept until each is out."""
         self.rows.keep(start, data, rows)
         self._enqueue_source(np.arange(start, start + rows, dtype=np.int64), data, 0)
 
     def resend(self, uids: list[int], *, solo: bool) -> None:
-        """Send rows through the pipeline again, from the first stage (ledger.py)."""
+        """Send rows through the pipeline again, from the first stage(s) (ledger.py)."""
         flags = frames.SOLO if solo else 0
+        if self.branched:
+            # Through every branch again: a join keeps the first copy that reaches it.
+            self.resent.add(uids)
         for group, part in self.rows.resend(uids, solo=solo):
             self._enqueue_source(group, part, flags)
 
@@ -107,6 +136,8 @@ class Conveyor:
     ) -> Blame:
         """The rows a dead process `held` (`running` those of its batch): each sent again,
         alone, or out as an error saying `error` (ledger.blame decides)."""
+        if self.branched and len(self.failed):
+            held = held[~self.failed.mask(held)]  # told already: nothing to do for them
         verdict = blame(
             held.tolist(),
             running.tolist(),
@@ -129,6 +160,9 @@ class Conveyor:
     def _route(self, stage: int, frame: frames.Frame) -> None:
         """Rows that came out of `stage`: on to the next stage, back to their family, or out
         of the pipeline."""
+        if self.branched:
+            self._route_graph(stage, frame)
+            return
         after = stage + 1
         if after < self.stages and not self._gathers_after(stage):
             self.backlog[after].append(frame)  # as it came: no unpickling here
@@ -139,6 +173,36 @@ class Conveyor:
         else:
             self.rows.release(frame.uids)
             self.on_results(frame.uids.copy(), chunk)
+
+    def _route_graph(self, stage: int, frame: frames.Frame) -> None:
+        """Rows that came out of `stage` of a pipeline that is not a chain: to each stage
+        that reads it (as they came, when only one does), into joins, or out."""
+        readers = self.readers[stage]
+        if len(readers) == 1 and readers[0] != OUT and readers[0] not in self.joins:
+            self.backlog[readers[0]].append(frame)
+            return
+        uids = frame.uids
+        chunk = self._read(frame.buf, frame.segment)
+        told = self.failed.mask(uids)
+        if told.any():
+            uids, chunk = uids[~told], take(chunk, ~told)
+        flags = frame.flags & frames.SOLO
+        for reader in readers:
+            if reader not in self.joins:
+                self._enter(reader, uids, chunk, flags)
+                continue
+            join = self.joins[reader]
+            done, joined = join.add(stage, uids, chunk)
+            if len(done):
+                self._enter(reader, done, joined, flags)
+
+    def _enter(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int) -> None:
+        """Rows for `stage`, or out of the pipeline (OUT)."""
+        if stage != OUT:
+            self._enqueue(stage, uids, chunk, flags)
+            return
+        self.rows.release(uids)
+        self.on_results(uids.copy(), chunk)
 
     def _fan_out(
         self, stage: int, buf: bytes, parents: np.ndarray, counts: np.ndarray, h: frames.Header
@@ -183,6 +247,19 @@ class Conveyor:
                 out_messages.append(message)
         if out_uids:
             failed = np.asarray(out_uids, dtype=np.int64)
+            if self.branched:
+                # A row fails once, in whichever branch fails it first; its copies in the
+                # other branches are dropped where they wait, or when they reach a join.
+                fresh = ~self.failed.mask(failed)
+                failed = failed[fresh]
+                out_messages = [
+                    m for m, keep in zip(out_messages, fresh.tolist(), strict=True) if keep
+                ]
+                if not len(failed):
+                    return
+                self.failed.add(failed.tolist())
+                for join in self.joins.values():
+                    join.drop(failed)
             self.rows.release(failed)
             self.on_errors(failed, out_messages)
 
@@ -213,15 +290,19 @@ class Conveyor:
             self.fail(uids, ["cancelled: nobody waits for this row"] * len(uids))
 
     def _enqueue_source(self, uids: np.ndarray, data: pa.RecordBatch | Columns, flags: int) -> None:
-        """Rows for the first stage, as submitted (or taken again from their source)."""
-        if not isinstance(data, pa.RecordBatch):
-            self._enqueue(0, uids, data, flags)
-            return
-        # Arrow IPC: one copy into shared memory, no pickling of values; the stage process
-        # turns it into columns (zero-copy for numbers and tensors), in parallel with us.
-        payload = (data.schema, data.serialize())
-        buf = frames.pack(frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena)
-        self.backlog[0].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
+        """Rows for the first stage(s), as submitted (or taken again from their source): a
+        frame of its own for each stage that reads the rows as read."""
+        for stage in self.graph.sources:
+            if not isinstance(data, pa.RecordBatch):
+                self._enqueue(stage, uids, data, flags)
+                continue
+            # Arrow IPC: one copy into shared memory, no pickling of values; the stage
+            # process turns it into columns (zero-copy for numbers and tensors), in parallel.
+            payload = (data.schema, data.serialize())
+            buf = frames.pack(
+                frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena
+            )
+            self.backlog[stage].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
 
     def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
         """Pack rows for `stage` (large buffers into shared memory) and queue them."""

@@ -132,7 +132,11 @@ class RowLedger:
         out: list[tuple[np.ndarray, pa.RecordBatch | Columns]] = []
         by_source: dict[int, list[int]] = {}
         for uid in sorted(uids):
-            start = self.source_starts[bisect.bisect_right(self.source_starts, uid) - 1]
+            at = bisect.bisect_right(self.source_starts, uid) - 1
+            start = self.source_starts[at] if at >= 0 else -1
+            if start < 0 or uid >= start + self.sources[start].rows:
+                # Out of the pipeline already: a copy of it that ran in another branch.
+                continue
             by_source.setdefault(start, []).append(uid)
         for start, members in by_source.items():
             source = self.sources[start]

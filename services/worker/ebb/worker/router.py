@@ -199,10 +199,13 @@ class Router:
         """When the input is drained, tell each stage whose upstream is empty not to wait."""
         if not self.draining:
             return
+        dry: list[bool] = []  # nothing waits in or before each stage
         for k, pool in enumerate(self.pools):
+            if not all(dry[i] for i in self.conveyor.graph.inputs[k]):
+                dry.append(False)
+                continue
             pool.flush()
-            if self.conveyor.backlog[k] or pool.load():
-                break
+            dry.append(not self.conveyor.backlog[k] and not pool.load())
 
     def _wait_and_receive(self, timeout: float) -> None:
         dead: list[StageProcess] = []
