@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -77,6 +78,18 @@ def lost_workers(status: JobStatus) -> str:
     )
 
 
+def metric_text(value: Any) -> str:
+    """A metric's value in a line: a number as is, a histogram by its counts."""
+    if value is None:
+        return "n/a (no rows, or one class only)"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict) and "counts" in value:
+        under, over = value.get("under", 0), value.get("over", 0)
+        return f"histogram {value['counts']} (under {under}, over {over})"
+    return str(value)
+
+
 def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
     colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(status.state, "")
     rate = status.rows_done / seconds if seconds > 0 else 0.0
@@ -88,6 +101,8 @@ def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
     )
     if status.workers_lost:
         out.print(f"  workers  {lost_workers(status)}")
+    for name, value in status.metrics.items():
+        out.print(f"  metric   {name} = {metric_text(value)}")
     if status.manifest:
         out.print(f"  output   {status.manifest}")
     if status.reason:

@@ -10,6 +10,8 @@ from typing import Any
 DATA_DIR = "data"
 COMMITS_DIR = "_commits"
 MANIFEST = "_manifest.json"
+METRICS = "_metrics.json"
+"""Beside the manifest: the values of the job's metrics over exactly its rows."""
 OWNER = "_job.json"
 """Names the job that owns the output root; created exclusively when the job is accepted."""
 CLAIMS_DIR = "_claims"
@@ -69,6 +71,9 @@ class CommitRecord:
     the master asked for the rest to run elsewhere) after the shard's first `split_at` rows,
     and these files are those rows: a part of the shard. The master makes the rest a shard of
     its own (`ebb.common.messages.rest_of`)."""
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The partials of the job's metrics (`ebb.common.accumulators`) over exactly the rows of
+    these files, by metric: the master merges those of the attempts that won their shards."""
 
     @property
     def rows(self) -> int:

@@ -215,6 +215,9 @@ class JobStatus(Message):
     crash, setup), as the controller told the master."""
     attempts_forgiven: int = 0
     """Attempts lost with a worker the cluster took away: not counted against max_attempts."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The values of the job's metrics (`StageSpec.metrics`) over the rows of its shards done
+    so far, each counted once."""
 
 
 @dataclass(frozen=True, kw_only=True)

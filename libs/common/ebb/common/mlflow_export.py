@@ -12,6 +12,7 @@ local store): run it in a thread from the event loop.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,11 @@ ARTIFACT = "metrics.json"
 class MlflowExportError(EbbError):
     """The run could not be logged: mlflow is not installed, or the tracking store refused or
     could not be reached (the cause is chained)."""
+
+
+def available() -> bool:
+    """Whether mlflow can be imported here (without importing it: that takes seconds)."""
+    return importlib.util.find_spec("mlflow") is not None
 
 
 def log_metrics(

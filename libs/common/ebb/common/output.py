@@ -44,6 +44,7 @@ from .layout import (
     COMMITS_DIR,
     DATA_DIR,
     MANIFEST,
+    METRICS,
     OWNER,
     CommitRecord,
     Manifest,
@@ -317,6 +318,11 @@ class OutputStore:
 
     # -- the manifest and garbage ----------------------------------------------------------
 
+    def write_metrics(self, job: str, values: dict[str, Any], specs: dict[str, Any]) -> None:
+        """The job's metrics beside its manifest: their values and what each is."""
+        body = {"job": job, "metrics": values, "specs": specs}
+        self.write_file(METRICS, json.dumps(body, indent=1, sort_keys=True).encode())
+
     def write_manifest(self, manifest: Manifest) -> None:
         self.write_file(MANIFEST, _json(manifest))
 
@@ -368,8 +374,10 @@ def new_commit(
     files: list[OutputFile],
     worker: str,
     split_at: int = 0,
+    metrics: dict[str, dict[str, Any]] | None = None,
 ) -> CommitRecord:
-    """A commit record of now. `split_at`: the rows of a part (0: the whole shard)."""
+    """A commit record of now. `split_at`: the rows of a part (0: the whole shard);
+    `metrics`: the partials of the job's metrics over its rows."""
     return CommitRecord(
         job=job,
         shard=shard,
@@ -378,4 +386,5 @@ def new_commit(
         worker=worker,
         committed_at=time.time(),
         split_at=split_at,
+        metrics=metrics or {},
     )

@@ -21,9 +21,10 @@ from dataclasses import replace
 
 from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobState, ResumeReply
 
+from . import jobmetrics
 from .context import TableContext
 from .errors import Deposed, JobNotFound, NotResumable
-from .finish import failure_reason, write_manifest
+from .finish import failure_reason, log_to_mlflow, write_manifest
 from .jobs import Job
 from .moves import load_with_remainders
 from .store import JobRecord, ShardRecord
@@ -104,6 +105,7 @@ class JobLifecycle:
             created_at=self._context.wall_clock(),
         )
         await self.end(job, "SUCCEEDED", "", manifest=manifest)
+        await log_to_mlflow(job, job.record.metrics)
 
     async def end(self, job: Job, state: JobState, reason: str, *, manifest: str = "") -> None:
         """Persist a terminal state (caller holds the job's lock), every shard lock held."""
@@ -121,6 +123,7 @@ class JobLifecycle:
                 rows_done=job.rows_done,
                 error_rows=job.error_rows,
                 manifest=manifest,
+                metrics=jobmetrics.results(job),
             )
             await self.move(job, record)
             log.info("job %s %s %s", job.id, state, reason)
@@ -221,6 +224,7 @@ class JobLifecycle:
                 shards_quarantined=0,
                 rows_done=0,
                 error_rows=0,
+                metrics={},
                 resume_key=key,
             )
             await self.move(job, record)

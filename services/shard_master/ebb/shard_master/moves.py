@@ -132,6 +132,7 @@ class ShardMoves:
                 rows=commit.rows,
                 error_rows=commit.error_rows,
                 files=commit.files,
+                metrics=commit.metrics,
             )
             if commit.split_at:
                 new = split_part(new, commit.split_at, index=len(job.shards))

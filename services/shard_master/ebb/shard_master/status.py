@@ -8,6 +8,7 @@ from typing import Literal
 
 from ebb.common.messages import JobEvent, JobStatus, LeaseInfo, StatusReply, StatusRequest
 
+from . import jobmetrics
 from .errors import BadRequest, JobNotFound
 from .jobs import Job
 
@@ -102,6 +103,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         workers_ready=len(job.ready_workers),
         workers_lost=dict(record.workers_lost),
         attempts_forgiven=record.attempts_forgiven,
+        metrics=jobmetrics.results(job) if live else dict(record.metrics),
     )
 
 

@@ -72,6 +72,9 @@ class ShardRecord:
     created the remainder's own record creates it when it loads the job (`splits.py`)."""
     split_from: int | None = None
     """The shard this one is the remainder of."""
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The winning attempt's partials of the job's metrics (its commit record's): the job's
+    metrics merge those of its DONE shards, each shard's rows counted once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +100,8 @@ class JobRecord:
     """Workers of the job that ended badly, by kind, as the controller told (every run)."""
     attempts_forgiven: int = 0
     """Attempts lost with a worker the cluster took, not counted as failures (every run)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The values of the job's metrics over its DONE shards, written when the job ends."""
 
 
 def shard_key(job: str, index: int) -> str:

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ebb.common import schema
+from ebb.common import mlflow_export, schema
 from ebb.common.aio import sleep_or_stop
 from ebb.common.errors import SchemaError, SpecError
 from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
@@ -103,6 +103,7 @@ class Submissions:
         try:
             spec = _decode_job(msg)
             check_roots(spec, self.data_roots)
+            _check_tracking(spec)
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the intake
             # SchemaError above all, but a NUL byte in a path (ValueError) and the like too:
             # whatever is wrong with one message must not stop the intake of the others.
@@ -158,6 +159,16 @@ def _decode_job(msg: Msg) -> JobSpec:
         claimed = headers.get("Nats-Msg-Id", "")
         spec = parse_job({**spec.to_dict(), "id": claimed}) if claimed else spec.with_id()
     return spec
+
+
+def _check_tracking(spec: JobSpec) -> None:
+    """A job that asks for an MLflow run is refused by a master that could not log one,
+    rather than found out at its end."""
+    if spec.tracking.mlflow_uri is not None and not mlflow_export.available():
+        raise SchemaError(
+            "tracking.mlflow_uri",
+            "this master cannot log to MLflow: install the mlflow extra (ebb[mlflow])",
+        )
 
 
 def _claimed_job_id(msg: Msg) -> str:

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from ebb.common import failpoints
+from ebb.common import accumulators, failpoints
 from ebb.common.layout import CommitRecord, OutputFile
 from ebb.common.messages import ShardSpec
 from ebb.common.output import OutputStore, new_commit
@@ -96,6 +96,8 @@ async def run_attempt(
     started = time.perf_counter()
     files: list[OutputFile] = []
     rows = error_rows = rows_in = 0
+    metric_specs = spec.pipeline.all_metrics()
+    partials: dict[str, accumulators.Partial] = {}
     try:
         # Closed on the way out whatever happens here, not when it is collected: its
         # runs still under way must end with this attempt.
@@ -103,6 +105,10 @@ async def run_attempt(
             _computed(reader, pipeline, spec, stop, progress)
         ) as computed:
             async for data, good, result in computed:
+                if metric_specs:
+                    partials = accumulators.merge_named(
+                        metric_specs, partials, _partials(metric_specs, result)
+                    )
                 table, errors = await asyncio.to_thread(_output, data, good, result, spec)
                 files += await asyncio.to_thread(
                     write_attempt,
@@ -132,6 +138,7 @@ async def run_attempt(
         files=files,
         worker=worker_id,
         split_at=0 if whole else rows_in,
+        metrics=partials,
     )
     failpoints.hit(failpoints.WORKER_BEFORE_COMMIT_RECORD, detail=str(shard.index))
     won, record = await asyncio.to_thread(store.create_commit, record)
@@ -235,6 +242,18 @@ def _inputs(data: ShardData, spec: JobSpec) -> tuple[pa.Table, np.ndarray]:
         good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
         inputs = inputs.take(pa.array(good, type=pa.int64()))
     return inputs, good
+
+
+def _partials(
+    specs: dict[str, accumulators.MetricSpec], result: RunResult
+) -> dict[str, accumulators.Partial]:
+    """The metrics' partials over the rows of a run that came through (a failed row's values
+    are not values): exactly the rows this attempt writes."""
+    ok = np.ones(result.rows, dtype=bool)
+    ok[np.fromiter(result.errors, dtype=np.int64, count=len(result.errors))] = False
+    if not ok.any():
+        return {}
+    return accumulators.reduce_named(specs, {n: result.metrics[n][ok] for n in specs})
 
 
 def _output(

@@ -91,3 +91,9 @@ class Identity(Modelet):
 
     def process_columns(self, batch: Columns) -> Columns:
         return batch
+
+
+class Metrics(Identity):
+    """Passes rows through: a stage for its `metrics` (see the job spec), over the columns of
+    the rows that reach it; after a join, over every branch's columns (an evaluation of
+    several models on one read)."""

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from ebb.common.aio import until
 
-from .columns import Columns, from_rows, num_rows, scatter, take, to_rows
+from .columns import Columns, from_rows, num_rows, scatter, split_metrics, take, to_rows
 from .router import Router
 from .settings import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 
@@ -47,6 +47,9 @@ class RunResult:
     rows: int
     columns: Columns
     errors: dict[int, str] = field(default_factory=dict)
+    metrics: Columns = field(default_factory=dict)
+    """Each metric's per-row values (`StageSpec.metrics`), by the metric's name: what the
+    worker sums up for the rows it writes (those of failed rows are not values)."""
 
     def outcomes(self) -> list[Outcome]:
         """One Outcome per row: the per-row view (a Python object per row: the slow path)."""
@@ -95,8 +98,8 @@ class _Run:
         self.failures(left, [message] * len(left))
 
     def result(self) -> RunResult:
-        columns, _ = scatter(self.pieces, self.n)
-        return RunResult(self.n, columns, self.errors)
+        columns, metrics = split_metrics(scatter(self.pieces, self.n)[0])
+        return RunResult(self.n, columns, self.errors, metrics)
 
     def done_prefix(self) -> int:
         """How many rows from the first have all come back: where a stopped run ends."""
@@ -112,8 +115,9 @@ class _Run:
                 pieces.append((index, chunk))
             elif keep.any():
                 pieces.append((index[keep], take(chunk, keep)))
-        columns, _ = scatter(pieces, rows)
-        return RunResult(rows, columns, {i: m for i, m in self.errors.items() if i < rows})
+        columns, metrics = split_metrics(scatter(pieces, rows)[0])
+        errors = {i: m for i, m in self.errors.items() if i < rows}
+        return RunResult(rows, columns, errors, metrics)
 
 
 class RowsBack:

@@ -26,12 +26,24 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ebb.common import accumulators
 from ebb.common.spec import StageSpec
 
 from . import frames
 from .batcher import AdaptiveBatchSize, Batch, Batcher
 from .board import BatchBoard
-from .columns import VALUE, Columns, concat, from_arrow, from_rows, is_plain, take, to_rows
+from .columns import (
+    METRIC,
+    VALUE,
+    Columns,
+    concat,
+    from_arrow,
+    from_rows,
+    is_plain,
+    split_metrics,
+    take,
+    to_rows,
+)
 from .lifeline import die_with_parent, die_with_worker, name_this_thread
 from .modelet_api import StageError, columns_callable, resolve_class, rows_callable
 from .multimodel import MultiModelStage
@@ -174,6 +186,7 @@ class StageLoop:
         self.stopping = False
         self.recycling = False
         self.fanout = spec.fanout
+        self.metrics = spec.metrics
 
     def _read(self, inbox: Connection) -> None:
         try:
@@ -268,8 +281,10 @@ class StageLoop:
             return messages
         self.board.post(batch.uids)
         started = time.perf_counter()
+        # The metrics' values of earlier stages go round the modelet, not through it.
+        columns, carried = split_metrics(batch.columns)
         try:
-            pieces, failed = self._isolate(batch.uids, batch.columns)
+            pieces, failed = self._isolate(batch.uids, columns)
         finally:
             self.board.clear()
         if self.sizer is not None and not batch.solo:
@@ -280,13 +295,43 @@ class StageLoop:
             if self.fanout:
                 message = self._fan_out_message(uids, [v for _, v in pieces], failed, flags)
             else:
-                message = self._items_message(uids, concat([c for _, c in pieces]), failed, flags)
+                chunk = concat([c for _, c in pieces])
+                if carried or self.metrics:
+                    chunk = self._with_metrics(uids, chunk, batch.uids, carried, failed)
+                message = self._items_message(uids, chunk, failed, flags) if chunk else b""
             if message:
                 messages.append(message)
         if failed:
             failed_uids = [u for u, _ in failed]
             messages.append(frames.pack(frames.ERRORS, failed_uids, [m for _, m in failed]))
         return messages
+
+    def _with_metrics(
+        self,
+        uids: np.ndarray,
+        chunk: Columns,
+        batch_uids: np.ndarray,
+        carried: Columns,
+        failed: list[tuple[int, str]],
+    ) -> Columns:
+        """The output of rows `uids` with their metrics' values: those `carried` from earlier
+        stages (by the rows' places in the batch) and this stage's own, from its output. A
+        metric that cannot read the output (a column missing, say) fails the rows."""
+        out = dict(chunk)
+        if carried:
+            order = np.argsort(batch_uids, kind="stable")
+            places = order[np.searchsorted(batch_uids, uids, sorter=order)]
+            out.update({METRIC + name: values[places] for name, values in carried.items()})
+        # A result that is not a map is named after the stage, as in a join.
+        view = {self.name: chunk[VALUE], **chunk} if is_plain(chunk) else chunk
+        try:
+            for name, metric in self.metrics.items():
+                out[METRIC + name] = accumulators.row_values(metric, view)
+        except (ValueError, KeyError, TypeError) as e:
+            problem = f"stage {self.name!r}: metric: {_describe(e)}"
+            failed += [(int(u), problem) for u in uids.tolist()]
+            return {}
+        return out
 
     def _items_message(
         self, uids: np.ndarray, chunk: Columns, failed: list[tuple[int, str]], flags: int
