@@ -8,13 +8,18 @@ builds them from scratch, and `ShardMoves.apply` moves one shard with `leave` an
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter, deque
+from dataclasses import replace
 
+from ebb.common import accumulators
 from ebb.common.messages import TERMINAL_JOB_STATES, JobState, ShardState
 from ebb.common.spec import JobSpec
 
 from . import metrics
 from .store import JobRecord, ShardRecord
+
+log = logging.getLogger(__name__)
 
 _KEEP_DURATIONS = 256
 
@@ -77,6 +82,10 @@ class Job:
         self.rows_done = 0
         self.error_rows = 0
         self.quarantined_rows = 0
+        self.metric_specs = spec.pipeline.all_metrics()
+        self.metrics: dict[str, accumulators.Partial] = {}
+        """The partials of the job's metrics merged over its DONE shards, as `rows_done` is
+        summed: each shard's once, as its winning attempt committed them."""
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         self.rates: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         """Rows a second of the attempts that won their shards (or parts), newest last."""
@@ -131,6 +140,7 @@ class Job:
         self.doing.clear()
         self.counts.clear()
         self.rows_done = self.error_rows = self.quarantined_rows = 0
+        self.metrics = {}
         for shard in self.shards:
             rec = shard.record
             self.next_seq = max(self.next_seq, rec.seq + 1)
@@ -176,6 +186,8 @@ class Job:
         elif rec.state == "DONE":
             self.rows_done += rec.rows
             self.error_rows += rec.error_rows
+            if rec.metrics:
+                self._merge_metrics(shard)
             if rec.seconds > 0:
                 if not rec.split_at:  # a part is no shard's whole time
                     self.durations.append(rec.seconds)
@@ -183,6 +195,21 @@ class Job:
                     self.rates.append(rec.rows / rec.seconds)
         elif rec.state == "QUARANTINED":
             self.quarantined_rows += rec.spec.rows
+
+    def _merge_metrics(self, shard: Shard) -> None:
+        """Merge a DONE shard's partials into the job's, and let go of its own: a DONE
+        record is never written again (DONE is final), and KV keeps them for a restart or a
+        resume, which merge them again. A job of thousands of shards need not hold
+        thousands of histograms."""
+        try:
+            self.metrics = accumulators.merge_named(
+                self.metric_specs, self.metrics, shard.record.metrics
+            )
+        except ValueError as e:
+            # Written by another version, or damaged: left out, said in the log, rather
+            # than failing the job or its status.
+            log.warning("job %s: shard %d's metrics left out: %s", self.id, shard.index, e)
+        shard.record = replace(shard.record, metrics={})
 
     def leave(self, shard: Shard, state: ShardState) -> None:
         """Take the shard out of the indexes of `state`, the state it is leaving. (TODO's
