@@ -8,9 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ebb.worker.batcher import Batcher
+from ebb.worker.batcher import Batcher, row_lengths
 from ebb.worker.columns import VALUE, Columns
-from ebb.worker.stage import row_lengths
 
 
 def chunk(uids: list[int], values: list[Any] | None = None) -> tuple[np.ndarray, Columns]:

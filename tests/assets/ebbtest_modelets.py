@@ -431,3 +431,14 @@ class Probability:
         logit = batch["features"].astype(np.float64) @ self.weights + noise
         rest = {k: v for k, v in batch.items() if k != "features"}
         return {**rest, self.out: 1.0 / (1.0 + np.exp(-logit))}
+
+
+class Counted:
+    """{"id", ...} -> {"id", "double": 2 * id}, and for its stage's metrics alone (not written
+    out) each row's `work`: id % 3."""
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from ebb.worker.modelet_api import hidden_column
+
+        ids = batch["id"]
+        return {"id": ids, "double": ids * 2, hidden_column("work"): ids % 3}

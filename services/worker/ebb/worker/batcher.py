@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .columns import Columns, concat, take
+from .columns import VALUE, Columns, concat, is_plain, take
 
 
 @dataclass(slots=True)
@@ -250,3 +250,23 @@ class AdaptiveBatchSize:
         ):
             return bigger
         return self.size
+
+
+def row_lengths(column_name: str) -> Callable[[Columns], np.ndarray]:
+    """How long each row is, for a token budget: the length of its sequence in a column of
+    sequences, or the value of a column of lengths."""
+
+    def lengths(batch: Columns) -> np.ndarray:
+        if column_name in batch:
+            column = batch[column_name]
+        elif is_plain(batch):
+            column = batch[VALUE]
+        else:
+            raise KeyError(f"rows have no column {column_name!r} to measure their length")
+        if column.dtype == object:
+            return np.fromiter((len(v) for v in column), dtype=np.int64, count=len(column))
+        if column.ndim == 1:
+            return column.astype(np.int64)
+        return np.full(len(column), column.shape[1], dtype=np.int64)
+
+    return lengths

@@ -35,6 +35,11 @@ the rows to the worker's front, which sums them up for the rows it writes; no mo
 it, nor does the output."""
 
 
+HIDDEN = "__hidden__:"
+"""The prefix of a column a modelet returns for its stage's metrics alone
+(`modelet_api.hidden_column`): dropped once they have read it."""
+
+
 def split_metrics(chunk: Columns) -> tuple[Columns, Columns]:
     """The chunk's own columns, and its metric columns (keyed by the metric's name)."""
     if not any(name.startswith(METRIC) for name in chunk):

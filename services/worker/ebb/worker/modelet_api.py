@@ -23,7 +23,15 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .columns import Columns, checked, from_rows, num_rows, to_rows
+from .columns import HIDDEN, Columns, checked, from_rows, num_rows, to_rows
+
+
+def hidden_column(name: str) -> str:
+    """The key under which a columnar modelet returns a column that only its stage's
+    `metrics` read (as `name`): a value per row that is not an output (tokens generated,
+    retries inside the modelet, time spent per row), counted for exactly the rows written,
+    and neither passed on nor written out."""
+    return HIDDEN + name
 
 
 class StageError(Exception):

@@ -26,25 +26,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ebb.common import accumulators
 from ebb.common.spec import StageSpec
 
 from . import frames
-from .batcher import AdaptiveBatchSize, Batch, Batcher
+from .batcher import AdaptiveBatchSize, Batch, Batcher, row_lengths
 from .board import BatchBoard
 from .columns import (
-    METRIC,
     VALUE,
     Columns,
     concat,
     from_arrow,
     from_rows,
-    is_plain,
     split_metrics,
     take,
     to_rows,
 )
 from .lifeline import die_with_parent, die_with_worker, name_this_thread
+from .metering import MetricFailure, with_metrics
 from .modelet_api import StageError, columns_callable, resolve_class, rows_callable
 from .multimodel import MultiModelStage
 from .runtimes import load_runtime
@@ -127,26 +125,6 @@ def stage_main(
         # The worker that spawned us died (its end of the pipe is closed): nobody is left
         # to tell anything, and nothing we hold can reach the output. Leave quietly.
         sys.exit(0)
-
-
-def row_lengths(column_name: str) -> Callable[[Columns], np.ndarray]:
-    """How long each row is, for a token budget: the length of its sequence in a column of
-    sequences, or the value of a column of lengths."""
-
-    def lengths(batch: Columns) -> np.ndarray:
-        if column_name in batch:
-            column = batch[column_name]
-        elif is_plain(batch):
-            column = batch[VALUE]
-        else:
-            raise KeyError(f"rows have no column {column_name!r} to measure their length")
-        if column.dtype == object:
-            return np.fromiter((len(v) for v in column), dtype=np.int64, count=len(column))
-        if column.ndim == 1:
-            return column.astype(np.int64)
-        return np.full(len(column), column.shape[1], dtype=np.int64)
-
-    return lengths
 
 
 class StageLoop:
@@ -296,42 +274,25 @@ class StageLoop:
                 message = self._fan_out_message(uids, [v for _, v in pieces], failed, flags)
             else:
                 chunk = concat([c for _, c in pieces])
-                if carried or self.metrics:
-                    chunk = self._with_metrics(uids, chunk, batch.uids, carried, failed)
-                message = self._items_message(uids, chunk, failed, flags) if chunk else b""
+                try:
+                    chunk = with_metrics(
+                        chunk,
+                        uids,
+                        stage=self.name,
+                        metrics=self.metrics,
+                        batch_uids=batch.uids,
+                        carried=carried,
+                    )
+                    message = self._items_message(uids, chunk, failed, flags)
+                except MetricFailure as e:
+                    failed += [(int(u), str(e)) for u in uids.tolist()]
+                    message = b""
             if message:
                 messages.append(message)
         if failed:
             failed_uids = [u for u, _ in failed]
             messages.append(frames.pack(frames.ERRORS, failed_uids, [m for _, m in failed]))
         return messages
-
-    def _with_metrics(
-        self,
-        uids: np.ndarray,
-        chunk: Columns,
-        batch_uids: np.ndarray,
-        carried: Columns,
-        failed: list[tuple[int, str]],
-    ) -> Columns:
-        """The output of rows `uids` with their metrics' values: those `carried` from earlier
-        stages (by the rows' places in the batch) and this stage's own, from its output. A
-        metric that cannot read the output (a column missing, say) fails the rows."""
-        out = dict(chunk)
-        if carried:
-            order = np.argsort(batch_uids, kind="stable")
-            places = order[np.searchsorted(batch_uids, uids, sorter=order)]
-            out.update({METRIC + name: values[places] for name, values in carried.items()})
-        # A result that is not a map is named after the stage, as in a join.
-        view = {self.name: chunk[VALUE], **chunk} if is_plain(chunk) else chunk
-        try:
-            for name, metric in self.metrics.items():
-                out[METRIC + name] = accumulators.row_values(metric, view)
-        except (ValueError, KeyError, TypeError) as e:
-            problem = f"stage {self.name!r}: metric: {_describe(e)}"
-            failed += [(int(u), problem) for u in uids.tolist()]
-            return {}
-        return out
 
     def _items_message(
         self, uids: np.ndarray, chunk: Columns, failed: list[tuple[int, str]], flags: int
