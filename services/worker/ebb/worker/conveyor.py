@@ -292,13 +292,15 @@ class Conveyor:
     def _enqueue_source(self, uids: np.ndarray, data: pa.RecordBatch | Columns, flags: int) -> None:
         """Rows for the first stage(s), as submitted (or taken again from their source): a
         frame of its own for each stage that reads the rows as read."""
-        for stage in self.graph.sources:
-            if not isinstance(data, pa.RecordBatch):
+        if not isinstance(data, pa.RecordBatch):
+            for stage in self.graph.sources:
                 self._enqueue(stage, uids, data, flags)
-                continue
-            # Arrow IPC: one copy into shared memory, no pickling of values; the stage
-            # process turns it into columns (zero-copy for numbers and tensors), in parallel.
-            payload = (data.schema, data.serialize())
+            return
+        # Arrow IPC: one copy into shared memory (a copy for each stage that reads the rows as
+        # read), no pickling of values; the stage process turns it into columns (zero-copy for
+        # numbers and tensors), in parallel.
+        payload = (data.schema, data.serialize())
+        for stage in self.graph.sources:
             buf = frames.pack(
                 frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena
             )
