@@ -135,15 +135,16 @@ class InputReads(PeriodicSampler):
         self.read: dict[tuple[int, int], int] = {}
         """The last reading of each thread, by (pid, tid)."""
         # Workers of an earlier job may still be on their way out: not this job's.
-        self.workers = {p.pid: False for p in psutil.Process().children(recursive=True)}
-        """Processes looked at, by pid: whether each is a worker to count."""
+        self.earlier = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.workers: set[int] = set()
 
     def sample(self) -> None:
         for p in psutil.Process().children(recursive=True):
             try:
-                if p.pid not in self.workers:
-                    self.workers[p.pid] = _is_worker(p)
-                if self.workers[p.pid]:
+                # A process is only known for a worker once it has exec'd: until then it
+                # has its parent's command line.
+                if p.pid not in self.earlier and (p.pid in self.workers or _is_worker(p)):
+                    self.workers.add(p.pid)
                     self._read(p.pid)
             except (psutil.Error, OSError):
                 continue  # it ended between the listing and the reading
