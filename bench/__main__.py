@@ -23,6 +23,7 @@ from . import (
     minilm,
     mlp,
     objectstore,
+    one_read,
     overhead,
     report,
     single_model,
@@ -45,6 +46,7 @@ ORDER = [
     "minilm",
     "objectstore",
     "cores",
+    "oneread",
 ]
 
 
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 section = objectstore.run(ctx)
             elif name == "cores":
                 section = cores.run(ctx)
+            elif name == "oneread":
+                section = one_read.run(ctx)
             else:
                 section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -40,6 +40,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 10. MiniLM embeddings",
         "## 11. Object stores",
         "## 12. Every byte read once, every core used once",
+        "## 13. N models on one read against N separate jobs",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
@@ -53,8 +54,48 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "overhead",
         "embedding",
         "cores",
+        "oneread",
     ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
+
+
+def test_oneread_section_compares_one_read_with_separate_jobs(tmp_path: Path) -> None:
+    out = tmp_path / "docs" / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--only", "oneread", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = out.read_text()
+    assert "## 13. N models on one read against N separate jobs" in report
+    rows = {
+        cells[0]: cells[1:]
+        for line in report.splitlines()
+        if line.startswith("| ")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    assert rows["variant"] == [
+        "wall time, s",
+        "slowest single job, s",
+        "vs slowest single job",
+        "vs the separate jobs",
+        "MB read from the input",
+        "reads of the input",
+    ]
+    for n in (2, 4):
+        separate, one_read = rows[f"{n} separate jobs"], rows[f"one read, {n} models"]
+        # Each separate job reads the input again; the one-read job reads it once.
+        assert float(one_read[-1]) < float(separate[-1])
+    for k in range(4):
+        assert f"model_{k}" in rows
+    # The one-read jobs' output columns, as the section's note lists them (`_error` may follow).
+    assert "2 models: `id, label, p_0, p_1" in report
+    assert "4 models: `id, label, p_0, p_1, p_2, p_3" in report
+    assert (out.parent / "img" / "oneread.png").stat().st_size > 1000
 
 
 def test_the_soak_reports_every_kind_of_process_and_keeps_the_chaos_report(
