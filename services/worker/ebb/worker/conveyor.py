@@ -191,10 +191,15 @@ class Conveyor:
             if reader not in self.joins:
                 self._enter(reader, uids, chunk, flags)
                 continue
-            join = self.joins[reader]
-            done, joined = join.add(stage, uids, chunk)
+            self.joins[reader].add(stage, uids, chunk)
+
+    def settle_joins(self) -> None:
+        """Send on the rows that every branch has sent to a join (once per turn of the
+        router's loop: a join's cost is per turn, not per batch of each branch)."""
+        for reader, join in self.joins.items():
+            done, joined = join.settle()
             if len(done):
-                self._enter(reader, done, joined, flags)
+                self._enter(reader, done, joined, 0)
 
     def _enter(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int) -> None:
         """Rows for `stage`, or out of the pipeline (OUT)."""

@@ -86,7 +86,12 @@ class Settled:
 
 class Join:
     """Rows from several stages (`inputs`, in the order named), each row let through once
-    all of them have sent it, with their columns together."""
+    all of them have sent it, with their columns together.
+
+    Rows are only put aside as they come (`add`); `settle`, once per turn of the router's
+    loop, finds the rows every input has sent and takes them out, in a few numpy calls per
+    input whatever the number of frames that came: the cost is per turn, not per batch of
+    each branch."""
 
     def __init__(self, inputs: list[int], names: list[str], *, resent: Settled) -> None:
         self.inputs = inputs
@@ -97,71 +102,80 @@ class Join:
         self.passed = Settled()
         """Rows of `resent` this join let through: a later copy is dropped."""
         self._pending: list[list[tuple[np.ndarray, Columns]]] = [[] for _ in inputs]
+        self._came = False
+        """Rows came since the last `settle`."""
 
     def __len__(self) -> int:
         """Rows waiting here for another branch (counted once per branch that sent them)."""
         return sum(len(u) for pieces in self._pending for u, _ in pieces)
 
-    def add(self, stage: int, uids: np.ndarray, chunk: Columns) -> tuple[np.ndarray, Columns]:
-        """Rows from `stage`; the rows this completes (possibly none), joined."""
-        slot = self.inputs.index(stage)
-        # A copy of a row sent again: the first one that came stays, and once the row has
-        # gone on, none is let through again.
-        fresh = ~(self._holds(slot, uids) | self.passed.mask(uids))
-        if not fresh.all():
+    def add(self, stage: int, uids: np.ndarray, chunk: Columns) -> None:
+        """Rows from `stage`, put aside until `settle`."""
+        if len(self.passed):
+            # Once a row sent again has gone on, no copy of it is let through again.
+            fresh = ~self.passed.mask(uids)
             uids, chunk = uids[fresh], take(chunk, fresh)
-        if not len(uids):
-            return uids, {}
-        self._pending[slot].append((uids, chunk))
-        complete = uids
-        for other in range(len(self.inputs)):
-            if other != slot and len(complete):
-                complete = complete[self._holds(other, complete)]
+        if len(uids):
+            self._pending[self.inputs.index(stage)].append((uids, chunk))
+            self._came = True
+
+    def settle(self) -> tuple[np.ndarray, Columns]:
+        """The rows every input has sent (possibly none), joined, in the order of their uids;
+        they wait here no more."""
+        if not self._came:
+            return np.empty(0, dtype=np.int64), {}
+        self._came = False
+        slots = [self._gather(k) for k in range(len(self.inputs))]
+        if any(not len(uids) for uids, _ in slots):
+            return np.empty(0, dtype=np.int64), {}
+        complete = slots[0][0]
+        for uids, _ in slots[1:]:
+            complete = np.intersect1d(complete, uids, assume_unique=True)
         if not len(complete):
             return complete, {}
         again = self.resent.mask(complete)
         if again.any():
             self.passed.add(complete[again].tolist())
-        parts = [self._take(k, complete) for k in range(len(self.inputs))]
         joined: Columns = {}
-        for k, part in enumerate(parts):
+        for k, (uids, chunk) in enumerate(slots):
+            # `uids` is sorted (see _gather): where each complete row is, and what is left.
+            at = np.searchsorted(uids, complete)
+            left = np.ones(len(uids), dtype=bool)
+            left[at] = False
+            self._pending[k] = [(uids[left], take(chunk, left))] if left.any() else []
+            part = take(chunk, at)
             own, metrics = split_metrics(part)
-            named = part
             if is_plain(own):
-                named = {self.names[k]: own[VALUE], **{METRIC + m: v for m, v in metrics.items()}}
-            for column, values in named.items():
+                part = {self.names[k]: own[VALUE], **{METRIC + m: v for m, v in metrics.items()}}
+            for column, values in part.items():
                 joined.setdefault(column, values)
         return complete, joined
 
     def drop(self, uids: np.ndarray) -> None:
         """Forget these rows wherever they wait (they failed in some branch)."""
-        for slot in range(len(self.inputs)):
-            if self._holds(slot, uids).any():
-                self._take(slot, uids[self._holds(slot, uids)])
+        for k, pieces in enumerate(self._pending):
+            kept = []
+            for held, chunk in pieces:
+                gone = np.isin(held, uids)
+                if not gone.any():
+                    kept.append((held, chunk))
+                elif not gone.all():
+                    kept.append((held[~gone], take(chunk, ~gone)))
+            self._pending[k] = kept
 
-    def _holds(self, slot: int, uids: np.ndarray) -> np.ndarray:
-        """Which of `uids` wait in `slot`."""
-        found = np.zeros(len(uids), dtype=bool)
-        for held, _ in self._pending[slot]:
-            found |= np.isin(uids, held)
-        return found
-
-    def _take(self, slot: int, uids: np.ndarray) -> Columns:
-        """Remove these rows (all waiting in `slot`) from it: their columns, in this order."""
-        taken_uids: list[np.ndarray] = []
-        taken: list[Columns] = []
-        left: list[tuple[np.ndarray, Columns]] = []
-        for held, chunk in self._pending[slot]:
-            hit = np.isin(held, uids)
-            if hit.any():
-                taken_uids.append(held[hit])
-                taken.append(chunk if hit.all() else take(chunk, hit))
-            if not hit.all():
-                left.append((held[~hit], take(chunk, ~hit)) if hit.any() else (held, chunk))
-        self._pending[slot] = left
-        found = np.concatenate(taken_uids)
-        rows = concat(taken)
-        order = np.argsort(found, kind="stable")
-        # Place each row at the position of its uid in `uids`.
-        where = np.searchsorted(found[order], uids)
-        return take(rows, order[where])
+    def _gather(self, slot: int) -> tuple[np.ndarray, Columns]:
+        """A slot's rows as one chunk, sorted by uid, a uid once (the first copy that came),
+        kept as the slot's one piece."""
+        pieces = self._pending[slot]
+        if not pieces:
+            return np.empty(0, dtype=np.int64), {}
+        if len(pieces) == 1:
+            uids, chunk = pieces[0]
+        else:
+            uids = np.concatenate([u for u, _ in pieces])
+            chunk = concat([c for _, c in pieces])
+        unique, first = np.unique(uids, return_index=True)
+        if len(unique) < len(uids) or not (first == np.arange(len(first))).all():
+            uids, chunk = unique, take(chunk, first)
+        self._pending[slot] = [(uids, chunk)]
+        return uids, chunk

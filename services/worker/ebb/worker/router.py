@@ -169,6 +169,7 @@ class Router:
         self._dispatch()
         self._flush_drained()
         self._wait_and_receive(_WAIT_S)
+        self.conveyor.settle_joins()
         if self.scaler is not None and self.scaler.due(time.monotonic()):
             waiting = [self.conveyor.waiting(k) for k in range(len(self.pools))]
             self.scaler.tick(self.pools, waiting=waiting)

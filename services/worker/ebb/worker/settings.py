@@ -27,6 +27,9 @@ class PipelineBroken(PipelineError):
     a fresh worker may well do better."""
 
 
+_MIN_FRAME_ROWS = 256
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     stages: list[StageSpec]
@@ -54,6 +57,8 @@ class PipelineConfig:
         return max(busy + 2 * self.frame_size(), 4 * self.frame_size())
 
     def frame_size(self) -> int:
-        """Rows per chunk handed to the first stage: its batch, so that a chunk is a batch
-        (no re-cutting), within bounds that keep a chunk's memory modest."""
-        return max(16, min(4096, self.stages[0].batch_size))
+        """Rows per chunk handed to the first stage(s): its batch, so that a chunk is a batch
+        (no re-cutting), but no fewer than 256 (the router's cost is per chunk: chunks of a
+        default batch of 32 rows made it the bottleneck of a light model, at half the rate
+        of chunks of 256), nor more than 4096, which keeps a chunk's memory modest."""
+        return max(_MIN_FRAME_ROWS, min(4096, self.stages[0].batch_size))
