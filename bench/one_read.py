@@ -246,7 +246,7 @@ async def _repeat(
 
 
 def run(ctx: Context) -> Section:
-    rows = ctx.size(400_000, 80_000)
+    rows = ctx.size(2_000_000, 200_000)
     data = ctx.dir("oneread-data")
     size = write_data(data, rows=rows)
     models = write_models(ctx.dir("oneread-models"))

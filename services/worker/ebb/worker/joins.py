@@ -84,14 +84,93 @@ class Settled:
         return np.fromiter((u in self._uids for u in uids.tolist()), dtype=bool, count=len(uids))
 
 
+class _Slot:
+    """The rows one input of a join has sent that wait for the others: the chunks as they
+    came, and an index of their uids kept sorted (rows mostly come in order: appending is the
+    common case), with where each row is."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, Columns] = {}
+        self.left: dict[int, int] = {}
+        """Rows of each chunk still waiting."""
+        self.uids = np.empty(0, dtype=np.int64)
+        self.chunk_of = np.empty(0, dtype=np.int64)
+        self.row_of = np.empty(0, dtype=np.int64)
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def add(self, uids: np.ndarray, chunk: Columns, *, copies: bool) -> None:
+        """Rows that came. `copies`: some may be here already (copies of rows sent again):
+        the first copy that came stays."""
+        rows = np.arange(len(uids), dtype=np.int64)
+        if copies and len(self.uids):
+            here = self.holds(uids)
+            if here.any():
+                uids, rows = uids[~here], rows[~here]
+        if len(uids) > 1 and not (uids[1:] > uids[:-1]).all():
+            uids, first = np.unique(uids, return_index=True)  # sorted, one copy of each
+            rows = rows[first]
+        if not len(uids):
+            return
+        key = self._next
+        self._next += 1
+        self.chunks[key] = chunk
+        self.left[key] = len(uids)
+        self.uids = np.concatenate([self.uids, uids])
+        self.chunk_of = np.concatenate([self.chunk_of, np.full(len(uids), key)])
+        self.row_of = np.concatenate([self.row_of, rows])
+        if len(self.uids) > len(uids) and self.uids[-len(uids) - 1] > uids[0]:
+            order = np.argsort(self.uids, kind="stable")  # came out of order: sort again
+            self.uids, self.chunk_of, self.row_of = (
+                self.uids[order],
+                self.chunk_of[order],
+                self.row_of[order],
+            )
+
+    def holds(self, uids: np.ndarray) -> np.ndarray:
+        """Which of `uids` wait here."""
+        at = np.searchsorted(self.uids, uids)
+        found = at < len(self.uids)
+        found[found] = self.uids[at[found]] == uids[found]
+        return found
+
+    def take(self, uids: np.ndarray) -> Columns:
+        """Take out these rows (sorted, all waiting here): their columns, in this order."""
+        at = np.searchsorted(self.uids, uids)
+        chunk_of, row_of = self.chunk_of[at], self.row_of[at]
+        if chunk_of[0] == chunk_of[-1] and (chunk_of == chunk_of[0]).all():
+            keys, counts = [int(chunk_of[0])], [len(chunk_of)]
+            part = take(self.chunks[keys[0]], row_of)
+        else:
+            found, found_counts = np.unique(chunk_of, return_counts=True)
+            keys, counts = found.tolist(), found_counts.tolist()
+            order = np.argsort(chunk_of, kind="stable")
+            pieces = [take(self.chunks[key], row_of[chunk_of == key]) for key in keys]
+            part = take(concat(pieces), np.argsort(order, kind="stable"))
+        for key, taken in zip(keys, counts, strict=True):
+            self.left[key] -= taken
+            if not self.left[key]:
+                del self.left[key], self.chunks[key]
+        keep = np.ones(len(self.uids), dtype=bool)
+        keep[at] = False
+        self.uids, self.chunk_of, self.row_of = (
+            self.uids[keep],
+            self.chunk_of[keep],
+            self.row_of[keep],
+        )
+        return part
+
+
 class Join:
     """Rows from several stages (`inputs`, in the order named), each row let through once
     all of them have sent it, with their columns together.
 
-    Rows are only put aside as they come (`add`); `settle`, once per turn of the router's
-    loop, finds the rows every input has sent and takes them out, in a few numpy calls per
-    input whatever the number of frames that came: the cost is per turn, not per batch of
-    each branch."""
+    Rows are put aside as they come (`add`); `settle`, once per turn of the router's loop,
+    looks only at the rows that came since the last: a row completes when its last copy
+    comes. Its cost follows the rows that came, found by bisection in each input's index,
+    not the rows waiting (a slow branch leaves the others' rows waiting in thousands)."""
 
     def __init__(self, inputs: list[int], names: list[str], *, resent: Settled) -> None:
         self.inputs = inputs
@@ -101,13 +180,13 @@ class Join:
         """Rows sent through the branches again: more than one copy may reach this join."""
         self.passed = Settled()
         """Rows of `resent` this join let through: a later copy is dropped."""
-        self._pending: list[list[tuple[np.ndarray, Columns]]] = [[] for _ in inputs]
-        self._came = False
-        """Rows came since the last `settle`."""
+        self._slots = [_Slot() for _ in inputs]
+        self._came: list[np.ndarray] = []
+        """The uids that came since the last `settle`."""
 
     def __len__(self) -> int:
         """Rows waiting here for another branch (counted once per branch that sent them)."""
-        return sum(len(u) for pieces in self._pending for u, _ in pieces)
+        return sum(len(slot) for slot in self._slots)
 
     def add(self, stage: int, uids: np.ndarray, chunk: Columns) -> None:
         """Rows from `stage`, put aside until `settle`."""
@@ -116,34 +195,30 @@ class Join:
             fresh = ~self.passed.mask(uids)
             uids, chunk = uids[fresh], take(chunk, fresh)
         if len(uids):
-            self._pending[self.inputs.index(stage)].append((uids, chunk))
-            self._came = True
+            slot = self._slots[self.inputs.index(stage)]
+            slot.add(uids, chunk, copies=len(self.resent) > 0)
+            self._came.append(uids)
 
     def settle(self) -> tuple[np.ndarray, Columns]:
         """The rows every input has sent (possibly none), joined, in the order of their uids;
         they wait here no more."""
         if not self._came:
             return np.empty(0, dtype=np.int64), {}
-        self._came = False
-        slots = [self._gather(k) for k in range(len(self.inputs))]
-        if any(not len(uids) for uids, _ in slots):
-            return np.empty(0, dtype=np.int64), {}
-        complete = slots[0][0]
-        for uids, _ in slots[1:]:
-            complete = np.intersect1d(complete, uids, assume_unique=True)
-        if not len(complete):
-            return complete, {}
+        came, self._came = self._came, []
+        # A row completes when its last copy comes: only those that came can.
+        complete = came[0] if len(came) == 1 else np.unique(np.concatenate(came))
+        if len(came) == 1 and len(complete) > 1 and not (complete[1:] > complete[:-1]).all():
+            complete = np.unique(complete)
+        for slot in self._slots:
+            complete = complete[slot.holds(complete)]
+            if not len(complete):
+                return complete, {}
         again = self.resent.mask(complete)
         if again.any():
             self.passed.add(complete[again].tolist())
         joined: Columns = {}
-        for k, (uids, chunk) in enumerate(slots):
-            # `uids` is sorted (see _gather): where each complete row is, and what is left.
-            at = np.searchsorted(uids, complete)
-            left = np.ones(len(uids), dtype=bool)
-            left[at] = False
-            self._pending[k] = [(uids[left], take(chunk, left))] if left.any() else []
-            part = take(chunk, at)
+        for k, slot in enumerate(self._slots):
+            part = slot.take(complete)
             own, metrics = split_metrics(part)
             if is_plain(own):
                 part = {self.names[k]: own[VALUE], **{METRIC + m: v for m, v in metrics.items()}}
@@ -153,29 +228,7 @@ class Join:
 
     def drop(self, uids: np.ndarray) -> None:
         """Forget these rows wherever they wait (they failed in some branch)."""
-        for k, pieces in enumerate(self._pending):
-            kept = []
-            for held, chunk in pieces:
-                gone = np.isin(held, uids)
-                if not gone.any():
-                    kept.append((held, chunk))
-                elif not gone.all():
-                    kept.append((held[~gone], take(chunk, ~gone)))
-            self._pending[k] = kept
-
-    def _gather(self, slot: int) -> tuple[np.ndarray, Columns]:
-        """A slot's rows as one chunk, sorted by uid, a uid once (the first copy that came),
-        kept as the slot's one piece."""
-        pieces = self._pending[slot]
-        if not pieces:
-            return np.empty(0, dtype=np.int64), {}
-        if len(pieces) == 1:
-            uids, chunk = pieces[0]
-        else:
-            uids = np.concatenate([u for u, _ in pieces])
-            chunk = concat([c for _, c in pieces])
-        unique, first = np.unique(uids, return_index=True)
-        if len(unique) < len(uids) or not (first == np.arange(len(first))).all():
-            uids, chunk = unique, take(chunk, first)
-        self._pending[slot] = [(uids, chunk)]
-        return uids, chunk
+        for slot in self._slots:
+            here = uids[slot.holds(uids)]
+            if len(here):
+                slot.take(np.sort(here))
