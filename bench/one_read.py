@@ -337,6 +337,13 @@ def run(ctx: Context) -> Section:
             f"{ctx.repeats} repeat(s), medians (min-max); the ratios are medians of each "
             f"repeat's. Target: the one-read job at most {TARGET:.1f}x the slowest single job. "
             f"The one-read jobs' output columns ({columns}) held each model's scores, equal to "
-            "its own job's."
+            "its own job's.",
+            "Four models take more than the target on these 2 cores: every branch's frames go "
+            "through the router, one thread of the worker's process, which four branches keep "
+            "busy nearly all the time (its process's CPU time over the run's wall time, "
+            "measured on the pipeline alone, is close to 1 with four branches, half that with "
+            "one); the four stage processes share the other core. The one-read job then costs "
+            "what four models' frames cost the router: still under half the time of four jobs, "
+            "reading the input once.",
         ],
     )
