@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 
 from ebb.common import accumulators
-from ebb.common.layout import METRICS, OutputFile, attempt_dir
+from ebb.common.layout import METRICS
 from ebb.common.messages import LeaseReply
-from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.store import shard_key
 
 from .helpers import job_spec, write_dataset
 from .test_lease_table import Clock, MemoryStore, assert_indexes_match_records, new_table
+from .test_splits import commit_part
 
 METRICS_SPEC = {
     "rows": {"kind": "count"},
@@ -40,27 +40,13 @@ def shard_rows(index: int) -> dict[str, Any]:
     return {"p": rng.random(100), "y": rng.integers(0, 2, 100)}
 
 
-def commit_with_metrics(spec: JobSpec, reply: LeaseReply) -> dict[str, Any]:
+def commit_with_metrics(spec: JobSpec, reply: LeaseReply) -> None:
     """Write a shard's file and a commit record with the partials of its rows."""
     assert reply.shard is not None
     specs = spec.pipeline.all_metrics()
     values = accumulators.row_values_named(specs, shard_rows(reply.shard.index))
     partials = accumulators.reduce_named(specs, values)
-    store = OutputStore(spec.output.uri)
-    path = f"{attempt_dir(reply.shard.index, reply.attempt)}/part-00000.parquet"
-    store.write_file(path, b"data")
-    won, _ = store.create_commit(
-        new_commit(
-            job=spec.id,
-            shard=reply.shard.index,
-            attempt=reply.attempt,
-            files=[OutputFile(path=path, rows=100)],
-            worker="w",
-            metrics=partials,
-        )
-    )
-    assert won
-    return partials
+    commit_part(spec, reply, rows=100, metrics=partials)
 
 
 def expected_results(spec: JobSpec, indexes: list[int]) -> dict[str, Any]:

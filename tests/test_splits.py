@@ -46,9 +46,16 @@ async def running_job(
     return store, clock, table, spec, table.jobs[spec.id]
 
 
-def commit_part(spec: JobSpec, reply: LeaseReply, *, rows: int, split_at: int = 0) -> None:
+def commit_part(
+    spec: JobSpec,
+    reply: LeaseReply,
+    *,
+    rows: int,
+    split_at: int = 0,
+    metrics: dict[str, Any] | None = None,
+) -> None:
     """What a worker does before `commit`: its file, then its commit record (of a part of
-    `split_at` rows, or of the whole shard)."""
+    `split_at` rows, or of the whole shard; with the partials of its metrics)."""
     assert reply.shard is not None
     store = OutputStore(spec.output.uri)
     path = f"{attempt_dir(reply.shard.index, reply.attempt)}/part-00000.parquet"
@@ -61,6 +68,7 @@ def commit_part(spec: JobSpec, reply: LeaseReply, *, rows: int, split_at: int = 
             files=[OutputFile(path=path, rows=rows)],
             worker="w",
             split_at=split_at,
+            metrics=metrics,
         )
     )
     assert won

@@ -9,21 +9,10 @@ from typing import Any
 import numpy as np
 
 from ebb.common.accumulators import MetricSpec
-from ebb.common.spec import PipelineSpec, StageSpec
+from ebb.common.spec import StageSpec
 from ebb.worker.columns import VALUE
-from ebb.worker.pipeline import Pipeline, PipelineConfig, RunResult
 
-from .helpers import ASSETS
-
-
-async def run(stages: list[StageSpec], rows: dict[str, np.ndarray]) -> RunResult:
-    stages = PipelineSpec(stages=stages).stages
-    pipeline = Pipeline(PipelineConfig(stages=stages, code_paths=[str(ASSETS)]))
-    try:
-        await pipeline.start()
-        return await pipeline.run_columns(rows)
-    finally:
-        await pipeline.stop()
+from .test_branches import run
 
 
 def counted(**kw: Any) -> StageSpec:
