@@ -13,6 +13,8 @@ times over on these 2 cores). One worker (`max_workers: 1`).
   same data: their total time, and the slowest one's.
 - one read, N models: one job whose N model stages all read the rows as read (`after: []`),
   side by side, their columns joined per row into one table.
+- one read, N models in one stage: one job of one stage that runs the N models (`models:`)
+  in its process, on each batch as it came: models that fit one device, served together.
 
 For N = 2 (models 0 and 1) and N = 4. The separate jobs of N = 2 are the first two of the four
 run for N = 4. Each repeat runs the four single jobs, the one-read job of 2 models and that of
@@ -94,15 +96,28 @@ def write_models(folder: Path) -> list[Path]:
     ]
 
 
-def job(data: Path, models: Mapping[int, Path], out: Path) -> dict[str, Any]:
+def job(
+    data: Path, models: Mapping[int, Path], out: Path, *, one_stage: bool = False
+) -> dict[str, Any]:
     """One job scoring every row with each of `models` (model k writes `p_k`): a single stage
-    for one model, else one branch per model on the rows as read."""
+    for one model, else one branch per model on the rows as read, or (`one_stage`) one stage
+    running them all in its process."""
     branch: dict[str, Any] = {"after": []} if len(models) > 1 else {}
+    shared = {
+        "name": "models",
+        "models": [
+            {"model": str(model), "input": "features", "output": f"p_{k}"}
+            for k, model in models.items()
+        ],
+        "batch_size": BATCH,
+    }
     return {
-        "name": f"oneread-{len(models)}",
+        "name": f"oneread-{len(models)}{'-shared' if one_stage else ''}",
         "input": {"uri": str(data), "format": "parquet"},
         "pipeline": {
-            "stages": [
+            "stages": [shared]
+            if one_stage
+            else [
                 {
                     "name": f"model_{k}",
                     "model": str(model),
@@ -218,6 +233,8 @@ class Measured:
     """Each repeat's single jobs, model by model."""
     one_read: dict[int, list[JobRun]]
     """Each N's one-read job, repeat by repeat."""
+    one_stage: dict[int, list[JobRun]]
+    """Each N's one-read job with its models in one stage, repeat by repeat."""
     columns: dict[int, list[str]]
     """Each N's one-read output columns."""
 
@@ -243,6 +260,16 @@ async def _repeat(
             measured.one_read[n].append(run)
             measured.columns[n] = run.output.column_names
             ctx.log(f"  one read, {n} models: {run.seconds:.1f} s")
+            spec = job(
+                data,
+                dict(enumerate(models[:n])),
+                out / f"onestage-{n}-{time.monotonic_ns()}",
+                one_stage=True,
+            )
+            run = await _run(client, spec, rows)
+            check_joined(run.output, [s.output for s in singles[:n]])
+            measured.one_stage[n].append(run)
+            ctx.log(f"  one read, {n} models in one stage: {run.seconds:.1f} s")
 
 
 def run(ctx: Context) -> Section:
@@ -250,7 +277,12 @@ def run(ctx: Context) -> Section:
     data = ctx.dir("oneread-data")
     size = write_data(data, rows=rows)
     models = write_models(ctx.dir("oneread-models"))
-    measured = Measured(singles=[], one_read={n: [] for n in COUNTS}, columns={})
+    measured = Measured(
+        singles=[],
+        one_read={n: [] for n in COUNTS},
+        one_stage={n: [] for n in COUNTS},
+        columns={},
+    )
     for r in range(ctx.repeats):
         ctx.log(f"  repeat {r + 1}/{ctx.repeats}")
         asyncio.run(_repeat(ctx, data, models, rows, measured))
@@ -273,6 +305,9 @@ def run(ctx: Context) -> Section:
         # Paired by repeat: the variants of one repeat met the same neighbours.
         over_slowest = median([o / s for o, s in zip(one, slowest, strict=True)])
         over_total = median([o / t for o, t in zip(one, total, strict=True)])
+        shared = [j.seconds for j in measured.one_stage[n]]
+        shared_read = [j.bytes_read for j in measured.one_stage[n]]
+        shared_over_slowest = median([o / s for o, s in zip(shared, slowest, strict=True)])
         rows_out += [
             [
                 f"{n} separate jobs",
@@ -292,11 +327,22 @@ def run(ctx: Context) -> Section:
                 mb(one_read),
                 reads(one_read),
             ],
+            [
+                f"one read, {n} models in one stage",
+                spread(shared),
+                "",
+                f"{shared_over_slowest:.2f}x",
+                f"{median([o / t for o, t in zip(shared, total, strict=True)]):.2f}x",
+                mb(shared_read),
+                reads(shared_read),
+            ],
         ]
         walls[f"{n} separate jobs"] = total
         walls[f"one read, {n} models"] = one
+        walls[f"one stage, {n} models"] = shared
         summary[f"one_read_over_slowest_{n}"] = over_slowest
         summary[f"one_read_over_total_{n}"] = over_total
+        summary[f"one_stage_over_slowest_{n}"] = shared_over_slowest
         summary[f"reads_one_read_{n}"] = median(one_read) / size
         summary[f"reads_separate_{n}"] = median(separate_read) / size
     comparison = table(

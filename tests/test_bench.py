@@ -88,8 +88,10 @@ def test_oneread_section_compares_one_read_with_separate_jobs(tmp_path: Path) ->
     ]
     for n in (2, 4):
         separate, one_read = rows[f"{n} separate jobs"], rows[f"one read, {n} models"]
-        # Each separate job reads the input again; the one-read job reads it once.
+        one_stage = rows[f"one read, {n} models in one stage"]
+        # Each separate job reads the input again; the one-read jobs read it once.
         assert float(one_read[-1]) < float(separate[-1])
+        assert float(one_stage[-1]) < float(separate[-1])
     for k in range(4):
         assert f"model_{k}" in rows
     # The one-read jobs' output columns, as the section's note lists them (`_error` may follow).
