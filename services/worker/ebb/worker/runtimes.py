@@ -262,6 +262,9 @@ class OnnxStage(ModelStage):
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
+        # Its threads wait for the next batch asleep, not spinning: the stage shares the
+        # worker's cores with the other stages and the router, whose time a spin would take.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             return ort.InferenceSession(self.path, sess_options=options, providers=self.providers)
         except Exception as e:
