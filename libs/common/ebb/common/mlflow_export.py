@@ -12,6 +12,7 @@ local store): run it in a thread from the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from collections.abc import Mapping
@@ -72,10 +73,10 @@ def log_metrics(
         client.log_dict(run_id, dict(values), ARTIFACT)
         client.set_terminated(run_id, status="FINISHED")
     except (mlflow.exceptions.MlflowException, OSError) as e:
-        try:
+        # The store is what failed: marking the run may fail too, and the error raised
+        # below says why.
+        with contextlib.suppress(mlflow.exceptions.MlflowException, OSError):
             client.set_terminated(run_id, status="FAILED")
-        except (mlflow.exceptions.MlflowException, OSError):
-            pass  # the store is what failed: the error raised below says so
         raise MlflowExportError(f"MLflow at {tracking_uri}: run {run_id}: {e}") from e
     return run_id
 
