@@ -96,6 +96,11 @@ def pick_speculative(
         leases = shard.record.leases
         if len(leases) != 1 or leases[0].worker == worker or leases[0].token in shard.split_asked:
             continue
+        deadline = shard.deadlines.get(leases[0].token)
+        if deadline is not None and deadline - now < job.spec.fault.lease_s / 3:
+            # Its holder has missed two renewals: dead, most likely, and its lease runs out
+            # soon. A shard that kills its worker would kill the speculating one too.
+            continue
         age = now - shard.granted.get(leases[0].token, now)
         if age >= min_age and age > best_age:
             best, best_age = shard, age
