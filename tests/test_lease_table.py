@@ -678,35 +678,67 @@ async def test_an_ended_job_records_exactly_the_commits_that_came_before_its_end
     assert late.status == "end"
 
 
-async def test_a_crash_is_blamed_on_the_shard_its_worker_held_longest_alone(
+async def test_a_crash_with_several_shards_held_makes_each_a_suspect_leased_alone(
     tmp_path: Path,
 ) -> None:
-    """A worker computes one shard while it reads the next: when it crashes, the one in its
-    pipeline is the suspect, and the one read ahead did nothing wrong."""
+    """A worker computes one shard while it reads the next, and under load the rows of both
+    are in its pipeline: a crash names neither. Each becomes a suspect, leased only to a
+    worker holding nothing, which gets nothing more while it holds it; the next crash is
+    then the suspect's own, and the healthy one commits with no failure counted."""
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
-    spec = make_job(tmp_path, shards=3, max_error_fraction=1.0)
+    spec = make_job(tmp_path, shards=4, max_error_fraction=1.0)
     assert await table.intake.submit(spec)
     job = table.jobs[spec.id]
-    for n in range(3):
-        first = await table.lease(spec.id, f"w{n}")
-        clock.now += 0.5
-        second = await table.lease(spec.id, f"w{n}")
-        assert [first.shard.index, second.shard.index] == [0, 1]  # type: ignore[union-attr]
-        told = await table.reaper.worker_ended(
-            spec.id, f"w{n}", kind="crash", blame=True, reason="-11"
-        )
-        assert (told.released, told.forgiven) == ([0, 1], 1)
-        await table.lease(spec.id, "other")  # shard 2 goes by; 0 and 1 come round in order
-        if n < 2:
-            await table.release(  # handed back, to keep the test's order
-                job.shards[2].record.leases[0].token, "busy", retryable=True
-            )
+    first = await table.lease(spec.id, "w1")
+    clock.now += 0.5
+    second = await table.lease(spec.id, "w1")
+    assert [first.shard.index, second.shard.index] == [0, 1]  # type: ignore[union-attr]
+    told = await table.reaper.worker_ended(spec.id, "w1", kind="crash", blame=True, reason="-11")
+    assert (told.released, told.forgiven) == ([0, 1], 0)
     records = [store.shards[shard_key(spec.id, i)][0] for i in (0, 1)]
-    assert [(r.state, r.failures, r.losses) for r in records] == [
-        ("QUARANTINED", 3, 0),
-        ("TODO", 0, 3),
+    assert [(r.state, r.failures, r.losses, r.suspect) for r in records] == [
+        ("TODO", 0, 1, True),
+        ("TODO", 0, 1, True),
     ]
+
+    busy = await table.lease(spec.id, "w2")
+    assert busy.shard is not None and busy.shard.index == 2
+    passed_over = await table.lease(spec.id, "w2")  # holds shard 2: no suspect for it
+    assert passed_over.shard is not None and passed_over.shard.index == 3
+    suspect = await table.lease(spec.id, "w3")  # holds nothing
+    assert suspect.shard is not None and suspect.shard.index == 0
+    nothing_more = await table.lease(spec.id, "w3")
+    assert nothing_more.status == "wait"
+    assert (await table.lease(spec.id, "w2")).status == "wait"  # nor for w2, holding two
+    assert job.shards[1].record.state == "TODO"
+
+    told = await table.reaper.worker_ended(spec.id, "w3", kind="crash", blame=True, reason="-11")
+    assert (told.released, told.forgiven) == ([0], 0)
+    record = store.shards[shard_key(spec.id, 0)][0]
+    assert (record.failures, record.losses) == (1, 1)  # alone, the crash was its own
+
+    healthy = await table.lease(spec.id, "w4")
+    assert healthy.shard is not None and healthy.shard.index == 1
+    commit_record(spec, healthy)
+    assert (await table.commit(healthy.token)).status == "done"
+    record = store.shards[shard_key(spec.id, 1)][0]
+    assert (record.state, record.failures) == ("DONE", 0)
+
+
+async def test_a_shard_that_crashes_every_worker_it_meets_is_quarantined_after_max_attempts(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1, max_error_fraction=1.0)
+    assert await table.intake.submit(spec)
+    for n in range(3):
+        reply = await table.lease(spec.id, f"w{n}")
+        assert reply.shard is not None
+        await table.reaper.worker_ended(spec.id, f"w{n}", kind="oom", blame=True, reason="oom")
+    record = store.shards[shard_key(spec.id, 0)][0]
+    assert (record.state, record.failures, record.losses) == ("QUARANTINED", 3, 0)
 
 
 async def test_a_restarted_table_reads_lease_times_by_the_wall_clock_they_were_written_on(

@@ -224,6 +224,14 @@ class Job:
         index = shard.index
         return 0 <= index < len(self.shards) and self.shards[index] is shard
 
+    def held_by(self, worker: str) -> list[Shard]:
+        """The running shards `worker` holds a lease of."""
+        return [
+            shard
+            for shard in (self.shards[i] for i in self.doing)
+            if any(lease.worker == worker for lease in shard.record.leases)
+        ]
+
     def release_shards(self) -> None:
         """Forget the shards of an ended job: its record keeps the final counts."""
         self.shards = []

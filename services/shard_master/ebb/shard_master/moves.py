@@ -180,12 +180,22 @@ class ShardMoves:
         )
 
     async def drop_lease(
-        self, job: Job, shard: Shard, token: str, *, reason: str, failed: bool, lost: bool = False
+        self,
+        job: Job,
+        shard: Shard,
+        token: str,
+        *,
+        reason: str,
+        failed: bool,
+        lost: bool = False,
+        suspected: bool = False,
     ) -> ShardState:
         """End one lease of a shard and persist the outcome; returns the shard's new state.
 
         `failed`: the attempt counts against max_attempts. `lost`: it was lost with a worker
-        the cluster took: forgiven, but counted against the job's worker_loss_cap."""
+        the cluster took: forgiven, but counted against the job's worker_loss_cap.
+        `suspected`: lost with a worker that crashed holding other shards too: not counted
+        as failed, but as a loss, and the shard is leased alone from now on."""
         record = shard.record
         remaining = [lease for lease in record.leases if lease.token != token]
         foreign = False
@@ -207,9 +217,9 @@ class ShardMoves:
                 await self.record_done(job, shard, commit)
                 return "DONE"
         failures = record.failures + (1 if failed else 0)
-        losses = record.losses + (1 if lost else 0)
+        losses = record.losses + (1 if lost or suspected else 0)
         cap = job.spec.fault.worker_loss_cap()
-        too_many_losses = lost and losses >= cap
+        too_many_losses = (lost or suspected) and losses >= cap
         if too_many_losses:
             reason = (
                 f"{losses} workers were lost while computing it, the last: {reason} (a shard "
@@ -229,6 +239,7 @@ class ShardMoves:
             leases=remaining,
             failures=failures,
             losses=losses,
+            suspect=record.suspect or suspected,
             errors=errors,
         )
         await self.apply(job, shard, new)

@@ -6,6 +6,13 @@ lost to the cluster (evicted, preempted, killed from outside) is the cluster's f
 attempts are forgiven and its shards go back to the queue at once, with no wait for their
 leases to run out; a generous cap on such losses per shard still stops a shard that takes
 down every worker it touches (`ShardMoves.drop_lease`).
+
+A worker that crashed or ran out of memory holding one shard failed that shard's attempt.
+Holding several (it computes one while it reads the next, and under load the rows of both
+are in its pipeline at once), any of them may be the cause, and the order they were leased
+in does not say which: each becomes a suspect, leased alone from then on, so that the next
+crash it causes is its own. Blaming the one held longest instead quarantined a healthy shard
+that was only committing when the next one's rows killed the worker.
 """
 
 from __future__ import annotations
@@ -76,19 +83,17 @@ class LeaseReaper:
     ) -> WorkerEndedReply:
         """The controller saw `worker` end badly: each lease it held ends now, instead of
         when its deadline passes. `blame`: its death may be a shard's doing (it crashed or
-        ran out of memory while computing it), and the attempt of the shard it held longest
-        counts as failed; every other attempt lost with it (the cluster took the worker) is
-        forgiven. Idempotent: a worker that holds nothing changes nothing, and a worker is
-        counted as lost once."""
+        ran out of memory while computing it): the attempt of the shard it held alone counts
+        as failed, or, when it held several, each becomes a suspect (module docstring).
+        Without blame (the cluster took the worker) every attempt lost with it is forgiven.
+        Idempotent: a worker that holds nothing changes nothing, and a worker is counted as
+        lost once."""
         job = self._context.find(job_id)
         released: list[int] = []
         forgiven = 0
         settle = False
         why = f"worker {worker} {'failed' if blame else 'was lost'} ({kind}: {reason})"
-        # Oldest first: a worker computes its shards in the order it leased them, so when it
-        # dies of what a shard can cause, the one it held longest (whose rows were in its
-        # pipeline) is blamed; those it had only read ahead are forgiven. Each goes back to
-        # the queue in that order, so its next holder meets them in the same order again.
+        # Oldest first: each goes back to the queue in the order it was leased.
         held = sorted(
             (
                 (shard.granted.get(lease.token, 0.0), shard.index, lease.token)
@@ -97,21 +102,29 @@ class LeaseReaper:
                 if lease.worker == worker
             ),
         )
-        for n, (_, index, token) in enumerate(held):
+        guilty = blame and len(held) == 1
+        suspected = blame and len(held) > 1
+        outcome = "failed" if guilty else "suspect" if suspected else "lost"
+        for _, index, token in held:
             if job.ended:  # while we waited for a lock: its leases are void already
                 break
             shard = job.shards[index]
-            guilty = blame and n == 0
             async with shard.lock:
                 if job.ended or not job.holds(shard) or token not in shard.deadlines:
                     continue
                 state = await self._moves.drop_lease(
-                    job, shard, token, reason=why, failed=guilty, lost=not guilty
+                    job,
+                    shard,
+                    token,
+                    reason=why,
+                    failed=guilty,
+                    lost=not blame,
+                    suspected=suspected,
                 )
             released.append(index)
-            forgiven += not guilty
+            forgiven += not blame
             settle = settle or state in ("QUARANTINED", "DONE")
-            metrics.RETRIES.labels(job.id, "failed" if guilty else "lost").inc()
+            metrics.RETRIES.labels(job.id, outcome).inc()
         if forgiven:
             metrics.ATTEMPTS_FORGIVEN.labels(job.id).inc(forgiven)
         if released:
@@ -121,7 +134,11 @@ class LeaseReaper:
                 worker,
                 kind,
                 released,
-                ", their attempts forgiven" if forgiven else "",
+                ", their attempts forgiven"
+                if forgiven
+                else ", each now a suspect"
+                if suspected
+                else "",
             )
         await self._count_lost(job, worker, kind=kind, forgiven=forgiven)
         if settle:

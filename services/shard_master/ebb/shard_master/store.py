@@ -53,6 +53,10 @@ class ShardRecord:
     losses: int = 0
     """Attempts lost with a worker the cluster took (preempted, evicted, killed from outside),
     forgiven: not failures. At the job's worker_loss_cap the shard is quarantined anyway."""
+    suspect: bool = False
+    """A worker that crashed or ran out of memory held it with other shards, each of which
+    may have been the cause: it is leased alone from now on (to a worker holding nothing,
+    which reads nothing ahead while it holds it), so that the next crash names the shard."""
     leases: list[LeaseRecord] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     """The latest failure reasons, newest last."""

@@ -178,7 +178,11 @@ class LeaseTable:
             return LeaseReply(status="end")
         if job.state != "RUNNING":
             return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
-        shard = self._pick(job, worker)
+        held = job.held_by(worker)
+        if any(shard.record.suspect for shard in held):
+            # Alone until it commits or fails, so that a crash is its own.
+            return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
+        shard = self._pick(job, worker, alone=not held)
         speculative = False
         if shard is None:
             if job.doing and self._ask_split(job, worker):
@@ -187,6 +191,8 @@ class LeaseTable:
             shard = pick_speculative(
                 job, worker, now=now, speculate_after_s=self._speculate_after_s
             )
+            if shard is not None and shard.record.suspect and held:
+                shard = None
             if shard is None:
                 if job.counts["TODO"]:  # queued: a rest kept for another worker, briefly
                     return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
@@ -239,9 +245,10 @@ class LeaseTable:
         the master's work of a job."""
         return max(self._wait_retry_s, min(_TAIL_WAIT_S, job.spec.fault.lease_s / 10))
 
-    def _pick(self, job: Job, worker: str) -> Shard | None:
+    def _pick(self, job: Job, worker: str, *, alone: bool) -> Shard | None:
         """The first TODO shard in the queue for `worker`: a straggler's rest kept for
-        another worker is passed over (it stays first) until its keep runs out."""
+        another worker is passed over (it stays first) until its keep runs out, and so is a
+        suspect shard unless the worker holds nothing (`alone`)."""
         now = self.context.clock()
         passed: list[int] = []
         try:
@@ -251,7 +258,8 @@ class LeaseTable:
                 if shard.record.state != "TODO":
                     continue
                 kept = shard.kept_for
-                if kept is not None and kept[0] != worker and now < kept[1]:
+                kept_away = kept is not None and kept[0] != worker and now < kept[1]
+                if kept_away or (shard.record.suspect and not alone):
                     passed.append(index)
                     continue
                 shard.kept_for = None

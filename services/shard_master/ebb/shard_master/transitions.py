@@ -101,7 +101,13 @@ def reopen(records: list[ShardRecord]) -> list[ShardRecord]:
 def remainder_record(job: str, part: ShardRecord, *, seq: int) -> ShardRecord:
     """The TODO record of the shard a split leaves after `part` (DONE, with a remainder)."""
     assert part.remainder is not None
-    return ShardRecord(job=job, spec=part.remainder, seq=seq, split_from=part.spec.index)
+    return ShardRecord(
+        job=job,
+        spec=part.remainder,
+        seq=seq,
+        split_from=part.spec.index,
+        suspect=part.suspect,  # what made it suspect may lie in the rows not done
+    )
 
 
 def missing_remainders(records: list[ShardRecord]) -> list[ShardRecord]:
