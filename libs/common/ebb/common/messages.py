@@ -21,7 +21,9 @@ class ShardSpec(Message):
     index: int
     path: str
     """The file holding the rows."""
-    format: Literal["parquet", "csv", "jsonl"]
+    format: Literal["parquet", "csv", "jsonl", "arrow"]
+    """arrow: a hand-off between the tiers of a job: the Arrow IPC files the attempt of the
+    tier before committed (`parts`), read in order."""
     rows: int
     """Rows in the shard: exact for Parquet, an estimate for text formats."""
     row_groups: list[int] = field(default_factory=list)
@@ -35,6 +37,16 @@ class ShardSpec(Message):
     """Text formats: first byte of the shard, at the start of a line."""
     byte_end: int = 0
     """Text formats: one past the last byte, at the end of a line."""
+    parts: list[HandoffPart] = field(default_factory=list)
+    """arrow: the files of the hand-off, in order (`path` is the first's folder)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffPart(Message):
+    """One Arrow IPC file of a hand-off between tiers."""
+
+    path: str
+    rows: int
 
 
 def rest_of(shard: ShardSpec, split_at: int, *, index: int) -> ShardSpec:
@@ -83,6 +95,8 @@ class LeaseRequest(Message):
     ready: bool = False
     """The asking worker's pipeline has started (its stage processes are ready): the job's
     pipeline can start somewhere, so a worker that cannot start it is its node's fault."""
+    tier: str = ""
+    """The tier of the job the worker runs (`JobSpec.tiers`); "" for a job without tiers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +232,24 @@ class JobStatus(Message):
     metrics: dict[str, Any] = field(default_factory=dict)
     """The values of the job's metrics (`StageSpec.metrics`) over the rows of its shards done
     so far, each counted once."""
+    tiers: list[TierStatus] = field(default_factory=list)
+    """A job with tiers (`JobSpec.tiers`): each tier's shards, in the tiers' order. `shards`
+    above counts every tier's; `rows_done` the last tier's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierStatus(Message):
+    """One tier of a job. A tier after the first gets a shard for each of the tier before's
+    that is done (the hand-off of its rows), so its TODO shards are its backlog."""
+
+    name: str
+    shards: dict[str, int] = field(default_factory=dict)
+    """This tier's shards per state (TODO, DOING, DONE, QUARANTINED)."""
+    rows_done: int = 0
+    """Rows this tier's shards done have committed."""
+    held_back: bool = False
+    """No shard of this tier is leased for now: the hand-offs waiting for the next tier are
+    at their bound (backpressure)."""
 
 
 @dataclass(frozen=True, kw_only=True)
