@@ -135,10 +135,13 @@ def _default(value: ast.expr | None) -> str | None:
 
 
 def sections(classes: dict[str, SpecClass], root: str = ROOT) -> list[Section]:
-    """Every section reachable from `root`, depth first in field order."""
+    """Every section reachable from `root`, depth first in field order, each at the first
+    path it is found at (a tier's `resources` is the top level's section again)."""
     found: list[Section] = []
 
     def walk(name: str, path: str) -> None:
+        if any(s.cls.name == name for s in found):
+            return
         found.append(Section(path=path, cls=classes[name]))
         for f in classes[name].fields:
             child = _section_type(f.annotation, classes)
