@@ -292,7 +292,8 @@ class RecordingBackend:
         del jobs, workers
         return Capacity.slots(self.slots)
 
-    async def launch(self, job: JobStatus, worker_id: str) -> None:
+    async def launch(self, job: JobStatus, worker_id: str, *, tier: str = "") -> None:
+        del tier
         assert job.spec is not None, "a worker is launched from its job's spec"
         self.launched.append((worker_id, job.id))
 

@@ -59,7 +59,7 @@ async def harness_factory(
     made: list[Harness] = []
 
     def make(**config: Any) -> Harness:
-        h = Harness(kube, nats_config, ebb, **config)
+        h = Harness(kube, nats_config, ebb.nc, **config)
         made.append(h)
         return h
 

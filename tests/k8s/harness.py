@@ -1,4 +1,5 @@
-"""A Kubernetes backend wired to the fake API server and a real shard master, for tests."""
+"""A Kubernetes backend wired to the fake API server and a shard master (a real one, or one
+whose answers a test scripts) over a real NATS server, for tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
+from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
 from ebb.common.api import MasterClient
@@ -44,7 +46,7 @@ class Harness:
         self,
         kube: FakeKubeAPI,
         nats: NatsConfig,
-        ebb: EbbClient,
+        nc: NATS,
         *,
         signer: WorkerSigner | None = None,
         **config: Any,
@@ -62,7 +64,7 @@ class Harness:
             signer=signer,
         )
         self.reconciler = Reconciler(
-            master=MasterClient(ebb.nc, nats, backoff=Backoff(attempts=1)),
+            master=MasterClient(nc, nats, backoff=Backoff(attempts=1)),
             backend=self.backend,
             config=ReconcilerConfig(
                 relaunch_backoff=Backoff(first_s=0.01, max_s=0.02), max_crashes=3

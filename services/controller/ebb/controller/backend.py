@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol
 from ebb.common import envvars
 from ebb.common.errors import SpecError
 from ebb.common.messages import JobStatus
-from ebb.common.spec import parse_job
+from ebb.common.spec import RUNTIME_MODULES, parse_job
 
 from .capacity import Bin, Resources
 from .failures import Kind
@@ -37,6 +37,8 @@ class WorkerInfo:
     """What kind of failure (see failures.py); None: not classified (a plain exit code)."""
     node: str = ""
     """Where it runs or ran (a node's name; the local backend's one place)."""
+    tier: str = ""
+    """The tier of its job it runs (`JobSpec.tiers`); "" for a job without tiers."""
 
     @property
     def alive(self) -> bool:
@@ -47,18 +49,24 @@ class WorkerInfo:
         return self.phase in ("succeeded", "failed")
 
 
-def _anywhere(_job: JobStatus) -> Callable[[Bin], bool]:
+def _anywhere(_job: JobStatus, _tier: str) -> Callable[[Bin], bool]:
     return lambda _bin: True
+
+
+def _one_slot(_job: JobStatus, _tier: str) -> Resources:
+    return {"workers": 1.0}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Capacity:
-    """Where workers could run now, and what one worker of a job needs."""
+    """Where workers could run now, and what one worker of a tier of a job needs."""
 
     bins: list[Bin]
     """Free resources, counting those of live workers as free: they are placed anew."""
-    shape: Callable[[JobStatus], Resources] = field(default=lambda _job: {"workers": 1.0})
-    eligible: Callable[[JobStatus], Callable[[Bin], bool]] = field(default=_anywhere)
+    shape: Callable[[JobStatus, str], Resources] = field(default=_one_slot)
+    """What one worker of (job, tier) requests ("": a job without tiers)."""
+    eligible: Callable[[JobStatus, str], Callable[[Bin], bool]] = field(default=_anywhere)
+    """Which bins a worker of (job, tier) may go to."""
 
     @staticmethod
     def slots(n: int) -> Capacity:
@@ -86,7 +94,10 @@ class ClusterBackend(Protocol):
         counted as free unless they are terminating."""
         ...
 
-    async def launch(self, job: JobStatus, worker_id: str) -> None: ...
+    async def launch(self, job: JobStatus, worker_id: str, *, tier: str = "") -> None:
+        """Start worker `worker_id` of `job`, running tier `tier` of it ("": the job has no
+        tiers)."""
+        ...
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
         """Ask a worker to drain and exit (SIGTERM); kill it if it is still there after grace_s."""
@@ -105,15 +116,27 @@ class ClusterBackend(Protocol):
         ...
 
     def grow_memory(self, job: str) -> None:
-        """Workers of `job` were OOMKilled: ask for more memory from now on (if it can)."""
+        """Workers of `job` were OOMKilled: ask for more memory from now on (if it can).
+        `job` is a group's key (groups.group_key): the job's id, or `job/tier` for a tier."""
         ...
 
 
-def job_environment(job: JobStatus) -> dict[str, str]:
+def job_environment(job: JobStatus, tier: str = "") -> dict[str, str]:
     """What a worker of `job` is told besides its connection: the model runtimes its stages
-    will import, for its fork server to import once before any stage starts."""
+    (those of its tier, for a job with tiers) will import, for its fork server to import
+    once before any stage starts."""
     try:
-        modules = parse_job(job.spec).pipeline.runtime_modules() if job.spec else []
+        spec = parse_job(job.spec) if job.spec else None
     except SpecError:
         return {}  # the worker finds out, and says so
+    if spec is None:
+        return {}
+    pipeline = spec.pipeline
+    runs = next((set(t.stages) for t in spec.tiers if t.name == tier), None) if tier else None
+    if runs is None:
+        modules = pipeline.runtime_modules()
+    else:
+        # Only its own stages' runtimes: a CPU tier has no use for the GPU tier's torch.
+        stages = [s for s in pipeline.stages if s.name in runs]
+        modules = sorted({RUNTIME_MODULES[r] for s in stages for r in s.runtimes()})
     return {envvars.STAGE_PRELOAD: ",".join(modules)} if modules else {}

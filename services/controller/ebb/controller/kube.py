@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
@@ -27,7 +27,6 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
-from ebb.common.spec import parse_job
 
 from . import metrics
 from .avoidance import NodeAvoidance
@@ -35,15 +34,27 @@ from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .capacity import Bin, Resources, add
 from .credentials import CredentialIssuer
 from .failures import classify
+from .groups import group_key, job_spec, tier_resources, tier_spec
 from .harvest import TidalHarvester
 from .informer import Informer
 from .kube_settings import KubeConfig
-from .podspec import APP, APP_LABEL, JOB_LABEL, WORKER_LABEL, pod_name, worker_pod
+from .placement import Placement
+from .podspec import (
+    APP,
+    APP_LABEL,
+    JOB_LABEL,
+    TIER_LABEL,
+    WORKER_LABEL,
+    pod_name,
+    pod_placement,
+    worker_pod,
+)
 from .tidal import LABEL as TIDAL
 from .tidal import ForecastTide, Tide
 from .views import RESOURCES, NodeView, PodView, parse_time, selector_matches
 
-__all__ = ["APP", "APP_LABEL", "JOB_LABEL", "WORKER_LABEL", "KubeConfig", "KubernetesBackend"]
+__all__ = ["APP", "APP_LABEL", "JOB_LABEL", "TIER_LABEL", "WORKER_LABEL", "KubeConfig"]
+__all__ += ["KubernetesBackend"]
 __all__ += ["from_cluster", "pod_name", "repository", "running_image", "selector_matches"]
 
 log = logging.getLogger(__name__)
@@ -147,6 +158,7 @@ class KubernetesBackend:
             tide = ForecastTide(config.tidal) if forecast else Tide(config.tidal)
             self.harvester = TidalHarvester(self, tide)
         self._memory_factor: dict[str, float] = defaultdict(lambda: 1.0)
+        """Per group (groups.group_key): how much more memory than its spec says."""
         self._specs: dict[str, JobStatus] = {}
         self.avoidance = NodeAvoidance(
             after=config.avoid_after, window_s=config.avoid_window_s, for_s=config.avoid_for_s
@@ -206,6 +218,7 @@ class KubernetesBackend:
                     reason=failure.reason if failure else "",
                     failure=failure.kind if failure else None,
                     node=pod.node,
+                    tier=pod.meta.labels.get(TIER_LABEL, ""),
                 )
             )
         return out
@@ -224,7 +237,8 @@ class KubernetesBackend:
         now = asyncio.get_running_loop().time()
         bins = []
         pools: dict[str, Resources] = defaultdict(dict)
-        for node in map(NodeView, self.nodes.values()):
+        nodes = {n.name: n for n in map(NodeView, self.nodes.values())}
+        for node in nodes.values():
             labels = node.meta.labels
             pool = labels.get(self.config.pool_label, "offline")
             lent = pool == "mixed" and labels.get(TIDAL) == "offline"
@@ -261,35 +275,58 @@ class KubernetesBackend:
         for pool, free in pools.items():
             for resource, amount in free.items():
                 metrics.IDLE_CAPACITY.labels(pool, resource).set(amount)
-        return Capacity(bins=bins, shape=self.shape)
+        return Capacity(bins=bins, shape=self.shape, eligible=self._eligible(nodes))
 
-    def shape(self, job: JobStatus) -> Resources:
-        spec = parse_job(job.spec) if job.spec else None
-        if spec is None:
+    def shape(self, job: JobStatus, tier: str = "") -> Resources:
+        """What one worker of tier `tier` of `job` requests ("": a job without tiers)."""
+        resources = tier_resources(job_spec(job), tier)
+        if resources is None:
             return {"cpu": 1.0, "memory": 2.0 * 2**30}
-        memory = min(
-            spec.resources.memory_gb * self._memory_factor[job.id], self.config.max_memory_gb
-        )
-        shape: Resources = {"cpu": spec.resources.cpu, "memory": memory * 2**30}
-        if spec.resources.gpu:
-            shape["nvidia.com/gpu"] = float(spec.resources.gpu)
+        grown = self._memory_factor[group_key(job.id, tier)]
+        memory = min(resources.memory_gb * grown, self.config.max_memory_gb)
+        shape: Resources = {"cpu": resources.cpu, "memory": memory * 2**30}
+        if resources.gpu:
+            shape["nvidia.com/gpu"] = float(resources.gpu)
         return shape
 
-    async def launch(self, job: JobStatus, worker_id: str) -> None:
+    def placement(self, job: JobStatus, tier: str = "") -> Placement:
+        """The node selector and tolerations of tier `tier`'s pods: ours, and the tier's."""
+        return pod_placement(self.config, tier_spec(job_spec(job), tier))
+
+    def _eligible(
+        self, nodes: dict[str, NodeView]
+    ) -> Callable[[JobStatus, str], Callable[[Bin], bool]]:
+        """Capacity.eligible over `nodes`: those a group's pods may land on."""
+
+        def eligible(job: JobStatus, tier: str) -> Callable[[Bin], bool]:
+            placement = self.placement(job, tier)
+            admitted = {
+                name
+                for name, node in nodes.items()
+                if placement.admits(node.meta.labels, node.taints())
+            }
+            return lambda b: b.name in admitted
+
+        return eligible
+
+    async def launch(self, job: JobStatus, worker_id: str, *, tier: str = "") -> None:
         status = self._specs.get(job.id, job)
         body = worker_pod(
             job.id,
             self.config,
             worker_id=worker_id,
-            shape=self.shape(status),
+            shape=self.shape(status, tier),
             avoid=self.avoidance.avoided(asyncio.get_running_loop().time()),
-            env=job_environment(status),
+            env=job_environment(status, tier),
             own_credentials=self.credentials is not None,
+            tier=tier,
+            placement=self.placement(status, tier),
         )
         try:
             # A plain JSON map: the client sends it as it is (its stubs only know V1Pod).
             created = await self.api.create_namespaced_pod(self.config.namespace, body)
-            log.info("created pod %s for job %s", body["metadata"]["name"], job.id)
+            of_tier = f" (tier {tier})" if tier else ""
+            log.info("created pod %s for job %s%s", body["metadata"]["name"], job.id, of_tier)
         except ApiException as e:
             if e.status != 409:  # 409: it exists already (a repeated pass)
                 raise

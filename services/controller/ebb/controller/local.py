@@ -27,6 +27,7 @@ from ebb.common.natsconfig import NatsConfig, nats_environment
 from . import exits
 from .backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
 from .cores import allowed_cores, least_held, machine_cores
+from .groups import job_spec, tier_resources
 from .pidfiles import Orphans, remove_pid_file, write_pid_file
 
 __all__ = ["LocalBackend", "LocalConfig", "machine_cores"]
@@ -41,6 +42,8 @@ _KILL_MARGIN_S = 5.0
 class _Child:
     id: str
     job: str
+    tier: str
+    """The tier of its job it runs; "" for a job without tiers."""
     process: asyncio.subprocess.Process
     started_at: float
     log_file: IO[bytes] | None
@@ -110,6 +113,7 @@ class LocalBackend:
                         phase=phase,
                         started_at=child.started_at,
                         node=THIS_MACHINE,
+                        tier=child.tier,
                     )
                 )
                 continue
@@ -132,6 +136,7 @@ class LocalBackend:
                     reason=exits.reason(code, said),
                     failure=exits.failure_kind(code),
                     node=THIS_MACHINE,
+                    tier=child.tier,
                 )
             )
         return out
@@ -141,10 +146,12 @@ class LocalBackend:
         draining = sum(1 for w in workers if w.phase == "terminating")
         return Capacity.slots(self.config.max_workers - draining)
 
-    async def launch(self, job: JobStatus, worker_id: str) -> None:
+    async def launch(self, job: JobStatus, worker_id: str, *, tier: str = "") -> None:
         if worker_id in self._children:
             return
         args = [self.config.python, "-m", "ebb.worker", "--job", job.id, "--id", worker_id]
+        if tier:
+            args += ["--tier", tier]
         # Connection settings, secrets included, travel in the environment, not on the
         # command line (visible in ps).
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
@@ -159,12 +166,12 @@ class LocalBackend:
         env[envvars.PARENT_PID] = str(os.getpid())
         # Its share of the machine: the cores it may use are split among the workers it runs
         # beside (their model runtimes and BLAS would each take every core otherwise).
-        share = machine_cores() / self._at_once(job)
+        share = machine_cores() / self._at_once(job, tier)
         env[envvars.CPUS] = f"{share:g}"
         cores = self._free_cores(max(1, int(share))) if self.config.pin_cpus else ()
         if cores:
             env[envvars.CPU_SET] = ",".join(map(str, cores))
-        env.update(job_environment(job))
+        env.update(job_environment(job, tier))
         log_file = _open_log(self.config.log_dir, worker_id) if self.config.log_dir else None
         termination_log = None
         if self.config.log_dir:
@@ -187,6 +194,7 @@ class LocalBackend:
         self._children[worker_id] = _Child(
             id=worker_id,
             job=job.id,
+            tier=tier,
             process=process,
             started_at=asyncio.get_running_loop().time(),
             log_file=log_file,
@@ -197,16 +205,22 @@ class LocalBackend:
         if self.config.log_dir:
             # For the next controller, should we be killed before we can drain this worker.
             write_pid_file(self.config.log_dir, worker_id, job.id, process.pid)
-        log.info("launched worker %s for job %s (pid %d)", worker_id, job.id, process.pid)
+        tiered = f" (tier {tier})" if tier else ""
+        log.info("launched worker %s for job %s%s (pid %d)", worker_id, job.id, tiered, process.pid)
 
-    def _at_once(self, job: JobStatus) -> int:
-        """The workers this machine will run at once while `job` runs: as many as the job
-        may have, with the other jobs' that run now, within the machine's slots. (A job of
-        one worker gets the whole machine, not a slot's worth of it.)"""
+    def _at_once(self, job: JobStatus, tier: str) -> int:
+        """The workers this machine will run at once while tier `tier` of `job` runs (the
+        job, for a job without tiers): as many as it may have, with the others' that run
+        now, within the machine's slots. (A job of one worker gets the whole machine, not a
+        slot's worth of it.)"""
         others = sum(
-            1 for c in self._children.values() if c.job != job.id and c.process.returncode is None
+            1
+            for c in self._children.values()
+            if (c.job, c.tier) != (job.id, tier) and c.process.returncode is None
         )
-        wanted = job.max_workers or self.config.max_workers
+        resources = tier_resources(job_spec(job), tier) if tier else None
+        most = resources.max_workers if resources is not None else job.max_workers
+        wanted = most or self.config.max_workers
         return max(1, min(self.config.max_workers, wanted + others))
 
     def _free_cores(self, count: int) -> tuple[int, ...]:

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-WORKERS_DESIRED = Gauge("ebb_workers_desired", "Workers the controller wants for a job", ["job_id"])
-WORKERS_ACTUAL = Gauge("ebb_workers_actual", "Workers running for a job", ["job_id"])
+WORKERS_DESIRED = Gauge(
+    "ebb_workers_desired",
+    "Workers the controller wants for a job, per tier (tier empty: a job without tiers)",
+    ["job_id", "tier"],
+)
+WORKERS_ACTUAL = Gauge(
+    "ebb_workers_actual",
+    "Workers running for a job, per tier (tier empty: a job without tiers)",
+    ["job_id", "tier"],
+)
 WORKER_FAILURES = Counter(
     "ebb_worker_failures_total", "Workers that ended in failure", ["job_id", "reason"]
 )

@@ -7,15 +7,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ebb.common import envvars
+from ebb.common.spec import TierSpec
 
 from .capacity import Resources
 from .informer import Obj
 from .kube_settings import KubeConfig
+from .placement import Placement
 from .tidal import LABEL as TIDAL
 
 APP = "ebb-worker"
 APP_LABEL = "app.kubernetes.io/name"
 JOB_LABEL = "ebb.io/job"
+TIER_LABEL = "ebb.io/tier"
+"""The tier of its job a worker pod runs (`JobSpec.tiers`); absent for a job without tiers."""
 WORKER_LABEL = "ebb.io/worker"
 DEFAULT_IMAGE = "ebb:latest"
 CREDENTIALS_KEY = "creds"
@@ -71,6 +75,16 @@ def mounted_credentials(pod: Obj) -> str | None:
     return None
 
 
+def pod_placement(config: KubeConfig, tier: TierSpec | None = None) -> Placement:
+    """The node selector and tolerations of a worker's pod: the controller's, with its
+    tier's (if its job has tiers) over them."""
+    ours = Placement(
+        node_selector=dict(config.node_selector),
+        tolerations=[dict(t) for t in config.tolerations],
+    )
+    return ours.over(tier.node_selector, tier.tolerations) if tier is not None else ours
+
+
 def worker_pod(
     job: str,
     config: KubeConfig,
@@ -80,9 +94,14 @@ def worker_pod(
     avoid: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     own_credentials: bool = False,
+    tier: str = "",
+    placement: Placement | None = None,
 ) -> Obj:
     """The pod of worker `worker_id` of job `job`: requests `shape`, runs `config.image`,
     on the offline pool or a lent mixed node, never on a node named in `avoid`.
+
+    `tier`: the tier of the job it runs ("": the job has none), labelled and passed to the
+    worker; `placement`: its node selector and tolerations (None: `config`'s).
 
     `own_credentials`: the worker connects to NATS with a credential of its own, read from
     the Secret `credentials_secret_name(pod name)` (mounted, never in the environment: any
@@ -94,11 +113,10 @@ def worker_pod(
     limits = {"memory": requests["memory"]}
     if shape.get("nvidia.com/gpu"):
         limits["nvidia.com/gpu"] = f"{int(shape['nvidia.com/gpu'])}"
-    metadata: Obj = {
-        "name": name,
-        "namespace": c.namespace,
-        "labels": {**c.labels, APP_LABEL: APP, JOB_LABEL: job, WORKER_LABEL: name},
-    }
+    labels = {**c.labels, APP_LABEL: APP, JOB_LABEL: job, WORKER_LABEL: name}
+    if tier:
+        labels[TIER_LABEL] = tier
+    metadata: Obj = {"name": name, "namespace": c.namespace, "labels": labels}
     if c.owner:
         metadata["ownerReferences"] = [{**c.owner, "controller": True}]
     if c.metrics_port is not None:
@@ -110,7 +128,7 @@ def worker_pod(
         "name": "worker",
         "image": c.image or DEFAULT_IMAGE,
         "imagePullPolicy": c.image_pull_policy,
-        "command": ["python", "-m", "ebb.worker"],
+        "command": ["python", "-m", "ebb.worker", *(["--tier", tier] if tier else [])],
         "env": _environment(
             job, c, name, env or {}, own_credentials=own_credentials, cpus=shape["cpu"]
         ),
@@ -142,10 +160,11 @@ def worker_pod(
         "containers": [container],
         "volumes": volumes,
     }
-    if c.tolerations:
-        spec["tolerations"] = [dict(t) for t in c.tolerations]
-    if c.node_selector:
-        spec["nodeSelector"] = dict(c.node_selector)
+    where = placement if placement is not None else pod_placement(c)
+    if where.tolerations:
+        spec["tolerations"] = [dict(t) for t in where.tolerations]
+    if where.node_selector:
+        spec["nodeSelector"] = dict(where.node_selector)
     if c.service_account:
         spec["serviceAccountName"] = c.service_account
     if c.priority_class:

@@ -1,12 +1,13 @@
-"""The level-triggered reconcile step, and the pure function at its heart.
+"""The level-triggered reconcile step around a pure plan (groups.py).
 
 Each pass looks at the whole world (running jobs from the master, workers from the backend)
-and makes it right, whatever happened before: desired workers per job = its fair share of
-capacity, capped by its max and by the shards it has left, at least its min; launch the
-missing, drain the surplus, drain workers of jobs that ended, relaunch failed workers after
-a capped exponential backoff. Nothing is remembered between passes but that backoff, the
-evidence against each job (crashes in a row, workers whose pipeline could not start), and
-what the master has yet to hear.
+and makes it right, whatever happened before: desired workers per group (a job, or one tier
+of a job with tiers: groups.py) = its fair share of capacity, capped by its max and by the
+shards it has left, at least its min; launch the missing, drain the surplus, drain workers
+of jobs that ended, relaunch failed workers after a capped exponential backoff (per group).
+Nothing is remembered between passes but that backoff, the evidence against each job
+(crashes in a row, workers whose pipeline could not start), and what the master has yet to
+hear.
 
 Every worker that ends badly is told to the master at once (`worker_ended`), with whether its
 shards are to blame: a worker the cluster took (preempted, evicted, its node lost, killed from
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,31 +30,13 @@ from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
-from .capacity import Demand, allocate
 from .failures import Kind
+from .groups import Plan, group_key, job_of, new_worker_id, plan, rows_done, share
 from .setup import SetupFailures, SetupPolicy
 
+__all__ = ["Plan", "Reconciler", "ReconcilerConfig", "plan", "share"]
+
 log = logging.getLogger(__name__)
-
-
-def wanted(job: JobStatus) -> int:
-    """Workers a job could use now, before capacity is considered."""
-    remaining = job.shards.get("TODO", 0) + job.shards.get("DOING", 0)
-    if job.state != "RUNNING" or remaining == 0:
-        return 0
-    return min(job.max_workers, max(job.min_workers, remaining))
-
-
-def demand(job: JobStatus, capacity: Capacity) -> Demand:
-    return Demand(
-        job=job.id,
-        want=wanted(job),
-        min_workers=job.min_workers,
-        priority=job.priority,
-        submitted_at=job.submitted_at,
-        shape=capacity.shape(job),
-        eligible=capacity.eligible(job),
-    )
 
 
 def ever_ready(job: JobStatus | None) -> bool:
@@ -64,11 +46,11 @@ def ever_ready(job: JobStatus | None) -> bool:
     )
 
 
-def nodes_for(job: JobStatus | None, capacity: Capacity) -> set[str]:
-    """The nodes `job` could run on now."""
+def nodes_for(job: JobStatus | None, capacity: Capacity, tier: str = "") -> set[str]:
+    """The nodes tier `tier` of `job` could run on now."""
     if job is None:
         return set()
-    fits = capacity.eligible(job)
+    fits = capacity.eligible(job, tier)
     return {b.name for b in capacity.bins if fits(b)}
 
 
@@ -88,61 +70,6 @@ class Notice:
     @property
     def blame(self) -> bool:
         return self.kind in _BLAMED
-
-
-def share(jobs: list[JobStatus], slots: int) -> dict[str, int]:
-    """Split `slots` identical worker slots between jobs (see capacity.allocate)."""
-    return allocate([demand(j, Capacity.slots(slots)) for j in jobs], Capacity.slots(slots).bins)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    desired: dict[str, int]
-    launch: dict[str, int] = field(default_factory=dict)
-    """Job id -> workers to start."""
-    terminate: list[str] = field(default_factory=list)
-    """Worker ids to drain."""
-    held_back: dict[str, float] = field(default_factory=dict)
-    """Jobs short of workers but in relaunch backoff: seconds left."""
-
-
-def plan(
-    *,
-    jobs: list[JobStatus],
-    workers: list[WorkerInfo],
-    capacity: Capacity,
-    now: float,
-    not_before: dict[str, float],
-) -> Plan:
-    """What to change, given what is. Pure: no I/O, no clock, no memory.
-
-    `capacity` counts the resources of the live workers of these jobs as free (they are
-    placed again, from scratch, by `allocate`) and those of draining workers as taken."""
-    live = [w for w in workers if not w.ended]
-    desired = allocate([demand(j, capacity) for j in jobs], capacity.bins)
-    alive: dict[str, list[WorkerInfo]] = defaultdict(list)
-    for w in live:
-        if w.alive:
-            alive[w.job].append(w)
-    launch: dict[str, int] = {}
-    terminate: list[str] = []
-    held_back: dict[str, float] = {}
-    for job_id, target in desired.items():
-        have = alive.get(job_id, [])
-        if len(have) < target:
-            wait = not_before.get(job_id, 0.0) - now
-            if wait > 0:
-                held_back[job_id] = wait
-            else:
-                launch[job_id] = target - len(have)
-        elif len(have) > target:
-            # The youngest go first: the oldest are the most likely to be mid-shard.
-            surplus = sorted(have, key=lambda w: w.started_at, reverse=True)
-            terminate += [w.id for w in surplus[: len(have) - target]]
-    for job_id, have in alive.items():
-        if job_id not in desired:  # the job ended, or is unknown to the master
-            terminate += [w.id for w in have]
-    return Plan(desired=desired, launch=launch, terminate=terminate, held_back=held_back)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,8 +102,10 @@ class Reconciler:
         self.crashes: dict[str, list[str]] = defaultdict(list)
         """How the workers of those crashes ended (the evidence when the job fails)."""
         self.progress: dict[str, int] = {}
-        """Rows a job had done at its last crash: more since then means its workers work."""
+        """Rows a group (a job, or a tier of one) had done at its last crash: more since
+        then means its workers work."""
         self.not_before: dict[str, float] = {}
+        """Per group (a job's id, or `job/tier`): no launch before this (relaunch backoff)."""
         self.last_plan: Plan | None = None
         self.failed_jobs: dict[str, str] = {}
         """Jobs this controller failed, and why (until the master confirms they ended)."""
@@ -205,9 +134,9 @@ class Reconciler:
                 self.account(
                     w,
                     now,
-                    rows_done=job.rows_done if job else 0,
+                    rows_done=rows_done(job, w.tier) if job else 0,
                     ready=ever_ready(job),
-                    nodes=nodes_for(job, capacity),
+                    nodes=nodes_for(job, capacity, w.tier),
                 )
                 await self.backend.forget(w.id)
         await self._tell_master(set(by_id))
@@ -217,12 +146,14 @@ class Reconciler:
         decided = plan(
             jobs=jobs, workers=live, capacity=capacity, now=now, not_before=self.not_before
         )
-        for job_id, count in decided.launch.items():
+        for key, count in decided.launch.items():
+            group = decided.groups[key]
             for _ in range(count):
-                await self.backend.launch(by_id[job_id], f"{job_id[:40]}-{secrets.token_hex(3)}")
+                worker_id = new_worker_id(group.job.id, group.tier)
+                await self.backend.launch(group.job, worker_id, tier=group.tier)
         for worker_id in decided.terminate:
             await self.backend.terminate(worker_id, grace_s=self.config.worker_grace_s)
-        self._publish(jobs, workers, decided)
+        self._publish(workers, decided)
         self.last_plan = decided
         return decided
 
@@ -259,10 +190,13 @@ class Reconciler:
         """Learn from a worker that ended: relaunch at once, later, with more memory, or not;
         and what the master is to hear of it. No I/O.
 
-        `rows_done`: the job's rows done so far (progress since the last crash clears it).
-        `ready`: some worker of the job has started its pipeline. `nodes`: where the job
-        could run now."""
+        `rows_done`: the rows the worker's group (its job, or its tier of it) has done so
+        far (progress since the last crash clears the job's count).
+        `ready`: some worker of the job has started its pipeline. `nodes`: where the
+        worker's tier of the job could run now. Crashes are counted per job; relaunches
+        wait per group."""
         job = worker.job
+        group = group_key(job, worker.tier)
         if worker.phase == "succeeded":
             self._forgive(job)
             return
@@ -281,11 +215,11 @@ class Reconciler:
             self._setup_failed(worker, now, ready=ready, nodes=nodes or set())
             return
         if kind == "oom":
-            self.backend.grow_memory(job)
+            self.backend.grow_memory(group)
         healthy = now - worker.started_at > self.config.healthy_after_s
-        if healthy or rows_done > self.progress.get(job, rows_done):
+        if healthy or rows_done > self.progress.get(group, rows_done):
             self._forgive(job)
-        self.progress[job] = rows_done
+        self.progress[group] = rows_done
         step = self.failures[job]
         self.failures[job] = step + 1
         self.crashes[job] = [*self.crashes[job], worker.reason][-self.config.max_crashes :]
@@ -298,7 +232,7 @@ class Reconciler:
             )
             return
         delay = self.config.relaunch_backoff.delay(step)
-        self.not_before[job] = now + delay
+        self.not_before[group] = now + delay
         log.warning(
             "worker %s of job %s failed (%s: %s); relaunching in %.1fs",
             worker.id,
@@ -323,7 +257,8 @@ class Reconciler:
             self.failed_jobs.setdefault(job, verdict)
             return
         delay = self.config.setup_backoff.delay(len(failures.workers) - 1)
-        self.not_before[job] = max(self.not_before.get(job, 0.0), now + delay)
+        key = group_key(job, worker.tier)
+        self.not_before[key] = max(self.not_before.get(key, 0.0), now + delay)
         log.warning(
             "worker %s of job %s could not start its pipeline (%s); relaunching in %.1fs",
             worker.id,
@@ -369,13 +304,13 @@ class Reconciler:
         tables: tuple[dict[str, Any], ...] = (
             self.failures,
             self.crashes,
-            self.progress,
+            self.progress,  # by group, as not_before: a job's id, or `job/tier`
             self.not_before,
             self.setup_failures,
         )
         for table in tables:
-            for job in [j for j in table if j not in running]:
-                del table[job]
+            for key in [k for k in table if job_of(k) not in running]:
+                del table[key]
 
     async def _fail_jobs(self, running: list[JobStatus]) -> None:
         """Tell the master about jobs that cannot run. Until it has heard, ask again."""
@@ -390,11 +325,12 @@ class Reconciler:
                 # Heard: asking again could fail the job a second time once it is resumed.
                 del self.failed_jobs[job]
 
-    def _publish(self, jobs: list[JobStatus], workers: list[WorkerInfo], decided: Plan) -> None:
+    def _publish(self, workers: list[WorkerInfo], decided: Plan) -> None:
         actual: dict[str, int] = defaultdict(int)
         for w in workers:
             if w.alive:
-                actual[w.job] += 1
-        for job in jobs:
-            metrics.WORKERS_DESIRED.labels(job.id).set(decided.desired.get(job.id, 0))
-            metrics.WORKERS_ACTUAL.labels(job.id).set(actual.get(job.id, 0))
+                actual[group_key(w.job, w.tier)] += 1
+        for key, group in decided.groups.items():
+            labels = (group.job.id, group.tier)
+            metrics.WORKERS_DESIRED.labels(*labels).set(decided.desired.get(key, 0))
+            metrics.WORKERS_ACTUAL.labels(*labels).set(actual.get(key, 0))

@@ -127,6 +127,10 @@ class NodeView:
         allocatable: Any = _map(self.obj, "status").get("allocatable")
         return quantities(allocatable)
 
+    def taints(self) -> list[Obj]:
+        """spec.taints (Kubernetes' own form)."""
+        return _list(_map(self.obj, "spec"), "taints")
+
     def cpu(self, default: float) -> float:
         """Allocatable CPU cores; `default` if the node does not say."""
         return self.allocatable().get("cpu", default)
