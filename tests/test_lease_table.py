@@ -146,12 +146,18 @@ def assert_indexes_match_records(job: Job, store: MemoryStore) -> None:
     records = [s.record for s in job.shards]
     assert +job.counts == Counter(r.state for r in records)
     assert job.doing == {r.spec.index for r in records if r.state == "DOING"}
-    queued = [i for i in job.todo if job.shards[i].record.state == "TODO"]
-    assert sorted(queued) == sorted(r.spec.index for r in records if r.state == "TODO")
-    assert [job.shards[i].record.seq for i in queued] == sorted(
-        job.shards[i].record.seq for i in queued
-    )
-    assert job.rows_done == sum(r.rows for r in records if r.state == "DONE")
+    last = len(job.tiers) - 1
+    for at, tier in enumerate(job.tiers):
+        mine = [r for r in records if r.tier == at]
+        assert +tier.counts == Counter(r.state for r in mine)
+        assert tier.doing == {r.spec.index for r in mine if r.state == "DOING"}
+        queued = [i for i in tier.todo if job.shards[i].record.state == "TODO"]
+        assert sorted(queued) == sorted(r.spec.index for r in mine if r.state == "TODO")
+        assert [job.shards[i].record.seq for i in queued] == sorted(
+            job.shards[i].record.seq for i in queued
+        )
+        assert tier.rows_done == sum(r.rows for r in mine if r.state == "DONE")
+    assert job.rows_done == sum(r.rows for r in records if r.state == "DONE" and r.tier == last)
     assert job.quarantined_rows == sum(r.spec.rows for r in records if r.state == "QUARANTINED")
     for shard in job.shards:
         assert set(shard.deadlines) == {lease.token for lease in shard.record.leases}
@@ -181,7 +187,7 @@ async def test_an_illegal_move_is_refused_before_anything_is_written(
             await table.release(reply.token, "poison", retryable=False)
     assert shard.record.state == old
     stored = dict(store.shards)
-    indexes = (Counter(job.counts), set(job.doing), list(job.todo))
+    indexes = (Counter(job.counts), set(job.doing), list(job.tiers[0].todo))
 
     async with shard.lock:
         with pytest.raises(IllegalTransition):
@@ -189,7 +195,7 @@ async def test_an_illegal_move_is_refused_before_anything_is_written(
 
     assert store.shards == stored
     assert shard.record.state == old
-    assert (Counter(job.counts), set(job.doing), list(job.todo)) == indexes
+    assert (Counter(job.counts), set(job.doing), list(job.tiers[0].todo)) == indexes
 
 
 @pytest.mark.parametrize("new", [n for n in JOB_STATES if n != "RUNNING"])
@@ -230,8 +236,8 @@ async def test_every_move_of_a_job_keeps_its_indexes_equal_to_its_records(tmp_pa
     assert (await table.release(c.token, "bad row", retryable=False)).state == "TODO"
     assert_indexes_match_records(job, store)
     # Both went to the tail in the order they came back, after their first seq.
-    assert [job.shards[i].record.seq for i in job.todo] == [4, 5]
-    assert list(job.todo) == [1, 2]
+    assert [job.shards[i].record.seq for i in job.tiers[0].todo] == [4, 5]
+    assert list(job.tiers[0].todo) == [1, 2]
 
     retry = await table.lease(spec.id, "w5")
     assert retry.shard is not None and retry.shard.index == 1 and retry.attempt == 2
@@ -266,7 +272,7 @@ async def test_an_expired_lease_goes_to_the_tail_and_the_last_one_quarantines(
     clock.now += 0.2
     assert await table.reaper.expire_due() == 1
     assert job.shards[0].record.state == "TODO"
-    assert list(job.todo) == [1, 0]  # the tail
+    assert list(job.tiers[0].todo) == [1, 0]  # the tail
     assert job.shards[0].record.errors == ["lease of attempt 1 expired (worker w1)"]
     with pytest.raises(StaleToken):
         await table.renew(first.token)
@@ -294,7 +300,7 @@ async def test_an_idle_worker_gets_a_speculative_attempt_and_the_first_commit_wi
     clock.now += 2
     commit_record(spec, fast)
     await table.commit(fast.token)
-    assert list(job.durations) == [2]
+    assert list(job.tiers[0].durations) == [2]
 
     # Running 4 s is not long past the usual 2 s yet: speculation waits speculate_after_s.
     clock.now += 2
@@ -333,7 +339,7 @@ async def test_a_restarted_table_keeps_each_lease_no_longer_than_its_deadline_pl
     await restarted.load()
     job = restarted.jobs[spec.id]
     assert_indexes_match_records(job, store)
-    assert list(job.todo) == [2]
+    assert list(job.tiers[0].todo) == [2]
     left = job.shards[0].deadlines[held.token] - restarted_clock.now
     assert 60 - 1 < left <= 60  # what it had left (nearly all of it); never more than a period
     # The restarted table carries on where the first left off: fencing, queue order, seq.

@@ -11,6 +11,11 @@ DATA_DIR = "data"
 COMMITS_DIR = "_commits"
 MANIFEST = "_manifest.json"
 METRICS = "_metrics.json"
+TIERS_DIR = "_tiers"
+"""Under the output root: each tier but the last commits its output here, in a folder of its
+own (`tier_root`), for the next tier to read. Readers of the output pass over it (a leading
+underscore, as pyarrow's datasets and Spark do), and the master removes it when the job
+succeeds or is cancelled."""
 """Beside the manifest: the values of the job's metrics over exactly its rows."""
 OWNER = "_job.json"
 """Names the job that owns the output root; created exclusively when the job is accepted."""
@@ -127,3 +132,8 @@ def attempt_dir(shard: int, attempt: int) -> str:
 
 def commit_path(shard: int) -> str:
     return f"{COMMITS_DIR}/shard={shard:05d}.json"
+
+
+def tier_root(output_uri: str, tier: str) -> str:
+    """The root the shards of `tier` (a tier before the last) commit their output to."""
+    return f"{output_uri.rstrip('/')}/{TIERS_DIR}/{tier}"

@@ -52,13 +52,13 @@ class HandoffPart(Message):
 def rest_of(shard: ShardSpec, split_at: int, *, index: int) -> ShardSpec:
     """The remainder of `shard` once its first `split_at` rows are committed: a shard of its
     own (`index`), over the same range, starting `split_at` rows further in. (A text shard's
-    rows are an estimate: its remainder has at least one.)"""
+    rows are an estimate: its remainder has at least one. Parquet and Arrow rows are exact.)"""
     if split_at <= 0:
         raise ValueError(f"a shard is split after one row or more, not {split_at}")
     return replace(
         shard,
         index=index,
-        rows=max(shard.rows - split_at, 1 if shard.format != "parquet" else 0),
+        rows=max(shard.rows - split_at, 0 if shard.format in ("parquet", "arrow") else 1),
         row_offset=shard.row_offset + split_at,
     )
 
@@ -247,6 +247,8 @@ class TierStatus(Message):
     """This tier's shards per state (TODO, DOING, DONE, QUARANTINED)."""
     rows_done: int = 0
     """Rows this tier's shards done have committed."""
+    bytes_done: int = 0
+    """Bytes of the files they committed: a tier before the last, its hand-offs."""
     held_back: bool = False
     """No shard of this tier is leased for now: the hand-offs waiting for the next tier are
     at their bound (backpressure)."""

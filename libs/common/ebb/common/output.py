@@ -304,6 +304,15 @@ class OutputStore:
                 return schema.load(CommitRecord, json.loads(self._cat(name)), strict=False)
         return None
 
+    def remove(self, relpath: str) -> bool:
+        """Remove a file or a folder (with what it holds). False if there was none."""
+        path = self.full(relpath)
+        try:
+            self._rm(path)
+        except FileNotFoundError:
+            return False
+        return True
+
     def _rm(self, path: str) -> None:
         retrying(
             f"remove {self.fs.unstrip_protocol(path)}", lambda: self.fs.rm(path, recursive=True)

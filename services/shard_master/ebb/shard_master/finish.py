@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from ebb.common import mlflow_export, schema
-from ebb.common.layout import MANIFEST, Manifest, ManifestFile, QuarantinedShard
+from ebb.common.layout import MANIFEST, TIERS_DIR, Manifest, ManifestFile, QuarantinedShard
 from ebb.common.output import OutputStore
 
 from . import jobmetrics
@@ -19,17 +19,45 @@ log = logging.getLogger(__name__)
 def in_input_order(job: Job) -> list[Shard]:
     """The job's shards in the order of their rows in the input: each planned shard followed
     by the remainders split off it, so that the manifest lists a split shard's parts in order
-    (a remainder's index is the next free one, after every planned shard)."""
-    ordered: list[Shard] = []
-    for planned in job.shards:
-        if planned.record.split_from is not None:
-            continue  # placed after the shard it was split from
-        part: Shard | None = planned
+    (a remainder's index is the next free one, after every planned shard). In a job in tiers,
+    each piece done in a tier before the last stands for the pieces of the next tier that
+    read it, down to the last tier's, whose files are the output."""
+
+    def pieces(first: Shard) -> list[Shard]:
+        chain: list[Shard] = []
+        part: Shard | None = first
         while part is not None:
-            ordered.append(part)
+            chain.append(part)
             rest = part.record.remainder
             part = job.shards[rest.index] if rest and rest.index < len(job.shards) else None
-    return ordered
+        return chain
+
+    def down(first: Shard) -> list[Shard]:
+        ordered: list[Shard] = []
+        for piece in pieces(first):
+            on = piece.record.handoff
+            if on is not None and on < len(job.shards):
+                ordered += down(job.shards[on])
+            else:
+                ordered.append(piece)
+        return ordered
+
+    return [
+        shard
+        for planned in job.shards
+        # Remainders and hand-offs are placed after the shards they come from.
+        if planned.record.split_from is None and planned.record.handed_from is None
+        for shard in down(planned)
+    ]
+
+
+def _input_path(job: Job, shard: Shard) -> str:
+    """The input file a shard's rows came from: a later tier's shard reads a hand-off, which
+    goes when the job succeeds."""
+    record = shard.record
+    while record.handed_from is not None:
+        record = job.shards[record.handed_from].record
+    return record.spec.path
 
 
 def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, int]]:
@@ -43,7 +71,7 @@ def build_manifest(job: Job, *, created_at: float) -> tuple[Manifest, dict[int, 
             quarantined.append(
                 QuarantinedShard(
                     shard=shard.index,
-                    path=record.spec.path,
+                    path=_input_path(job, shard),
                     rows=record.spec.rows,
                     reason=record.errors[-1] if record.errors else "",
                 )
@@ -89,6 +117,13 @@ async def write_manifest(job: Job, output: OutputStore, *, created_at: float) ->
             log.info("job %s: removed %d uncommitted attempt folders", job.id, removed)
     except OSError as e:  # garbage left behind is harmless: readers use the manifest
         log.warning("job %s: could not remove uncommitted attempts: %s", job.id, e)
+    if len(job.tiers) > 1:
+        # What is left of the hand-offs (those of attempts that lost, or not yet removed):
+        # a job that failed or was cancelled keeps them, for a resume to read.
+        try:
+            await asyncio.to_thread(output.remove, TIERS_DIR)
+        except OSError as e:
+            log.warning("job %s: could not remove %s: %s", job.id, TIERS_DIR, e)
     return output.url(MANIFEST)
 
 

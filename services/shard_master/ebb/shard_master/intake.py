@@ -102,7 +102,8 @@ class JobIntake:
             plan_input,
             spec.input,
             required_columns=list(dict.fromkeys(required)),
-            workers=spec.resources.max_workers,
+            # Those that read it: a job in tiers, its first tier's.
+            workers=spec.tier_resources(spec.tier_names()[0]).max_workers,
         )
         shard_specs = plan.shards
         if plan.column_types != spec.input.column_types:
@@ -163,6 +164,16 @@ class JobIntake:
             mismatch = spec_mismatch(uri, owner, spec, fields)
             if mismatch:
                 raise OutputTaken(mismatch)
+            tiered = len(spec.tiers) > 1
+            committed = await asyncio.to_thread(output.committed_shards) if tiered else 0
+            if committed:
+                # A later tier's shards are numbered as the earlier tier's finished: the
+                # numbers of another run mean other rows, and adopting them would lose some.
+                raise OutputTaken(
+                    f"{uri} holds shards job {spec.id} committed in a run this master has no "
+                    "record of: a job in tiers carries on only from the master's state. "
+                    "Choose another output.uri, or remove that output"
+                )
             if owner.state:  # it ended there before: it runs again
                 await asyncio.to_thread(output.reclaim, spec.id)
         except (NotADirectoryError, IsADirectoryError, PermissionError) as e:

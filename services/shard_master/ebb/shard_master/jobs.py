@@ -67,6 +67,28 @@ class Shard:
         return self.record.spec.index
 
 
+class Tier:
+    """The indexes of one tier's shards (`JobSpec.tiers`; a job without tiers has one):
+    each tier is leased, timed and sped up at its tail on its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.todo: deque[int] = deque()
+        """Indexes of TODO shards in the order they are served. Taking from it is how a shard
+        is picked, so an index may stay here a while after its shard left TODO: skip those."""
+        self.doing: set[int] = set()
+        self.counts: Counter[str] = Counter()
+        self.rows_done = 0
+        self.bytes_done = 0
+        self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
+        self.rates: deque[float] = deque(maxlen=_KEEP_DURATIONS)
+        """Rows a second of the attempts that won their shards (or parts), newest last."""
+
+    @property
+    def backlog(self) -> int:
+        return self.counts["TODO"] + self.counts["DOING"]
+
+
 class Job:
     def __init__(self, record: JobRecord, revision: int, spec: JobSpec) -> None:
         self.record = record
@@ -74,21 +96,22 @@ class Job:
         self.spec = spec
         self.lock = asyncio.Lock()
         self.shards: list[Shard] = []
-        self.todo: deque[int] = deque()
-        """Indexes of TODO shards in the order they are served. Taking from it is how a shard
-        is picked, so an index may stay here a while after its shard left TODO: skip those."""
+        self.tiers = [Tier(name) for name in spec.tier_names()]
         self.doing: set[int] = set()
+        """Every tier's running shards."""
         self.counts: Counter[str] = Counter()
+        """Every tier's shards per state."""
         self.rows_done = 0
+        """Rows of the last tier's shards done: the job's output."""
         self.error_rows = 0
         self.quarantined_rows = 0
         self.metric_specs = spec.pipeline.all_metrics()
         self.metrics: dict[str, accumulators.Partial] = {}
         """The partials of the job's metrics merged over its DONE shards, as `rows_done` is
         summed: each shard's once, as its winning attempt committed them."""
-        self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
-        self.rates: deque[float] = deque(maxlen=_KEEP_DURATIONS)
-        """Rows a second of the attempts that won their shards (or parts), newest last."""
+        self.creating = 0
+        """Shards whose records are being written (the remainder of a split, the hand-off of
+        a shard done to the next tier): the job is not settled while any is."""
         self.next_seq = 0
         self.head_seq = 0
         """Below every queued shard's seq: a remainder of a split shard goes first."""
@@ -136,7 +159,7 @@ class Job:
         self.shards = [
             Shard(rec, rev) for rec, rev in sorted(entries, key=lambda e: e[0].spec.index)
         ]
-        self.todo.clear()
+        self.tiers = [Tier(name) for name in self.spec.tier_names()]
         self.doing.clear()
         self.counts.clear()
         self.rows_done = self.error_rows = self.quarantined_rows = 0
@@ -169,30 +192,54 @@ class Job:
 
     @property
     def settled(self) -> bool:
-        """Every shard is DONE or QUARANTINED."""
-        return self.counts["DONE"] + self.counts["QUARANTINED"] == self.shards_total
+        """Every shard is DONE or QUARANTINED, and none is on its way."""
+        done = self.counts["DONE"] + self.counts["QUARANTINED"]
+        return done == self.shards_total and not self.creating
+
+    def tier_of(self, shard: Shard) -> Tier:
+        return self.tiers[min(shard.record.tier, len(self.tiers) - 1)]
+
+    def is_last_tier(self, shard: Shard) -> bool:
+        return shard.record.tier >= len(self.tiers) - 1
+
+    def held_back(self, tier: Tier) -> bool:
+        """Backpressure: no more shards of `tier` are leased while the next tier has more
+        hand-offs waiting (TODO) than twice the workers it may run. The hand-offs on disk
+        are then at most those, plus the shards both tiers hold."""
+        at = self.tiers.index(tier)
+        if at + 1 >= len(self.tiers):
+            return False
+        after = self.tiers[at + 1]
+        most = self.spec.tier_resources(after.name).max_workers
+        return after.counts["TODO"] >= max(2, 2 * most)
 
     def enter(self, shard: Shard, *, first: bool = False) -> None:
         """Add the shard to the indexes of the state its record is in. `first`: a TODO shard
         goes to the head of the queue (a split's remainder), not the tail."""
         rec = shard.record
+        tier = self.tier_of(shard)
         self.counts[rec.state] += 1
+        tier.counts[rec.state] += 1
         if rec.state == "TODO" and first:
-            self.todo.appendleft(shard.index)
+            tier.todo.appendleft(shard.index)
         elif rec.state == "TODO":
-            self.todo.append(shard.index)  # the tail: others get their turn first
+            tier.todo.append(shard.index)  # the tail: others get their turn first
         elif rec.state == "DOING":
             self.doing.add(shard.index)
+            tier.doing.add(shard.index)
         elif rec.state == "DONE":
-            self.rows_done += rec.rows
-            self.error_rows += rec.error_rows
+            tier.rows_done += rec.rows
+            tier.bytes_done += sum(f.bytes for f in rec.files)
+            if self.is_last_tier(shard):  # an earlier tier's rows are the next one's input
+                self.rows_done += rec.rows
+                self.error_rows += rec.error_rows
             if rec.metrics:
                 self._merge_metrics(shard)
             if rec.seconds > 0:
                 if not rec.split_at:  # a part is no shard's whole time
-                    self.durations.append(rec.seconds)
+                    tier.durations.append(rec.seconds)
                 if rec.rows > 0:
-                    self.rates.append(rec.rows / rec.seconds)
+                    tier.rates.append(rec.rows / rec.seconds)
         elif rec.state == "QUARANTINED":
             self.quarantined_rows += rec.spec.rows
 
@@ -214,9 +261,12 @@ class Job:
     def leave(self, shard: Shard, state: ShardState) -> None:
         """Take the shard out of the indexes of `state`, the state it is leaving. (TODO's
         queue needs nothing: the shard was taken from it when it was picked.)"""
+        tier = self.tier_of(shard)
         self.counts[state] -= 1
+        tier.counts[state] -= 1
         if state == "DOING":
             self.doing.discard(shard.index)
+            tier.doing.discard(shard.index)
 
     def holds(self, shard: Shard) -> bool:
         """`shard` is this job's current shard of its index: not of an earlier run (the job
@@ -224,20 +274,26 @@ class Job:
         index = shard.index
         return 0 <= index < len(self.shards) and self.shards[index] is shard
 
-    def held_by(self, worker: str) -> list[Shard]:
-        """The running shards `worker` holds a lease of."""
+    def held_by(self, worker: str, tier: Tier | None = None) -> list[Shard]:
+        """The running shards `worker` holds a lease of (of `tier`, if given: a worker runs
+        one tier)."""
         return [
             shard
-            for shard in (self.shards[i] for i in self.doing)
+            for shard in (self.shards[i] for i in (tier or self).doing)
             if any(lease.worker == worker for lease in shard.record.leases)
         ]
 
     def release_shards(self) -> None:
         """Forget the shards of an ended job: its record keeps the final counts."""
         self.shards = []
-        self.todo.clear()
+        for tier in self.tiers:
+            tier.todo.clear()
+            tier.doing.clear()
         self.doing.clear()
 
     def publish_gauges(self, *states: ShardState) -> None:
         for state in states or ("TODO", "DOING", "DONE", "QUARANTINED"):
             metrics.SHARDS.labels(self.id, state).set(self.counts[state])
+            if len(self.tiers) > 1:
+                for tier in self.tiers:
+                    metrics.TIER_SHARDS.labels(self.id, tier.name, state).set(tier.counts[state])

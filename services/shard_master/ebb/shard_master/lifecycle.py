@@ -26,7 +26,7 @@ from .context import TableContext
 from .errors import Deposed, JobNotFound, NotResumable
 from .finish import failure_reason, log_to_mlflow, write_manifest
 from .jobs import Job
-from .moves import load_with_remainders
+from .moves import load_with_successors
 from .store import JobRecord, ShardRecord
 from .transitions import check_job_transition, reopen
 
@@ -202,7 +202,7 @@ class JobLifecycle:
                     "nothing to resume; submit it again"
                 )
             store = self._context.store
-            entries = await load_with_remainders(store, job.id)
+            entries = await load_with_successors(store, job)
             if len(entries) != job.record.shards_total:
                 raise NotResumable(
                     f"job {job_id} has {len(entries)} shard records of "

@@ -23,6 +23,16 @@ SHARDS = Gauge("ebb_shards", "Shards per state", ["job_id", "state"])
 SHARDS_DONE = Counter("ebb_shards_done_total", "Shards committed", ["job_id"])
 ROWS_DONE = Counter("ebb_rows_done_total", "Rows committed (error rows included)", ["job_id"])
 ERROR_ROWS = Counter("ebb_error_rows_total", "Rows committed with an error", ["job_id"])
+TIER_SHARDS = Gauge(
+    "ebb_tier_shards",
+    "Shards per state of each tier of a job in tiers (a later tier's TODO: its backlog)",
+    ["job_id", "tier", "state"],
+)
+TIER_ROWS = Counter(
+    "ebb_tier_rows_done_total",
+    "Rows each tier of a job in tiers committed: hand-offs, then the last tier's output",
+    ["job_id", "tier"],
+)
 SPLITS = Counter(
     "ebb_shard_splits_total",
     "Shards split: a part committed by an attempt that stopped, the rest queued first",

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import nats.errors
 
-from ebb.common.layout import CommitRecord
+from ebb.common.layout import CommitRecord, attempt_dir, tier_root
 from ebb.common.messages import ShardState
 
 from . import metrics
@@ -31,7 +31,8 @@ from .store import RecordStore, ShardRecord
 from .tail import KEEP_REST_S
 from .transitions import (
     check_transition,
-    missing_remainders,
+    handoff_record,
+    missing_successors,
     remainder_record,
     split_part,
 )
@@ -47,15 +48,25 @@ other renewal is written, not each; and a master that takes over from KV still f
 to hear the next renewal. It gives a dead worker's lease at most one period, as ever."""
 
 
-async def load_with_remainders(store: RecordStore, job: str) -> list[tuple[ShardRecord, int]]:
-    """The job's shard records in the order of their indexes, with the remainders of splits
-    whose own record a master that died in between never created (created now)."""
-    entries = await store.load_shards(job)
-    for record in missing_remainders([r for r, _ in entries]):
+def tier_roots(job: Job) -> list[str]:
+    """Where each tier of the job commits: a tier before the last under the output root's
+    `_tiers`, the last (or only) tier in the output root itself."""
+    names = job.spec.tier_names()
+    uri = job.spec.output.uri
+    return [tier_root(uri, name) for name in names[:-1]] + [uri]
+
+
+async def load_with_successors(store: RecordStore, job: Job) -> list[tuple[ShardRecord, int]]:
+    """The job's shard records in the order of their indexes, with the shards that DONE
+    records name (a split's remainder, a hand-off to the next tier) whose own record a master
+    that died in between never created (created now)."""
+    entries = await store.load_shards(job.id)
+    for record in missing_successors([r for r, _ in entries], tier_roots(job)):
         revision = await store.create_shard(record)
         if revision is None:
-            raise Deposed(f"shard {record.spec.index} of job {job} was created by someone else")
-        log.info("job %s: created shard %d, the rest of a split shard", job, record.spec.index)
+            raise Deposed(f"shard {record.spec.index} of job {job.id} was created by someone else")
+        what = "the rest of a split shard" if record.split_from is not None else "a hand-off"
+        log.info("job %s: created shard %d, %s", job.id, record.spec.index, what)
         entries.append((record, revision))
     return sorted(entries, key=lambda e: e[0].spec.index)
 
@@ -106,12 +117,12 @@ class ShardMoves:
     async def read_commit(self, job: Job, shard: Shard) -> CommitRecord | None:
         """The shard's commit record in the job's output, if there is one; ForeignCommit if it
         belongs to another job."""
-        output = self._context.open_output(job.spec.output.uri)
+        root = tier_roots(job)[job.tiers.index(job.tier_of(shard))]
+        output = self._context.open_output(root)
         commit = await asyncio.to_thread(output.read_commit, shard.index)
         if commit is not None and commit.job != job.id:
             raise ForeignCommit(
-                f"the commit record of shard {shard.index} in {job.spec.output.uri} belongs "
-                f"to job {commit.job}"
+                f"the commit record of shard {shard.index} in {root} belongs to job {commit.job}"
             )
         return commit
 
@@ -120,46 +131,100 @@ class ShardMoves:
     ) -> None:
         """The shard's output is the commit record's. `seconds`: how long the winning attempt
         ran, if known. A commit record of a part (`split_at`) splits the shard: it is DONE by
-        the part, and the rest is a shard of its own at the head of the queue."""
-        splitting = job.splitting if commit.split_at else contextlib.nullcontext()
-        async with splitting:
-            new = replace(
-                shard.record,
-                state="DONE",
-                leases=[],
-                done_attempt=commit.attempt,
-                seconds=seconds,
-                rows=commit.rows,
-                error_rows=commit.error_rows,
-                files=commit.files,
-                metrics=commit.metrics,
-            )
-            if commit.split_at:
-                new = split_part(new, commit.split_at, index=len(job.shards))
-            await self.apply(job, shard, new)
-            if new.remainder is not None:
-                await self._queue_remainder(job, new)
-        metrics.SHARDS_DONE.labels(job.id).inc()
-        metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
-        metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
+        the part, and the rest is a shard of its own at the head of the queue. In a tier
+        before the last, what it committed becomes a shard of the next tier (a hand-off);
+        in a later tier, the hand-off it read is removed once every row of it is done."""
+        hands_on = not job.is_last_tier(shard)
+        creates = bool(commit.split_at) or hands_on
+        # Counted before the DONE is applied: the job is not settled until they exist.
+        job.creating += creates
+        try:
+            async with job.splitting if creates else contextlib.nullcontext():
+                new = replace(
+                    shard.record,
+                    state="DONE",
+                    leases=[],
+                    done_attempt=commit.attempt,
+                    seconds=seconds,
+                    rows=commit.rows,
+                    error_rows=commit.error_rows,
+                    files=commit.files,
+                    metrics=commit.metrics,
+                )
+                if commit.split_at:
+                    new = split_part(new, commit.split_at, index=len(job.shards))
+                if hands_on:
+                    new = replace(new, handoff=len(job.shards) + (new.remainder is not None))
+                await self.apply(job, shard, new)
+                if new.remainder is not None:
+                    await self._queue_remainder(job, new)
+                if new.handoff is not None:
+                    await self._queue_handoff(job, new)
+        finally:
+            job.creating -= creates
+        if new.handed_from is not None and new.remainder is None:
+            await self._remove_handoff(job, new)
+        if len(job.tiers) > 1:
+            metrics.TIER_ROWS.labels(job.id, job.tier_of(shard).name).inc(commit.rows)
+        if not hands_on:
+            metrics.SHARDS_DONE.labels(job.id).inc()
+            metrics.ROWS_DONE.labels(job.id).inc(commit.rows)
+            metrics.ERROR_ROWS.labels(job.id).inc(commit.error_rows)
         self._context.event(job, "progress")
+
+    async def _queue_handoff(self, job: Job, done: ShardRecord) -> None:
+        """Create the record of the next tier's shard that reads what `done` committed, at
+        the tail of that tier's queue (caller holds the job's `splitting` lock)."""
+        root = tier_roots(job)[done.tier]
+        record = handoff_record(job.id, done, root=root, seq=job.next_seq)
+        revision = await self._create_successor(
+            job, record, f"shard {done.spec.index} is done but its hand-off"
+        )
+        job.next_seq += 1
+        handoff = Shard(record, revision)
+        job.shards.append(handoff)
+        job.enter(handoff)
+        job.publish_gauges("TODO")
+
+    async def _create_successor(self, job: Job, record: ShardRecord, what: str) -> int:
+        """Write the record of a shard a DONE record names (a remainder, a hand-off); its
+        revision. The DONE is in KV and this shard nowhere but in it: carrying on from memory
+        after a failed write would finish the job without its rows, so the table is loaded
+        again, which creates it (`missing_successors`)."""
+        try:
+            revision = await self._context.store.create_shard(record)
+        except (nats.errors.Error, TimeoutError) as e:
+            raise StateUnsure(
+                f"job {job.id}: {what} {record.spec.index} could not be written ({e})"
+            ) from e
+        if revision is None:
+            raise Deposed(f"shard {record.spec.index} of job {job.id} was created by someone else")
+        return revision
+
+    async def _remove_handoff(self, job: Job, done: ShardRecord) -> None:
+        """Every row of the hand-off `done` read is in the next tier's output: remove it.
+        Best effort: what is left behind goes with the job's `_tiers` when it succeeds."""
+        source = job.shards[done.handed_from or 0].record
+        store = self._context.open_output(tier_roots(job)[source.tier])
+        try:
+            await asyncio.to_thread(
+                store.remove, attempt_dir(source.spec.index, source.done_attempt)
+            )
+        except OSError as e:
+            log.warning(
+                "job %s: could not remove the hand-off of shard %d: %s",
+                job.id,
+                source.spec.index,
+                e,
+            )
 
     async def _queue_remainder(self, job: Job, part: ShardRecord) -> None:
         """Create the record of the shard a split leaves, first in the queue (caller holds
         the job's `splitting` lock: its index is the next one)."""
         record = remainder_record(job.id, part, seq=job.head_seq - 1)
-        try:
-            revision = await self._context.store.create_shard(record)
-        except (nats.errors.Error, TimeoutError) as e:
-            # The part is DONE in KV and the remainder nowhere but in its record: carrying on
-            # from memory would finish the job without those rows. Load the table again,
-            # which creates the remainder (`missing_remainders`).
-            raise StateUnsure(
-                f"job {job.id}: shard {part.spec.index} was split but its remainder "
-                f"{record.spec.index} could not be written ({e})"
-            ) from e
-        if revision is None:
-            raise Deposed(f"shard {record.spec.index} of job {job.id} was created by someone else")
+        revision = await self._create_successor(
+            job, record, f"shard {part.spec.index} was split but its remainder"
+        )
         job.head_seq -= 1
         remainder = Shard(record, revision)
         asker = next((w for w, i in job.split_asks.items() if i == part.spec.index), None)

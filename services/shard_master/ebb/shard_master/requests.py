@@ -138,7 +138,7 @@ class MasterRequests:
         caller = _caller(subject)
         if r.worker != caller:
             raise BadRequest(f"worker {caller!r} asked for a lease for worker {r.worker!r}")
-        return await self.table.lease(r.job, caller, r.request_id, ready=r.ready)
+        return await self.table.lease(r.job, caller, r.request_id, ready=r.ready, tier=r.tier)
 
     async def _renew(self, r: RenewRequest, subject: str) -> Message:
         return await self.table.renew(

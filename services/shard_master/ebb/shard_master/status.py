@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from ebb.common.messages import JobEvent, JobStatus, LeaseInfo, StatusReply, StatusRequest
+from ebb.common.messages import (
+    JobEvent,
+    JobStatus,
+    LeaseInfo,
+    StatusReply,
+    StatusRequest,
+    TierStatus,
+)
 
 from . import jobmetrics
 from .errors import BadRequest, JobNotFound
@@ -104,7 +111,21 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         workers_lost=dict(record.workers_lost),
         attempts_forgiven=record.attempts_forgiven,
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
+        tiers=_tiers(job) if live and len(job.tiers) > 1 else [],
     )
+
+
+def _tiers(job: Job) -> list[TierStatus]:
+    return [
+        TierStatus(
+            name=tier.name,
+            shards={s: tier.counts[s] for s in ("TODO", "DOING", "DONE", "QUARANTINED")},
+            rows_done=tier.rows_done,
+            bytes_done=tier.bytes_done,
+            held_back=job.held_back(tier),
+        )
+        for tier in job.tiers
+    ]
 
 
 def job_event(job: Job, kind: EventKind) -> JobEvent:

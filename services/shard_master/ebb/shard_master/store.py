@@ -53,6 +53,15 @@ class ShardRecord:
     losses: int = 0
     """Attempts lost with a worker the cluster took (preempted, evicted, killed from outside),
     forgiven: not failures. At the job's worker_loss_cap the shard is quarantined anyway."""
+    tier: int = 0
+    """The tier of the job whose workers compute it (`JobSpec.tiers`; 0 without tiers)."""
+    handed_from: int | None = None
+    """A shard of a later tier: the shard of the tier before whose committed output (the
+    hand-off) are its rows. Its remainders, if it is split, read the same hand-off."""
+    handoff: int | None = None
+    """DONE in a tier before the last: the shard of the next tier that reads its output.
+    Written in the same record as the DONE, as `remainder` is, so that a master that died
+    before it created that shard's record creates it on load (`missing_successors`)."""
     suspect: bool = False
     """A worker that crashed or ran out of memory held it with other shards, each of which
     may have been the cause: it is leased alone from now on (to a worker holding nothing,

@@ -43,12 +43,12 @@ from ebb.common.spec import parse_job
 
 from . import metrics
 from .context import EventSink, OutputOpener, TableContext
-from .errors import ForeignCommit, JobEnded, NoCommitRecord, NotHolder, StaleToken
+from .errors import BadRequest, ForeignCommit, JobEnded, NoCommitRecord, NotHolder, StaleToken
 from .expiry import Expiry, ExpiryHeap
 from .intake import JobIntake
-from .jobs import Job, Shard
+from .jobs import Job, Shard, Tier
 from .lifecycle import JobLifecycle
-from .moves import PERSISTED_PERIODS, ShardMoves, load_with_remainders
+from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
 from .status import status_reply
 from .store import LeaseRecord, RecordStore
@@ -75,6 +75,14 @@ def parse_token(token: str) -> tuple[str, int]:
         return parts[1], int(parts[2])
     except ValueError:
         raise StaleToken("malformed lease token") from None
+
+
+def job_tier(job: Job, name: str) -> int:
+    """The position of the tier a worker names; BadRequest for a tier the job has not."""
+    names = job.spec.tier_names()
+    if name not in names:
+        raise BadRequest(f"job {job.id} has no tier {name!r}; its tiers: {names}")
+    return names.index(name)
 
 
 class LeaseTable:
@@ -120,7 +128,7 @@ class LeaseTable:
             job = Job(record, revision, parse_job(record.spec))
             self.jobs[job.id] = job
             if record.state == "RUNNING":
-                self.context.adopt_shards(job, await load_with_remainders(store, job.id))
+                self.context.adopt_shards(job, await load_with_successors(store, job))
                 for shard in job.shards:
                     for token, deadline in shard.deadlines.items():
                         self.expiries.push(Expiry(deadline, job.id, shard.index, token))
@@ -157,47 +165,61 @@ class LeaseTable:
             raise StaleToken("lease of an earlier run of the job")
 
     async def lease(
-        self, job_id: str, worker: str, request_id: str = "", *, ready: bool = False
+        self,
+        job_id: str,
+        worker: str,
+        request_id: str = "",
+        *,
+        ready: bool = False,
+        tier: str = "",
     ) -> LeaseReply:
-        """`ready`: the worker's pipeline has started."""
+        """`ready`: the worker's pipeline has started. `tier`: the tier of the job it runs."""
         if ready and (job := self.jobs.get(job_id)) is not None:
             job.ready_workers.add(worker)
         cache_key = (worker, request_id)
         if request_id and cache_key in self._lease_replies:
             return self._lease_replies[cache_key]
-        reply = await self._lease(job_id, worker)
+        reply = await self._lease(job_id, worker, tier)
         if request_id and reply.status == "granted":
             self._lease_replies[cache_key] = reply
             while len(self._lease_replies) > _LEASE_REPLY_CACHE:
                 self._lease_replies.popitem(last=False)
         return reply
 
-    async def _lease(self, job_id: str, worker: str) -> LeaseReply:
+    async def _lease(self, job_id: str, worker: str, tier_name: str) -> LeaseReply:
         job = self.context.find(job_id)
         if job.ended:
             return LeaseReply(status="end")
+        tier = job.tiers[job_tier(job, tier_name)]
         if job.state != "RUNNING":
             return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
-        held = job.held_by(worker)
+        held = job.held_by(worker, tier)
         if any(shard.record.suspect for shard in held):
             # Alone until it commits or fails, so that a crash is its own.
             return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
-        shard = self._pick(job, worker, alone=not held)
+        if job.held_back(tier):
+            return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+        shard = self._pick(job, tier, worker, alone=not held)
         speculative = False
         if shard is None:
-            if job.doing and self._ask_split(job, worker):
+            if tier.doing and self._ask_split(job, tier, worker):
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             now = self.context.clock()
             shard = pick_speculative(
-                job, worker, now=now, speculate_after_s=self._speculate_after_s
+                job, tier, worker, now=now, speculate_after_s=self._speculate_after_s
             )
             if shard is not None and shard.record.suspect and held:
                 shard = None
             if shard is None:
-                if job.counts["TODO"]:  # queued: a rest kept for another worker, briefly
+                if tier.counts["TODO"] or job.creating:
+                    # Queued (a rest kept for another worker, a suspect for a worker with
+                    # nothing), or on its way: briefly.
                     return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
-                if job.doing:
+                if tier.backlog:  # running here: the tail
                     return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
+                if any(t.backlog for t in job.tiers[: job.tiers.index(tier)]):
+                    # A tier before has shards whose rows come here as they are done.
+                    return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
                 return LeaseReply(status="end")
             speculative = True
         lease_s = job.spec.fault.lease_s
@@ -207,7 +229,7 @@ class LeaseTable:
             stale = job.ended or not job.holds(shard)
             if stale or record.state != expected or (speculative and len(record.leases) != 1):
                 if not stale and not speculative and record.state == "TODO":
-                    job.todo.appendleft(shard.index)
+                    tier.todo.appendleft(shard.index)
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             attempt = record.attempts + 1
             token = make_token(self._epoch, job.id, shard.index, attempt)
@@ -225,7 +247,7 @@ class LeaseTable:
                 await self.moves.apply(job, shard, new, lease=(token, lease_s))
             except BaseException:
                 if not speculative:
-                    job.todo.appendleft(shard.index)
+                    tier.todo.appendleft(shard.index)
                 raise
         if speculative:
             log.info("job %s: speculative attempt %d of shard %d", job.id, attempt, shard.index)
@@ -245,15 +267,15 @@ class LeaseTable:
         the master's work of a job."""
         return max(self._wait_retry_s, min(_TAIL_WAIT_S, job.spec.fault.lease_s / 10))
 
-    def _pick(self, job: Job, worker: str, *, alone: bool) -> Shard | None:
+    def _pick(self, job: Job, tier: Tier, worker: str, *, alone: bool) -> Shard | None:
         """The first TODO shard in the queue for `worker`: a straggler's rest kept for
         another worker is passed over (it stays first) until its keep runs out, and so is a
         suspect shard unless the worker holds nothing (`alone`)."""
         now = self.context.clock()
         passed: list[int] = []
         try:
-            while job.todo:
-                index = job.todo.popleft()
+            while tier.todo:
+                index = tier.todo.popleft()
                 shard = job.shards[index]
                 if shard.record.state != "TODO":
                     continue
@@ -266,9 +288,9 @@ class LeaseTable:
                 return shard
             return None
         finally:
-            job.todo.extendleft(reversed(passed))
+            tier.todo.extendleft(reversed(passed))
 
-    def _ask_split(self, job: Job, worker: str) -> bool:
+    def _ask_split(self, job: Job, tier: Tier, worker: str) -> bool:
         """At the tail: ask a holder to split its shard for `worker`, idle (its renewal's
         reply carries the ask). True while a split asked for this worker is under way."""
         asked = job.split_asks.get(worker)
@@ -282,7 +304,7 @@ class LeaseTable:
             return False
         lease_s = job.spec.fault.lease_s
         shard = pick_split(
-            job, worker, now=now, min_gain_s=max(self._speculate_after_s, lease_s * 2 / 3)
+            job, tier, worker, now=now, min_gain_s=max(self._speculate_after_s, lease_s * 2 / 3)
         )
         if shard is None:
             job.no_split_before = now + _SPLIT_LOOK_S

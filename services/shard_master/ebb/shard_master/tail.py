@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from .jobs import Job, Shard
+from .jobs import Job, Shard, Tier
 
 KEEP_REST_S = 5.0
 """How long a straggler's rest is kept for the idle worker it was split for: that worker asks
@@ -27,18 +27,19 @@ STRAGGLER = 0.6
 rest of its shard goes faster elsewhere."""
 
 
-def usual_rate(job: Job, holders: list[tuple[Shard, float]]) -> float | None:
-    """The job's usual rows a second for one attempt: the median of the attempts that won,
+def usual_rate(tier: Tier, holders: list[tuple[Shard, float]]) -> float | None:
+    """The tier's usual rows a second for one attempt: the median of the attempts that won,
     or before any did, of the holders' (`_holder_rates`). None if nothing tells."""
-    if job.rates:
-        return statistics.median(job.rates)
+    if tier.rates:
+        return statistics.median(tier.rates)
     return statistics.median(rate for _, rate in holders) if holders else None
 
 
-def _holder_rates(job: Job, *, now: float) -> list[tuple[Shard, float]]:
-    """Each running shard with one lease whose holder has told rows done, with its rate."""
+def _holder_rates(job: Job, tier: Tier, *, now: float) -> list[tuple[Shard, float]]:
+    """Each running shard of the tier with one lease whose holder has told rows done, with
+    its rate."""
     rates: list[tuple[Shard, float]] = []
-    for index in job.doing:
+    for index in tier.doing:
         shard = job.shards[index]
         leases = shard.record.leases
         if len(leases) != 1:
@@ -52,7 +53,7 @@ def _holder_rates(job: Job, *, now: float) -> list[tuple[Shard, float]]:
     return rates
 
 
-def pick_split(job: Job, worker: str, *, now: float, min_gain_s: float) -> Shard | None:
+def pick_split(job: Job, tier: Tier, worker: str, *, now: float, min_gain_s: float) -> Shard | None:
     """The running shard whose rest would end the most sooner on a worker at the job's usual
     rate than on its holder (a straggler), if by more than `min_gain_s` (a split costs a
     renewal's round and a commit). A split of a holder at the usual rate gains nothing: the
@@ -60,8 +61,8 @@ def pick_split(job: Job, worker: str, *, now: float, min_gain_s: float) -> Shard
     nor one asked to split already."""
     if not job.spec.fault.split_tail:
         return None
-    holders = _holder_rates(job, now=now)
-    usual = usual_rate(job, holders)
+    holders = _holder_rates(job, tier, now=now)
+    usual = usual_rate(tier, holders)
     if not usual:
         return None
     best: Shard | None = None
@@ -78,7 +79,7 @@ def pick_split(job: Job, worker: str, *, now: float, min_gain_s: float) -> Shard
 
 
 def pick_speculative(
-    job: Job, worker: str, *, now: float, speculate_after_s: float
+    job: Job, tier: Tier, worker: str, *, now: float, speculate_after_s: float
 ) -> Shard | None:
     """The running shard that has run longest, if it runs well past the usual shard time.
 
@@ -86,12 +87,12 @@ def pick_speculative(
     with a single attempt running and no split asked of it, and never one the asking worker
     holds itself.
     """
-    if not job.spec.fault.speculative or not job.durations:
+    if not job.spec.fault.speculative or not tier.durations:
         return None
-    min_age = max(speculate_after_s, 1.5 * statistics.median(job.durations))
+    min_age = max(speculate_after_s, 1.5 * statistics.median(tier.durations))
     best: Shard | None = None
     best_age = 0.0
-    for index in job.doing:
+    for index in tier.doing:
         shard = job.shards[index]
         leases = shard.record.leases
         if len(leases) != 1 or leases[0].worker == worker or leases[0].token in shard.split_asked:

@@ -11,6 +11,11 @@ new shard, TODO at the head of the queue. The part's record is the one durable t
 remainder's own record follows it, and a master that died in between creates it on load
 (`missing_remainders`).
 
+A job in tiers (`JobSpec.tiers`) hands its rows on: a shard DONE in a tier before the last
+names, in the same record, the shard of the next tier that reads its committed output (its
+`handoff`), whose own record follows, created on load if a master died in between
+(`missing_successors`), as a remainder's is.
+
 Resuming an ended job (FAILED or CANCELLED) is the one way back: it moves its shards by
 `REOPEN`, outside the lease protocol, while no lease of the job is current. What was
 committed stays DONE; everything else is queued again.
@@ -26,7 +31,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import get_args
 
-from ebb.common.messages import JobState, ShardState, rest_of
+from ebb.common.layout import attempt_dir
+from ebb.common.messages import HandoffPart, JobState, ShardSpec, ShardState, rest_of
 
 from .errors import IllegalTransition
 from .store import ShardRecord
@@ -106,8 +112,45 @@ def remainder_record(job: str, part: ShardRecord, *, seq: int) -> ShardRecord:
         spec=part.remainder,
         seq=seq,
         split_from=part.spec.index,
+        tier=part.tier,
+        handed_from=part.handed_from,
         suspect=part.suspect,  # what made it suspect may lie in the rows not done
     )
+
+
+def handoff_record(job: str, done: ShardRecord, *, root: str, seq: int) -> ShardRecord:
+    """The TODO record of the next tier's shard that reads `done`'s output (DONE in a tier
+    before the last, its `handoff` set): the files its winning attempt committed under
+    `root`, the root of `done`'s tier, in order."""
+    assert done.handoff is not None
+    parts = [HandoffPart(path=f"{root}/{f.path}", rows=f.rows) for f in done.files]
+    spec = ShardSpec(
+        index=done.handoff,
+        path=f"{root}/{attempt_dir(done.spec.index, done.done_attempt)}",
+        format="arrow",
+        rows=sum(part.rows for part in parts),
+        parts=parts,
+    )
+    return ShardRecord(job=job, spec=spec, seq=seq, tier=done.tier + 1, handed_from=done.spec.index)
+
+
+def missing_successors(records: list[ShardRecord], roots: list[str]) -> list[ShardRecord]:
+    """The records a DONE shard names (a split's remainder, a hand-off to the next tier)
+    whose own record was never created (the master died between the two), in the order of
+    their indexes. `roots`: each tier's root (`layout.tier_root`)."""
+    present = {r.spec.index for r in records}
+    remainders = missing_remainders(records)
+    tail = max((r.seq for r in records), default=0) + 1
+    handoffs = [
+        handoff_record(r.job, r, root=roots[r.tier], seq=tail + k)
+        for k, r in enumerate(
+            sorted(
+                (r for r in records if r.handoff is not None and r.handoff not in present),
+                key=lambda r: r.handoff or 0,
+            )
+        )
+    ]
+    return sorted([*remainders, *handoffs], key=lambda r: r.spec.index)
 
 
 def missing_remainders(records: list[ShardRecord]) -> list[ShardRecord]:
@@ -125,9 +168,9 @@ def missing_remainders(records: list[ShardRecord]) -> list[ShardRecord]:
 
 def split_part(record: ShardRecord, split_at: int, *, index: int) -> ShardRecord:
     """`record` DONE by a part of `split_at` rows (its files, rows and attempt are the
-    commit's, set by the caller), naming the remainder `index`. A Parquet part that covers
+    commit's, set by the caller), naming the remainder `index`. A Parquet or Arrow part covering
     every row (a stop that came as the last row finished) is the whole shard."""
     spec = record.spec
-    if spec.format == "parquet" and split_at >= spec.rows:
+    if spec.format in ("parquet", "arrow") and split_at >= spec.rows:
         return replace(record, split_at=0, remainder=None)
     return replace(record, split_at=split_at, remainder=rest_of(spec, split_at, index=index))

@@ -1,0 +1,175 @@
+"""The lease table of a job in tiers: each tier leased on its own, a shard done in one tier
+handed to the next as a shard of its own, the output the last tier's, the hand-offs removed,
+and a tier held back while the next has too many waiting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ebb.common.layout import TIERS_DIR, OutputFile, attempt_dir, tier_root
+from ebb.common.messages import LeaseReply, StatusRequest
+from ebb.common.output import OutputStore, new_commit
+from ebb.common.spec import JobSpec, parse_job
+from ebb.shard_master.errors import BadRequest
+from ebb.shard_master.store import shard_key
+from ebb.shard_master.table import LeaseTable
+
+from .helpers import job_spec, write_dataset, write_model
+from .test_lease_table import Clock, MemoryStore, assert_indexes_match_records, new_table
+
+
+def tiered_job(tmp_path: Path, *, shards: int = 3, infer_workers: int = 1) -> JobSpec:
+    write_dataset(tmp_path / "data", rows=100 * shards, row_group_size=100)
+    write_model(tmp_path / "model.onnx")
+    body: dict[str, Any] = job_spec(tmp_path, rows_per_shard=100)
+    body["tiers"] = [
+        {"name": "prep", "stages": ["preprocess"], "resources": {"max_workers": 4}},
+        {
+            "name": "infer",
+            "stages": ["model", "postprocess"],
+            "resources": {"max_workers": infer_workers},
+        },
+    ]
+    return parse_job(body).with_id()
+
+
+def commit(spec: JobSpec, reply: LeaseReply, *, tier: str, rows: int = 100) -> str:
+    """What a worker of `tier` does before `commit`: its file, then its commit record, in
+    its tier's root (the output root for the last tier). Returns the file's URL."""
+    assert reply.shard is not None
+    root = spec.output.uri if tier == spec.last_tier() else tier_root(spec.output.uri, tier)
+    store = OutputStore(root)
+    ext = "parquet" if tier == spec.last_tier() else "arrow"
+    path = f"{attempt_dir(reply.shard.index, reply.attempt)}/part-00000.{ext}"
+    store.write_file(path, b"rows")
+    store.create_commit(
+        new_commit(
+            job=spec.id,
+            shard=reply.shard.index,
+            attempt=reply.attempt,
+            files=[OutputFile(path=path, rows=rows)],
+            worker="w",
+        )
+    )
+    return store.url(path)
+
+
+async def lease(table: LeaseTable, spec: JobSpec, worker: str, tier: str) -> LeaseReply:
+    return await table.lease(spec.id, worker, tier=tier)
+
+
+async def test_a_shard_done_in_a_tier_becomes_a_shard_of_the_next_reading_what_it_committed(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+
+    early = await lease(table, spec, "i1", "infer")
+    assert early.status == "wait"  # nothing handed on yet, but the prep tier has work
+    first = await lease(table, spec, "p1", "prep")
+    assert first.shard is not None and first.shard.index == 0
+    url = commit(spec, first, tier="prep")
+    assert (await table.commit(first.token)).status == "done"
+
+    handed = job.shards[3].record
+    assert (handed.state, handed.tier, handed.handed_from) == ("TODO", 1, 0)
+    assert handed.spec.format == "arrow"
+    assert [(p.path, p.rows) for p in handed.spec.parts] == [(url, 100)]
+    assert store.shards[shard_key(spec.id, 0)][0].handoff == 3
+    assert job.rows_done == 0  # rows handed on are not output yet
+
+    second = await lease(table, spec, "p1", "prep")
+    assert second.shard is not None and second.shard.index == 1  # never the hand-off
+    infer = await lease(table, spec, "i1", "infer")
+    assert infer.shard is not None and infer.shard == handed.spec
+    status = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert [
+        (t.name, t.shards["TODO"], t.shards["DOING"], t.shards["DONE"]) for t in status.tiers
+    ] == [
+        ("prep", 1, 1, 1),
+        ("infer", 0, 1, 0),
+    ]
+    assert_indexes_match_records(job, store)
+
+    with pytest.raises(BadRequest, match="no tier 'gpu'"):
+        await lease(table, spec, "x", "gpu")
+
+
+async def test_the_job_is_the_last_tiers_output_and_its_hand_offs_go_as_they_are_read(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path, shards=2, infer_workers=2)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    prep_root = Path(tier_root(spec.output.uri, "prep"))
+    for _ in range(2):
+        reply = await lease(table, spec, "p1", "prep")
+        commit(spec, reply, tier="prep")
+        await table.commit(reply.token)
+    assert job.record.state == "RUNNING"  # every shard of the first tier done: not the job
+
+    infer = await lease(table, spec, "i1", "infer")
+    assert infer.shard is not None
+    source = job.shards[infer.shard.index].record.handed_from
+    assert source is not None
+    commit(spec, infer, tier="infer", rows=100)
+    await table.commit(infer.token)
+    assert not (prep_root / attempt_dir(source, 1)).exists()  # read: removed
+    assert job.rows_done == 100
+
+    last = await lease(table, spec, "i1", "infer")
+    commit(spec, last, tier="infer", rows=100)
+    await table.commit(last.token)
+    assert job.state == "SUCCEEDED"
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None
+    assert (manifest.rows, sorted(f.shard for f in manifest.files)) == (200, [2, 3])
+    assert not (Path(spec.output.uri) / TIERS_DIR).exists()
+    assert (await lease(table, spec, "p1", "prep")).status == "end"
+
+
+async def test_a_tier_is_held_back_while_the_next_has_twice_its_workers_of_hand_offs_waiting(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path, shards=4, infer_workers=1)  # at most 2 waiting
+    assert await table.intake.submit(spec)
+    for _ in range(2):
+        reply = await lease(table, spec, "p1", "prep")
+        commit(spec, reply, tier="prep")
+        await table.commit(reply.token)
+    held = await lease(table, spec, "p1", "prep")
+    assert held.status == "wait"
+    status = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert [t.held_back for t in status.tiers] == [True, False]
+    assert (await lease(table, spec, "i1", "infer")).status == "granted"
+    assert (await lease(table, spec, "p1", "prep")).status == "granted"  # room again
+
+
+async def test_a_master_that_died_between_a_done_and_its_hand_off_creates_it_on_load(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path)
+    assert await table.intake.submit(spec)
+    reply = await lease(table, spec, "p1", "prep")
+    commit(spec, reply, tier="prep")
+    await table.commit(reply.token)
+    created, _ = store.shards.pop(shard_key(spec.id, 3))  # as if never written
+
+    restarted = new_table(store, Clock())
+    await restarted.load()
+    again = restarted.jobs[spec.id]
+    assert again.shards[3].record == created
+    assert again.tiers[1].backlog == 1
+    assert_indexes_match_records(again, store)
