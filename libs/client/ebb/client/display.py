@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ebb.common.messages import JobStatus
+from ebb.common.messages import JobStatus, TierStatus
 from ebb.common.spec import JobSpec
 
 # Piped output (scripts, CI logs) gets wide lines rather than tables wrapped at 80 columns.
@@ -76,6 +76,13 @@ def lost_workers(status: JobStatus) -> str:
         f"{sum(status.workers_lost.values())} lost ({kinds}), "
         f"{status.attempts_forgiven} attempts forgiven"
     )
+
+
+def tier_text(tier: TierStatus) -> str:
+    """A tier of a job in a line: its shards by state, its rows, whether it is held back."""
+    shards = ", ".join(f"{state} {n}" for state, n in tier.shards.items() if n) or "no shards yet"
+    held = " (held back: the next tier has enough waiting)" if tier.held_back else ""
+    return f"{shards}; {tier.rows_done:,} rows{held}"
 
 
 def metric_text(value: Any) -> str:

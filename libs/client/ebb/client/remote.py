@@ -17,7 +17,7 @@ from ebb.common.natsconfig import NatsConfig, nats_config_from_env
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 from ebb.common.spec import load_job_file
 
-from .display import ProgressView, lost_workers, metric_text, out, summarize
+from .display import ProgressView, lost_workers, metric_text, out, summarize, tier_text
 from .sdk import EbbClient, SubmitPending
 
 DEFAULT_NATS = NatsConfig().url
@@ -110,6 +110,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
                 ("workers", f"{status.min_workers}..{status.max_workers}"),
                 ("workers lost", lost_workers(status) if status.workers_lost else ""),
+                *((f"tier {tier.name}", tier_text(tier)) for tier in status.tiers),
                 ("manifest", status.manifest),
                 *((f"metric {name}", metric_text(v)) for name, v in status.metrics.items()),
             ):

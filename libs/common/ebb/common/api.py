@@ -52,11 +52,15 @@ class MasterClient:
         self.timeout_s = config.request_timeout_s
         self.backoff = backoff or Backoff(first_s=0.2, max_s=5.0, attempts=0)
 
-    async def lease(self, job: str, worker: str, *, ready: bool = False) -> LeaseReply:
-        """`ready`: this worker's pipeline has started."""
+    async def lease(
+        self, job: str, worker: str, *, ready: bool = False, tier: str = ""
+    ) -> LeaseReply:
+        """`ready`: this worker's pipeline has started. `tier`: the job's tier it runs."""
         # One id for every retry of this request: a reply lost in transit is answered again
         # with the same lease instead of a second one.
-        req = LeaseRequest(job=job, worker=worker, request_id=secrets.token_hex(8), ready=ready)
+        req = LeaseRequest(
+            job=job, worker=worker, request_id=secrets.token_hex(8), ready=ready, tier=tier
+        )
         return await self._call("lease", req, LeaseReply, worker=worker)
 
     # The lease protocol goes to subjects that name the worker asking: the master refuses a

@@ -28,8 +28,8 @@ from ebb.common.messages import ShardSpec
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec
 
-from . import metrics
-from .columns import scatter
+from . import handoff, metrics
+from .columns import scatter, take_rows
 from .pipeline import RowsBack, RunResult
 from .progress import AttemptProgress
 from .reader import CHUNK_ROWS, ShardData, ShardReader
@@ -69,6 +69,7 @@ async def run_attempt(
     chunk_rows: int = CHUNK_ROWS,
     stop: asyncio.Event | None = None,
     progress: AttemptProgress | None = None,
+    hands_on: bool = False,
 ) -> CommitRecord:
     """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
     attempt of this job committed first (an earlier one found before anything ran, or one
@@ -76,7 +77,9 @@ async def run_attempt(
 
     `stop`: once set, the attempt commits the rows done so far as a part of the shard (or
     raises AttemptStopped if there are none). `progress`: how far it has got, kept up to date
-    for the renewals to tell."""
+    for the renewals to tell. `hands_on`: a tier before the last of a job in tiers: `store`
+    is the tier's root, and what is committed there is the hand-off to the next tier
+    (handoff.py). A shard of format "arrow" is a hand-off from the tier before."""
     existing = await asyncio.to_thread(store.read_commit, shard.index)
     if existing is not None and existing.job == spec.id:
         log.info(
@@ -84,7 +87,7 @@ async def run_attempt(
         )
         return existing
     columns = None
-    if spec.input.columns is not None:
+    if spec.input.columns is not None and shard.format != "arrow":
         columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
     reader = ShardReader(
         shard,
@@ -109,7 +112,10 @@ async def run_attempt(
                     partials = accumulators.merge_named(
                         metric_specs, partials, _partials(metric_specs, result)
                     )
-                table, errors = await asyncio.to_thread(_output, data, good, result, spec)
+                handed = shard.format == "arrow"
+                table, errors = await asyncio.to_thread(
+                    _output, data, good, result, spec, handed=handed, hands_on=hands_on
+                )
                 files += await asyncio.to_thread(
                     write_attempt,
                     store,
@@ -117,7 +123,7 @@ async def run_attempt(
                     shard=shard.index,
                     attempt=attempt,
                     error_rows=errors,
-                    fmt=spec.output.format,
+                    fmt="arrow" if hands_on else spec.output.format,
                     max_rows_per_file=spec.output.max_rows_per_file,
                     first_part=len(files),
                 )
@@ -177,7 +183,9 @@ async def _computed(
             data = await asyncio.to_thread(reader.next)
             if data is None:
                 break
-            inputs, good = _inputs(data, spec)
+            if reader.shard.format == "arrow":
+                data = handoff.read_handoff(data.table)
+            inputs, good = _inputs(data, spec, handed=reader.shard.format == "arrow")
             # The rows travel as Arrow and become columns in the first stage's processes.
             rows_back = RowsBack()
             if progress is not None:
@@ -231,16 +239,19 @@ def _done_part(
     return ShardData(data.table.slice(0, upto), bad), good[: result.rows], result
 
 
-def _inputs(data: ShardData, spec: JobSpec) -> tuple[pa.Table, np.ndarray]:
-    """A chunk's rows as the pipeline takes them (its input columns, the rows that could be
-    read), and the positions of those rows in the chunk."""
+def _inputs(data: ShardData, spec: JobSpec, *, handed: bool) -> tuple[pa.Table, np.ndarray]:
+    """A chunk's rows as the pipeline takes them (its input columns, or a hand-off's
+    results; the rows that could be read, or did not fail in a tier before), and the
+    positions of those rows in the chunk."""
     inputs = data.table
-    if spec.input.columns is not None:
+    if handed:
+        inputs = handoff.pipeline_inputs(inputs)
+    elif spec.input.columns is not None:
         inputs = inputs.select(spec.input.columns)
     good = np.arange(data.table.num_rows, dtype=np.int64)
     if data.bad_rows:
         good = good[~np.isin(good, np.fromiter(data.bad_rows, dtype=np.int64))]
-        inputs = inputs.take(pa.array(good, type=pa.int64()))
+        inputs = take_rows(inputs, good)
     return inputs, good
 
 
@@ -257,14 +268,25 @@ def _partials(
 
 
 def _output(
-    data: ShardData, good: np.ndarray, result: RunResult, spec: JobSpec
+    data: ShardData,
+    good: np.ndarray,
+    result: RunResult,
+    spec: JobSpec,
+    *,
+    handed: bool = False,
+    hands_on: bool = False,
 ) -> tuple[pa.Table, int]:
     """The shard's output table: the pipeline's results (for the rows that went in, `good`)
-    put back among the shard's rows, and the rows that could not be read as errors."""
+    put back among the shard's rows, and the rows that could not be read as errors.
+    `handed`: the rows are a hand-off from the tier before; `hands_on`: the table is one
+    for the next tier."""
     n = data.table.num_rows
     results, errors = result.columns, dict(result.errors)
     if len(good) != n:
         errors = {int(good[i]): why for i, why in errors.items()}
         errors.update(data.bad_rows)
         results, _ = scatter([(good, results)], n) if results else ({}, None)
-    return build_output(data.table, results, errors, spec.output)
+    rows = handoff.carried(data.table) if handed else data.table
+    if hands_on:
+        return handoff.handoff_table(rows, results, errors, spec.output)
+    return build_output(rows, results, errors, spec.output)

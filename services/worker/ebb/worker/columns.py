@@ -17,7 +17,7 @@ path, a Python object per row, kept for modelets written one item at a time.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -219,6 +219,55 @@ def scatter(
 # -- Arrow -----------------------------------------------------------------------------------
 
 
+def take_rows(data: ArrowRows, index: np.ndarray) -> ArrowRows:
+    """The rows of `data` at `index` (int64), in that order.
+
+    Arrow (26) takes (and filters) a sliced column of nested fixed-size lists (a tensor of
+    two axes or more a row) wrongly: it reads their values from the start of the buffer, not
+    from the slice's. Such columns are rebuilt at offset 0 first."""
+    if any(_nested_list(kind) for kind in data.schema.types):
+        data = _unsliced(data)
+    return data.take(pa.array(index, type=pa.int64()))
+
+
+ArrowRows = TypeVar("ArrowRows", pa.Table, pa.RecordBatch)
+
+
+def _nested_list(kind: pa.DataType) -> bool:
+    return pa.types.is_fixed_size_list(kind) and pa.types.is_fixed_size_list(kind.value_type)
+
+
+def _unsliced(data: ArrowRows) -> ArrowRows:
+    columns: list[Any] = []
+    for kind, column in zip(data.schema.types, data.columns, strict=True):
+        if not _nested_list(kind):
+            columns.append(column)
+        elif isinstance(column, pa.ChunkedArray):
+            chunks = [_rebuilt(c) for c in column.chunks]
+            columns.append(pa.chunked_array(chunks) if chunks else column)
+        else:
+            columns.append(_rebuilt(column))
+    return type(data).from_arrays(columns, schema=data.schema)
+
+
+def _rebuilt(array: Any) -> pa.Array[Any]:
+    """Nested fixed-size lists with the values of `array`'s slots, at offset 0 all down."""
+    sizes: list[int] = []
+    inner, start, length = array, 0, len(array)
+    while pa.types.is_fixed_size_list(inner.type):
+        # A slot's values are its child's (logical) entries from its own (physical) index.
+        size = inner.type.list_size
+        sizes.append(size)
+        start, length = (inner.offset + start) * size, length * size
+        inner = inner.values
+    leaf: pa.Array[Any] = pa.concat_arrays([inner.slice(start, length)])
+    for size in reversed(sizes[1:]):
+        leaf = pa.FixedSizeListArray.from_arrays(leaf, size)
+    mask = array.is_null() if array.null_count else None
+    rebuilt: pa.Array[Any] = pa.FixedSizeListArray.from_arrays(leaf, sizes[0], mask=mask)
+    return rebuilt
+
+
 def from_arrow(data: pa.RecordBatch | pa.Table, columns: Iterable[str] | None = None) -> Columns:
     """A chunk from Arrow columns, without a copy where the layout allows: numbers as they
     are, fixed-size lists of numbers (tensors) as one array with a row axis."""
@@ -259,18 +308,21 @@ def _numeric(kind: pa.DataType) -> bool:
     )
 
 
-def to_arrow(column: np.ndarray, missing: np.ndarray | None = None) -> pa.Array[Any]:
+def to_arrow(
+    column: np.ndarray, missing: np.ndarray | None = None, *, keep_half: bool = False
+) -> pa.Array[Any]:
     """An Arrow column from a chunk's column; rows where `missing` is True are null. A tensor
-    column becomes (nested) fixed-size lists."""
+    column becomes (nested) fixed-size lists. Half floats become single ones (Parquet stores
+    none) unless `keep_half` (Arrow IPC does)."""
     if column.dtype == object:
         return _objects_to_arrow(column, missing)
     mask = missing if missing is not None and missing.any() else None
     if column.ndim == 1:
-        if column.dtype.kind == "f" and column.dtype.itemsize == 2:
-            column = column.astype(np.float32)  # Parquet stores no half floats
+        if column.dtype.kind == "f" and column.dtype.itemsize == 2 and not keep_half:
+            column = column.astype(np.float32)
         plain: pa.Array[Any] = pa.array(column, mask=mask)
         return plain
-    flat: pa.Array[Any] = to_arrow(np.ascontiguousarray(column).reshape(-1))
+    flat: pa.Array[Any] = to_arrow(np.ascontiguousarray(column).reshape(-1), keep_half=keep_half)
     for size in reversed(column.shape[2:]):
         flat = pa.FixedSizeListArray.from_arrays(flat, size)
     tensors: pa.Array[Any] = pa.FixedSizeListArray.from_arrays(

@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ebb.worker", description=__doc__)
     p.add_argument("--job", default=env(envvars.JOB), required=env(envvars.JOB) is None)
     p.add_argument("--id", type=_worker_id, default=env(envvars.WORKER_ID) or default_worker_id())
+    p.add_argument(
+        "--tier",
+        default=env(envvars.TIER, ""),
+        help="the tier of the job to run (a job in tiers); none for a job without tiers",
+    )
     add_nats_arguments(p)
     p.add_argument(
         "--shards-in-flight",
@@ -68,6 +73,7 @@ async def amain(args: argparse.Namespace) -> int:
             nats=nats_config_from_args(args),
             job=args.job,
             id=args.id,
+            tier=args.tier,
             shards_in_flight=args.shards_in_flight,
             chunk_rows=args.chunk_rows,
             start_jitter_s=args.start_jitter,

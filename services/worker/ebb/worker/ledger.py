@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .columns import Columns, take
+from .columns import Columns, take, take_rows
 
 
 @dataclass(eq=False, slots=True)
@@ -145,7 +145,7 @@ class RowLedger:
                 index = np.asarray(group, dtype=np.int64) - start
                 data: Any = source.data
                 part = (
-                    data.take(pa.array(index, type=pa.int64()))
+                    take_rows(data, index)
                     if isinstance(data, pa.RecordBatch)
                     else take(data, index)
                 )

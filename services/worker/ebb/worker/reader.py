@@ -24,6 +24,7 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from ebb.common.csvrows import first_row_end
 from ebb.common.messages import ShardSpec
@@ -85,8 +86,8 @@ class ShardReader:
         shard = self.shard
         what = f"read shard {shard.index} of {shard.path}"
         try:
-            if shard.format == "parquet":
-                table = retrying(what, self._next_parquet, passthrough=(ShardReadError,))
+            if shard.format in ("parquet", "arrow"):
+                table = retrying(what, self._next_batches, passthrough=(ShardReadError,))
                 if table is None:
                     self._all_read = True
                     self._end()
@@ -116,7 +117,7 @@ class ShardReader:
     @property
     def exhausted(self) -> bool:
         """Every row of the shard has been handed out."""
-        if self.shard.format == "parquet" and self.rows_read >= self.shard.rows:
+        if self.shard.format in ("parquet", "arrow") and self.rows_read >= self.shard.rows:
             return True
         return self._all_read
 
@@ -133,12 +134,15 @@ class ShardReader:
             file, self._file = self._file, None
             file.close()
 
-    def _next_parquet(self) -> pa.Table | None:
+    def _next_batches(self) -> pa.Table | None:
         """One chunk; on any error the file is closed, and the next try (`retrying`) opens it
         again and goes on from the rows already handed out."""
         try:
             if self._batches is None:
-                self._open_parquet()
+                if self.shard.format == "arrow":
+                    self._open_arrow()
+                else:
+                    self._open_parquet()
             assert self._batches is not None
             left = self.shard.rows - self.rows_read
             batches: list[pa.RecordBatch] = []
@@ -187,6 +191,30 @@ class ShardReader:
             use_threads=False,
         )
         self._batches = _dropping(batches, skip)
+
+    def _open_arrow(self) -> None:
+        """A hand-off between tiers (handoff.py): its Arrow IPC files in order, from the
+        shard's row `rows_read` on; whole files before it are not opened."""
+        skip = self.shard.row_offset + self.rows_read
+        parts = list(self.shard.parts)
+        while parts and parts[0].rows <= skip:
+            skip -= parts.pop(0).rows
+        self._batches = _dropping(_ipc_batches([p.path for p in parts], self.columns), skip)
+
+
+def _ipc_batches(paths: list[str], columns: list[str] | None) -> Iterator[pa.RecordBatch]:
+    """The record batches of Arrow IPC files, one file open at a time: a local one mapped
+    (its buffers read in place), another read whole (a file is one chunk of a shard)."""
+    for path in paths:
+        fs, inner = fsspec.core.url_to_fs(path)
+        if isinstance(fs, LocalFileSystem):
+            source: Any = pa.memory_map(inner)
+        else:
+            source = pa.py_buffer(fs.cat_file(inner))
+        with pa.ipc.open_file(source) as ipc:
+            for i in range(ipc.num_record_batches):
+                batch = ipc.get_batch(i)
+                yield batch.select(columns) if columns is not None else batch
 
 
 def _without_first(data: ShardData, rows: int) -> ShardData:

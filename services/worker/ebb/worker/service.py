@@ -41,7 +41,7 @@ from ebb.common import auth, bus
 from ebb.common import metrics as metrics_server
 from ebb.common.aio import sleep_or_stop, until
 from ebb.common.api import MasterClient
-from ebb.common.errors import BusError, ErrorCode, RemoteError
+from ebb.common.errors import BusError, ErrorCode, RemoteError, SpecError
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore
@@ -52,6 +52,7 @@ from ebb.common.supervisor import Supervisor
 
 from . import cpus, devices, metrics
 from .attempt import AttemptStopped, run_attempt
+from .handoff import tier_view
 from .leases import LeaseState, StopCause
 from .pipeline import Pipeline, PipelineError, PipelineSetupError
 from .reader import CHUNK_ROWS
@@ -72,6 +73,8 @@ class WorkerConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     job: str
     id: str = field(default_factory=default_worker_id)
+    tier: str = ""
+    """The tier of the job this worker runs (`JobSpec.tiers`); "" for a job without tiers."""
     shards_in_flight: int = 2
     """Shards held at once: one computing while the next is leased and read."""
     chunk_rows: int = CHUNK_ROWS
@@ -145,7 +148,12 @@ class Worker:
         if status.state in TERMINAL_JOB_STATES or status.spec is None:
             log.info("job %s is %s: nothing to do", status.id, status.state)
             return EXIT_OK
-        spec = parse_job(status.spec)
+        try:
+            spec, hands_on = tier_view(parse_job(status.spec), self.config.tier)
+        except SpecError as e:
+            log.error("job %s: %s", self.config.job, e)
+            self.fatal_reason = str(e)
+            return EXIT_CONFIG
         cores = cpus.detect()
         gpus = devices.visible()
         try:
@@ -168,6 +176,8 @@ class Worker:
             cores=cores,
             gpus=gpus,
             on_failed_start=self._give_up,
+            tier=self.config.tier,
+            hands_on=hands_on,
         )
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
@@ -250,7 +260,9 @@ class Worker:
         granted one already: wait (briefly) for the answer and hand such a shard straight
         back, instead of leaving a lease nobody holds to expire and count as a failure."""
         request = asyncio.ensure_future(
-            session.master.lease(session.spec.id, self.config.id, ready=session.ready)
+            session.master.lease(
+                session.spec.id, self.config.id, ready=session.ready, tier=session.tier
+            )
         )
         reply = await until(asyncio.shield(request), self.draining)
         if reply is not None:
@@ -305,6 +317,7 @@ class Worker:
                 chunk_rows=self.config.chunk_rows,
                 stop=active.stop,
                 progress=active.progress,
+                hands_on=session.hands_on,
             )
             await self.reports.commit(session.master, active, record)
             if record.split_at:

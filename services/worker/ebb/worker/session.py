@@ -55,8 +55,14 @@ class JobSession:
         cores: float,
         gpus: tuple[str, ...] | None,
         on_failed_start: Callable[[BaseException], None],
+        tier: str = "",
+        hands_on: bool = False,
     ) -> None:
         self.spec = spec
+        """The job as this worker's tier runs it (`handoff.tier_view`)."""
+        self.tier = tier
+        self.hands_on = hands_on
+        """A tier before the last: what it commits is the next tier's input."""
         self.pipeline = pipeline
         self.master = master
         self.cores = cores

@@ -27,7 +27,8 @@ from ebb.common.spec import OutputSpec
 from .columns import VALUE, Columns, is_plain, num_rows, to_arrow
 
 ERROR_COLUMN = "_error"
-OutputFormat = Literal["parquet", "jsonl", "csv"]
+OutputFormat = Literal["parquet", "jsonl", "csv", "arrow"]
+"""arrow: Arrow IPC files, what a tier hands to the next (handoff.py)."""
 
 
 class OutputError(Exception):
@@ -106,6 +107,12 @@ def write_attempt(
 
 def encode(table: pa.Table, fmt: OutputFormat) -> bytes:
     """A table as the bytes of one output file."""
+    if fmt == "arrow":
+        # Uncompressed: the next tier maps it and reads its buffers as they are.
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as ipc:
+            ipc.write_table(table)
+        return bytes(sink.getvalue())
     buffer = io.BytesIO()
     if fmt == "parquet":
         pq.write_table(table, buffer, compression="zstd")

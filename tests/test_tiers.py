@@ -1,0 +1,185 @@
+"""Jobs in tiers, end to end on the embedded stack: the same rows as the pipeline in one tier,
+each tier's workers killed without a row lost or doubled, and without the other tier's
+committed work done again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pyarrow as pa
+import pytest
+
+from ebb.client import EbbClient
+from ebb.client.stack import LocalStack
+from ebb.common import schema
+from ebb.common.bus import connect
+from ebb.common.layout import TIERS_DIR
+from ebb.common.messages import JobStatus
+from ebb.common.spec import parse_job
+from ebb.common.subjects import Subjects
+from ebb.shard_master.store import ShardRecord
+
+from .helpers import embedded_stack, job_spec, read_output, wait_until, write_dataset, write_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROWS = 6_000
+POISON = [17, 2_500, 5_999]
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, prefix: str) -> AsyncIterator[LocalStack]:
+    async with embedded_stack(tmp_path, prefix, max_workers=4) as s:
+        yield s
+
+
+@pytest.fixture
+async def client(stack: LocalStack) -> AsyncIterator[EbbClient]:
+    async with await EbbClient.connect(stack.nats_config) as c:
+        yield c
+
+
+def stages(tmp_path: Path, *, seconds_per_batch: float = 0.0) -> list[dict[str, Any]]:
+    """Features (failing on the poison rows), the ONNX model, the top class: the first in
+    the prep tier, the other two in the infer tier."""
+    first: dict[str, Any] = {"modelet": "ebbtest_modelets:FailOn", "params": {"ids": POISON}}
+    if seconds_per_batch:
+        first = {
+            "modelet": "ebbtest_modelets:Slow",
+            "params": {"seconds_per_batch": seconds_per_batch},
+        }
+    return [
+        {"name": "prep", "batch_size": 100, **first},
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 200},
+    ]
+
+
+def tiered(spec: dict[str, Any], *, workers: int = 2) -> dict[str, Any]:
+    each = {"min_workers": 1, "max_workers": workers, "cpu": 0.5, "memory_gb": 1}
+    return {
+        **spec,
+        "tiers": [
+            {"name": "prep", "stages": ["prep"], "resources": each},
+            {"name": "infer", "stages": ["model", "top"], "resources": each},
+        ],
+    }
+
+
+def by_id(table: pa.Table) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = table.to_pylist()
+    return sorted(rows, key=lambda row: int(row["id"]))
+
+
+async def run(client: EbbClient, spec: dict[str, Any]) -> JobStatus:
+    job_id = await client.submit(parse_job(spec))
+    final = await asyncio.wait_for(client.wait(job_id), 240)
+    assert final.state == "SUCCEEDED", final.reason
+    return final
+
+
+async def test_a_job_in_two_tiers_writes_the_rows_of_the_same_pipeline_in_one(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    write_dataset(tmp_path / "data", rows=ROWS, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    one = job_spec(tmp_path, name="one", rows_per_shard=1_000, stages=stages(tmp_path))
+    one["output"]["uri"] = str(tmp_path / "one")
+    two = tiered(job_spec(tmp_path, name="two", rows_per_shard=1_000, stages=stages(tmp_path)))
+    two["output"]["uri"] = str(tmp_path / "two")
+
+    single = await run(client, one)
+    final = await run(client, two)
+
+    expected, _ = read_output(tmp_path / "one")
+    got, manifest = read_output(tmp_path / "two")
+    assert got.schema == expected.schema
+    assert by_id(got) == by_id(expected)
+    assert [r["id"] for r in by_id(got) if r["_error"]] == POISON
+    assert (final.rows_done, final.error_rows) == (single.rows_done, single.error_rows)
+    # Only the last tier's files are output; the hand-offs are gone with the job's success.
+    assert all(TIERS_DIR not in f["path"] for f in manifest["files"])
+    assert not (tmp_path / "two" / TIERS_DIR).exists()
+
+
+def workers_of(stack: LocalStack, tier: str) -> list[psutil.Process]:
+    """The live worker processes of `tier`."""
+    try:
+        children = psutil.Process(stack.processes["controller"].pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for process in children:
+        try:
+            line = " ".join(process.cmdline())
+        except psutil.Error:  # ended (a zombie until the controller reaps it)
+            continue
+        if "ebb.worker" in line and f"--tier {tier}" in line:
+            found.append(process)
+    return found
+
+
+async def shard_records(stack: LocalStack, job: str) -> list[ShardRecord]:
+    """The job's shard records as the master keeps them (read with its credential)."""
+    config = stack.nats_config_for("master")
+    nc = await connect(config, name="ebb-test-records")
+    try:
+        kv = await nc.jetstream().key_value(Subjects(config.prefix).shards_bucket)
+        records = []
+        for key in await kv.keys():
+            if key.startswith(f"{job}."):
+                entry = await kv.get(key)
+                assert entry.value is not None
+                records.append(schema.decode(ShardRecord, entry.value))
+    finally:
+        await nc.close()
+    return sorted(records, key=lambda r: r.spec.index)
+
+
+@pytest.mark.parametrize("victim", ["prep", "infer"])
+async def test_workers_of_either_tier_killed_lose_no_row_and_cost_the_other_tier_nothing(
+    tmp_path: Path, stack: LocalStack, client: EbbClient, victim: str
+) -> None:
+    write_dataset(tmp_path / "data", rows=ROWS, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    spec = tiered(
+        job_spec(tmp_path, rows_per_shard=500, stages=stages(tmp_path, seconds_per_batch=0.05))
+    )
+    job_id = await client.submit(parse_job(spec))
+    other = 1 if victim == "prep" else 0
+
+    async def the_other_tier_has_done_some() -> bool:
+        status = await client.job(job_id)
+        return bool(status.tiers) and status.tiers[other].shards.get("DONE", 0) >= 2
+
+    await wait_until(the_other_tier_has_done_some, timeout=120, what="the other tier's commits")
+    before = {r.spec.index: r for r in await shard_records(stack, job_id) if r.state == "DONE"}
+    kills = 0
+    while kills < 3 and (await client.job(job_id)).state == "RUNNING":
+        victims = workers_of(stack, victim)
+        if victims:
+            try:
+                os.kill(victims[0].pid, signal.SIGKILL)
+                kills += 1
+            except ProcessLookupError:
+                pass  # it had just ended
+        await asyncio.sleep(1.0)
+    final = await asyncio.wait_for(client.wait(job_id), 240)
+    assert final.state == "SUCCEEDED", final.reason
+    assert kills >= 1 and final.workers_lost.get("capacity", 0) >= 1
+    table, _ = read_output(tmp_path / "out")
+    ids = table.column("id").to_numpy()
+    assert sorted(ids.tolist()) == list(range(ROWS)), "every id exactly once"
+    after = {r.spec.index: r for r in await shard_records(stack, job_id)}
+    # What either tier had committed stayed as it was: no attempt of it was started again.
+    for index, record in before.items():
+        assert (after[index].attempts, after[index].done_attempt) == (
+            record.attempts,
+            record.done_attempt,
+        )
