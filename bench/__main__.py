@@ -30,6 +30,7 @@ from . import (
     startup,
     stragglers,
     tidal_sim,
+    tiers,
 )
 from .common import REPO, Context, Section, gpu
 
@@ -47,6 +48,7 @@ ORDER = [
     "objectstore",
     "cores",
     "oneread",
+    "tiers",
 ]
 
 
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 section = cores.run(ctx)
             elif name == "oneread":
                 section = one_read.run(ctx)
+            elif name == "tiers":
+                section = tiers.run(ctx)
             else:
                 section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)

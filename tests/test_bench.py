@@ -41,6 +41,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 11. Object stores",
         "## 12. Every byte read once, every core used once",
         "## 13. N models on one read against N separate jobs",
+        "## 14. What the hand-off between tiers costs",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
@@ -55,6 +56,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "embedding",
         "cores",
         "oneread",
+        "tiers",
     ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
 

@@ -31,7 +31,7 @@ from ebb.controller.capacity import Bin
 from ebb.controller.groups import Group, groups_of, new_worker_id, wanted
 from ebb.controller.local import LocalBackend, LocalConfig
 from ebb.controller.podspec import pod_name
-from ebb.controller.reconcile import Reconciler, ReconcilerConfig, plan, share
+from ebb.controller.reconcile import Reconciler, ReconcilerConfig, ever_ready, plan, share
 
 from .helpers import job_spec, wait_until
 from .scripted_master import ScriptedMaster
@@ -212,6 +212,42 @@ def test_a_failed_tier_worker_holds_back_its_tier_and_its_memory_grows_alone() -
     assert r.failures["j"] == 1  # the evidence of crashes in a row is the job's
     r.forget_ended({"other"})
     assert r.not_before == {} and r.progress == {}
+
+
+def test_a_tier_whose_pipeline_cannot_start_fails_the_job_though_another_tier_runs() -> None:
+    """One tier's workers starting their pipeline says nothing of another's: a GPU tier with a
+    model path that does not exist fails the job while its CPU tier computes."""
+    r = Reconciler(
+        master=cast(MasterClient, None),
+        backend=cast(ClusterBackend, SimpleNamespace(grow_memory=lambda _job: None)),
+        config=ReconcilerConfig(),
+    )
+    job = JobStatus(
+        id="j",
+        name="j",
+        state="RUNNING",
+        workers_ready=2,
+        rows_done=0,
+        tiers=[
+            TierStatus(name="cpu", shards={"DONE": 3}, rows_done=3_000, workers_ready=2),
+            TierStatus(name="gpu", shards={"TODO": 3}),
+        ],
+    )
+    assert ever_ready(job, "cpu") and not ever_ready(job, "gpu") and ever_ready(job)
+    for n in range(3):
+        failed = WorkerInfo(
+            id=f"g{n}",
+            job="j",
+            phase="failed",
+            started_at=0.0,
+            failure="setup",
+            reason="RuntimeError: no model at /models/x.onnx",
+            node="local",
+            tier="gpu",
+        )
+        r.account(failed, 10.0, rows_done=0, ready=ever_ready(job, "gpu"), nodes={"local"})
+    assert "could not start on 3 workers" in r.failed_jobs["j"]
+    assert "no model at /models/x.onnx" in r.failed_jobs["j"]
 
 
 def test_a_tier_workers_id_names_its_tier_and_makes_a_pod_name() -> None:

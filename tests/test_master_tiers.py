@@ -57,8 +57,10 @@ def commit(spec: JobSpec, reply: LeaseReply, *, tier: str, rows: int = 100) -> s
     return store.url(path)
 
 
-async def lease(table: LeaseTable, spec: JobSpec, worker: str, tier: str) -> LeaseReply:
-    return await table.lease(spec.id, worker, tier=tier)
+async def lease(
+    table: LeaseTable, spec: JobSpec, worker: str, tier: str, *, ready: bool = False
+) -> LeaseReply:
+    return await table.lease(spec.id, worker, tier=tier, ready=ready)
 
 
 async def test_a_shard_done_in_a_tier_becomes_a_shard_of_the_next_reading_what_it_committed(
@@ -84,7 +86,7 @@ async def test_a_shard_done_in_a_tier_becomes_a_shard_of_the_next_reading_what_i
     assert store.shards[shard_key(spec.id, 0)][0].handoff == 3
     assert job.rows_done == 0  # rows handed on are not output yet
 
-    second = await lease(table, spec, "p1", "prep")
+    second = await lease(table, spec, "p1", "prep", ready=True)
     assert second.shard is not None and second.shard.index == 1  # never the hand-off
     infer = await lease(table, spec, "i1", "infer")
     assert infer.shard is not None and infer.shard == handed.spec
@@ -95,6 +97,7 @@ async def test_a_shard_done_in_a_tier_becomes_a_shard_of_the_next_reading_what_i
         ("prep", 1, 1, 1),
         ("infer", 0, 1, 0),
     ]
+    assert [t.workers_ready for t in status.tiers] == [1, 0]  # p1's pipeline, not i1's
     assert_indexes_match_records(job, store)
 
     with pytest.raises(BadRequest, match="no tier 'gpu'"):

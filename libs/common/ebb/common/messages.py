@@ -249,6 +249,9 @@ class TierStatus(Message):
     """Rows this tier's shards done have committed."""
     bytes_done: int = 0
     """Bytes of the files they committed: a tier before the last, its hand-offs."""
+    workers_ready: int = 0
+    """Workers of this tier whose pipeline has started, as they told this master: a tier
+    whose workers cannot start theirs fails the job even while another tier's run."""
     held_back: bool = False
     """No shard of this tier is leased for now: the hand-offs waiting for the next tier are
     at their bound (backpressure)."""

@@ -39,11 +39,18 @@ __all__ = ["Plan", "Reconciler", "ReconcilerConfig", "plan", "share"]
 log = logging.getLogger(__name__)
 
 
-def ever_ready(job: JobStatus | None) -> bool:
-    """Some worker of `job` has started its pipeline: it said so, or committed a shard."""
-    return job is not None and (
-        job.workers_ready > 0 or job.rows_done > 0 or job.shards.get("DONE", 0) > 0
-    )
+def ever_ready(job: JobStatus | None, tier: str = "") -> bool:
+    """Some worker of `job` (of its tier `tier`) has started its pipeline: it said so, or
+    committed a shard. Each tier runs a pipeline of its own: one tier's workers starting
+    theirs says nothing of another's."""
+    if job is None:
+        return False
+    if tier:
+        state = next((t for t in job.tiers if t.name == tier), None)
+        return state is not None and (
+            state.workers_ready > 0 or state.rows_done > 0 or state.shards.get("DONE", 0) > 0
+        )
+    return job.workers_ready > 0 or job.rows_done > 0 or job.shards.get("DONE", 0) > 0
 
 
 def nodes_for(job: JobStatus | None, capacity: Capacity, tier: str = "") -> set[str]:
@@ -113,7 +120,8 @@ class Reconciler:
         """The spec of each running job. A spec never changes, so each is fetched once, on
         its own: all of them in one reply could exceed what NATS carries."""
         self.setup_failures: dict[str, SetupFailures] = {}
-        """Per job: its workers that could not start their pipeline."""
+        """Per group (a job, or one tier of it): its workers that could not start their
+        pipeline."""
         self.to_tell: dict[tuple[str, str], Notice] = {}
         """Workers that ended badly, until the master has heard (job, worker) -> notice."""
 
@@ -135,7 +143,7 @@ class Reconciler:
                     w,
                     now,
                     rows_done=rows_done(job, w.tier) if job else 0,
-                    ready=ever_ready(job),
+                    ready=ever_ready(job, w.tier),
                     nodes=nodes_for(job, capacity, w.tier),
                 )
                 await self.backend.forget(w.id)
@@ -248,7 +256,8 @@ class Reconciler:
         """A worker could not start its pipeline: its node's fault (relaunch soon, elsewhere
         where the backend avoids failing nodes) until the evidence says it is the job's."""
         job = worker.job
-        failures = self.setup_failures.setdefault(job, SetupFailures())
+        # By tier: a tier whose workers cannot start fails the job, whatever the others do.
+        failures = self.setup_failures.setdefault(group_key(job, worker.tier), SetupFailures())
         failures.note(worker=worker.id, node=worker.node, reason=worker.reason)
         verdict = failures.verdict(
             self.config.setup, ever_ready=ready, nodes_available=len(nodes | failures.nodes)

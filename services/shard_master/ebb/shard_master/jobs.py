@@ -80,6 +80,8 @@ class Tier:
         self.counts: Counter[str] = Counter()
         self.rows_done = 0
         self.bytes_done = 0
+        self.ready_workers: set[str] = set()
+        """Workers of this tier that said their pipeline has started (in memory)."""
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         self.rates: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         """Rows a second of the attempts that won their shards (or parts), newest last."""

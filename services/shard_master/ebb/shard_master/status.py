@@ -122,6 +122,7 @@ def _tiers(job: Job) -> list[TierStatus]:
             shards={s: tier.counts[s] for s in ("TODO", "DOING", "DONE", "QUARANTINED")},
             rows_done=tier.rows_done,
             bytes_done=tier.bytes_done,
+            workers_ready=len(tier.ready_workers),
             held_back=job.held_back(tier),
         )
         for tier in job.tiers

@@ -176,6 +176,8 @@ class LeaseTable:
         """`ready`: the worker's pipeline has started. `tier`: the tier of the job it runs."""
         if ready and (job := self.jobs.get(job_id)) is not None:
             job.ready_workers.add(worker)
+            if tier in job.spec.tier_names():
+                job.tiers[job.spec.tier_index(tier)].ready_workers.add(worker)
         cache_key = (worker, request_id)
         if request_id and cache_key in self._lease_replies:
             return self._lease_replies[cache_key]
