@@ -198,7 +198,8 @@ async def test_metrics_count_each_row_once_when_a_worker_is_killed(
     def the_run() -> Any:
         experiment = tracking.get_experiment_by_name("evaluation")
         runs = tracking.search_runs([experiment.experiment_id]) if experiment else []
-        return runs[0] if runs else None
+        # Created first, its metrics logged, then ended: read it once it has ended.
+        return runs[0] if runs and runs[0].info.status == "FINISHED" else None
 
     run = await wait_until(the_run, timeout=60, interval=0.5, what="the job's MLflow run")
     assert run.info.run_name == job_id

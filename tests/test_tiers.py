@@ -183,3 +183,45 @@ async def test_workers_of_either_tier_killed_lose_no_row_and_cost_the_other_tier
             record.attempts,
             record.done_attempt,
         )
+
+
+async def test_a_slow_tier_holds_the_one_before_back_within_its_bound(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    """The prep tier reads and hands on far faster than the infer tier (one worker, slow)
+    computes: the hand-offs waiting never pass twice the infer tier's workers, and the prep
+    tier is seen held back."""
+    write_dataset(tmp_path / "data", rows=ROWS, row_group_size=500)
+    write_model(tmp_path / "model.onnx")
+    slow = {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.05}}
+    body = job_spec(
+        tmp_path,
+        rows_per_shard=500,
+        stages=[
+            {"name": "prep", "modelet": "ebbtest_modelets:FailOn", "params": {"ids": []}},
+            {"name": "slow", "batch_size": 100, **slow},
+            {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        ],
+    )
+    body["tiers"] = [
+        {"name": "prep", "stages": ["prep"], "resources": {"max_workers": 2, "cpu": 0.5}},
+        {"name": "infer", "stages": ["slow", "model"], "resources": {"max_workers": 1}},
+    ]
+    job_id = await client.submit(parse_job(body))
+    waiting: list[int] = []
+    held = 0
+
+    def seen(status: JobStatus) -> None:
+        nonlocal held
+        if status.tiers:
+            waiting.append(status.tiers[1].shards.get("TODO", 0))
+            held += status.tiers[0].held_back
+
+    final = await asyncio.wait_for(client.wait(job_id, poll_s=0.1, on_update=seen), 240)
+    assert final.state == "SUCCEEDED", final.reason
+    assert held >= 1, "the prep tier was never held back"
+    # The bound is on leasing: the prep shards leased before it was reached still hand on
+    # after it, as many as the prep workers hold (2 workers, 2 shards in flight each).
+    assert max(waiting) <= 2 * 1 + 2 * 2
+    table, _ = read_output(tmp_path / "out")
+    assert table.num_rows == ROWS

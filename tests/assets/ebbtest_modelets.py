@@ -46,14 +46,17 @@ class HangOn:
 
 
 class Slow:
-    """Features, sleeping `seconds_per_batch` per batch: keeps a shard in flight a while."""
+    """Features (of a row, or a row's features as they are), sleeping `seconds_per_batch` per
+    batch: keeps a shard in flight a while."""
 
     def __init__(self, seconds_per_batch: float) -> None:
         self.seconds = seconds_per_batch
 
-    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+    def process_batch(self, rows: list[Any]) -> list[Any]:
         time.sleep(self.seconds)
-        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+        return [
+            np.asarray(r["features"] if isinstance(r, dict) else r, dtype=np.float32) for r in rows
+        ]
 
 
 class Straggler:
