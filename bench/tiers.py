@@ -45,7 +45,7 @@ from .common import Context, Section, ebb_stack, median, spread, table
 
 FEATURES = 64
 HIDDEN = 32
-FILES = 4
+FILES = 16
 BATCH = 1024
 VARIANTS = ("one tier, one worker", "one tier, two workers", "two tiers")
 

@@ -176,3 +176,33 @@ async def test_a_master_that_died_between_a_done_and_its_hand_off_creates_it_on_
     assert again.shards[3].record == created
     assert again.tiers[1].backlog == 1
     assert_indexes_match_records(again, store)
+
+
+async def test_a_worker_waiting_on_another_tier_asks_again_at_that_tiers_pace(
+    tmp_path: Path,
+) -> None:
+    """Short shards must not stop and go at the pace of the polls: a worker held back, or
+    waiting for hand-offs, asks again after a quarter of the other tier's usual shard time."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path, shards=6, infer_workers=1)
+    assert await table.intake.submit(spec)
+    for _ in range(2):
+        reply = await lease(table, spec, "p1", "prep")
+        clock.now += 2.0  # a prep shard takes 2 s
+        commit(spec, reply, tier="prep")
+        await table.commit(reply.token)
+    infer = await lease(table, spec, "i1", "infer")
+    clock.now += 0.8  # an infer shard takes 0.8 s
+    commit(spec, infer, tier="infer")
+    await table.commit(infer.token)
+    commit(spec, second := await lease(table, spec, "i1", "infer"), tier="infer")
+    waiting = await lease(table, spec, "i1", "infer")  # nothing handed on: prep's pace
+    assert (waiting.status, waiting.retry_after_s) == ("wait", 0.5)
+    await table.commit(second.token)
+    for _ in range(2):
+        reply = await lease(table, spec, "p1", "prep")
+        commit(spec, reply, tier="prep")
+        await table.commit(reply.token)
+    held = await lease(table, spec, "p1", "prep")  # two waiting: infer's pace
+    assert held.status == "wait" and held.retry_after_s == pytest.approx(0.2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 _LEASE_REPLY_CACHE = 4096
 _TAIL_WAIT_S = 5.0
+_PACE_WAIT_MIN_S = 0.1
 _SPLIT_LOOK_S = 1.0
 """Between two looks for a straggler to split when none was found."""
 
@@ -200,7 +202,8 @@ class LeaseTable:
             # Alone until it commits or fails, so that a crash is its own.
             return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
         if job.held_back(tier):
-            return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+            after = job.tiers[job.tiers.index(tier) + 1]
+            return LeaseReply(status="wait", retry_after_s=self._pace_wait(after))
         shard = self._pick(job, tier, worker, alone=not held)
         speculative = False
         if shard is None:
@@ -217,11 +220,15 @@ class LeaseTable:
                     # Queued (a rest kept for another worker, a suspect for a worker with
                     # nothing), or on its way: briefly.
                     return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+                at = job.tiers.index(tier)
+                if any(t.backlog for t in job.tiers[:at]):
+                    # A tier before has shards whose rows come here as they are done: soon,
+                    # not at the tail (a worker waiting out the tail's long wait would leave
+                    # a hand-off queued that long).
+                    wait = self._pace_wait(job.tiers[at - 1])
+                    return LeaseReply(status="wait", retry_after_s=wait)
                 if tier.backlog:  # running here: the tail
                     return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
-                if any(t.backlog for t in job.tiers[: job.tiers.index(tier)]):
-                    # A tier before has shards whose rows come here as they are done.
-                    return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
                 return LeaseReply(status="end")
             speculative = True
         lease_s = job.spec.fault.lease_s
@@ -268,6 +275,16 @@ class LeaseTable:
         later can change that. A thousand idle workers asking every second would be most of
         the master's work of a job."""
         return max(self._wait_retry_s, min(_TAIL_WAIT_S, job.spec.fault.lease_s / 10))
+
+    def _pace_wait(self, other: Tier) -> float:
+        """How long a worker waiting on another tier (for its hand-offs, or for room among
+        its hand-offs) waits to ask again: a quarter of that tier's usual shard time, so that
+        short shards do not stop and go at the pace of the polls; never below a tenth of a
+        second, nor above the usual wait."""
+        if not other.durations:
+            return self._wait_retry_s
+        usual = statistics.median(other.durations)
+        return min(self._wait_retry_s, max(_PACE_WAIT_MIN_S, usual / 4))
 
     def _pick(self, job: Job, tier: Tier, worker: str, *, alone: bool) -> Shard | None:
         """The first TODO shard in the queue for `worker`: a straggler's rest kept for
