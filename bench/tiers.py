@@ -206,6 +206,8 @@ def run(ctx: Context) -> Section:
     )
     handoff = summary.get("handoff_bytes_per_row", 0.0)
     two = summary["over_one_worker_two_tiers"]
+    extra_us = (summary["seconds_two_tiers"] - summary["seconds_one_tier_one_worker"]) / rows * 1e6
+    summary["handoff_us_per_row"] = extra_us
     two_workers = summary["over_one_worker_one_tier_two_workers"]
     return Section(
         title="14. What the hand-off between tiers costs",
@@ -226,9 +228,14 @@ def run(ctx: Context) -> Section:
             f"and one tier with two workers {two_workers:.2f}x: the same two cores, one way "
             f"with a hand-off of {handoff:,.0f} bytes a row written and read back (the 64 "
             "floats the first tier hands on, 256 bytes, and the id and error columns), the "
-            "other without. That difference is what the hand-off costs here, where both tiers "
-            "share the machine; on a cluster each tier has its own nodes, and the hand-off "
-            "buys what one pod shape cannot: CPUs for the first tier that the GPU nodes have "
-            "not (section 15).",
+            "other without. The difference, "
+            f"{extra_us:.1f} µs a row, is what the hand-off costs here: its bytes, the tiers' "
+            "workers each starting their own pipeline, and the pipeline's fill and drain (the "
+            "second tier starts on the first shard the first commits; the last shard of each "
+            "runs alone). The whole one-tier job costs "
+            f"{summary['seconds_one_tier_one_worker'] / rows * 1e6:.1f} µs a row; a model "
+            "worth a GPU costs hundreds. On a cluster each tier has its own nodes, and the "
+            "hand-off buys what one pod shape cannot: CPUs for the first tier that the GPU "
+            "nodes have not (section 15).",
         ],
     )
