@@ -206,3 +206,28 @@ async def test_a_worker_waiting_on_another_tier_asks_again_at_that_tiers_pace(
         await table.commit(reply.token)
     held = await lease(table, spec, "p1", "prep")  # two waiting: infer's pace
     assert held.status == "wait" and held.retry_after_s == pytest.approx(0.2)
+
+
+async def test_a_job_of_one_tier_shows_it_and_runs_on_its_workers(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    write_dataset(tmp_path / "data", rows=200, row_group_size=100)
+    write_model(tmp_path / "model.onnx")
+    body: dict[str, Any] = job_spec(tmp_path, rows_per_shard=100)
+    stages = ["preprocess", "model", "postprocess"]
+    gpu = {"min_workers": 1, "max_workers": 2, "cpu": 8, "gpu": 1}
+    body["tiers"] = [{"name": "gpu", "stages": stages, "resources": gpu}]
+    spec = parse_job(body).with_id()
+    assert await table.intake.submit(spec)
+    # The controller sizes, places and starts (`--tier gpu`) the workers of each tier the
+    # status names: a job of one tier names it, or its workers would be the job's
+    # `resources`', and would lease for no tier, which the master refuses.
+    status = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert [(t.name, t.shards["TODO"]) for t in status.tiers] == [("gpu", 2)]
+    with pytest.raises(BadRequest, match="no tier ''"):
+        await lease(table, spec, "w", "")
+    for _ in range(2):
+        reply = await lease(table, spec, "w", "gpu")
+        commit(spec, reply, tier="gpu")
+        await table.commit(reply.token)
+    assert table.jobs[spec.id].state == "SUCCEEDED"

@@ -111,7 +111,8 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         workers_lost=dict(record.workers_lost),
         attempts_forgiven=record.attempts_forgiven,
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
-        tiers=_tiers(job) if live and len(job.tiers) > 1 else [],
+        # A job of one tier too: its workers are placed, sized and started by their tier.
+        tiers=_tiers(job) if live and job.spec.tiers else [],
     )
 
 
