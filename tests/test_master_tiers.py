@@ -185,7 +185,7 @@ async def test_a_worker_waiting_on_another_tier_asks_again_at_that_tiers_pace(
     waiting for hand-offs, asks again after a quarter of the other tier's usual shard time."""
     store, clock = MemoryStore(), Clock()
     table = new_table(store, clock)
-    spec = tiered_job(tmp_path, shards=6, infer_workers=1)
+    spec = tiered_job(tmp_path, shards=8, infer_workers=1)
     assert await table.intake.submit(spec)
     for _ in range(2):
         reply = await lease(table, spec, "p1", "prep")
@@ -200,11 +200,13 @@ async def test_a_worker_waiting_on_another_tier_asks_again_at_that_tiers_pace(
     waiting = await lease(table, spec, "i1", "infer")  # nothing handed on: prep's pace
     assert (waiting.status, waiting.retry_after_s) == ("wait", 0.5)
     await table.commit(second.token)
-    for _ in range(2):
+    for _ in range(4):
         reply = await lease(table, spec, "p1", "prep")
         commit(spec, reply, tier="prep")
         await table.commit(reply.token)
-    held = await lease(table, spec, "p1", "prep")  # two waiting: infer's pace
+    # Four waiting, the bound (the one infer worker gets through 2.5 in a prep shard's
+    # time, and one more): infer's pace.
+    held = await lease(table, spec, "p1", "prep")
     assert held.status == "wait" and held.retry_after_s == pytest.approx(0.2)
 
 
@@ -231,3 +233,38 @@ async def test_a_job_of_one_tier_shows_it_and_runs_on_its_workers(tmp_path: Path
         commit(spec, reply, tier="gpu")
         await table.commit(reply.token)
     assert table.jobs[spec.id].state == "SUCCEEDED"
+
+
+async def test_the_bound_on_hand_offs_waiting_lasts_the_next_tier_a_shard_of_the_one_before(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path, shards=12, infer_workers=1)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    prep, infer = job.tiers
+
+    async def done(worker: str, tier: str, seconds: float) -> None:
+        reply = await lease(table, spec, worker, tier)
+        assert reply.status == "granted"
+        clock.now += seconds
+        commit(spec, reply, tier=tier)
+        await table.commit(reply.token)
+
+    # Before any shard of either tier is done: twice the next tier's workers.
+    assert job.handoff_bound(prep) == 2
+    await done("p1", "prep", 80.0)
+    await done("i1", "infer", 10.0)
+    # A prep shard takes 80 s, an infer shard 10 s: a prep shard leased now is handed on
+    # 80 s later, by when the one infer worker has got through 8 hand-offs.
+    assert job.handoff_bound(prep) == 1 + 8
+    for _ in range(8):
+        await done("p1", "prep", 80.0)
+    assert (infer.counts["TODO"], job.held_back(prep)) == (8, False)
+    await done("p1", "prep", 80.0)
+    assert (infer.counts["TODO"], job.held_back(prep)) == (9, True)
+    assert (await lease(table, spec, "p1", "prep")).status == "wait"
+    # Shards that take the next tier longer than the tier before: twice its workers.
+    infer.durations.extend([400.0] * 10)
+    assert job.handoff_bound(prep) == 2

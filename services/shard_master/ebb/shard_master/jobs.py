@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import statistics
 from collections import Counter, deque
 from dataclasses import replace
 
@@ -205,15 +207,29 @@ class Job:
         return shard.record.tier >= len(self.tiers) - 1
 
     def held_back(self, tier: Tier) -> bool:
-        """Backpressure: no more shards of `tier` are leased while the next tier has more
-        hand-offs waiting (TODO) than twice the workers it may run. The hand-offs on disk
-        are then at most those, plus the shards both tiers hold."""
+        """Backpressure: no more shards of `tier` are leased while the next tier has as many
+        hand-offs waiting (TODO) as `handoff_bound` says. The hand-offs on disk are then at
+        most those, plus the shards both tiers hold."""
         at = self.tiers.index(tier)
         if at + 1 >= len(self.tiers):
             return False
-        after = self.tiers[at + 1]
+        return self.tiers[at + 1].counts["TODO"] >= self.handoff_bound(tier)
+
+    def handoff_bound(self, tier: Tier) -> int:
+        """The hand-offs waiting for the tier after `tier` at which `tier` is held back:
+        twice the workers the next tier may run or, once both tiers have shards done, if
+        more, what those workers get through in the time one of `tier`'s shards takes (the
+        median of each tier's), and one more each. A tier held back and let go hands on the
+        shards it leases then only that much later: a shorter queue runs dry before they
+        come, and the next tier's workers wait (a tier let go all at once comes back all at
+        once, in waves)."""
+        after = self.tiers[self.tiers.index(tier) + 1]
         most = self.spec.tier_resources(after.name).max_workers
-        return after.counts["TODO"] >= max(2, 2 * most)
+        bound = max(2, 2 * most)
+        if tier.durations and after.durations:
+            ratio = statistics.median(tier.durations) / statistics.median(after.durations)
+            bound = max(bound, most + math.ceil(most * ratio))
+        return bound
 
     def enter(self, shard: Shard, *, first: bool = False) -> None:
         """Add the shard to the indexes of the state its record is in. `first`: a TODO shard
