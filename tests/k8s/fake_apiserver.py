@@ -403,6 +403,11 @@ class FakeKubeAPI:
         DisruptionTarget condition, containers killed (137)."""
         return self.kubelet.evict(namespace, name, reason, message)
 
+    def exit_pod(self, name: str, namespace: str = "default", *, code: int = 0) -> Obj:
+        """The pod's containers exit now with `code`: a restartPolicy Never pod ends
+        Succeeded (0) or Failed, as with the `Exit` policy."""
+        return self.kubelet.exit(namespace, name, code)
+
     def preempt(
         self,
         name: str,

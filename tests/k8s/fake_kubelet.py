@@ -376,6 +376,17 @@ class FakeKubelet:
         self._run_of(pod).stage = "done"
         return self._write(pod, lambda p: self._evicted(p, reason, message))
 
+    def exit(self, namespace: str, name: str, code: int) -> Obj:
+        """The pod's containers exit now with `code`, as an `Exit` policy's do when their
+        time comes: a program that ends of itself (its work done, its drain over). Nothing
+        happens to a pod whose containers do not run."""
+        pod = self._bound_pod(namespace, name)
+        run = self._run_of(pod)
+        if run.stage != "running":
+            return pod
+        self._exit(pod, run, Exit(code=code), asyncio.get_running_loop().time())
+        return self._store.get(PODS, namespace, name) or pod
+
     def preempt(self, namespace: str, name: str, by: Literal["scheduler", "kubelet"]) -> Obj:
         pod = self._bound_pod(namespace, name)
         return self._preempt(pod, self._run_of(pod), by)

@@ -832,6 +832,25 @@ async def test_exit_policies_end_a_never_restarting_pod(
     assert bad.reason is None  # a failed container is not a pod-level reason
 
 
+async def test_a_pod_exits_on_demand_even_in_its_grace_period(
+    kube: FakeKubeAPI, client: ApiClient
+) -> None:
+    core = k8s.CoreV1Api(client)
+    await started_pod(kube, core, "done-1")
+    await started_pod(kube, core, "draining-1")
+    await kube.wait_for_pod("done-1", phase="Running")
+    await kube.wait_for_pod("draining-1", phase="Running")
+    kube.exit_pod("done-1", NS)
+    await kube.wait_for_pod("done-1", phase="Succeeded")
+    terminated = (await core.read_namespaced_pod("done-1", NS)).status.container_statuses[0]
+    assert terminated.state.terminated.exit_code == 0
+    # A worker that ends its drain before its grace is over: Succeeded, then gone.
+    await core.delete_namespaced_pod("draining-1", NS, grace_period_seconds=30)
+    ended = kube.exit_pod("draining-1", NS)
+    assert ended["status"]["phase"] == "Succeeded"
+    await kube.wait_for(lambda: kube.get_pod("draining-1", NS) is None, what="the pod gone")
+
+
 async def test_oom_killed_fails_or_crash_loops_by_restart_policy(
     kube: FakeKubeAPI, client: ApiClient
 ) -> None:
