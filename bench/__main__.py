@@ -31,6 +31,7 @@ from . import (
     stragglers,
     tidal_sim,
     tiers,
+    tiers_sim,
 )
 from .common import REPO, Context, Section, gpu
 
@@ -49,6 +50,7 @@ ORDER = [
     "cores",
     "oneread",
     "tiers",
+    "tierssim",
 ]
 
 
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 section = one_read.run(ctx)
             elif name == "tiers":
                 section = tiers.run(ctx)
+            elif name == "tierssim":
+                section = tiers_sim.run(ctx)
             else:
                 section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -67,7 +67,8 @@ class Section:
     """Headline numbers, for the smoke test and the console."""
     plot: dict[str, Any] = field(default_factory=dict)
     """What to draw: {"kind": "bars", "values": {label: [runs]}, "unit": ..., "line": ...}
-    or {"kind": "scale", "workers": [...], "ops": [...], "p50": [...], "p99": [...]}."""
+    or {"kind": "scale", "workers": [...], "ops": [...], "p50": [...], "p99": [...]}
+    or {"kind": "lines", "runs": {run: {name: [...]}}, "x": name, "xlabel": ...}."""
     slug: str = ""
 
 

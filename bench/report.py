@@ -75,6 +75,24 @@ def _timeline(path: Path, title: str, plot: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def _lines(path: Path, title: str, plot: dict[str, Any]) -> None:
+    """One panel per run, each of its series against the run's `plot["x"]` series."""
+    runs: dict[str, dict[str, list[float]]] = plot["runs"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.8 * len(runs)), sharex=True)
+    for ax, (run, series) in zip(axes, runs.items(), strict=True):
+        x = series[plot["x"]]
+        for label, values in series.items():
+            if label != plot["x"]:
+                ax.plot(x, values, label=label)
+        ax.set_ylabel(run)
+        ax.legend(loc="upper right", fontsize=7)
+    axes[-1].set_xlabel(plot["xlabel"])
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _claims(sections: dict[str, Section]) -> list[str]:
     rows = ["| AntBatchInfer reports | measured here |", "|---|---|"]
     if "single" in sections:
@@ -179,6 +197,8 @@ def _render(section: Section, images: Path) -> list[str]:
             _bars(images / name, section.title, section.plot)
         elif section.plot["kind"] == "timeline":
             _timeline(images / name, section.title, section.plot)
+        elif section.plot["kind"] == "lines":
+            _lines(images / name, section.title, section.plot)
         else:
             _scale(images / name, section.title, section.plot)
         lines += [f"![{section.title}](img/{name})", ""]

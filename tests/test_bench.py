@@ -42,6 +42,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 12. Every byte read once, every core used once",
         "## 13. N models on one read against N separate jobs",
         "## 14. What the hand-off between tiers costs",
+        "## 15. Tiers in the cluster simulation",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
@@ -57,6 +58,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "cores",
         "oneread",
         "tiers",
+        "tierssim",
     ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
 
@@ -100,6 +102,31 @@ def test_oneread_section_compares_one_read_with_separate_jobs(tmp_path: Path) ->
     assert "2 models: `id, label, p_0, p_1" in report
     assert "4 models: `id, label, p_0, p_1, p_2, p_3" in report
     assert (out.parent / "img" / "oneread.png").stat().st_size > 1000
+
+
+def test_tierssim_section_runs_both_variants_with_every_row_once(tmp_path: Path) -> None:
+    out = tmp_path / "docs" / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--only", "tierssim", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = out.read_text()
+    assert "## 15. Tiers in the cluster simulation" in report
+    rows = {
+        cells[0]: cells[1:]
+        for line in report.splitlines()
+        if line.startswith("| ")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    for variant in ("one tier", "two tiers"):
+        # The real master and controller ran the job to its end, each row in the output once.
+        assert rows[variant][-1].endswith("once each"), rows[variant]
+    assert (out.parent / "img" / "tierssim.png").stat().st_size > 1000
 
 
 def test_the_soak_reports_every_kind_of_process_and_keeps_the_chaos_report(
