@@ -19,6 +19,7 @@ from ebb.common.messages import TERMINAL_JOB_STATES, JobState, ShardState
 from ebb.common.spec import JobSpec
 
 from . import metrics
+from .errors import BadRequest
 from .store import JobRecord, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,13 @@ class Job:
         """Every shard is DONE or QUARANTINED, and none is on its way."""
         done = self.counts["DONE"] + self.counts["QUARANTINED"]
         return done == self.shards_total and not self.creating
+
+    def tier_named(self, name: str) -> Tier:
+        """The tier a worker names; BadRequest for a tier the job has not."""
+        names = [tier.name for tier in self.tiers]
+        if name not in names:
+            raise BadRequest(f"job {self.id} has no tier {name!r}; its tiers: {names}")
+        return self.tiers[names.index(name)]
 
     def tier_of(self, shard: Shard) -> Tier:
         return self.tiers[min(shard.record.tier, len(self.tiers) - 1)]

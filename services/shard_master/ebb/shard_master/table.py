@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from ebb.common.spec import parse_job
 
 from . import metrics
 from .context import EventSink, OutputOpener, TableContext
-from .errors import BadRequest, ForeignCommit, JobEnded, NoCommitRecord, NotHolder, StaleToken
+from .errors import ForeignCommit, JobEnded, NoCommitRecord, NotHolder, StaleToken
 from .expiry import Expiry, ExpiryHeap
 from .intake import JobIntake
 from .jobs import Job, Shard, Tier
@@ -53,15 +52,12 @@ from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
 from .status import status_reply
 from .store import LeaseRecord, RecordStore
-from .tail import pick_speculative, pick_split
+from .tail import ask_split, pace_wait, pick_speculative
 
 log = logging.getLogger(__name__)
 
 _LEASE_REPLY_CACHE = 4096
 _TAIL_WAIT_S = 5.0
-_PACE_WAIT_MIN_S = 0.1
-_SPLIT_LOOK_S = 1.0
-"""Between two looks for a straggler to split when none was found."""
 
 
 def make_token(epoch: int, job: str, shard: int, attempt: int) -> str:
@@ -77,14 +73,6 @@ def parse_token(token: str) -> tuple[str, int]:
         return parts[1], int(parts[2])
     except ValueError:
         raise StaleToken("malformed lease token") from None
-
-
-def job_tier(job: Job, name: str) -> int:
-    """The position of the tier a worker names; BadRequest for a tier the job has not."""
-    names = job.spec.tier_names()
-    if name not in names:
-        raise BadRequest(f"job {job.id} has no tier {name!r}; its tiers: {names}")
-    return names.index(name)
 
 
 class LeaseTable:
@@ -194,7 +182,7 @@ class LeaseTable:
         job = self.context.find(job_id)
         if job.ended:
             return LeaseReply(status="end")
-        tier = job.tiers[job_tier(job, tier_name)]
+        tier = job.tier_named(tier_name)
         if job.state != "RUNNING":
             return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
         held = job.held_by(worker, tier)
@@ -203,7 +191,8 @@ class LeaseTable:
             return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
         if job.held_back(tier):
             after = job.tiers[job.tiers.index(tier) + 1]
-            return LeaseReply(status="wait", retry_after_s=self._pace_wait(after))
+            wait = pace_wait(after, most=self._wait_retry_s)
+            return LeaseReply(status="wait", retry_after_s=wait)
         shard = self._pick(job, tier, worker, alone=not held)
         speculative = False
         if shard is None:
@@ -225,7 +214,7 @@ class LeaseTable:
                     # A tier before has shards whose rows come here as they are done: soon,
                     # not at the tail (a worker waiting out the tail's long wait would leave
                     # a hand-off queued that long).
-                    wait = self._pace_wait(job.tiers[at - 1])
+                    wait = pace_wait(job.tiers[at - 1], most=self._wait_retry_s)
                     return LeaseReply(status="wait", retry_after_s=wait)
                 if tier.backlog:  # running here: the tail
                     return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
@@ -276,16 +265,6 @@ class LeaseTable:
         the master's work of a job."""
         return max(self._wait_retry_s, min(_TAIL_WAIT_S, job.spec.fault.lease_s / 10))
 
-    def _pace_wait(self, other: Tier) -> float:
-        """How long a worker waiting on another tier (for its hand-offs, or for room among
-        its hand-offs) waits to ask again: a quarter of that tier's usual shard time, so that
-        short shards do not stop and go at the pace of the polls; never below a tenth of a
-        second, nor above the usual wait."""
-        if not other.durations:
-            return self._wait_retry_s
-        usual = statistics.median(other.durations)
-        return min(self._wait_retry_s, max(_PACE_WAIT_MIN_S, usual / 4))
-
     def _pick(self, job: Job, tier: Tier, worker: str, *, alone: bool) -> Shard | None:
         """The first TODO shard in the queue for `worker`: a straggler's rest kept for
         another worker is passed over (it stays first) until its keep runs out, and so is a
@@ -310,36 +289,9 @@ class LeaseTable:
             tier.todo.extendleft(reversed(passed))
 
     def _ask_split(self, job: Job, tier: Tier, worker: str) -> bool:
-        """At the tail: ask a holder to split its shard for `worker`, idle (its renewal's
-        reply carries the ask). True while a split asked for this worker is under way."""
-        asked = job.split_asks.get(worker)
-        if asked is not None:
-            pending = job.shards[asked]
-            if pending.record.state == "DOING" and pending.split_asked:
-                return True
-            del job.split_asks[worker]
-        now = self.context.clock()
-        if now < job.no_split_before:
-            return False
         lease_s = job.spec.fault.lease_s
-        shard = pick_split(
-            job, tier, worker, now=now, min_gain_s=max(self._speculate_after_s, lease_s * 2 / 3)
-        )
-        if shard is None:
-            job.no_split_before = now + _SPLIT_LOOK_S
-            return False
-        token = shard.record.leases[0].token
-        shard.split_asked.add(token)
-        job.split_asks[worker] = shard.index
-        metrics.SPLIT_REQUESTS.labels(job.id).inc()
-        log.info(
-            "job %s: asking the holder of shard %d (%d of %d rows done) to split it",
-            job.id,
-            shard.index,
-            shard.progress.get(token, 0),
-            shard.record.spec.rows,
-        )
-        return True
+        min_gain_s = max(self._speculate_after_s, lease_s * 2 / 3)
+        return ask_split(job, tier, worker, now=self.context.clock(), min_gain_s=min_gain_s)
 
     def _check_holder(self, shard: Shard, token: str, caller: str | None) -> None:
         """Refuse a current lease token used by anyone but the worker it was granted to

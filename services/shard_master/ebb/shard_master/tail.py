@@ -10,15 +10,23 @@ Two answers, both to a lease request that finds nothing queued:
   time, is leased a second time; the first commit wins. For holders that tell no progress
   (gone quiet, or a job with `split_tail` off), at the price of computing a shard twice.
 
-Both are pure choices over the job's shards; the table acts on them.
+`pick_split` and `pick_speculative` are pure choices over the job's shards; `ask_split`
+records the ask (the holder hears it on its renewal's reply), and the table acts on the rest.
+Last, `pace_wait`: how long a worker waiting on another tier of its job waits to ask again.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 
+from . import metrics
 from .jobs import Job, Shard, Tier
 
+log = logging.getLogger(__name__)
+
+_SPLIT_LOOK_S = 1.0
+"""Between two looks for a straggler to split when none was found."""
 KEEP_REST_S = 5.0
 """How long a straggler's rest is kept for the idle worker it was split for: that worker asks
 again within a couple of seconds of the `wait` it was answered."""
@@ -106,3 +114,45 @@ def pick_speculative(
         if age >= min_age and age > best_age:
             best, best_age = shard, age
     return best
+
+
+def ask_split(job: Job, tier: Tier, worker: str, *, now: float, min_gain_s: float) -> bool:
+    """At the tail: ask a holder to split its shard for `worker`, idle (its renewal's reply
+    carries the ask). True while a split asked for this worker is under way."""
+    asked = job.split_asks.get(worker)
+    if asked is not None:
+        pending = job.shards[asked]
+        if pending.record.state == "DOING" and pending.split_asked:
+            return True
+        del job.split_asks[worker]
+    if now < job.no_split_before:
+        return False
+    shard = pick_split(job, tier, worker, now=now, min_gain_s=min_gain_s)
+    if shard is None:
+        job.no_split_before = now + _SPLIT_LOOK_S
+        return False
+    token = shard.record.leases[0].token
+    shard.split_asked.add(token)
+    job.split_asks[worker] = shard.index
+    metrics.SPLIT_REQUESTS.labels(job.id).inc()
+    log.info(
+        "job %s: asking the holder of shard %d (%d of %d rows done) to split it",
+        job.id,
+        shard.index,
+        shard.progress.get(token, 0),
+        shard.record.spec.rows,
+    )
+    return True
+
+
+PACE_WAIT_MIN_S = 0.1
+
+
+def pace_wait(other: Tier, *, most: float) -> float:
+    """How long a worker waiting on another tier (for its hand-offs, or for room among its
+    hand-offs) waits to ask again: a quarter of that tier's usual shard time, so that short
+    shards do not stop and go at the pace of the polls; never below a tenth of a second, nor
+    above `most` (the usual wait)."""
+    if not other.durations:
+        return most
+    return min(most, max(PACE_WAIT_MIN_S, statistics.median(other.durations) / 4))
