@@ -33,7 +33,6 @@ from .tiers import (
     check_toleration,
     label_key_problem,
     label_value_problem,
-    tier_pipeline,
 )
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -723,6 +722,22 @@ class JobSpec:
         decisive = {k: body[k] for k in ("input", "pipeline", "output")}
         text = json.dumps(decisive, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def tier_pipeline(pipeline: PipelineSpec, stages: list[str], *, handed: str | None) -> PipelineSpec:
+    """The pipeline of `stages` (a tier's), whose rows as read are those `handed` (the tier
+    before's last stage; None for the first tier) wrote: a stage that read `handed` reads
+    them instead, and one that read it besides other stages reads those others alone."""
+    rewired = [
+        s if s.after is None else replace(s, after=[a for a in s.after if a != handed])
+        for s in pipeline.stages
+        if s.name in stages
+    ]
+    tier = PipelineSpec(stages=rewired, code_paths=list(pipeline.code_paths))
+    if tier.is_chain():
+        # One form for a chain, without `after`: equal to the same stages written as one.
+        tier = replace(tier, stages=[replace(s, after=None) for s in tier.stages])
+    return tier
 
 
 STAGE_PERFORMANCE_FIELDS = frozenset(

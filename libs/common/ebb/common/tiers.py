@@ -1,18 +1,45 @@
 """How a job's tiers may cut its pipeline, and the Kubernetes placement a tier names (its
 node selector and tolerations), checked when the job is submitted rather than when its first
-pod is made. The job spec (spec.py) calls these; its fields' docstrings are the reference."""
+pod is made. The job spec (spec.py) calls these; its fields' docstrings are the reference. The
+checks read the spec through protocols: this module imports nothing of spec.py."""
 
 from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from .errors import SpecError
 
-if TYPE_CHECKING:
-    from .spec import PipelineSpec, TierSpec
+
+class Stage(Protocol):
+    """What the checks read of a stage (`spec.StageSpec`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def fanout(self) -> bool: ...
+    @property
+    def fanin(self) -> bool: ...
+
+
+class Pipeline(Protocol):
+    """What the checks read of a pipeline (`spec.PipelineSpec`)."""
+
+    @property
+    def stages(self) -> Sequence[Stage]: ...
+    def inputs(self) -> list[list[int]]: ...
+
+
+class Tier(Protocol):
+    """What the checks read of a tier (`spec.TierSpec`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def stages(self) -> list[str]: ...
+
 
 LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
@@ -87,7 +114,7 @@ def check_toleration(path: str, toleration: dict[str, Any]) -> None:
             raise _bad(f"{path}.tolerationSeconds", "applies to the NoExecute effect only")
 
 
-def check_tiers(tiers: list[TierSpec], pipeline: PipelineSpec) -> None:
+def check_tiers(tiers: Sequence[Tier], pipeline: Pipeline) -> None:
     """Refuse tiers that do not cut the pipeline into runs of its stages, in its order, each
     handing its rows on from its last stage alone: a tier's workers commit one stage's rows
     per shard, and the next tier reads nothing else of the tier before."""
@@ -201,19 +228,3 @@ def _order_problem(k: int, stages: list[str], expected: list[str]) -> str:
         f"a tier runs consecutive stages, in the pipeline's order: {stages[i - 1]!r} is "
         f"followed by {expected[i]!r} in the pipeline, not {stages[i]!r}"
     )
-
-
-def tier_pipeline(pipeline: PipelineSpec, stages: list[str], *, handed: str | None) -> PipelineSpec:
-    """The pipeline of `stages` (a tier's), whose rows as read are those `handed` (the tier
-    before's last stage; None for the first tier) wrote: a stage that read `handed` reads
-    them instead, and one that read it besides other stages reads those others alone."""
-    rewired = [
-        s if s.after is None else replace(s, after=[a for a in s.after if a != handed])
-        for s in pipeline.stages
-        if s.name in stages
-    ]
-    tier = type(pipeline)(stages=rewired, code_paths=list(pipeline.code_paths))
-    if tier.is_chain():
-        # One form for a chain, without `after`: equal to the same stages written as one.
-        tier = replace(tier, stages=[replace(s, after=None) for s in tier.stages])
-    return tier
