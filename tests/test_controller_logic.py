@@ -215,9 +215,15 @@ def forecast_tide(**config: Any) -> ForecastTide:
 def budget_after(
     tide: ForecastTide, loads: list[float], *, start: int = 0, total: int = 8
 ) -> float:
+    """The CPU budget, in nodes of one core, after these samples of online CPU demand."""
     for t, load in enumerate(loads, start=start):
-        tide.decide(t, online_load=load, pending_online=0, nodes=nodes(*["online"] * total))
-    return tide.budget
+        tide.decide(
+            t,
+            demand={"cpu": load},
+            capacity={"cpu": float(total)},
+            nodes=nodes(*["online"] * total),
+        )
+    return tide.budget["cpu"]
 
 
 def test_the_forecast_budget_ignores_a_spike_and_reclaims_ahead_of_a_rise() -> None:
@@ -250,7 +256,7 @@ def test_the_forecast_tide_lends_all_but_min_online_and_returns_only_empty_nodes
         MixedNode(name="quiet", state="online", batch_pods=0, online_use=0.1),
         MixedNode(name="lent", state="online2offline", batch_pods=0),
     ]
-    moves = tide.decide(0, online_load=0.7, pending_online=0, nodes=state)
+    moves = tide.decide(0, demand={"cpu": 0.7}, capacity={"cpu": 3.0}, nodes=state)
     assert sorted((m.node, m.to) for m in moves) == [
         ("lent", "offline"),
         ("quiet", "online2offline"),  # the busiest stays online
@@ -262,8 +268,43 @@ def test_the_forecast_tide_lends_all_but_min_online_and_returns_only_empty_nodes
         MixedNode(name="empty", state="offline", batch_pods=0, online_use=1.0),
         MixedNode(name="working", state="offline", batch_pods=2, online_use=0.5),
     ]
-    moves = tide.decide(1, online_load=3.0, pending_online=0, nodes=full)
+    moves = tide.decide(1, demand={"cpu": 3.0}, capacity={"cpu": 3.0}, nodes=full)
     assert [(m.node, m.to) for m in moves] == [("empty", "offline2online")]
+
+
+def test_the_forecast_tide_keeps_a_budget_per_resource() -> None:
+    # Two 8-GPU nodes of 64 cores: online pods serve models on 12 GPUs but use few cores.
+    tide = forecast_tide(headroom=0.25)
+    capacity = {"cpu": 128.0, "memory": 2.0 * 2**40, "nvidia.com/gpu": 16.0}
+    state = [MixedNode(name=f"g{i}", state="online", batch_pods=0) for i in range(2)]
+    for t in range(5):
+        moves = tide.decide(
+            t, demand={"cpu": 16.0, "nvidia.com/gpu": 12.0}, capacity=capacity, nodes=state
+        )
+    # GPUs: 16 - 12 - 4 of headroom leaves none; cores: 128 - 16 - 32 leaves 80.
+    assert tide.budget["nvidia.com/gpu"] == pytest.approx(0.0)
+    assert tide.budget["cpu"] == pytest.approx(80.0)
+    assert tide.drain_above["nvidia.com/gpu"] == pytest.approx(4.0)
+    # CPU and memory have room: a node is lent, for CPU-only batch pods on a GPU node.
+    assert [m.to for m in moves] == ["online2offline"]
+    # At night the GPUs go quiet: their budget opens without the cores' moving.
+    for t in range(5, 10):
+        tide.decide(t, demand={"cpu": 16.0, "nvidia.com/gpu": 1.0}, capacity=capacity, nodes=state)
+    assert tide.budget["nvidia.com/gpu"] == pytest.approx(11.0)
+    assert tide.budget["cpu"] == pytest.approx(80.0)
+    # A pool without GPUs has no GPU budget at all, rather than a budget of none.
+    cpu_only = forecast_tide()
+    cpu_only.decide(0, demand={"cpu": 1.0}, capacity={"cpu": 8.0, "nvidia.com/gpu": 0.0}, nodes=[])
+    assert "nvidia.com/gpu" not in cpu_only.budget
+
+
+def test_no_node_is_lent_while_cpu_or_memory_has_no_budget() -> None:
+    tide = forecast_tide(headroom=0.0)
+    state = [MixedNode(name=f"m{i}", state="online", batch_pods=0) for i in range(3)]
+    # Online pods ask for all the memory, a little CPU: nothing a batch pod could use.
+    full_memory = {"cpu": 1.0, "memory": 96.0}
+    moves = tide.decide(0, demand=full_memory, capacity={"cpu": 24.0, "memory": 96.0}, nodes=state)
+    assert moves == []
 
 
 def _reconciler() -> Reconciler:

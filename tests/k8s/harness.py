@@ -29,13 +29,19 @@ NS = "ebb"
 
 
 async def submit(
-    ebb: EbbClient, folder: Path, *, workers: int, cpu: float = 2.0, memory_gb: float = 1.0
+    ebb: EbbClient,
+    folder: Path,
+    *,
+    workers: int,
+    cpu: float = 2.0,
+    memory_gb: float = 1.0,
+    gpu: int = 0,
 ) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     write_dataset(folder / "data", rows=40 * 100, row_group_size=100)
     write_model(folder / "model.onnx")
     spec = job_spec(folder, rows_per_shard=100, workers=(1, workers))
-    spec["resources"].update(cpu=cpu, memory_gb=memory_gb)
+    spec["resources"].update(cpu=cpu, memory_gb=memory_gb, gpu=gpu)
     return await ebb.submit(parse_job(spec))
 
 

@@ -108,7 +108,9 @@ def nats_panels() -> list[dict[str, Any]]:
 
 def as_prometheus(expr: str) -> str:
     """A panel's query as Grafana sends it: its variables filled in."""
-    return expr.replace("$__rate_interval", "20s").replace("$job_id", ".*")
+    return (
+        expr.replace("$__rate_interval", "20s").replace("$__range", "5m").replace("$job_id", ".*")
+    )
 
 
 def _get(url: str) -> Any:

@@ -1,24 +1,28 @@
 """The tide on a Kubernetes cluster: each sample measures the mixed pool's online load and the
-online pods waiting, lets the policy (tidal.py) decide which nodes to lend or reclaim, labels
-them so, and drains the batch pods on nodes being reclaimed (and, under the forecast policy,
-those beyond its budget, the youngest first). What it lends, the backend's capacity counts.
+online pods waiting, per resource (CPU, memory, GPUs...), lets the policy (tidal.py) decide
+which nodes to lend or reclaim, labels them so, and drains the batch pods on nodes being
+reclaimed (and, under the forecast policy, those holding more of a resource than its budget,
+the youngest first). What it lends, the backend's capacity counts. It also counts what batch
+pods harvest: node-hours per resource (GPU node-hours on GPU nodes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import metrics
+from .capacity import add
 from .informer import Informer
 from .kube_settings import KubeConfig
 from .podspec import APP, APP_LABEL
 from .tidal import LABEL as TIDAL
-from .tidal import STATES, ForecastTide, MixedNode, State, Tide
+from .tidal import STATES, Amounts, ForecastTide, MixedNode, Move, State, Tide
 from .views import NodeView, PodView, selector_matches
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,31 @@ class Cluster(Protocol):
     async def delete_pod(self, worker_id: str, *, grace_s: int) -> None: ...
 
 
+@dataclass
+class MixedPool:
+    """The mixed pool as one sample sees it: each node, what online pods ask of it, and the
+    batch pods on it."""
+
+    nodes: list[tuple[NodeView, MixedNode]]
+    allocatable: dict[str, Amounts]
+    """Per node: its allocatable, of the resources counted."""
+    online: Amounts
+    """Online pods' requests on the pool, per resource."""
+    batch: list[PodView]
+    """Batch (worker) pods placed on the pool's nodes."""
+
+    def capacity(self) -> Amounts:
+        total: Amounts = {}
+        for amounts in self.allocatable.values():
+            total = add(total, amounts)
+        return total
+
+    def average(self, resource: str) -> float:
+        """A node's allocatable of `resource`, on average over the nodes that have some."""
+        have = [a[resource] for a in self.allocatable.values() if a.get(resource, 0.0) > 0]
+        return sum(have) / len(have) if have else 0.0
+
+
 class TidalHarvester:
     def __init__(self, cluster: Cluster, tide: Tide | ForecastTide) -> None:
         self.cluster = cluster
@@ -48,124 +77,164 @@ class TidalHarvester:
         self.draining: set[str] = set()
         """Worker pods the tide has drained: terminating, whatever the cache says yet (the
         reconciler must not drain others in their stead)."""
-        self.budget_cpu: float | None = None
-        """forecast policy: CPU cores batch pods may take on lent mixed nodes (None: no cap)."""
+        self.budget: Amounts | None = None
+        """forecast policy: what batch pods may take of each resource on lent mixed nodes
+        (None: no cap)."""
+        self.last_sample: float | None = None
 
     def forget_gone(self, pods: list[PodView]) -> set[str]:
         """The pods still draining, of those that exist."""
         self.draining &= {pod.name for pod in pods}
         return self.draining
 
-    def mixed_nodes(self) -> list[tuple[NodeView, MixedNode]]:
-        batch: dict[str, int] = defaultdict(int)
-        online: dict[str, float] = defaultdict(float)
+    def mixed_pool(self) -> MixedPool:
+        resources = self.cluster.config.resources
+        views = [
+            n
+            for n in map(NodeView, self.cluster.nodes.values())
+            if n.meta.labels.get(self.cluster.config.pool_label) == "mixed"
+        ]
+        names = {n.name for n in views}
+        batch: list[PodView] = []
+        online: dict[str, Amounts] = defaultdict(dict)
         for pod in map(PodView, self.cluster.pods.values()):
-            labels = pod.meta.labels
-            if not pod.node:
+            if pod.node not in names:
                 continue
-            if labels.get(APP_LABEL) == APP:
-                batch[pod.node] += 1
-            elif selector_matches(labels, self.cluster.config.online_selector):
-                online[pod.node] += pod.cpu()
-        out = []
-        for node in map(NodeView, self.cluster.nodes.values()):
-            labels = node.meta.labels
-            if labels.get(self.cluster.config.pool_label) != "mixed":
-                continue
-            label = labels.get(TIDAL, "online")
+            if pod.meta.labels.get(APP_LABEL) == APP:
+                batch.append(pod)
+            elif selector_matches(pod.meta.labels, self.cluster.config.online_selector):
+                online[pod.node] = add(online[pod.node], pod.requests(resources))
+        allocatable = {
+            n.name: {k: v for k, v in n.allocatable().items() if k in resources} for n in views
+        }
+        on_node = Counter(p.node for p in batch)
+        nodes = []
+        for node in views:
+            label = node.meta.labels.get(TIDAL, "online")
             state: State = next((s for s in STATES if s == label), "online")
+            has = allocatable[node.name]
+            use = [v / has[k] for k, v in online[node.name].items() if has.get(k, 0.0) > 0]
             mixed = MixedNode(
                 name=node.name,
                 state=state,
-                batch_pods=batch[node.name],
-                online_use=online[node.name] / max(node.cpu(default=1.0), 1e-9),
+                batch_pods=on_node[node.name],
+                online_use=max(use, default=0.0),
             )
-            out.append((node, mixed))
-        return out
+            nodes.append((node, mixed))
+        total_online: Amounts = {}
+        for amounts in online.values():
+            total_online = add(total_online, amounts)
+        return MixedPool(nodes=nodes, allocatable=allocatable, online=total_online, batch=batch)
 
-    def pending_online(self) -> tuple[int, float]:
-        """Online pods that cannot be scheduled: how many, and their CPU requests."""
-        count, cpu = 0, 0.0
+    def pending_online(self) -> tuple[int, Amounts]:
+        """Online pods that cannot be scheduled: how many, and their requests."""
+        count, asked = 0, Amounts()
         for pod in map(PodView, self.cluster.pods.values()):
             pending = not pod.node and pod.phase == "Pending"
             if pending and selector_matches(pod.meta.labels, self.cluster.config.online_selector):
                 count += 1
-                cpu += pod.cpu()
-        return count, cpu
+                asked = add(asked, pod.requests(self.cluster.config.resources))
+        return count, asked
 
     async def step(self, now: float) -> None:
         """One sample of the tide: measure, decide, relabel, drain what is reclaimed."""
         await self.cluster.synced()
-        mixed = self.mixed_nodes()
-        load = sum(m.online_use for _, m in mixed)
-        pending, pending_cpu = self.pending_online()
-        node_cpu = [n.cpu(default=1.0) for n, _ in mixed]
-        average = sum(node_cpu) / len(node_cpu) if node_cpu else 1.0
-        moves = self.tide.decide(
-            now,
-            online_load=load,
-            pending_online=pending,
-            pending_load=pending_cpu / max(average, 1e-9),
-            nodes=[m for _, m in mixed],
-        )
+        pool = self.mixed_pool()
+        pending, pending_asked = self.pending_online()
+        if isinstance(self.tide, ForecastTide):
+            moves = self.tide.decide(
+                now,
+                demand=add(pool.online, pending_asked),
+                capacity=pool.capacity(),
+                nodes=[m for _, m in pool.nodes],
+            )
+        else:
+            # In nodes: each node's share of the resource its online pods use most of.
+            waiting = [v / pool.average(k) for k, v in pending_asked.items() if pool.average(k)]
+            moves = self.tide.decide(
+                now,
+                online_load=sum(m.online_use for _, m in pool.nodes),
+                pending_online=pending,
+                pending_load=max(waiting, default=0.0),
+                nodes=[m for _, m in pool.nodes],
+            )
         if moves:
-            log.debug("tide: load %.2f nodes, %d online pods pending: %s", load, pending, moves)
+            log.debug("tide: %d online pods pending: %s", pending, moves)
         for move in moves:
             body = {"metadata": {"labels": {TIDAL: move.to}}}
             await self.cluster.api.patch_node(move.node, body, **_MERGE_PATCH)
             log.info("tide: node %s -> %s", move.node, move.to)
         if isinstance(self.tide, ForecastTide):
-            self.budget_cpu = self.tide.budget * average
-            metrics.TIDAL_BUDGET.set(self.budget_cpu)
-            metrics.TIDAL_FORECAST.set(self.tide.expected * average)
-            await self._drain_over_budget(mixed, self.tide.drain_above * average)
+            self.budget = dict(self.tide.budget)
+            for resource, amount in self.tide.budget.items():
+                metrics.TIDAL_BUDGET.labels(resource).set(amount)
+            for resource, amount in self.tide.expected.items():
+                metrics.TIDAL_FORECAST.labels(resource).set(amount)
+            await self._drain_over_budget(pool, self.tide.drain_above)
         reclaiming = {m.node for m in moves if m.to == "offline2online"}
-        reclaiming |= {m.name for _, m in mixed if m.state == "offline2online"}
-        for pod in map(PodView, self.cluster.pods.values()):
-            if (
-                pod.meta.labels.get(APP_LABEL) == APP
-                and pod.node in reclaiming
-                and not pod.meta.deleting
-            ):
+        reclaiming |= {m.name for _, m in pool.nodes if m.state == "offline2online"}
+        for pod in pool.batch:
+            if pod.node in reclaiming and not pod.meta.deleting:
                 metrics.BATCH_EVICTIONS.inc()
                 await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
-        counts: dict[str, int] = defaultdict(int)
-        harvested = 0.0
-        after = {m.node: m.to for m in moves}
-        for node, m in mixed:
-            state = after.get(m.name, m.state)
-            counts[state] += 1
-            if state == "offline":
-                harvested += node.cpu(default=0.0)
-        for state in ("online", "online2offline", "offline", "offline2online"):
-            metrics.NODE_STATES.labels(state).set(counts[state])
-        metrics.HARVESTED.set(harvested)
+        self._account(pool, moves, now)
         if moves:
             self.cluster.changed.set()
 
-    async def _drain_over_budget(
-        self, mixed: list[tuple[NodeView, MixedNode]], budget: float
-    ) -> None:
-        """Drain batch pods on lent nodes beyond `budget` (CPU cores): the youngest first
-        (their age stands in for their shards' progress, which we do not see)."""
-        lent = {m.name for _, m in mixed if m.state in ("offline", "online2offline")}
+    def _account(self, pool: MixedPool, moves: list[Move], now: float) -> None:
+        """The metrics of one sample: nodes per state, what is lent, and the node-hours batch
+        pods harvested since the last sample, per resource."""
+        counts: dict[str, int] = defaultdict(int)
+        lent: Amounts = {}
+        after = {m.node: m.to for m in moves}
+        for node, m in pool.nodes:
+            state = after.get(m.name, m.state)
+            counts[state] += 1
+            if state == "offline":
+                lent = add(lent, pool.allocatable[node.name])
+        for state in STATES:
+            metrics.NODE_STATES.labels(state).set(counts[state])
+        # What batch pods hold, each resource as a share of its node's: node-equivalents, so
+        # that one GPU of an 8-GPU node is an eighth of a GPU node.
+        held: Amounts = {}
+        for pod in pool.batch:
+            has = pool.allocatable.get(pod.node, {})
+            asked = pod.requests(self.cluster.config.resources)
+            held = add(held, {k: v / has[k] for k, v in asked.items() if has.get(k, 0.0) > 0})
+        hours = (now - self.last_sample) / 3600 if self.last_sample is not None else 0.0
+        self.last_sample = now
+        for resource in self.cluster.config.resources:
+            metrics.LENT.labels(resource).set(lent.get(resource, 0.0))
+            metrics.HARVESTED_NODES.labels(resource).set(held.get(resource, 0.0))
+            if hours > 0:
+                metrics.HARVESTED_NODE_HOURS.labels(resource).inc(held.get(resource, 0.0) * hours)
+
+    async def _drain_over_budget(self, pool: MixedPool, budget: Amounts) -> None:
+        """Drain batch pods on lent nodes holding more of a resource than `budget` allows:
+        of those holding it, the youngest first (their age stands in for their shards'
+        progress, which we do not see)."""
+        lent = {m.name for _, m in pool.nodes if m.state in ("offline", "online2offline")}
         pods = [
             p
-            for p in map(PodView, self.cluster.pods.values())
-            if p.meta.labels.get(APP_LABEL) == APP
-            and p.node in lent
-            and not p.meta.deleting
-            and p.name not in self.draining
+            for p in pool.batch
+            if p.node in lent and not p.meta.deleting and p.name not in self.draining
         ]
-        used = sum(p.cpu() for p in pods)
+        resources = self.cluster.config.resources
+        used: Amounts = {}
+        for pod in pods:
+            used = add(used, pod.requests(resources))
         youngest = sorted(pods, key=lambda p: (p.meta.created, p.name), reverse=True)
-        for pod in youngest:
-            if used <= budget + 1e-9:
-                break
-            used -= pod.cpu()
-            self.draining.add(pod.name)
-            metrics.BATCH_EVICTIONS.inc()
-            await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
+        for resource, allowed in budget.items():
+            for pod in youngest:
+                if used.get(resource, 0.0) <= allowed + 1e-9:
+                    break
+                asked = pod.requests(resources)
+                if pod.name in self.draining or asked.get(resource, 0.0) <= 0:
+                    continue
+                used = add(used, asked, -1.0)
+                self.draining.add(pod.name)
+                metrics.BATCH_EVICTIONS.inc()
+                await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
 
     async def run(self) -> None:
         """Sample the tide every `sample_s`, for as long as the controller leads."""

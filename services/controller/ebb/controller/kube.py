@@ -51,7 +51,7 @@ from .podspec import (
 )
 from .tidal import LABEL as TIDAL
 from .tidal import ForecastTide, Tide
-from .views import RESOURCES, NodeView, PodView, parse_time, selector_matches
+from .views import NodeView, PodView, parse_time, selector_matches
 
 __all__ = ["APP", "APP_LABEL", "JOB_LABEL", "TIER_LABEL", "WORKER_LABEL", "KubeConfig"]
 __all__ += ["KubernetesBackend"]
@@ -233,7 +233,7 @@ class KubernetesBackend:
         for pod in map(PodView, self.pods.values()):
             ours = pod.meta.namespace == self.config.namespace
             if pod.node and not (ours and pod.name in live):
-                used[pod.node] = add(used[pod.node], pod.requests())
+                used[pod.node] = add(used[pod.node], pod.requests(self.config.resources))
         now = asyncio.get_running_loop().time()
         bins = []
         pools: dict[str, Resources] = defaultdict(dict)
@@ -247,28 +247,29 @@ class KubernetesBackend:
             if self.avoidance.avoids(node.name, now):
                 continue
             allocatable = node.allocatable()
-            free = add(
-                {k: v for k, v in allocatable.items() if k in RESOURCES}, used[node.name], -1.0
-            )
+            counted = {k: v for k, v in allocatable.items() if k in self.config.resources}
+            free = add(counted, used[node.name], -1.0)
             bins.append(Bin(node.name, free, rank=0 if pool == "offline" else 1))
-        budget_cpu = self.harvester.budget_cpu if self.harvester else None
-        if budget_cpu is not None:
-            # The tide's budget caps what new batch pods may take on the mixed pool; the pods
-            # there already keep their place (draining them is the tide's call, not ours).
+        budget = self.harvester.budget if self.harvester else None
+        if budget is not None:
+            # The tide's budget caps what new batch pods may take on the mixed pool, resource by
+            # resource; the pods there already keep their place (draining them is the tide's
+            # call, not ours).
             offline_nodes = {
                 n.name
                 for n in map(NodeView, self.nodes.values())
                 if n.meta.labels.get(self.config.pool_label, "offline") == "offline"
             }
-            held = sum(
-                p.cpu()
-                for p in map(PodView, self.workers.values())
-                if p.name in live and p.node not in offline_nodes
-            )
-            left = max(budget_cpu, held)
-            for b in sorted((b for b in bins if b.rank == 1), key=lambda b: b.name):
-                b.free["cpu"] = min(b.free.get("cpu", 0.0), max(0.0, left))
-                left -= b.free["cpu"]
+            held: Resources = {}
+            for p in map(PodView, self.workers.values()):
+                if p.name in live and p.node not in offline_nodes:
+                    held = add(held, p.requests(self.config.resources))
+            mixed = sorted((b for b in bins if b.rank == 1), key=lambda b: b.name)
+            for resource, allowed in budget.items():
+                left = max(allowed, held.get(resource, 0.0))
+                for b in mixed:
+                    b.free[resource] = min(b.free.get(resource, 0.0), max(0.0, left))
+                    left -= b.free[resource]
         for b in bins:
             pool = "offline" if b.rank == 0 else "mixed"
             pools[pool] = add(pools[pool], b.free)

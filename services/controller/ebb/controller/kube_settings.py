@@ -8,6 +8,7 @@ from typing import Any
 from ebb.common.natsconfig import NatsConfig
 
 from .tidal import TidalConfig
+from .views import RESOURCES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,9 @@ class KubeConfig:
     """Labels that mark online pods (whose load the tide follows)."""
     tidal: TidalConfig | None = field(default_factory=TidalConfig)
     """None: the mixed pool is never lent."""
+    resources: list[str] = field(default_factory=lambda: list(RESOURCES))
+    """The resources capacity and the tide count: CPU, memory and NVIDIA GPUs, and any
+    extended resource named here (`amd.com/gpu`, say) that workers or online pods ask for."""
     oom_factor: float = 1.5
     """An OOMKilled worker's successors ask for this much more memory..."""
     max_memory_gb: float = 64.0

@@ -10,7 +10,8 @@ Each mixed node carries a label `ebb.io/tidal` with its state:
 Batch workers may be placed only on `offline` mixed nodes (and the offline pool). Reclaiming
 a node drains its batch pods, gracefully; once none is left it is online again.
 
-The online utilisation of the mixed pool (online pods' requests over allocatable) is sampled
+The online utilisation of the mixed pool (online pods' requests over allocatable, on each node
+of the resource they use most of: GPUs on a GPU node serving models) is sampled
 every `sample_s` and smoothed as the median of the last `window` samples, so that a spike of
 one sample changes nothing. Nodes are lent while the smoothed utilisation of the nodes that
 would stay online remains under `lend_below`; they are reclaimed, fewest batch pods first, as
@@ -18,25 +19,30 @@ soon as it rises over `reclaim_above` or an online pod cannot be scheduled (Pend
 waiting for smoothing. After a reclaim, nothing is lent for `cooldown_s`. That is the
 `threshold` policy.
 
-The `forecast` policy (the default) lends by the core rather than by the node. Batch pods run at
-a lower priority than online pods, so a scheduler that finds no room for an online pod preempts
-batch pods at once: a spike costs a few batch pods and a few seconds, never a Pending online
-pod. What is left to the tide is the load it can see coming. Each sample it forecasts the
-online demand (running and Pending) `lead_s` ahead as the largest of
+The `forecast` policy (the default) lends by the resource rather than by the node. Batch pods
+run at a lower priority than online pods, so a scheduler that finds no room for an online pod
+preempts batch pods at once: a spike costs a few batch pods and a few seconds, never a Pending
+online pod. What is left to the tide is the load it can see coming. Each sample it forecasts,
+for each resource the controller counts (CPU, memory, `nvidia.com/gpu` and any extended
+resource its config names), the online demand (running and Pending) `lead_s` ahead as the
+largest of
 
 * the level: the median of the last `window` samples (a one-sample spike is preemption's);
 * the trend: the level plus the slope of the last `trend_samples` levels times `lead_s`;
 * the season: the same time of day on earlier days (`period_s`), shifted to today's level;
 
-and gives batch work the mixed pool's capacity minus that forecast minus `headroom`: the
-batch budget. Every mixed node beyond `min_online` is lent while there is a budget; the
-controller places no more batch pods on lent nodes than the budget allows. It drains batch
-pods only when the forecast needs capacity they hold (not the headroom: noise moves the
-budget, not the pods), one pod at a time, the youngest first: a pod younger than a shard has
-less of it done than any older one (the pod's age stands in for shard progress, which the
-controller does not see). A lent node goes back online only once it has no batch pods left,
-so nodes are never drained whole. The seasonal memory lives in the process: a restarted or
-newly elected controller starts it afresh.
+and gives batch work the mixed pool's capacity of that resource minus that forecast minus
+`headroom`: the batch budget, one per resource. GPU nodes serving models by day are lent by
+night on their GPUs' forecast, whatever their CPUs do, and CPU-only batch pods may use the
+cores a GPU-short online load leaves. Every mixed node beyond `min_online` is lent while the
+budget has room for a batch pod (CPU and memory, which every pod asks for, both left); the
+controller places no more batch pods on lent nodes than each budget allows. It drains batch
+pods only when the forecast needs a resource they hold (not the headroom: noise moves the
+budget, not the pods), one pod at a time, the youngest first of those holding it: a pod younger
+than a shard has less of it done than any older one (the pod's age stands in for shard
+progress, which the controller does not see). A lent node goes back online only once it has
+no batch pods left, so nodes are never drained whole. The seasonal memory lives in the
+process: a restarted or newly elected controller starts it afresh.
 """
 
 from __future__ import annotations
@@ -48,18 +54,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 Policy = Literal["forecast", "threshold"]
+Amounts = dict[str, float]
+"""Resource name -> amount in its base unit (cores, bytes, GPUs)."""
 State = Literal["online", "online2offline", "offline", "offline2online"]
 STATES: tuple[State, ...] = ("online", "online2offline", "offline", "offline2online")
 LABEL = "ebb.io/tidal"
+EVERY_POD = ("cpu", "memory")
+"""What every batch pod asks for: a lent node is of use only while both have budget left."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class TidalConfig:
     policy: Policy = "forecast"
-    """forecast: lend by the core against a forecast, preemption takes the spikes; threshold:
+    """forecast: lend by the resource against a forecast, preemption takes the spikes; threshold:
     lend and reclaim whole nodes at utilisation thresholds."""
     headroom: float = 0.25
-    """forecast: free online capacity kept on the mixed pool, as a share of it."""
+    """forecast: free online capacity kept on the mixed pool, as a share of it (of each
+    resource)."""
     lead_s: float = 180.0
     """forecast: how far ahead the forecast looks (a drain and a pod start, with a margin)."""
     trend_samples: int = 10
@@ -88,7 +99,8 @@ class MixedNode:
     batch_pods: int
     """Batch (Ebb worker) pods running on it."""
     online_use: float = 0.0
-    """Its online pods' requests over its allocatable: the least used are lent first."""
+    """Its online pods' requests over its allocatable, of the resource they use most of: the
+    least used are lent first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,39 +244,40 @@ class Forecast:
 
 
 class ForecastTide:
-    """The `forecast` policy: a batch budget for the mixed pool, and the node moves that let
-    batch pods use it. Pure but for its samples."""
+    """The `forecast` policy: a batch budget for the mixed pool, per resource, and the node
+    moves that let batch pods use it. Pure but for its samples."""
 
     def __init__(self, config: TidalConfig) -> None:
         self.config = config
-        self.forecast = Forecast(config)
-        self.budget = 0.0
-        """Capacity batch pods may take on the mixed pool, in nodes (as of the last sample)."""
-        self.expected = 0.0
-        """The online demand forecast at the last sample, in nodes."""
-        self.drain_above = 0.0
-        """Batch pods on the mixed pool beyond this capacity (in nodes) are drained: all but
-        what the forecast needs."""
+        self.forecasts: dict[str, Forecast] = {}
+        """Per resource: its online demand, sample by sample."""
+        self.budget: Amounts = {}
+        """What batch pods may take on the mixed pool, per resource (as of the last sample)."""
+        self.expected: Amounts = {}
+        """The online demand forecast at the last sample, per resource."""
+        self.drain_above: Amounts = {}
+        """Batch pods on the mixed pool holding more than this of a resource are drained: all
+        but what the forecast needs."""
 
     def decide(
-        self,
-        now: float,
-        *,
-        online_load: float,
-        pending_online: int,
-        nodes: list[MixedNode],
-        pending_load: float = 0.0,
+        self, now: float, *, demand: Amounts, capacity: Amounts, nodes: list[MixedNode]
     ) -> list[Move]:
-        del pending_online  # counted in pending_load; preemption has already acted on them
+        """demand: the online pods' requests on the mixed pool, running or Pending, per
+        resource; capacity: the mixed pool's allocatable. Returns the state changes to make
+        now."""
+        for resource, total in capacity.items():
+            if total <= 0:
+                continue  # the pool has none (GPUs on CPU nodes): nothing to lend or forecast
+            forecast = self.forecasts.setdefault(resource, Forecast(self.config))
+            forecast.observe(now, demand.get(resource, 0.0))
+            expected = self.expected[resource] = forecast.ahead(now)
+            headroom = self.config.headroom * total
+            self.budget[resource] = max(0.0, total - expected - headroom)
+            self.drain_above[resource] = max(0.0, total - expected)
+        room = all(self.budget.get(r, 0.0) > 0 for r in EVERY_POD if capacity.get(r, 0.0) > 0)
         moves: list[Move] = []
-        total = len(nodes)
-        self.forecast.observe(now, online_load + pending_load)
-        expected = self.expected = self.forecast.ahead(now)
-        headroom = self.config.headroom * total
-        self.budget = max(0.0, total - expected - headroom)
-        self.drain_above = max(0.0, total - expected)
         # The nodes kept online: those online already, the busiest with online pods first.
-        keep = min(total, self.config.min_online)
+        keep = min(len(nodes), self.config.min_online)
         ranked = sorted(
             nodes,
             key=lambda n: (n.state not in ("online", "offline2online"), -n.online_use, n.name),
@@ -275,9 +288,9 @@ class ForecastTide:
                 moves.append(Move(node=node.name, to="offline"))
             elif node.state == "offline2online" and node.batch_pods == 0:
                 moves.append(Move(node=node.name, to="online"))
-            elif self.budget > 0 and node.state == "online" and node.name not in staying:
+            elif room and node.state == "online" and node.name not in staying:
                 moves.append(Move(node=node.name, to="online2offline"))
-            elif self.budget <= 0 and node.state == "offline" and node.batch_pods == 0:
+            elif not room and node.state == "offline" and node.batch_pods == 0:
                 # Nothing to lend, and nothing to drain here: back online without a cost.
                 moves.append(Move(node=node.name, to="offline2online"))
         return moves

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Collection
 from typing import Any
 
 from .capacity import Resources, add, quantities
 from .informer import Obj
 
 RESOURCES = ("cpu", "memory", "nvidia.com/gpu")
-"""The resources capacity is counted in."""
+"""The resources capacity and the tide count, unless the controller's config names more
+(KubeConfig.resources: an extended resource such as `amd.com/gpu`)."""
 
 
 def _map(obj: Obj, key: str) -> Obj:
@@ -90,12 +92,14 @@ class PodView:
     def phase(self) -> str:
         return str(_map(self.obj, "status").get("phase") or "Pending")
 
-    def requests(self) -> Resources:
-        """What its containers request, in the resources capacity is counted in."""
+    def requests(self, resources: Collection[str] = RESOURCES) -> Resources:
+        """What its containers request of `resources`. An extended resource (a GPU) may be
+        given as a limit alone: Kubernetes then takes the limit as the request."""
         total: Resources = {}
         for container in _list(_map(self.obj, "spec"), "containers"):
-            requests = _map(_map(container, "resources"), "requests")
-            total = add(total, quantities({k: v for k, v in requests.items() if k in RESOURCES}))
+            asked = _map(container, "resources")
+            requests = {**_map(asked, "limits"), **_map(asked, "requests")}
+            total = add(total, quantities({k: v for k, v in requests.items() if k in resources}))
         return total
 
     def cpu(self) -> float:
