@@ -1,4 +1,5 @@
-"""Benchmark 6: tidal harvesting of the mixed pool, over four traces of online load.
+"""Benchmark 6: tidal harvesting of the mixed pool, over four traces of online CPU load and one
+of online GPU load.
 
 A cluster of 20 nodes (6 online, 8 mixed, 6 offline; 8 cores each) on the fake Kubernetes
 API server of the tests, a real shard master on a real nats-server, and the real controller
@@ -40,6 +41,12 @@ The traces, each seeded:
   morning and a larger evening hump (Gaussian, +30% at 10:30 and +40% at 20:30), and noise
   correlated over minutes (AR(1), 0.97, 1.2% a minute) instead of spikes.
 
+- GPU diurnal: two days of the diurnal shape on a GPU cluster (2 online, 8 mixed and 2 offline
+  nodes of 64 cores, 512 GiB and 8 GPUs), whose online pods serve models, a GPU each (and 6
+  cores, 48 GiB), and whose batch workers ask for the same, a GPU each: the GPUs bind, not the
+  cores. Load, idle capacity and harvest are counted in GPUs, node-hours in GPU node-hours (a
+  node's 8 GPUs for an hour); the tide budgets each resource apart (tidal.py).
+
 Drains, in simulated time: every deletion of a batch pod here is graceful (the controller's
 drains and the scheduler's preemptions alike give a grace period of 1 s of the machine's time
 or more: 200 simulated minutes), and the fake kubelet ends a deleted pod a quarter of a
@@ -67,9 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,11 +98,8 @@ from tests.k8s.fake_store import PODS, TERMINAL_PHASES, Change, Obj
 from tests.k8s.manifests import find
 
 from .common import Context, Section, table
+from .tidal_traces import CPU_CLUSTER, DAY_MINUTES, GPU_CLUSTER, TRACES, Cluster, Trace
 
-NODES = {"online": 6, "mixed": 8, "offline": 6}
-CORES = 8
-ONLINE_POD_CORES = 2
-BATCH_POD_CORES = 2
 SHARD_MINUTES = 10
 ROWS_PER_SHARD = 10_000
 ROWS_PER_MINUTE = ROWS_PER_SHARD // SHARD_MINUTES
@@ -107,93 +109,10 @@ after its deletion, well inside its grace period. It stands for a worker whose s
 is this long: it commits the rows done of its shard as a part by its end."""
 SPLIT_RESERVE_S = min(WorkerConfig.split_reserve_s, DRAIN_S / 2)
 """The end of that grace the worker keeps for writing and committing the part."""
-DAY_MINUTES = 24 * 60
 IDLE_AT = 0.7
 """Idle capacity: the mixed nodes online load would not need if each ran at this share."""
 POLICIES = ("tidal", "naive", "never lend")
 BATCH_CLASS = find("PriorityClass", "ebb-batch")
-
-# --------------------------------------------------------------------------------------------
-# Traces: online load on the mixed pool, minute by minute, as a share of the pool
-# --------------------------------------------------------------------------------------------
-
-
-def diurnal(
-    minute: int, rng: random.Random, *, amplitude: float = 1.0, peak: float = 16.0
-) -> float:
-    """A night trough (~10%), an afternoon peak (~85% times `amplitude`) at hour `peak`, and a
-    2% chance of a one-minute spike of +30%."""
-    phase = 2 * math.pi * (minute - (peak - 12) * 60) / DAY_MINUTES
-    level = 0.1 + (0.375 - 0.375 * math.cos(phase)) * amplitude
-    if rng.random() < 0.02:
-        level += 0.3
-    return level
-
-
-def diurnal_trace(rng: random.Random, minutes: int) -> list[float]:
-    return [diurnal(m, rng) for m in range(minutes)]
-
-
-def week_trace(rng: random.Random, minutes: int) -> list[float]:
-    out: list[float] = []
-    for day in range(math.ceil(minutes / DAY_MINUTES)):
-        amplitude = rng.uniform(0.45, 0.65) if day % 7 in (5, 6) else rng.uniform(0.85, 1.05)
-        peak = 16 + rng.uniform(-1.5, 1.5)
-        out += [diurnal(m, rng, amplitude=amplitude, peak=peak) for m in range(DAY_MINUTES)]
-    return out[:minutes]
-
-
-def flash_trace(rng: random.Random, minutes: int) -> list[float]:
-    start, rise, hold, ebb = 3 * 60, 2, 40, 60
-    out = []
-    for m in range(minutes):
-        base = diurnal(m, rng)
-        t = m - start
-        if 0 <= t < rise:
-            surge = 0.75 * (t + 1) / rise
-        elif rise <= t < rise + hold:
-            surge = 0.75
-        elif rise + hold <= t < rise + hold + ebb:
-            surge = 0.75 * (1 - (t - rise - hold) / ebb)
-        else:
-            surge = 0.0
-        out.append(max(base, min(0.85, base + surge)) if surge else base)
-    return out
-
-
-def cluster_trace(rng: random.Random, minutes: int) -> list[float]:
-    """A high base (35%), a morning and an evening hump (+30% at 10:30, +40% at 20:30), and
-    AR(1) noise (0.97, 1.2% a minute): see the module's text for what it stands for."""
-    noise, out = 0.0, []
-    for m in range(minutes):
-        hour = (m % DAY_MINUTES) / 60
-        humps = 0.3 * math.exp(-(((hour - 10.5) / 2.0) ** 2)) + 0.4 * math.exp(
-            -(((hour - 20.5) / 1.8) ** 2)
-        )
-        noise = 0.97 * noise + rng.gauss(0.0, 0.012)
-        out.append(max(0.05, 0.35 + humps + noise))
-    return out
-
-
-@dataclass(frozen=True)
-class Trace:
-    name: str
-    days: int
-    seed: int
-    make: Callable[[random.Random, int], list[float]]
-
-    def load(self, minutes: int) -> list[float]:
-        """Online cores on the mixed pool, minute by minute."""
-        pool = NODES["mixed"] * CORES
-        return [max(0.0, level) * pool for level in self.make(random.Random(self.seed), minutes)]
-
-
-TRACES = (
-    Trace("diurnal", 1, 7, diurnal_trace),
-    Trace("week", 7, 11, week_trace),
-    Trace("flash crowd", 1, 13, flash_trace),
-    Trace("cluster trace", 1, 17, cluster_trace),
-)
 
 # --------------------------------------------------------------------------------------------
 # The simulation
@@ -257,8 +176,16 @@ class Drain:
 
 
 class Simulator:
-    def __init__(self, kube: FakeKubeAPI, namespace: str, *, minute_s: float) -> None:
+    def __init__(
+        self,
+        kube: FakeKubeAPI,
+        namespace: str,
+        *,
+        minute_s: float,
+        cluster: Cluster = CPU_CLUSTER,
+    ) -> None:
         self.kube = kube
+        self.cluster = cluster
         self.namespace = namespace
         self.minute_s = minute_s
         self.online: list[str] = []
@@ -348,6 +275,9 @@ class Simulator:
         while len(self.online) < wanted:
             name = f"web-{self._next}"
             self._next += 1
+            requests = dict(self.cluster.online_pod)
+            # An extended resource (a GPU) is asked as a limit; the request defaults to it.
+            limits = {k: v for k, v in requests.items() if "/" in k}
             self.kube.add_pod(
                 {
                     "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
@@ -357,7 +287,7 @@ class Simulator:
                             {
                                 "name": "web",
                                 "image": "web",
-                                "resources": {"requests": {"cpu": str(ONLINE_POD_CORES)}},
+                                "resources": {"requests": requests, "limits": limits},
                             }
                         ],
                     },
@@ -370,12 +300,13 @@ class Simulator:
             self.kube.store.remove(PODS, "online", self.online.pop())
 
     def minute(self, load: float) -> None:
-        """Account one simulated minute."""
-        r = self.result
-        pool = NODES["mixed"] * CORES
-        needed = math.ceil(load / (IDLE_AT * CORES)) if load else 0
-        r.idle_node_hours += max(0, NODES["mixed"] - max(needed, 1)) / 60
-        r.free_node_hours += max(0.0, pool - load) / CORES / 60
+        """Account one simulated minute; `load`: online demand, in the cluster's resource."""
+        r, c = self.result, self.cluster
+        mixed = c.nodes["mixed"]
+        pool = mixed * c.per_node
+        needed = math.ceil(load / (IDLE_AT * c.per_node)) if load else 0
+        r.idle_node_hours += max(0, mixed - max(needed, 1)) / 60
+        r.free_node_hours += max(0.0, pool - load) / c.per_node / 60
         pending = {
             p["metadata"]["name"]
             for p in self.kube.store.view(PODS, "online")
@@ -395,9 +326,9 @@ class Simulator:
             if name not in running:
                 del self.progress[name]  # not Running, yet not ended: nothing of it is counted
         on_mixed = sum(1 for node in running.values() if node.startswith("mixed-"))
-        harvested = on_mixed * BATCH_POD_CORES / CORES
+        harvested = on_mixed * c.batch_units / c.per_node
         r.harvested_node_hours += harvested / 60
-        r.series["load"].append(load / CORES)
+        r.series["load"].append(load / c.per_node)
         r.series["harvested"].append(harvested)
         r.series["batch"].append(len(running))
         r.series["pending"].append(len(pending))
@@ -438,12 +369,12 @@ async def _run(
             kube.add_namespace("ebb")
             kube.add_namespace("online")
             kube.add("priorityclasses", BATCH_CLASS)
-            for pool, count in NODES.items():
+            for pool, count in trace.cluster.nodes.items():
                 for n in range(count):
                     kube.add_node(
                         f"{pool}-{n}",
                         labels={"ebb.io/pool": pool},
-                        allocatable={"cpu": str(CORES), "memory": "64Gi", "pods": "110"},
+                        allocatable=dict(trace.cluster.allocatable),
                     )
             client = await EbbClient.connect(config)
             try:
@@ -453,18 +384,13 @@ async def _run(
                         "input": {"uri": str(data), "rows_per_shard": 1},
                         "pipeline": {"stages": [{"modelet": "ebb.worker.modelets:Identity"}]},
                         "output": {"uri": str(root / "out")},
-                        "resources": {
-                            "min_workers": 1,
-                            "max_workers": 200,
-                            "cpu": BATCH_POD_CORES,
-                            "memory_gb": 1,
-                        },
+                        "resources": {"min_workers": 1, "max_workers": 200, **trace.cluster.batch},
                     }
                 )
                 await client.submit(spec)
-                result = await _drive(
-                    ctx, kube, client, config, _tidal_config(policy, minute_s), loads, minute_s
-                )
+                tide = _tidal_config(policy, minute_s)
+                sim = Simulator(kube, "ebb", minute_s=minute_s, cluster=trace.cluster)
+                result = await _drive(ctx, kube, client, config, tide, sim, loads)
             finally:
                 await client.close()
         master.request_stop()
@@ -480,9 +406,10 @@ async def _drive(
     client: EbbClient,
     config: NatsConfig,
     tide: TidalConfig | None,
+    sim: Simulator,
     loads: list[float],
-    minute_s: float,
 ) -> RunResult:
+    minute_s = sim.minute_s
     api = kube.api_client()
     backend = KubernetesBackend(
         KubeConfig(
@@ -506,12 +433,11 @@ async def _drive(
     if "tide" in coroutines:
         coroutines.pop("tide").close()
     agents = [asyncio.create_task(a) for a in coroutines.values()]
-    sim = Simulator(kube, "ebb", minute_s=minute_s)
     try:
         loop = asyncio.get_running_loop()
         start = loop.time()
         for minute, load in enumerate(loads):
-            sim.set_online_pods(round(load / ONLINE_POD_CORES))
+            sim.set_online_pods(round(load / sim.cluster.online_units))
             try:
                 if backend.harvester is not None:
                     await backend.harvester.step(minute * minute_s)
@@ -551,27 +477,8 @@ def _splitting_note(results: dict[str, dict[str, RunResult]]) -> str:
     )
 
 
-def run(ctx: Context) -> Section:
-    # The simulation is driven minute by minute (the tide samples on the simulated clock), so
-    # the figures do not depend on this, only the run time does, if the machine keeps up.
-    minute_s = 0.005
-    results: dict[str, dict[str, RunResult]] = {}
-    started = time.perf_counter()
-    for trace in TRACES:
-        days = trace.days if not ctx.quick else min(trace.days, 3)
-        minutes = days * DAY_MINUTES if not ctx.smoke else 60
-        loads = trace.load(minutes)
-        results[trace.name] = {}
-        for policy in POLICIES:
-            r = asyncio.run(_run(ctx, trace, policy, loads, minute_s))
-            results[trace.name][policy] = r
-            ctx.log(
-                f"  {trace.name} / {policy}: harvest {r.share:.0%} (of free {r.share_of_free:.0%})"
-                f", pending past 1 min {r.pending_beyond_latency}, drained {r.drained}, "
-                f"preempted {r.preempted}, killed {r.killed}, lost {r.shards_lost}, "
-                f"rows lost {r.rows_lost:,} (with splitting {r.rows_lost_split:,}), "
-                f"rows {r.rows:,} (with splitting {r.rows_with_splitting:,})"
-            )
+def _table(cluster: Cluster, results: dict[str, dict[str, RunResult]]) -> str:
+    """One cluster's traces: node-hours are of its resource (GPU node-hours on GPU nodes)."""
     rows: list[list[Any]] = []
     for trace_name, by_policy in results.items():
         for policy, r in by_policy.items():
@@ -594,32 +501,60 @@ def run(ctx: Context) -> Section:
                     f"{r.rows_with_splitting:,}",
                 ]
             )
+    unit = "GPU " if cluster.unit == "GPU" else ""
+    free = "GPUs" if cluster.unit == "GPU" else "cores"
+    return table(
+        [
+            "trace",
+            "policy",
+            f"harvested {unit}node-hours",
+            f"idle {unit}node-hours",
+            "harvested share of idle",
+            f"of all free {free}",
+            "online pending pod-minutes",
+            "of which past the first minute",
+            "batch pods drained",
+            "batch pods preempted",
+            "shards lost",
+            "rows lost, whole shards",
+            "rows lost, with splitting",
+            "rows completed, whole shards",
+            "rows completed, with splitting",
+        ],
+        rows,
+    )
+
+
+def run(ctx: Context) -> Section:
+    # The simulation is driven minute by minute (the tide samples on the simulated clock), so
+    # the figures do not depend on this, only the run time does, if the machine keeps up.
+    minute_s = 0.005
+    results: dict[str, dict[str, RunResult]] = {}
+    started = time.perf_counter()
+    for trace in TRACES:
+        days = trace.days if not ctx.quick else min(trace.days, 3)
+        minutes = days * DAY_MINUTES if not ctx.smoke else 60
+        loads = trace.load(minutes)
+        results[trace.name] = {}
+        for policy in POLICIES:
+            r = asyncio.run(_run(ctx, trace, policy, loads, minute_s))
+            results[trace.name][policy] = r
+            ctx.log(
+                f"  {trace.name} / {policy}: harvest {r.share:.0%} (of free {r.share_of_free:.0%})"
+                f", pending past 1 min {r.pending_beyond_latency}, drained {r.drained}, "
+                f"preempted {r.preempted}, killed {r.killed}, lost {r.shards_lost}, "
+                f"rows lost {r.rows_lost:,} (with splitting {r.rows_lost_split:,}), "
+                f"rows {r.rows:,} (with splitting {r.rows_with_splitting:,})"
+            )
     seconds = time.perf_counter() - started
     first = TRACES[0].name
+    clusters = {t.cluster.name: t.cluster for t in TRACES}
     return Section(
         title="6. Tidal harvesting of the mixed pool",
         intro=__doc__ or "",
         tables=[
-            table(
-                [
-                    "trace",
-                    "policy",
-                    "harvested node-hours",
-                    "idle node-hours",
-                    "harvested share of idle",
-                    "of all free cores",
-                    "online pending pod-minutes",
-                    "of which past the first minute",
-                    "batch pods drained",
-                    "batch pods preempted",
-                    "shards lost",
-                    "rows lost, whole shards",
-                    "rows lost, with splitting",
-                    "rows completed, whole shards",
-                    "rows completed, with splitting",
-                ],
-                rows,
-            )
+            _table(c, {t.name: results[t.name] for t in TRACES if t.cluster is c})
+            for c in clusters.values()
         ],
         slug="tidal",
         plot={"kind": "timeline", "series": {p: r.series for p, r in results[first].items()}},
@@ -641,7 +576,8 @@ def run(ctx: Context) -> Section:
         },
         notes=[
             f"Simulated minutes of {minute_s * 1000:.0f} ms ({seconds / 60:.1f} minutes in all); "
-            f"8 mixed nodes of {CORES} cores. The plot is the {first} trace. "
+            f"8 mixed nodes of {CPU_CLUSTER.per_node} cores, or of {GPU_CLUSTER.per_node} GPUs. "
+            f"The plot is the {first} trace. "
             "Idle node-hours count, each minute, the mixed nodes the online load did not need at "
             f"{IDLE_AT:.0%} utilisation (the measure of earlier runs); a policy that fills more "
             "than that goes over 100%. The share of all free cores divides by every core online "
