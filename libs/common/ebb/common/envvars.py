@@ -55,7 +55,14 @@ CHUNK_ROWS = "EBB_CHUNK_ROWS"
 """Rows of a shard a worker reads and has in its pipeline at once."""
 START_JITTER_S = "EBB_START_JITTER_S"
 MODEL_CACHE_DIR = "EBB_MODEL_CACHE_DIR"
-"""Where model files from a store are cached, shared by every worker of a node."""
+"""Where model files from a store are cached: a worker's own (its stage processes share it),
+or the node cache's (ebb.worker.cacheserver)."""
+MODEL_CACHE_URL = "EBB_MODEL_CACHE_URL"
+"""The node's model cache (http://host:port): a worker copies models from there, and from the
+store only when the cache cannot serve them. Unset: from the store."""
+MODEL_CACHE_MAX_BYTES = "EBB_MODEL_CACHE_MAX_BYTES"
+"""The node cache's bound: least recently used models are removed beyond it."""
+MODEL_CACHE_PORT = "EBB_MODEL_CACHE_PORT"
 PARENT_PID = "EBB_PARENT_PID"
 """Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
 process is gone."""

@@ -4,13 +4,14 @@
     <cache>/refs/<key>.json         which blob a store object (URI + ETag/size/mtime) holds
     <cache>/locks/<key>.lock        held while that object is fetched
 
-Every worker of a node shares the cache (EBB_MODEL_CACHE_DIR; on Kubernetes a hostPath or an
-emptyDir shared by the pod's containers). The first to need an object takes its lock and
-downloads it to a temp file in the cache, hashing as it writes; the size (and, where the store
-gives a plain MD5 ETag, the MD5) is checked against the store's; then the blob gets its name by
-an atomic rename, and the ref after it. The others wait on the lock and find the ref. A blob is
-never partial (rename), never mistaken (its name is its hash, verified on every reuse by size,
-and at fetch by content), and a changed object (new ETag) is a new key: fetched again.
+The processes that share a cache folder (EBB_MODEL_CACHE_DIR: a worker's stage processes, the
+workers of one machine; on Kubernetes the node's cache server, cacheserver.py) share its files.
+The first to need an object takes its lock and downloads it to a temp file in the cache,
+hashing as it writes; the size (and, where the store gives a plain MD5 ETag, the MD5) is
+checked against the store's; then the blob gets its name by an atomic rename, and the ref
+after it. The others wait on the lock and find the ref. A blob is never partial (rename), never
+mistaken (its name is its hash, verified on every reuse by size, and at fetch by content), and
+a changed object (new ETag) is a new key: fetched again.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class ModelFetchError(Exception):
     """The model cannot be fetched, or what was fetched is not what the store holds."""
 
 
+class ModelMissing(ModelFetchError):
+    """The store holds no object at that URI."""
+
+
 @dataclass(frozen=True)
 class CachedModel:
     path: str
@@ -54,7 +59,7 @@ def _key(uri: str, info: dict[str, Any]) -> str:
 
 
 @contextmanager
-def _locked(path: str) -> Iterator[None]:
+def locked(path: str) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if we die holding it
@@ -100,7 +105,7 @@ def fetch_model(uri: str, cache_dir: str) -> CachedModel:
     try:
         info = retrying(f"stat {uri}", stat)
     except FileNotFoundError:
-        raise ModelFetchError(f"model {uri} does not exist") from None
+        raise ModelMissing(f"model {uri} does not exist") from None
     size = int(info["size"])
     key = _key(uri, info)
     for sub in ("blobs/sha256", "refs", "locks"):
@@ -109,7 +114,7 @@ def fetch_model(uri: str, cache_dir: str) -> CachedModel:
     found = _cached(cache_dir, ref, size)
     if found is not None:
         return CachedModel(found[0], found[1], fetched=False)
-    with _locked(os.path.join(cache_dir, "locks", f"{key}.lock")):
+    with locked(os.path.join(cache_dir, "locks", f"{key}.lock")):
         found = _cached(cache_dir, ref, size)  # another worker fetched it while we waited
         if found is not None:
             return CachedModel(found[0], found[1], fetched=False)

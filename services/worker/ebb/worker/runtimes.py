@@ -27,8 +27,9 @@ from ebb.common.spec import StageSpec
 
 from .columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
 from .devices import NO_GPU
-from .modelcache import ModelFetchError, fetch_model
+from .modelcache import ModelFetchError
 from .modelet_api import Modelet, StageError
+from .nodecache import local_model
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ _ONNX_DTYPES = {
 
 
 def _local_copy(uri: str) -> str:
-    """A local path for the model file: itself, or its copy in the node's model cache."""
+    """A local path for the model file: itself, or its copy in the worker's model cache (from
+    the node's cache when there is one, else from the store)."""
     if "://" not in uri or uri.startswith("file://"):
         return uri.removeprefix("file://")
     # Read here, in the stage process, as the worker's environment passes it down.
@@ -53,7 +55,7 @@ def _local_copy(uri: str) -> str:
         tempfile.gettempdir(), "ebb-model-cache"
     )
     try:
-        return fetch_model(uri, cache_dir).path
+        return local_model(uri, cache_dir, cache_url=os.environ.get(envvars.MODEL_CACHE_URL)).path
     except (ModelFetchError, OSError) as e:
         raise StageError(f"cannot fetch model {uri}: {e}") from e
 
