@@ -56,6 +56,8 @@ def test_every_file_the_kustomization_names_exists_and_parses() -> None:
         ("StatefulSet", "ebb-nats"),
         ("Deployment", "ebb-master"),
         ("Deployment", "ebb-controller"),
+        ("DaemonSet", "ebb-model-cache"),
+        ("Service", "ebb-model-cache"),
         ("PriorityClass", "ebb-batch"),
         ("ConfigMap", "ebb-controller-config"),
         ("ConfigMap", "ebb-grafana-dashboard"),
@@ -74,6 +76,8 @@ def test_the_controller_configuration_loads_and_names_what_exists() -> None:
     assert find("ServiceAccount", config.service_account)["automountServiceAccountToken"] is False
     assert config.nats.url == "nats://ebb-nats:4222"
     find("Service", "ebb-nats")
+    assert config.model_cache_url == "http://ebb-model-cache:8080"
+    assert find("Service", "ebb-model-cache")["spec"]["ports"][0]["port"] == 8080
     # Workers share no Secret: the controller mints each its own, with the signer's key.
     assert config.nats_secret is None
     deployment = find("Deployment", "ebb-controller")
@@ -107,7 +111,7 @@ def secret_volumes(pod: Obj) -> dict[str, tuple[str, list[str]]]:
 def test_every_secret_a_pod_reads_is_one_make_secrets_writes_or_optional() -> None:
     made = secret_data(secrets_made())
     for obj in objects():
-        if obj["kind"] not in ("Deployment", "StatefulSet"):
+        if obj["kind"] not in ("Deployment", "StatefulSet", "DaemonSet"):
             continue
         for container in containers(obj):
             for env in container.get("env", []):
@@ -235,7 +239,7 @@ def test_the_image_pins_torch_as_the_project_does() -> None:
     assert f'"{torch}"' in dockerfile
     (image,) = kustomization()["images"]
     for obj in objects():
-        if obj["kind"] in ("Deployment",):
+        if obj["kind"] in ("Deployment", "DaemonSet"):
             # set by `images:`
             assert all(
                 c["image"] == f"{image['newName']}:{image['newTag']}" for c in containers(obj)

@@ -37,7 +37,7 @@ def pods() -> dict[str, Obj]:
     out = {
         o["metadata"]["name"]: o["spec"]["template"]
         for o in objects(PROD)
-        if o["kind"] in ("Deployment", "StatefulSet")
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
     }
     out["a worker"] = worker_pod(
         "job-1",
@@ -66,7 +66,7 @@ def test_ebbs_podmonitor_scrapes_the_master_the_controller_and_every_worker() ->
     monitor = find("PodMonitor", "ebb", PROD)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     scraped = scraped_by(monitor)
-    assert set(scraped) == {"ebb-master", "ebb-controller", "a worker"}
+    assert set(scraped) == {"ebb-master", "ebb-controller", "ebb-model-cache", "a worker"}
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert endpoint["path"] == "/metrics"
         for name, pod in scraped.items():

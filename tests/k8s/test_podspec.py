@@ -48,6 +48,7 @@ CASES: dict[str, tuple[KubeConfig, Resources, list[str]]] = {
             env={"HF_HOME": "/cache"},
             env_from_secrets=["s3", "gcs"],
             metrics_port=None,
+            model_cache_url="http://model-cache.batch:8080",
         ),
         {"cpu": 0.5, "memory": 1.5 * 2**30, "nvidia.com/gpu": 1.0},
         ["node-b", "node-a"],
@@ -83,6 +84,17 @@ def test_a_worker_pod_is_its_golden_spec(case: str) -> None:
         "job-7f3a", config, worker_id="Worker_7F3A.host-1", shape=shape, avoid=avoid
     ) == json.loads(json.dumps(pod))
     assert avoid == CASES[case][2]
+
+
+def test_workers_find_the_node_model_cache_the_base_deploys_unless_told_not_to() -> None:
+    def env(config: KubeConfig) -> dict[str, str]:
+        pod = worker_pod("j", config, worker_id="w", shape={"cpu": 1.0, "memory": 1.0})
+        return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+    url = env(KubeConfig(tidal=None))["EBB_MODEL_CACHE_URL"]
+    service = find("Service", "ebb-model-cache")
+    assert url == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert "EBB_MODEL_CACHE_URL" not in env(KubeConfig(tidal=None, model_cache_url=None))
 
 
 def test_the_pod_names_its_worker_as_a_pod_name_may_be_spelled() -> None:

