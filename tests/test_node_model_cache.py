@@ -254,6 +254,36 @@ async def test_a_model_being_sent_is_never_evicted(tmp_path: Path, root: str) ->
         await s.close()
 
 
+async def test_a_stalled_worker_is_cut_off_and_its_model_released(
+    tmp_path: Path, root: str
+) -> None:
+    s = ModelCacheServer(
+        CacheServerConfig(
+            cache_dir=str(tmp_path / "node"),
+            max_bytes=MiB,  # the model alone is past it: kept only while it is sent
+            roots=[root],
+            host="127.0.0.1",
+            port=0,
+            send_timeout_s=0.2,
+        )
+    )
+    await s.start()
+    try:
+        sha = put(f"{root}/big", os.urandom(32 * MiB))
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(f"GET {target(f'{root}/big')} HTTP/1.1\r\n\r\n".encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        blob = tmp_path / "node" / "blobs" / "sha256" / sha
+        assert blob.exists()
+        # The worker takes no more: the server gives up on it, and drops the model.
+        await wait_until(lambda: s.connections == 0, timeout=30, what="the response cut")
+        assert not blob.exists()
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await s.close()
+
+
 @pytest.mark.parametrize(
     ("path", "status", "words"),
     [
@@ -398,6 +428,8 @@ def test_the_index_orders_by_use_and_keeps_pins() -> None:
     assert (index.total_bytes, index.pins("c"), "a" in index) == (15, 2, False)
     with pytest.raises(ValueError, match="not pinned"):
         index.unpin("a")
+    index.pin("e", 10, count=0)  # a fetch whose every waiter left: in the index, unheld
+    assert index.evict() == ["e"]  # c and d are held
 
 
 @pytest.mark.parametrize(
@@ -447,6 +479,22 @@ async def test_a_worker_copies_a_model_through_the_node_cache(
     assert Path(other.path).read_bytes() == blob
     assert reads(uri) == 1
     assert [p.name for p in (tmp_path / "worker" / "blobs" / "sha256").iterdir()] == [sha]
+
+
+async def test_the_stage_processes_of_a_worker_copy_a_model_once(
+    server: ModelCacheServer, root: str, tmp_path: Path
+) -> None:
+    blob = os.urandom(4 * MiB)
+    uri = f"{root}/m.onnx"
+    sha = put(uri, blob)
+    url = f"http://127.0.0.1:{server.port}"
+    got = await asyncio.gather(
+        *(asyncio.to_thread(fetch_through, url, uri, str(tmp_path / "w")) for _ in range(3))
+    )
+    assert sorted(g.fetched for g in got) == [False, False, True]
+    assert {g.path for g in got} == {str(tmp_path / "w" / "blobs" / "sha256" / sha)}
+    assert Path(got[0].path).read_bytes() == blob
+    assert reads(uri) == 1
 
 
 async def test_a_worker_without_a_cache_on_its_node_reads_from_the_store(

@@ -61,7 +61,8 @@ class BlobIndex:
         times (a response each) until as many `unpin`s."""
         self._sizes[sha] = size
         self._sizes.move_to_end(sha)
-        self._pins[sha] += count
+        if count:  # a key held at 0 would read as pinned
+            self._pins[sha] += count
 
     def unpin(self, sha: str) -> None:
         if self._pins[sha] <= 0:

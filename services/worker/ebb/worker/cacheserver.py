@@ -71,6 +71,9 @@ class CacheServerConfig:
     """0: any free port (`ModelCacheServer.port` says which)."""
     request_timeout_s: float = 30.0
     """A request's head must arrive within this."""
+    send_timeout_s: float = 300.0
+    """A response whose worker takes none of its bytes for this long is cut: a stalled worker
+    must not pin a model (and its room on the disk) for ever."""
     chunk_bytes: int = 1 << 20
 
 
@@ -98,6 +101,8 @@ def _size(path: str) -> int | None:
 
 
 class ModelCacheServer:
+    """The HTTP server over one cache folder: it fetches, pins, sends and evicts its blobs."""
+
     def __init__(self, config: CacheServerConfig) -> None:
         self.config = config
         self._blobs = os.path.join(config.cache_dir, "blobs", "sha256")
@@ -152,21 +157,34 @@ class ModelCacheServer:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        whole = False
         try:
             await self._answer(reader, writer)
+            whole = True
         except ConnectionError as e:  # the worker went away: nothing to tell it
             log.debug("connection lost: %s", e)
+        except TimeoutError:
+            log.warning("a worker took nothing for %.0fs: response cut", self.config.send_timeout_s)
         except Exception:  # one request's fault must not stop the node's cache
             # The connection closes without a complete answer: the worker reads its model
             # from the store instead.
             log.exception("answering a request failed")
         finally:
+            await self._hang_up(writer, flush=whole)
             self._connections.discard(task)
+
+    async def _hang_up(self, writer: asyncio.StreamWriter, *, flush: bool) -> None:
+        """Close after the bytes still buffered are sent, within the send timeout; or at once,
+        dropping them (a response cut short: nothing more of it is worth waiting for)."""
+        if flush:
             writer.close()
             try:
-                await writer.wait_closed()
-            except ConnectionError:
-                pass  # closed by the peer already
+                async with asyncio.timeout(self.config.send_timeout_s):
+                    await writer.wait_closed()
+                return
+            except (ConnectionError, TimeoutError):
+                pass  # the peer is gone, or takes nothing: drop what is left
+        writer.transport.abort()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -283,7 +301,8 @@ class ModelCacheServer:
                 if not chunk:  # cannot happen to a blob, named by its content; cut it short
                     raise ConnectionError(f"blob {held.model.sha256[:12]} ended {left} short")
                 writer.write(chunk)
-                await writer.drain()
+                async with asyncio.timeout(self.config.send_timeout_s):
+                    await writer.drain()
                 left -= len(chunk)
                 SERVED_BYTES.inc(len(chunk))
             await writer.drain()
