@@ -28,12 +28,8 @@ import yaml
 from . import schema
 from .accumulators import MetricSpec
 from .errors import SchemaError, SpecError
-from .tiers import (
-    check_tiers,
-    check_toleration,
-    label_key_problem,
-    label_value_problem,
-)
+from .placement import check_gpu_type, check_node_placement, check_pool
+from .tiers import check_tiers
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MODELET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -43,6 +39,7 @@ TIER_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?$")
 InputFormat = Literal["parquet", "csv", "jsonl"]
 Runtime = Literal["onnx", "torchscript"]
 ModelDtype = Literal["float32", "float16", "bfloat16"]
+Pool = Literal["auto", "offline", "any", "mixed", "online"]
 
 MODEL_SUFFIXES: dict[str, Runtime] = {
     ".onnx": "onnx",
@@ -454,9 +451,17 @@ class ResourceSpec:
     an OOMKilled worker's successors ask for more)."""
     gpu: int = 0
     """GPUs per worker (Kubernetes backend: `nvidia.com/gpu`)."""
-    pool: str = "offline"
-    """offline, mixed or online. Checked, but placement does not read it: the Kubernetes
-    backend puts every worker on the offline pool first, then on lent mixed nodes."""
+    gpu_type: str | None = None
+    """The GPU model workers run on, as the node label the controller's `gpu_type_label`
+    names says it (NVIDIA GPU feature discovery's `nvidia.com/gpu.product`, say:
+    `NVIDIA-A100-SXM4-80GB`). Needs `gpu` > 0. None: any GPU."""
+    pool: Pool = "auto"
+    """Kubernetes backend: the pools workers may run on. `offline`: the offline pool only.
+    `any`: the offline pool first, then mixed nodes the tide has lent. `mixed`: lent mixed
+    nodes first (cheap, and reclaimed when online work needs them), then the offline pool.
+    `auto`: the controller decides by the job's kind: `mixed` for a job expected to finish
+    soon, `any` for a long one, or one whose workers were reclaimed often. `online`: read as
+    `any` (batch workers never run on online nodes)."""
 
     def __post_init__(self) -> None:
         if self.min_workers < 0:
@@ -468,8 +473,8 @@ class ResourceSpec:
         _positive("memory_gb", self.memory_gb)
         if self.gpu < 0:
             raise _bad("gpu", f"must be >= 0, got {self.gpu}")
-        if self.pool not in ("offline", "mixed", "online"):
-            raise _bad("pool", f"expected offline, mixed or online, got {self.pool!r}")
+        check_pool(self.pool)
+        check_gpu_type(self.gpu_type, gpu=self.gpu)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -490,12 +495,12 @@ class TierSpec:
     says them for a job without tiers."""
     node_selector: dict[str, str] = field(default_factory=dict)
     """Node labels the tier's workers are placed on (a Kubernetes `nodeSelector`), e.g.
-    `nvidia.com/gpu.present: "true"`."""
+    `nvidia.com/gpu.present: "true"`; over the job's `node_selector`, label by label."""
     tolerations: list[dict[str, Any]] = field(default_factory=list)
-    """Taints of nodes the tier's workers may run on (Kubernetes tolerations): maps of `key`,
-    `operator` (Equal, the default, or Exists), `value`, `effect` (NoSchedule,
-    PreferNoSchedule or NoExecute; absent: every effect) and `tolerationSeconds` (NoExecute
-    only)."""
+    """Taints of nodes the tier's workers may run on (Kubernetes tolerations), besides the
+    job's `tolerations`: maps of `key`, `operator` (Equal, the default, or Exists), `value`,
+    `effect` (NoSchedule, PreferNoSchedule or NoExecute; absent: every effect) and
+    `tolerationSeconds` (NoExecute only)."""
 
     def __post_init__(self) -> None:
         if not TIER_NAME_RE.match(self.name):
@@ -506,12 +511,7 @@ class TierSpec:
             )
         if not self.stages:
             raise _bad("stages", "a tier runs at least one stage")
-        for key, value in self.node_selector.items():
-            problem = label_key_problem(key) or label_value_problem(value)
-            if problem:
-                raise _bad(f"node_selector.{key}", problem)
-        for i, toleration in enumerate(self.tolerations):
-            check_toleration(f"tolerations[{i}]", toleration)
+        check_node_placement(self.node_selector, self.tolerations)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -607,6 +607,12 @@ class JobSpec:
     one tier. Rows cross from a tier to the next only from the tier's last stage: a later
     tier's stages read the stages of their own tier, or that one alone. `[]`: every worker
     runs the whole pipeline, as `resources` says."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels every worker of the job is placed on (a Kubernetes `nodeSelector`), over
+    the controller's own, label by label; a tier's `node_selector` goes over this one."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Taints of nodes every worker of the job may run on (Kubernetes tolerations, as a
+    tier's `tolerations` says them), besides the controller's; a tier's add to these."""
     fault: FaultPolicy = field(default_factory=FaultPolicy)
     """Leases, retries and error budget (the `fault` section)."""
     priority: int = 0
@@ -623,6 +629,7 @@ class JobSpec:
             object.__setattr__(self, "tracking", replace(self.tracking, experiment=self.name))
         if self.tiers:
             check_tiers(self.tiers, self.pipeline)
+        check_node_placement(self.node_selector, self.tolerations)
 
     def with_id(self) -> JobSpec:
         """This spec with an id: its own, or one made from the name and a random suffix."""
@@ -633,10 +640,17 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = schema.dump(self)
-        if not self.tiers:
-            # A job without tiers is the map it was before tiers existed: services of that
-            # version, which refuse a field they do not know, read it during an upgrade.
-            del body["tiers"]
+        # A job that asks nothing of the fields added since is the map it was before they
+        # existed: services of that version, which refuse a field (or a pool) they do not
+        # know, read it during an upgrade.
+        for key in ("tiers", "node_selector", "tolerations"):
+            if not body[key]:
+                del body[key]
+        for resources in (body["resources"], *(t["resources"] for t in body.get("tiers", []))):
+            if resources["gpu_type"] is None:
+                del resources["gpu_type"]
+            if resources["pool"] == "auto":
+                del resources["pool"]
         return body
 
     def tier_names(self) -> list[str]:
