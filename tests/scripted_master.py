@@ -19,6 +19,8 @@ from ebb.common.messages import (
     CancelReply,
     FailRequest,
     JobStatus,
+    PlacementReply,
+    PlacementRequest,
     StatusReply,
     StatusRequest,
     WorkerEndedReply,
@@ -29,7 +31,8 @@ from ebb.common.subjects import Subjects
 
 
 class ScriptedMaster:
-    """Answers `status`, `worker_ended` and `fail` from `jobs`, which a test sets."""
+    """Answers `status`, `worker_ended`, `fail` and `placement` from `jobs`, which a test
+    sets."""
 
     def __init__(self, nc: NATS, config: NatsConfig) -> None:
         self.jobs: dict[str, JobStatus] = {}
@@ -38,6 +41,8 @@ class ScriptedMaster:
         """What the controller told of workers that ended badly."""
         self.failed: dict[str, str] = {}
         """Jobs the controller failed, and why."""
+        self.placements: list[PlacementRequest] = []
+        """What the controller told of groups its cluster cannot place, in order."""
         self._subjects = Subjects(config.prefix)
         self._server = RequestServer(nc, queue="scripted-master")
 
@@ -48,6 +53,7 @@ class ScriptedMaster:
         await self._server.add(self._subjects.master("status"), self._status)
         await self._server.add(self._subjects.master("worker_ended"), self._worker_ended)
         await self._server.add(self._subjects.master("fail"), self._fail)
+        await self._server.add(self._subjects.master("placement"), self._placement)
 
     async def close(self) -> None:
         await self._server.close(grace_s=1.0)
@@ -77,3 +83,19 @@ class ScriptedMaster:
         if job is not None:
             self.jobs[request.job] = dataclasses.replace(job, state="FAILED", reason=request.reason)
         return schema.encode(CancelReply(state="FAILED"))
+
+    async def _placement(self, data: bytes, subject: str) -> bytes:
+        """Heard, and kept in the job's status as a real master keeps it."""
+        del subject
+        request = schema.decode(PlacementRequest, data)
+        self.placements.append(request)
+        job = self.jobs.get(request.job)
+        if job is not None and not request.tier:
+            self.jobs[request.job] = dataclasses.replace(job, waiting=request.reason)
+        elif job is not None:
+            tiers = [
+                dataclasses.replace(t, waiting=request.reason) if t.name == request.tier else t
+                for t in job.tiers
+            ]
+            self.jobs[request.job] = dataclasses.replace(job, tiers=tiers)
+        return schema.encode(PlacementReply())

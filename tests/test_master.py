@@ -1253,3 +1253,36 @@ async def test_the_controllers_word_of_a_lost_worker_frees_its_shards_at_once(
     with pytest.raises(RemoteError) as e:
         await api.worker_ended("no-such-job", "w1", kind="crash", blame=True)
     assert e.value.code == "not_found"
+
+
+async def test_the_controllers_word_of_where_a_job_cannot_run_is_in_its_status(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """Kept in memory, shown until the controller says otherwise; with the median shard time
+    the controller's placement policy reads."""
+    spec = make_job(tmp_path, rows=2_000)
+    await client.submit(spec)
+    status = await api.job(spec.id)
+    assert (status.waiting, status.shard_s) == ("", 0.0)  # no shard done: not known
+    reason = "pool offline: no node of the cluster is in the offline pool"
+    await api.placement(spec.id, "", reason)
+    assert (await api.job(spec.id)).waiting == reason
+    await api.placement(spec.id, "", reason)  # told again: the same
+    assert (await client.job(spec.id)).waiting == reason
+    await api.placement(spec.id, "", "")
+    assert (await api.job(spec.id)).waiting == ""
+    held = await api.lease(spec.id, "w1")
+    commit_record(spec, held)
+    await api.commit(held.token, worker="w1", rows=1_000, error_rows=0)
+    assert (await api.job(spec.id)).shard_s > 0
+    with pytest.raises(RemoteError) as e:
+        await api.placement(spec.id, "gpu", reason)
+    assert e.value.code == "bad_request"  # the job has no tiers
+    with pytest.raises(RemoteError) as e:
+        await api.placement("no-such-job", "", reason)
+    assert e.value.code == "not_found"
+    # An ended job waits for nothing.
+    await api.placement(spec.id, "", reason)
+    await api.cancel(spec.id)
+    await api.placement(spec.id, "", reason)
+    assert (await api.job(spec.id)).waiting == ""

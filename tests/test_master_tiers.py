@@ -268,3 +268,30 @@ async def test_the_bound_on_hand_offs_waiting_lasts_the_next_tier_a_shard_of_the
     # Shards that take the next tier longer than the tier before: twice its workers.
     infer.durations.extend([400.0] * 10)
     assert job.handoff_bound(prep) == 2
+
+
+async def test_each_tier_says_why_it_waits_for_a_place_and_its_own_shard_time(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    reply = await lease(table, spec, "p1", "prep")
+    clock.now += 12.0
+    commit(spec, reply, tier="prep")
+    await table.commit(reply.token)
+    job.wait_for_placement("infer", "gpu_type NVIDIA-H100: no node of its pools has that GPU")
+    status = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert [(t.name, t.waiting) for t in status.tiers] == [
+        ("prep", ""),
+        ("infer", "gpu_type NVIDIA-H100: no node of its pools has that GPU"),
+    ]
+    assert status.waiting == "tier infer: gpu_type NVIDIA-H100: no node of its pools has that GPU"
+    assert [t.shard_s for t in status.tiers] == [12.0, 0.0]
+    assert status.shard_s == 0.0  # a job with tiers: each tier's own
+    job.wait_for_placement("infer", "")
+    assert table.status(StatusRequest(job=spec.id)).jobs[0].waiting == ""
+    with pytest.raises(BadRequest, match="no tier 'gpu'"):
+        job.wait_for_placement("gpu", "why")

@@ -18,6 +18,8 @@ from .messages import (
     JobStatus,
     LeaseReply,
     LeaseRequest,
+    PlacementReply,
+    PlacementRequest,
     ReleaseReply,
     ReleaseRequest,
     RenewReply,
@@ -142,6 +144,12 @@ class MasterClient:
         """The controller's word that `worker` of `job` ended badly (see WorkerEndedRequest)."""
         request = WorkerEndedRequest(job=job, worker=worker, kind=kind, blame=blame, reason=reason)
         return await self._call("worker_ended", request, WorkerEndedReply)
+
+    async def placement(self, job: str, tier: str, reason: str) -> PlacementReply:
+        """The controller's word that the workers of `job` (its tier `tier`) cannot be
+        placed on any node, and why; `reason` "": they can (see PlacementRequest)."""
+        request = PlacementRequest(job=job, tier=tier, reason=reason)
+        return await self._call("placement", request, PlacementReply)
 
     async def resume(self, job: str, *, key: str | None = None) -> ResumeReply:
         """Resume `job`. Every retry of this call (a timeout, a master restarting) carries

@@ -94,7 +94,12 @@ def permissions(prefix: str, role: Role) -> Permissions:
         )
     if role == "controller":
         return Permissions(
-            publish=(s.master("status"), s.master("fail"), s.master("worker_ended")),
+            publish=(
+                s.master("status"),
+                s.master("fail"),
+                s.master("worker_ended"),
+                s.master("placement"),
+            ),
             subscribe=(s.all_events, inbox),
         )
     if role == "worker":

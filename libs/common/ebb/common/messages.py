@@ -235,6 +235,14 @@ class JobStatus(Message):
     tiers: list[TierStatus] = field(default_factory=list)
     """A job with tiers (`JobSpec.tiers`): each tier's shards, in the tiers' order. `shards`
     above counts every tier's; `rows_done` the last tier's."""
+    shard_s: float = 0.0
+    """The median time its shards took, of those committed lately (a part of a split shard
+    is no shard's whole time); 0: none yet. A job with tiers: see each tier's."""
+    waiting: str = ""
+    """Why the job runs no workers although it wants some: no node of the cluster could
+    ever take them (the pool, GPU type or node selector it asks for), as the controller told
+    the master; "" when it may run. The job waits: it is not failed, and runs once such a
+    node appears. A job with tiers: its tiers' reasons, each named."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +263,10 @@ class TierStatus(Message):
     held_back: bool = False
     """No shard of this tier is leased for now: the hand-offs waiting for the next tier are
     at their bound (backpressure)."""
+    shard_s: float = 0.0
+    """The median time this tier's shards took, of those committed lately; 0: none yet."""
+    waiting: str = ""
+    """Why this tier runs no workers although it wants some (see JobStatus.waiting)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,6 +314,26 @@ class WorkerEndedRequest(Message):
     evicted, its node lost, killed from outside), or it could not start its pipeline there:
     its shards go back to the queue with no penalty."""
     reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementRequest(Message):
+    """The controller's word that no node of the cluster could ever take the workers of
+    `job` (of its tier `tier`; "" for a job without tiers), and why; `reason` "": they can
+    be placed (again). Kept in the master's memory for the job's status, not in KV: the
+    controller tells it again whenever the status it reads says otherwise, so a master
+    that restarts hears it within a pass."""
+
+    KIND: ClassVar[str] = "placement"
+    job: str
+    tier: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementReply(Message):
+    KIND: ClassVar[str] = "placement_reply"
+    ok: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,6 +93,11 @@ class Tier:
     def backlog(self) -> int:
         return self.counts["TODO"] + self.counts["DOING"]
 
+    @property
+    def shard_s(self) -> float:
+        """The median time of its shards committed lately; 0 before the first."""
+        return statistics.median(self.durations) if self.durations else 0.0
+
 
 class Job:
     def __init__(self, record: JobRecord, revision: int, spec: JobSpec) -> None:
@@ -136,6 +141,9 @@ class Job:
         split at a time per idle worker, not one per lease request while it waits."""
         self.ended_workers: set[str] = set()
         """Workers the controller said have ended (a repeat of its word counts once)."""
+        self.waiting: dict[str, str] = {}
+        """Per tier ("" for a job without tiers): why no node could take its workers, as
+        the controller said (in memory: it says it again to a master that lost it)."""
 
     @property
     def id(self) -> str:
@@ -283,6 +291,15 @@ class Job:
             # than failing the job or its status.
             log.warning("job %s: shard %d's metrics left out: %s", self.id, shard.index, e)
         shard.record = replace(shard.record, metrics={})
+
+    def wait_for_placement(self, tier: str, reason: str) -> None:
+        """The controller's word on whether tier `tier`'s workers can be placed: `reason`
+        why not, or "" (they can)."""
+        self.tier_named(tier)
+        if reason:
+            self.waiting[tier] = reason
+        else:
+            self.waiting.pop(tier, None)
 
     def leave(self, shard: Shard, state: ShardState) -> None:
         """Take the shard out of the indexes of `state`, the state it is leaving. (TODO's

@@ -3,7 +3,7 @@
 The lease protocol (lease, renew, commit, release) is asked on `<prefix>.master.<op>.<worker
 id>`: the subject names the caller, and a lease token is honoured only from the worker it was
 granted to. A lease-protocol op asked on the subject without a worker is answered with where
-to ask instead. The rest (status, cancel, fail, resume, worker_ended) is asked on
+to ask instead. The rest (status, cancel, fail, resume, worker_ended, placement) is asked on
 `<prefix>.master.<op>`.
 
 Every answer is counted by op and outcome. A request that finds this master deposed (another
@@ -27,6 +27,8 @@ from ebb.common.messages import (
     CommitRequest,
     FailRequest,
     LeaseRequest,
+    PlacementReply,
+    PlacementRequest,
     ReleaseRequest,
     RenewRequest,
     ResumeRequest,
@@ -84,6 +86,9 @@ class MasterRequests:
         await server.add(
             self.subjects.master("worker_ended"),
             self._handler(WorkerEndedRequest, self._worker_ended),
+        )
+        await server.add(
+            self.subjects.master("placement"), self._handler(PlacementRequest, self._placement)
         )
 
     def _handler(
@@ -171,6 +176,14 @@ class MasterRequests:
         return await self.table.reaper.worker_ended(
             r.job, r.worker, kind=r.kind, blame=r.blame, reason=r.reason
         )
+
+    async def _placement(self, r: PlacementRequest, subject: str) -> Message:
+        # Memory only, and not for an ended job: a restarted master hears it again from the
+        # controller, which tells it whenever the status it reads differs.
+        job = self.table.context.find(r.job)
+        if not job.ended:
+            job.wait_for_placement(r.tier, r.reason)
+        return PlacementReply()
 
 
 def _caller(subject: str) -> str:

@@ -113,7 +113,17 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
         # A job of one tier too: its workers are placed, sized and started by their tier.
         tiers=_tiers(job) if live and job.spec.tiers else [],
+        shard_s=job.tiers[0].shard_s if live and not job.spec.tiers else 0.0,
+        waiting=_waiting(job) if live else "",
     )
+
+
+def _waiting(job: Job) -> str:
+    """Why the job's workers (a tier's, each named) cannot be placed; "" if they can."""
+    if not job.spec.tiers:
+        return job.waiting.get("", "")
+    told = [(t.name, job.waiting[t.name]) for t in job.tiers if t.name in job.waiting]
+    return "; ".join(f"tier {name}: {reason}" for name, reason in told)
 
 
 def _tiers(job: Job) -> list[TierStatus]:
@@ -125,6 +135,8 @@ def _tiers(job: Job) -> list[TierStatus]:
             bytes_done=tier.bytes_done,
             workers_ready=len(tier.ready_workers),
             held_back=job.held_back(tier),
+            shard_s=tier.shard_s,
+            waiting=job.waiting.get(tier.name, ""),
         )
         for tier in job.tiers
     ]
