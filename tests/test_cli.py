@@ -19,12 +19,12 @@ import pytest
 import torch
 import yaml
 
-from ebb.client.display import lost_workers
+from ebb.client.display import lost_workers, tier_text
 from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder
 from ebb.common import envvars
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.layout import MANIFEST, OWNER
-from ebb.common.messages import JobStatus
+from ebb.common.messages import JobStatus, TierStatus
 
 from .helpers import ASSETS, free_port, job_spec, write_dataset, write_model
 
@@ -419,6 +419,12 @@ def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:
         attempts_forgiven=6,
     )
     assert lost_workers(status) == "5 lost (4 capacity, 1 setup), 6 attempts forgiven"
+
+
+def test_a_tier_waiting_for_a_node_says_why() -> None:
+    tier = TierStatus(name="gpu", shards={"TODO": 4}, waiting="gpu_type H100: no node has it")
+    assert tier_text(tier) == "TODO 4; 0 rows; waiting for a node: gpu_type H100: no node has it"
+    assert "waiting" not in tier_text(TierStatus(name="gpu", shards={"TODO": 4}))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")

@@ -82,7 +82,8 @@ def tier_text(tier: TierStatus) -> str:
     """A tier of a job in a line: its shards by state, its rows, whether it is held back."""
     shards = ", ".join(f"{state} {n}" for state, n in tier.shards.items() if n) or "no shards yet"
     held = " (held back: the next tier has enough waiting)" if tier.held_back else ""
-    return f"{shards}; {tier.rows_done:,} rows{held}"
+    waiting = f"; waiting for a node: {tier.waiting}" if tier.waiting else ""
+    return f"{shards}; {tier.rows_done:,} rows{held}{waiting}"
 
 
 def metric_text(value: Any) -> str:

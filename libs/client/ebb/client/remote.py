@@ -105,6 +105,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("name", status.name),
                 ("state", status.state),
                 ("reason", status.reason),
+                # A job with tiers says it per tier, below.
+                ("waiting", "" if status.tiers else status.waiting),
                 ("rows", f"{status.rows_done:,} of {status.rows_total:,}"),
                 ("error rows", f"{status.error_rows:,}"),
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
@@ -132,6 +134,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         out.print(table)
         for job_id, reason in reply.rejected.items():
             out.print(f"[red]rejected[/] {job_id}: {reason}")
+        for job in sorted((j for j in reply.jobs if j.waiting), key=lambda j: j.id):
+            out.print(f"[yellow]waiting[/] {job.id}: {job.waiting}")
         return EXIT_OK
 
 
