@@ -40,7 +40,14 @@ def test_a_bad_quantity_is_an_error() -> None:
 
 
 def demand(
-    job: str, *, want: int, cpu: float, priority: int = 0, lo: int = 0, pool: str | None = None
+    job: str,
+    *,
+    want: int,
+    cpu: float,
+    priority: int = 0,
+    lo: int = 0,
+    pool: str | None = None,
+    first: str = "offline",
 ) -> Demand:
     return Demand(
         job=job,
@@ -50,11 +57,12 @@ def demand(
         submitted_at=0.0,
         shape={"cpu": cpu},
         eligible=(lambda b: b.name.startswith(pool)) if pool else (lambda b: True),
+        prefer=lambda b: 0 if b.pool == first else 1,
     )
 
 
 def test_allocation_packs_by_shape_and_fills_preferred_bins_first() -> None:
-    bins = [Bin("mixed-1", {"cpu": 8.0}, rank=1), Bin("offline-1", {"cpu": 5.0}, rank=0)]
+    bins = [Bin("mixed-1", {"cpu": 8.0}, pool="mixed"), Bin("offline-1", {"cpu": 5.0}, "offline")]
     # 3-core workers: one fits the offline node (5 cores), two the mixed one.
     assert allocate([demand("a", want=10, cpu=3)], bins) == {"a": 3}
     # A 6-core worker only fits the mixed node.

@@ -278,6 +278,10 @@ async def test_the_mixed_pool_is_lent_at_night_and_given_back_when_online_load_r
     drained = (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0) - evicted_before
     assert displaced["preempted"] >= 1
     assert displaced["preempted"] + drained == 8
+    # Each drained pod counts against its job (placer.py): reclaimed that often, a job
+    # that leaves its pool to the controller goes to the offline pool first.
+    assert h.backend.harvester is not None
+    assert h.backend.harvester.reclaimed[job] == drained
 
 
 def displaced_pods(kube: FakeKubeAPI) -> dict[str, int]:

@@ -218,8 +218,7 @@ def test_a_tiers_pod_carries_its_tier_over_the_controllers_placement(tmp_path: P
         node_selector={"zone": "a", "pool": "any"},
         tolerations=[{"key": "batch", "operator": "Exists"}],
     )
-    tier = parse_job(tiered_spec(tmp_path)).tiers[1]
-    placement = pod_placement(config, tier)
+    placement = pod_placement(config, parse_job(tiered_spec(tmp_path)), "gpu")
     pod = worker_pod(
         "job-1",
         config,

@@ -12,7 +12,7 @@ from ebb.common.errors import SpecError
 from ebb.common.messages import JobStatus
 from ebb.common.spec import RUNTIME_MODULES, parse_job
 
-from .capacity import Bin, Resources
+from .capacity import Bin, Resources, no_preference
 from .failures import Kind
 
 Phase = Literal["starting", "running", "terminating", "succeeded", "failed"]
@@ -57,6 +57,14 @@ def _one_slot(_job: JobStatus, _tier: str) -> Resources:
     return {"workers": 1.0}
 
 
+def _in_name_order(_job: JobStatus, _tier: str) -> Callable[[Bin], int]:
+    return no_preference
+
+
+def _placeable(_job: JobStatus, _tier: str) -> str:
+    return ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Capacity:
     """Where workers could run now, and what one worker of a tier of a job needs."""
@@ -67,6 +75,11 @@ class Capacity:
     """What one worker of (job, tier) requests ("": a job without tiers)."""
     eligible: Callable[[JobStatus, str], Callable[[Bin], bool]] = field(default=_anywhere)
     """Which bins a worker of (job, tier) may go to."""
+    prefer: Callable[[JobStatus, str], Callable[[Bin], int]] = field(default=_in_name_order)
+    """The order a worker of (job, tier) takes bins in: lower first (capacity.Demand)."""
+    unplaceable: Callable[[JobStatus, str], str] = field(default=_placeable)
+    """Why no place the backend knows, free or not, could ever take a worker of (job, tier)
+    (the job waits, and its status says so); "" when some could."""
 
     @staticmethod
     def slots(n: int) -> Capacity:

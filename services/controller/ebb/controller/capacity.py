@@ -5,6 +5,8 @@ for the local backend, "workers" (slots). A Bin is one place workers can go (a n
 machine). `allocate` decides how many workers each job should have by placing them, one by
 one, in fair order: every job's minimum first (higher priority first), then one worker at a
 time to the highest-priority jobs that can use one, the least-served first among equals.
+Each worker goes to the first bin that fits it in its own job's order of preference (the
+offline pool first for one job, lent mixed nodes first for another).
 """
 
 from __future__ import annotations
@@ -65,8 +67,13 @@ class Bin:
 
     name: str
     free: Resources
-    rank: int = 0
-    """Lower ranks fill first (the offline pool before lent mixed nodes, say)."""
+    pool: str = ""
+    """The pool it is in (Kubernetes: its node's pool label, `offline` or `mixed`); "" where
+    there are no pools (the local backend's machine)."""
+
+
+def no_preference(_bin: Bin) -> int:
+    return 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,17 +89,21 @@ class Demand:
     shape: Resources
     """What one worker requests."""
     eligible: Callable[[Bin], bool] = field(default=lambda _: True)
+    prefer: Callable[[Bin], int] = field(default=no_preference)
+    """Its order of bins: lower fills first (bins by name among equals)."""
 
 
 def allocate(demands: Iterable[Demand], bins: list[Bin]) -> dict[str, int]:
     """Desired workers per job: as many as fit, shared by priority, then equally."""
     order = sorted(demands, key=lambda d: (-d.priority, d.submitted_at, d.job))
     alloc = {d.job: 0 for d in order}
-    free = [Bin(b.name, dict(b.free), b.rank) for b in sorted(bins, key=lambda b: (b.rank, b.name))]
+    free = [Bin(b.name, dict(b.free), b.pool) for b in sorted(bins, key=lambda b: b.name)]
+    # Each job's own order of the same bins: what one takes, the others see taken.
+    ordered = {d.job: sorted((b for b in free if d.eligible(b)), key=d.prefer) for d in order}
 
     def place(d: Demand) -> bool:
-        for b in free:
-            if d.eligible(b) and fits(b.free, d.shape):
+        for b in ordered[d.job]:
+            if fits(b.free, d.shape):
                 b.free = add(b.free, d.shape, -1.0)
                 alloc[d.job] += 1
                 return True

@@ -32,6 +32,8 @@ _FATAL_WAITING = frozenset(
     }
 )
 _CAPACITY_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "Shutdown", "Terminated"})
+_PREEMPTIONS = frozenset({"Preempting", "PreemptionByScheduler"})
+"""The reasons of a pod the scheduler preempted for a pod of higher priority."""
 _DISRUPTIONS = frozenset(
     {
         "PreemptionByScheduler",
@@ -46,6 +48,16 @@ _DISRUPTIONS = frozenset(
 class Failure:
     kind: Kind
     reason: str
+
+
+def preempted(failure: Failure | None) -> bool:
+    """The failure is a preemption: the scheduler made room for a pod of higher priority
+    (an online one, on a mixed node)."""
+    return (
+        failure is not None
+        and failure.kind == "capacity"
+        and failure.reason.split(":", 1)[0] in _PREEMPTIONS
+    )
 
 
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:

@@ -160,6 +160,7 @@ def demand(group: Group, capacity: Capacity, *, have: int = 0) -> Demand:
         submitted_at=group.job.submitted_at,
         shape=capacity.shape(group.job, group.tier),
         eligible=capacity.eligible(group.job, group.tier),
+        prefer=capacity.prefer(group.job, group.tier),
     )
 
 
@@ -228,6 +229,27 @@ def plan(
     return Plan(
         desired=desired, launch=launch, terminate=terminate, held_back=held_back, groups=groups
     )
+
+
+def told_waiting(group: Group) -> str:
+    """Why the master says the group's workers cannot be placed ("": it says nothing)."""
+    if not group.tier:
+        return group.job.waiting
+    return next((t.waiting for t in group.job.tiers if t.name == group.tier), "")
+
+
+def placement_news(decided: Plan, capacity: Capacity) -> dict[str, str]:
+    """Per group whose status is wrong about whether its workers can be placed: why no
+    place could ever take them, or "" now that one could. A group with workers desired has
+    a place, and one with no work left wants none (nothing to say of either)."""
+    news: dict[str, str] = {}
+    for key, group in decided.groups.items():
+        reason = ""
+        if decided.desired.get(key, 0) == 0 and group.upstream > 0:
+            reason = capacity.unplaceable(group.job, group.tier)
+        if reason != told_waiting(group):
+            news[key] = reason
+    return news
 
 
 _NOT_IN_AN_ID = re.compile(r"[^A-Za-z0-9_-]+")

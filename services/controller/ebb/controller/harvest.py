@@ -20,7 +20,7 @@ from . import metrics
 from .capacity import add
 from .informer import Informer
 from .kube_settings import KubeConfig
-from .podspec import APP, APP_LABEL
+from .podspec import APP, APP_LABEL, JOB_LABEL
 from .tidal import LABEL as TIDAL
 from .tidal import STATES, Amounts, ForecastTide, MixedNode, Move, State, Tide
 from .views import NodeView, PodView, selector_matches
@@ -81,6 +81,8 @@ class TidalHarvester:
         """forecast policy: what batch pods may take of each resource on lent mixed nodes
         (None: no cap)."""
         self.last_sample: float | None = None
+        self.reclaimed: Counter[str] = Counter()
+        """Per job (its pods' job label): worker pods the tide drained (placer.py reads it)."""
 
     def forget_gone(self, pods: list[PodView]) -> set[str]:
         """The pods still draining, of those that exist."""
@@ -176,6 +178,7 @@ class TidalHarvester:
         for pod in pool.batch:
             if pod.node in reclaiming and not pod.meta.deleting:
                 metrics.BATCH_EVICTIONS.inc()
+                self.reclaimed[pod.meta.labels.get(JOB_LABEL, "")] += 1
                 await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
         self._account(pool, moves, now)
         if moves:
@@ -234,6 +237,7 @@ class TidalHarvester:
                 used = add(used, asked, -1.0)
                 self.draining.add(pod.name)
                 metrics.BATCH_EVICTIONS.inc()
+                self.reclaimed[pod.meta.labels.get(JOB_LABEL, "")] += 1
                 await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
 
     async def run(self) -> None:

@@ -8,8 +8,9 @@ The reconciler reads them; writes are the pods it creates and deletes, the tidal
 on mixed nodes (harvest.py), and (given a signer) each worker pod's NATS credentials Secret
 (credentials.py).
 
-Batch workers go to the offline pool, or to mixed nodes in tidal state `offline` (lent), the
-offline pool preferred; never to nodes where our pods keep failing (for a while).
+Batch workers go to the offline pool, or to mixed nodes in tidal state `offline` (lent), in
+the order their job's pool mode says (placer.py); never to nodes where our pods keep failing
+(for a while).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
@@ -33,12 +34,13 @@ from .avoidance import NodeAvoidance
 from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .capacity import Bin, Resources, add
 from .credentials import CredentialIssuer
-from .failures import classify
-from .groups import group_key, job_spec, tier_resources, tier_spec
+from .failures import Failure, classify
+from .groups import group_key, job_spec, tier_resources
 from .harvest import TidalHarvester
 from .informer import Informer
 from .kube_settings import KubeConfig
 from .placement import Placement
+from .placer import Placer
 from .podspec import (
     APP,
     APP_LABEL,
@@ -46,9 +48,9 @@ from .podspec import (
     TIER_LABEL,
     WORKER_LABEL,
     pod_name,
-    pod_placement,
     worker_pod,
 )
+from .pools import MIXED, OFFLINE
 from .tidal import LABEL as TIDAL
 from .tidal import ForecastTide, Tide
 from .views import NodeView, PodView, parse_time, selector_matches
@@ -163,6 +165,10 @@ class KubernetesBackend:
         self.avoidance = NodeAvoidance(
             after=config.avoid_after, window_s=config.avoid_window_s, for_s=config.avoid_for_s
         )
+        self.placer = Placer(
+            config, drained=self.harvester.reclaimed if self.harvester is not None else None
+        )
+        """Each group's pool mode, node selector and tolerations, and its reclaims."""
 
     # -- agents ----------------------------------------------------------------------------
 
@@ -191,8 +197,9 @@ class KubernetesBackend:
         draining = self.harvester.forget_gone(pods) if self.harvester else set()
         if self.credentials is not None:
             await self.credentials.repair(pods)
-        for pod in pods:
-            failure = classify(pod.obj)
+        failures: list[tuple[PodView, Failure | None]] = [(p, classify(p.obj)) for p in pods]
+        self.placer.note_pods(failures, map(NodeView, self.nodes.values()))
+        for pod, failure in failures:
             phase: Phase
             if pod.phase == "Succeeded":
                 phase = "succeeded"
@@ -228,6 +235,7 @@ class KubernetesBackend:
         for job in jobs:
             if job.spec is not None:
                 self._specs[job.id] = job
+        self.placer.forget_ended({j.id for j in jobs})
         live = {w.id for w in workers if w.alive}
         used: dict[str, Resources] = defaultdict(dict)
         for pod in map(PodView, self.pods.values()):
@@ -240,16 +248,16 @@ class KubernetesBackend:
         nodes = {n.name: n for n in map(NodeView, self.nodes.values())}
         for node in nodes.values():
             labels = node.meta.labels
-            pool = labels.get(self.config.pool_label, "offline")
-            lent = pool == "mixed" and labels.get(TIDAL) == "offline"
-            if not (node.ready and (pool == "offline" or lent)):
+            pool = labels.get(self.config.pool_label, OFFLINE)
+            lent = pool == MIXED and labels.get(TIDAL) == "offline"
+            if not (node.ready and (pool == OFFLINE or lent)):
                 continue
             if self.avoidance.avoids(node.name, now):
                 continue
             allocatable = node.allocatable()
             counted = {k: v for k, v in allocatable.items() if k in self.config.resources}
             free = add(counted, used[node.name], -1.0)
-            bins.append(Bin(node.name, free, rank=0 if pool == "offline" else 1))
+            bins.append(Bin(node.name, free, pool=pool))
         budget = self.harvester.budget if self.harvester else None
         if budget is not None:
             # The tide's budget caps what new batch pods may take on the mixed pool, resource by
@@ -258,25 +266,30 @@ class KubernetesBackend:
             offline_nodes = {
                 n.name
                 for n in map(NodeView, self.nodes.values())
-                if n.meta.labels.get(self.config.pool_label, "offline") == "offline"
+                if n.meta.labels.get(self.config.pool_label, OFFLINE) == OFFLINE
             }
             held: Resources = {}
             for p in map(PodView, self.workers.values()):
                 if p.name in live and p.node not in offline_nodes:
                     held = add(held, p.requests(self.config.resources))
-            mixed = sorted((b for b in bins if b.rank == 1), key=lambda b: b.name)
+            mixed = sorted((b for b in bins if b.pool == MIXED), key=lambda b: b.name)
             for resource, allowed in budget.items():
                 left = max(allowed, held.get(resource, 0.0))
                 for b in mixed:
                     b.free[resource] = min(b.free.get(resource, 0.0), max(0.0, left))
                     left -= b.free[resource]
         for b in bins:
-            pool = "offline" if b.rank == 0 else "mixed"
-            pools[pool] = add(pools[pool], b.free)
+            pools[b.pool] = add(pools[b.pool], b.free)
         for pool, free in pools.items():
             for resource, amount in free.items():
                 metrics.IDLE_CAPACITY.labels(pool, resource).set(amount)
-        return Capacity(bins=bins, shape=self.shape, eligible=self._eligible(nodes))
+        return Capacity(
+            bins=bins,
+            shape=self.shape,
+            eligible=self.placer.eligible(list(nodes.values())),
+            prefer=self.placer.prefer,
+            unplaceable=self.placer.unplaceable(list(nodes.values()), self.shape),
+        )
 
     def shape(self, job: JobStatus, tier: str = "") -> Resources:
         """What one worker of tier `tier` of `job` requests ("": a job without tiers)."""
@@ -291,24 +304,8 @@ class KubernetesBackend:
         return shape
 
     def placement(self, job: JobStatus, tier: str = "") -> Placement:
-        """The node selector and tolerations of tier `tier`'s pods: ours, and the tier's."""
-        return pod_placement(self.config, tier_spec(job_spec(job), tier))
-
-    def _eligible(
-        self, nodes: dict[str, NodeView]
-    ) -> Callable[[JobStatus, str], Callable[[Bin], bool]]:
-        """Capacity.eligible over `nodes`: those a group's pods may land on."""
-
-        def eligible(job: JobStatus, tier: str) -> Callable[[Bin], bool]:
-            placement = self.placement(job, tier)
-            admitted = {
-                name
-                for name, node in nodes.items()
-                if placement.admits(node.meta.labels, node.taints())
-            }
-            return lambda b: b.name in admitted
-
-        return eligible
+        """Where tier `tier`'s pods may run (see Placer.placement)."""
+        return self.placer.placement(job, tier)
 
     async def launch(self, job: JobStatus, worker_id: str, *, tier: str = "") -> None:
         status = self._specs.get(job.id, job)

@@ -7,6 +7,7 @@ from typing import Any
 
 from ebb.common.natsconfig import NatsConfig
 
+from .pools import PoolPolicy
 from .tidal import TidalConfig
 from .views import RESOURCES
 
@@ -34,6 +35,12 @@ class KubeConfig:
     grace_s: int = 60
     """terminationGracePeriodSeconds: the time a worker has to drain on SIGTERM."""
     pool_label: str = "ebb.io/pool"
+    pools: PoolPolicy = field(default_factory=PoolPolicy)
+    """How a job that leaves its pool to us (`resources.pool: auto`) is placed: short jobs
+    on lent mixed nodes first, long or often-reclaimed ones on the offline pool first."""
+    gpu_type_label: str = "nvidia.com/gpu.product"
+    """The node label whose value a job's `resources.gpu_type` must equal (the one NVIDIA's
+    GPU feature discovery sets): its workers' pods select it."""
     online_selector: str = "ebb.io/workload=online"
     """Labels that mark online pods (whose load the tide follows)."""
     tidal: TidalConfig | None = field(default_factory=TidalConfig)
@@ -58,7 +65,8 @@ class KubeConfig:
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     """Workers' pod tolerations (Kubernetes' own form): onto tainted nodes, a GPU pool say."""
     node_selector: dict[str, str] = field(default_factory=dict)
-    """Node labels a worker's node must have, besides the pool (a GPU model, say)."""
+    """Node labels a worker's node must have, besides the pool (a GPU model, say); a job's
+    `node_selector` (and a tier's, and its `gpu_type`) go over these, label by label."""
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     env_from_secrets: list[str] = field(default_factory=lambda: ["ebb-storage-worker"])

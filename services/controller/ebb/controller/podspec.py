@@ -7,12 +7,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ebb.common import envvars
-from ebb.common.spec import TierSpec
+from ebb.common.placement import PoolMode
+from ebb.common.spec import JobSpec
 
 from .capacity import Resources
 from .informer import Obj
 from .kube_settings import KubeConfig
 from .placement import Placement
+from .pools import MIXED, OFFLINE, preferred
 from .tidal import LABEL as TIDAL
 
 APP = "ebb-worker"
@@ -75,14 +77,29 @@ def mounted_credentials(pod: Obj) -> str | None:
     return None
 
 
-def pod_placement(config: KubeConfig, tier: TierSpec | None = None) -> Placement:
-    """The node selector and tolerations of a worker's pod: the controller's, with its
-    tier's (if its job has tiers) over them."""
-    ours = Placement(
+def pod_placement(
+    config: KubeConfig, job: JobSpec | None = None, tier: str = "", *, pool: PoolMode = "any"
+) -> Placement:
+    """Where a worker of tier `tier` of `job` ("": a job without tiers) may run: the
+    controller's node selector and tolerations, the job's over them, its tier's over those,
+    and the GPU type its resources name (`config.gpu_type_label`) over all; in `pool`."""
+    where = Placement(
         node_selector=dict(config.node_selector),
         tolerations=[dict(t) for t in config.tolerations],
+        pool=pool,
     )
-    return ours.over(tier.node_selector, tier.tolerations) if tier is not None else ours
+    if job is None:
+        return where
+    where = where.over(job.node_selector, job.tolerations)
+    found = next((t for t in job.tiers if t.name == tier), None) if tier else None
+    if found is not None:
+        where = where.over(found.node_selector, found.tolerations)
+    resources = found.resources if found is not None else job.resources
+    if resources.gpu_type:
+        # Last: the GPU the workers' resources ask for is what they need, whatever a
+        # selector of wider reach says of the same label.
+        where = where.over({config.gpu_type_label: resources.gpu_type}, [])
+    return where
 
 
 def worker_pod(
@@ -98,10 +115,11 @@ def worker_pod(
     placement: Placement | None = None,
 ) -> Obj:
     """The pod of worker `worker_id` of job `job`: requests `shape`, runs `config.image`,
-    on the offline pool or a lent mixed node, never on a node named in `avoid`.
+    on the pools its placement allows, never on a node named in `avoid`.
 
     `tier`: the tier of the job it runs ("": the job has none), labelled and passed to the
-    worker; `placement`: its node selector and tolerations (None: `config`'s).
+    worker; `placement`: its pools, node selector and tolerations (None: `config`'s, on
+    the offline pool first, then lent mixed nodes).
 
     `own_credentials`: the worker connects to NATS with a credential of its own, read from
     the Secret `credentials_secret_name(pod name)` (mounted, never in the environment: any
@@ -152,15 +170,15 @@ def worker_pod(
         volumes.append({"name": _CREDENTIALS_VOLUME, "secret": secret})
     if c.metrics_port is not None:
         container["ports"] = [{"name": "metrics", "containerPort": c.metrics_port}]
+    where = placement if placement is not None else pod_placement(c)
     spec: Obj = {
         "restartPolicy": "Never",  # we relaunch, knowing why it ended
         "terminationGracePeriodSeconds": c.grace_s,
-        "affinity": {"nodeAffinity": _node_affinity(c.pool_label, sorted(avoid))},
+        "affinity": {"nodeAffinity": node_affinity(c.pool_label, where.pool, sorted(avoid))},
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
     }
-    where = placement if placement is not None else pod_placement(c)
     if where.tolerations:
         spec["tolerations"] = [dict(t) for t in where.tolerations]
     if where.node_selector:
@@ -211,26 +229,24 @@ def _environment(
     return env
 
 
-def _node_affinity(pool: str, avoid: list[str]) -> Obj:
-    """The offline pool, or a mixed node lent to batch work (preferring the offline pool,
-    where no reclaim evicts it); never a node in `avoid`."""
-    offline = {"key": pool, "operator": "In", "values": ["offline"]}
-    terms: list[Obj] = [
-        {"matchExpressions": [offline]},
-        {
-            "matchExpressions": [
-                {"key": pool, "operator": "In", "values": ["mixed"]},
-                {"key": TIDAL, "operator": "In", "values": ["offline"]},
-            ]
-        },
-    ]
+def node_affinity(pool_label: str, mode: PoolMode, avoid: list[str]) -> Obj:
+    """The pools pods placed in `mode` may run on (pools.py), required: the offline pool,
+    and, unless `offline`, mixed nodes lent to batch work (tidal state `offline`); the pool
+    they go to first, preferred; never a node in `avoid`."""
+    offline = {"key": pool_label, "operator": "In", "values": [OFFLINE]}
+    mixed = {"key": pool_label, "operator": "In", "values": [MIXED]}
+    lent = {"key": TIDAL, "operator": "In", "values": ["offline"]}
+    terms: list[Obj] = [{"matchExpressions": [offline]}]
+    if mode != "offline":
+        terms.append({"matchExpressions": [mixed, lent]})
     if avoid:
         fields = [{"key": "metadata.name", "operator": "NotIn", "values": avoid}]
         for term in terms:
             term["matchFields"] = fields
-    return {
-        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms},
-        "preferredDuringSchedulingIgnoredDuringExecution": [
-            {"weight": 100, "preference": {"matchExpressions": [offline]}}
-        ],
-    }
+    affinity: Obj = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
+    if mode != "offline":
+        first = offline if preferred(mode) == OFFLINE else mixed
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            {"weight": 100, "preference": {"matchExpressions": [first]}}
+        ]
+    return affinity

@@ -31,7 +31,16 @@ from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
 from .failures import Kind
-from .groups import Plan, group_key, job_of, new_worker_id, plan, rows_done, share
+from .groups import (
+    Plan,
+    group_key,
+    job_of,
+    new_worker_id,
+    placement_news,
+    plan,
+    rows_done,
+    share,
+)
 from .setup import SetupFailures, SetupPolicy
 
 __all__ = ["Plan", "Reconciler", "ReconcilerConfig", "plan", "share"]
@@ -161,6 +170,7 @@ class Reconciler:
                 await self.backend.launch(group.job, worker_id, tier=group.tier)
         for worker_id in decided.terminate:
             await self.backend.terminate(worker_id, grace_s=self.config.worker_grace_s)
+        await self._tell_placement(decided, capacity)
         self._publish(workers, decided)
         self.last_plan = decided
         return decided
@@ -301,6 +311,25 @@ class Reconciler:
                     return
                 log.warning("the master refused word of worker %s: %s", notice.worker, e)
             del self.to_tell[key]
+
+    async def _tell_placement(self, decided: Plan, capacity: Capacity) -> None:
+        """Tell the master which groups wait for a place no node could ever give them, and
+        why, and which need not any more: whenever its status says otherwise (level-triggered:
+        a master that restarted, and forgot, hears it again on the next pass)."""
+        for key, reason in placement_news(decided, capacity).items():
+            group = decided.groups[key]
+            try:
+                await self.master.placement(group.job.id, group.tier, reason)
+            except BusError as e:
+                log.info("the master did not hear where %s can run yet (%s)", key, e)
+                return  # unreachable now: the next pass tells it
+            except RemoteError as e:
+                log.warning("the master refused word of where %s can run: %s", key, e)
+                continue
+            if reason:
+                log.warning("workers of %s wait: no node could ever take them: %s", key, reason)
+            else:
+                log.info("workers of %s can be placed again", key)
 
     def _forgive(self, job: str) -> None:
         """The job's workers are not crash-looping: start counting again."""
