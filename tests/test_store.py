@@ -59,3 +59,43 @@ async def test_a_forgotten_job_leaves_no_record_of_itself_or_its_shards(nc: NATS
     assert await store.load_shards("old") == []
     assert len(await store.load_shards("older")) == 3  # a name it begins: not its shards
     assert await store.get_job("old") is None
+
+
+async def test_a_job_stored_before_pools_were_placed_reads_as_its_pool_meant_then(
+    nc: NATS,
+) -> None:
+    from ebb.common.subjects import Subjects
+    from ebb.shard_master.store import JobRecord, Store
+
+    subjects = Subjects("pools")
+    js = nc.jetstream()
+    await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
+    store = Store(
+        js,
+        jobs=await js.key_value(subjects.jobs_bucket),
+        shards=await js.key_value(subjects.shards_bucket),
+        buckets=(subjects.jobs_bucket, subjects.shards_bucket),
+    )
+
+    def spec(pool: str) -> dict[str, object]:
+        tier = {"name": "model", "stages": ["m"], "resources": {"pool": pool, "gpu": 1}}
+        return {"name": "j", "resources": {"pool": pool, "cpu": 2}, "tiers": [tier]}
+
+    # Before, every spec was stored with the default of then, `offline`, which placed workers
+    # on the offline pool first and on lent mixed nodes after: `any` now.
+    assert await store.create_job(JobRecord(id="before", spec=spec("offline")))
+    # Now `offline` is asked for, and means the offline pool only.
+    assert await store.create_job(JobRecord(id="now", spec=spec("offline"), pools_placed=True))
+    found = await store.get_job("before")
+    assert found is not None
+    before, revision = found
+    assert before.pools_placed
+    assert before.spec["resources"] == {"pool": "any", "cpu": 2}
+    assert before.spec["tiers"][0]["resources"] == {"pool": "any", "gpu": 1}
+    loaded = {r.id: r for r, _ in await store.load_jobs()}
+    assert loaded["before"] == before
+    assert loaded["now"].spec == spec("offline")
+    # Written back as read: the next update stores the pool it meant.
+    await store.update_job(before, last=revision)
+    raw = await (await js.key_value(subjects.jobs_bucket)).get("before")
+    assert raw.value is not None and b"offline" not in raw.value

@@ -5,6 +5,7 @@ its fields' docstrings are the reference. Imports nothing of spec.py (it imports
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -18,6 +19,21 @@ one preferred; either pool, lent mixed nodes preferred."""
 POOLS = ("auto", "offline", "any", "mixed", "online")
 """What `resources.pool` may say. `online` is read as `any`: specs stored before the pool
 was read say it, and it never placed anything on online nodes."""
+
+
+def as_meant_before_pools(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A job spec (as a map) stored before `resources.pool` placed workers, with what its pool
+    meant then. Every spec stored then says `pool: offline`, the default of that version, and
+    every worker went to the offline pool first and to lent mixed nodes after: `any` now. Read
+    as `offline`, a job running across the upgrade would lose its mixed nodes, or wait for
+    ever on a cluster without an offline pool."""
+    out = copy.deepcopy(dict(spec))
+    tiers = out.get("tiers")
+    for holder in [out, *(tiers if isinstance(tiers, list) else [])]:
+        resources = holder.get("resources") if isinstance(holder, dict) else None
+        if isinstance(resources, dict) and resources.get("pool") == "offline":
+            resources["pool"] = "any"
+    return out
 
 
 def asked_pool(pool: str) -> PoolMode | None:

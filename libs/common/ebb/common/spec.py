@@ -461,7 +461,8 @@ class ResourceSpec:
     nodes first (cheap, and reclaimed when online work needs them), then the offline pool.
     `auto`: the controller decides by the job's kind: `mixed` for a job expected to finish
     soon, `any` for a long one, or one whose workers were reclaimed often. `online`: read as
-    `any` (batch workers never run on online nodes)."""
+    `any` (batch workers never run on online nodes). A job stored by a version before pools
+    placed workers says `offline`, its default then, and is read as `any`, as it ran."""
 
     def __post_init__(self) -> None:
         if self.min_workers < 0:

@@ -113,7 +113,9 @@ class JobIntake:
         await self._claim_output(submitted)
         if job is None:
             submitted_at = self._context.wall_clock()
-            record = JobRecord(id=spec.id, spec=spec.to_dict(), submitted_at=submitted_at)
+            record = JobRecord(
+                id=spec.id, spec=spec.to_dict(), submitted_at=submitted_at, pools_placed=True
+            )
             revision = await store.create_job(record)
             if revision is None:
                 found = await store.get_job(spec.id)

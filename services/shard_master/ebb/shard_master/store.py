@@ -8,7 +8,7 @@ we raise `Deposed` rather than overwrite it.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import nats.errors
@@ -20,6 +20,7 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from ebb.common import schema
 from ebb.common.layout import OutputFile
 from ebb.common.messages import JobState, ShardSpec, ShardState
+from ebb.common.placement import as_meant_before_pools
 
 from .errors import Deposed
 
@@ -115,6 +116,19 @@ class JobRecord:
     """Attempts lost with a worker the cluster took, not counted as failures (every run)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """The values of the job's metrics over its DONE shards, written when the job ends."""
+    pools_placed: bool = False
+    """Written by a master whose controller places workers by `resources.pool`. A record
+    without it is read with the pools its spec meant then (placement.as_meant_before_pools)."""
+
+
+def read_job(value: bytes) -> JobRecord:
+    """A job's stored record as this version reads it. One written before pools placed
+    workers gets the pools its spec meant then (as_meant_before_pools), and is written back
+    so with its next update."""
+    record = schema.decode(JobRecord, value)
+    if record.pools_placed:
+        return record
+    return replace(record, spec=as_meant_before_pools(record.spec), pools_placed=True)
 
 
 def shard_key(job: str, index: int) -> str:
@@ -165,7 +179,7 @@ class Store:
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         assert entry.value is not None and entry.revision is not None
-        return schema.decode(JobRecord, entry.value), entry.revision
+        return read_job(entry.value), entry.revision
 
     async def create_shard(self, record: ShardRecord) -> int | None:
         """Create a shard's record; None if it exists already (a resumed planning)."""
@@ -185,7 +199,7 @@ class Store:
 
     async def load_jobs(self) -> list[tuple[JobRecord, int]]:
         entries = await _snapshot(self._js, self._jobs_bucket, ">")
-        return [(schema.decode(JobRecord, v), rev) for v, rev in entries]
+        return [(read_job(v), rev) for v, rev in entries]
 
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
         entries = await _snapshot(self._js, self._shards_bucket, f"{job}.*")
