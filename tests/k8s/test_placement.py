@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -224,6 +224,7 @@ async def test_pods_select_their_gpu_type_and_placement_goes_controller_job_tier
     ]
 
 
+@pytest.mark.kube(terminate_delay=5.0)  # a preempted worker drains: the controller sees it
 async def test_a_short_job_prefers_the_mixed_pool_until_its_workers_are_reclaimed(
     kube: FakeKubeAPI, scripted: ScriptedMaster, nc: NATS, nats_config: NatsConfig, tmp_path: Path
 ) -> None:
@@ -246,9 +247,11 @@ async def test_a_short_job_prefers_the_mixed_pool_until_its_workers_are_reclaime
         assert h.backend.placer.pool_mode(scripted.jobs[JOB]) == "any"
         scripted.set(running(spec, todo=40, shard_s=60.0))
 
-        # The scheduler preempts its workers on the mixed node for online pods, three times.
+        # Its workers on the mixed node are preempted for online pods, three times: twice by
+        # the scheduler (the pod drains, its worker exits 0), once by the kubelet (Failed).
         reclaimed: set[str] = set()
-        for _ in range(3):
+        preempters: tuple[Literal["scheduler", "kubelet"], ...] = ("scheduler",) * 2 + ("kubelet",)
+        for by in preempters:
             pod = await h.converge(
                 lambda: next(
                     (
@@ -264,7 +267,7 @@ async def test_a_short_job_prefers_the_mixed_pool_until_its_workers_are_reclaime
             )
             assert preferred_pool(pod) == "mixed"
             reclaimed.add(pod["metadata"]["name"])
-            kube.preempt(pod["metadata"]["name"], NS, by="kubelet")
+            kube.preempt(pod["metadata"]["name"], NS, by=by)
             await h.converge(
                 lambda: h.backend.placer.reclaims(JOB) == len(reclaimed),
                 what=f"{len(reclaimed)} reclaims counted",

@@ -50,13 +50,19 @@ class Failure:
     reason: str
 
 
-def preempted(failure: Failure | None) -> bool:
-    """The failure is a preemption: the scheduler made room for a pod of higher priority
-    (an online one, on a mixed node)."""
-    return (
-        failure is not None
-        and failure.kind == "capacity"
-        and failure.reason.split(":", 1)[0] in _PREEMPTIONS
+def preempted(pod: dict[str, Any]) -> bool:
+    """The pod was preempted for a pod of higher priority (an online one, on a mixed node).
+    The scheduler says so in the pod's DisruptionTarget condition before it deletes it, so it
+    shows while the pod drains, however the worker then ends (a drained worker exits 0); a
+    kubelet that preempts it leaves it Failed, `Preempting`."""
+    status = pod.get("status") or {}
+    if status.get("reason") in _PREEMPTIONS:
+        return True
+    return any(
+        c.get("type") == "DisruptionTarget"
+        and c.get("status") == "True"
+        and c.get("reason") in _PREEMPTIONS
+        for c in status.get("conditions") or []
     )
 
 

@@ -34,7 +34,7 @@ from .avoidance import NodeAvoidance
 from .backend import Capacity, Phase, WorkerInfo, job_environment
 from .capacity import Bin, Resources, add
 from .credentials import CredentialIssuer
-from .failures import Failure, classify
+from .failures import classify
 from .groups import group_key, job_spec, tier_resources
 from .harvest import TidalHarvester
 from .informer import Informer
@@ -197,9 +197,9 @@ class KubernetesBackend:
         draining = self.harvester.forget_gone(pods) if self.harvester else set()
         if self.credentials is not None:
             await self.credentials.repair(pods)
-        failures: list[tuple[PodView, Failure | None]] = [(p, classify(p.obj)) for p in pods]
-        self.placer.note_pods(failures, map(NodeView, self.nodes.values()))
-        for pod, failure in failures:
+        self.placer.note_pods(pods, map(NodeView, self.nodes.values()))
+        for pod in pods:
+            failure = classify(pod.obj)
             phase: Phase
             if pod.phase == "Succeeded":
                 phase = "succeeded"

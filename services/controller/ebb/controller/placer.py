@@ -17,7 +17,7 @@ from ebb.common.messages import JobStatus
 from ebb.common.placement import PoolMode
 
 from .capacity import Bin, Resources
-from .failures import Failure, preempted
+from .failures import preempted
 from .groups import groups_of, job_spec, tier_resources
 from .kube_settings import KubeConfig
 from .placement import NodeFacts, Placement, unplaceable
@@ -38,16 +38,14 @@ class Placer:
         self._preempted_pods: set[str] = set()
         """Those pods, while they are still seen: each counts once."""
 
-    def note_pods(
-        self, pods: Iterable[tuple[PodView, Failure | None]], nodes: Iterable[NodeView]
-    ) -> None:
+    def note_pods(self, pods: Iterable[PodView], nodes: Iterable[NodeView]) -> None:
         """Count the worker pods preempted on mixed nodes, each once. `pods`: every worker
-        pod there is, ended ones included, each with its failure (failures.classify)."""
+        pod there is, ended and terminating ones included."""
         mixed = {n.name for n in nodes if n.meta.labels.get(self.config.pool_label) == MIXED}
         seen = set()
-        for pod, failure in pods:
+        for pod in pods:
             seen.add(pod.name)
-            if pod.node in mixed and preempted(failure) and pod.name not in self._preempted_pods:
+            if pod.node in mixed and preempted(pod.obj) and pod.name not in self._preempted_pods:
                 self._preempted_pods.add(pod.name)
                 self.preempted[pod.meta.labels.get(JOB_LABEL, "")] += 1
         self._preempted_pods &= seen
