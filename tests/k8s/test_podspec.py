@@ -202,3 +202,16 @@ def test_the_configuration_names_the_secrets_workers_get() -> None:
     (container,) = pod["spec"]["containers"]
     assert container["envFrom"] == [{"secretRef": {"name": "team-a-storage", "optional": True}}]
     assert _secrets_read(pod["spec"]) == {"team-a-storage"}
+
+
+def test_a_gpu_worker_asks_for_the_gpu_resource_the_controller_names() -> None:
+    nats = NatsConfig(url="nats://ebb-nats:4222")
+    shape: Resources = {"cpu": 4.0, "memory": 8.0 * 2**30, "amd.com/gpu": 2.0}
+    amd = KubeConfig(nats=nats, gpu_resource="amd.com/gpu")
+    limits = worker_pod("j", amd, worker_id="w", shape=shape)["spec"]["containers"][0]["resources"][
+        "limits"
+    ]
+    assert limits == {"memory": str(8 * 2**30), "amd.com/gpu": "2"}
+    # On the default config that shape asks for no NVIDIA GPU it does not name.
+    nvidia = worker_pod("j", KubeConfig(nats=nats), worker_id="w", shape=shape)
+    assert "nvidia.com/gpu" not in nvidia["spec"]["containers"][0]["resources"]["limits"]

@@ -300,7 +300,7 @@ class KubernetesBackend:
         memory = min(resources.memory_gb * grown, self.config.max_memory_gb)
         shape: Resources = {"cpu": resources.cpu, "memory": memory * 2**30}
         if resources.gpu:
-            shape["nvidia.com/gpu"] = float(resources.gpu)
+            shape[self.config.gpu_resource] = float(resources.gpu)
         return shape
 
     def placement(self, job: JobStatus, tier: str = "") -> Placement:

@@ -45,6 +45,9 @@ class KubeConfig:
     """Labels that mark online pods (whose load the tide follows)."""
     tidal: TidalConfig | None = field(default_factory=TidalConfig)
     """None: the mixed pool is never lent."""
+    gpu_resource: str = "nvidia.com/gpu"
+    """The extended resource a job's `resources.gpu` asks for (`amd.com/gpu` on AMD nodes;
+    name it in `resources` too)."""
     resources: list[str] = field(default_factory=lambda: list(RESOURCES))
     """The resources capacity and the tide count: CPU, memory and NVIDIA GPUs, and any
     extended resource named here (`amd.com/gpu`, say) that workers or online pods ask for."""

@@ -146,7 +146,7 @@ def _amount(resource: str, value: float) -> str:
         return f"{value / 2**30:g} GiB memory"
     if resource == "cpu":
         return f"{value:g} CPUs"
-    if resource == "nvidia.com/gpu":
+    if resource.endswith("/gpu"):
         return f"{value:g} GPUs"
     return f"{value:g} {resource}"
 

@@ -129,8 +129,9 @@ def worker_pod(
     name = pod_name(worker_id)
     requests = {"cpu": f"{shape['cpu']:g}", "memory": f"{int(shape['memory'])}"}
     limits = {"memory": requests["memory"]}
-    if shape.get("nvidia.com/gpu"):
-        limits["nvidia.com/gpu"] = f"{int(shape['nvidia.com/gpu'])}"
+    if shape.get(c.gpu_resource):
+        # An extended resource is asked as a limit (its request defaults to it).
+        limits[c.gpu_resource] = f"{int(shape[c.gpu_resource])}"
     labels = {**c.labels, APP_LABEL: APP, JOB_LABEL: job, WORKER_LABEL: name}
     if tier:
         labels[TIER_LABEL] = tier
