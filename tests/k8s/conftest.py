@@ -12,13 +12,16 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio.client import ApiClient
+from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
 from ebb.common.natsconfig import NatsConfig
 from ebb.shard_master.service import MasterConfig
 from tests.helpers import ASSETS
 from tests.k8s.fake_apiserver import FakeKubeAPI
-from tests.k8s.harness import Harness
+from tests.k8s.harness import NS, Harness
+from tests.k8s.manifests import access, allowed
+from tests.scripted_master import ScriptedMaster
 from tests.test_master import Master
 
 
@@ -66,3 +69,28 @@ async def harness_factory(
     yield make
     for h in made:
         await h.close()
+
+
+@pytest.fixture
+async def controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]:
+    """Every request the controller made in a test, k8s/base/rbac.yaml lets it make
+    (`pytest.mark.usefixtures("controllers_rbac")`)."""
+    yield
+    denied = sorted(
+        {
+            str(a)
+            for r in kube.requests
+            if (a := access(r.method, r.path, r.query)) and not allowed("ebb-controller", NS, a)
+        }
+    )
+    assert not denied, f"k8s/base/rbac.yaml does not let the controller do: {denied}"
+
+
+@pytest.fixture
+async def scripted(nc: NATS, nats_config: NatsConfig) -> AsyncIterator[ScriptedMaster]:
+    """A master whose answers the test scripts (tests/scripted_master.py), over a real
+    nats-server."""
+    master = ScriptedMaster(nc, nats_config)
+    await master.start()
+    yield master
+    await master.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
@@ -16,6 +17,8 @@ from tests.k8s.fake_store import NODES as NODE_TYPE
 from tests.k8s.fake_store import PODS, Change
 from tests.k8s.harness import offline, submit, tidal_state
 from tests.k8s.test_kube_backend import displaced_pods, running
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
 GPU = "nvidia.com/gpu"
 NODES = ("gpu-0", "gpu-1")

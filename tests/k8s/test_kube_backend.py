@@ -7,7 +7,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +38,8 @@ from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled
 from tests.k8s.fake_store import PODS, Change, Obj
 from tests.k8s.harness import NS, Harness, offline, submit, tidal_state
-from tests.k8s.manifests import access, allowed
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-async def _within_the_controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]:
-    """Every request the controller made in a test, k8s/base/rbac.yaml lets it make."""
-    yield
-    denied = sorted(
-        {
-            str(a)
-            for r in kube.requests
-            if (a := access(r.method, r.path, r.query)) and not allowed("ebb-controller", NS, a)
-        }
-    )
-    assert not denied, f"k8s/base/rbac.yaml does not let the controller do: {denied}"
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
 
 async def test_scales_out_to_the_capacity_of_the_offline_pool(

@@ -11,7 +11,6 @@ real master over a real nats-server.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,36 +28,13 @@ from ebb.controller.tidal import LABEL as TIDAL
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, Harness, offline
-from tests.k8s.manifests import access, allowed
 from tests.scripted_master import ScriptedMaster
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
 GPU_LABEL = "nvidia.com/gpu.product"
 A100 = "NVIDIA-A100-SXM4-80GB"
 JOB = "placed"
-
-
-@pytest.fixture(autouse=True)
-async def _within_the_controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]:
-    """Every request the controller made in a test, k8s/base/rbac.yaml lets it make."""
-    yield
-    denied = sorted(
-        {
-            str(a)
-            for r in kube.requests
-            if (a := access(r.method, r.path, r.query)) and not allowed("ebb-controller", NS, a)
-        }
-    )
-    assert not denied, f"k8s/base/rbac.yaml does not let the controller do: {denied}"
-
-
-@pytest.fixture
-async def scripted(nc: NATS, nats_config: NatsConfig) -> AsyncIterator[ScriptedMaster]:
-    master = ScriptedMaster(nc, nats_config)
-    await master.start()
-    yield master
-    await master.close()
 
 
 def lent(kube: FakeKubeAPI, name: str, cpu: str = "8", gpus: str = "0") -> None:

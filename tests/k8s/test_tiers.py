@@ -25,44 +25,21 @@ from ebb.controller.placement import Placement, tolerated
 from ebb.controller.podspec import TIER_LABEL, pod_placement, worker_pod
 from tests.helpers import job_spec
 from tests.k8s.fake_apiserver import FakeKubeAPI
-from tests.k8s.harness import NS, Harness, offline
-from tests.k8s.manifests import access, allowed
+from tests.k8s.harness import Harness, offline
 from tests.scripted_master import ScriptedMaster
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
 JOB = "tiered"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
-@pytest.fixture(autouse=True)
-async def _within_the_controllers_rbac(kube: FakeKubeAPI) -> AsyncIterator[None]:
-    """Every request the controller made in a test, k8s/base/rbac.yaml lets it make."""
-    yield
-    denied = sorted(
-        {
-            str(a)
-            for r in kube.requests
-            if (a := access(r.method, r.path, r.query)) and not allowed("ebb-controller", NS, a)
-        }
-    )
-    assert not denied, f"k8s/base/rbac.yaml does not let the controller do: {denied}"
-
-
-@pytest.fixture
-async def master(nc: NATS, nats_config: NatsConfig) -> AsyncIterator[ScriptedMaster]:
-    scripted = ScriptedMaster(nc, nats_config)
-    await scripted.start()
-    yield scripted
-    await scripted.close()
-
-
 @pytest.fixture
 async def harness(
-    kube: FakeKubeAPI, nats_config: NatsConfig, nc: NATS, master: ScriptedMaster
+    kube: FakeKubeAPI, nats_config: NatsConfig, nc: NATS, scripted: ScriptedMaster
 ) -> AsyncIterator[Harness]:
-    del master  # answering before the first pass
+    del scripted  # answering before the first pass
     h = Harness(kube, nats_config, nc, tidal=None)
     yield h
     await h.close()
@@ -144,12 +121,12 @@ def desired(tier: str) -> float | None:
 
 
 async def test_a_cpu_bound_tier_scales_out_on_cpu_nodes_while_the_gpu_tier_keeps_to_its_backlog(
-    kube: FakeKubeAPI, master: ScriptedMaster, harness: Harness, tmp_path: Path
+    kube: FakeKubeAPI, scripted: ScriptedMaster, harness: Harness, tmp_path: Path
 ) -> None:
     cluster(kube)
     spec = tiered_spec(tmp_path)
     # Decoding has 100 shards to do; the model has none yet: it keeps its one worker waiting.
-    master.set(status(spec, cpu={"TODO": 90, "DOING": 10}, gpu={}))
+    scripted.set(status(spec, cpu={"TODO": 90, "DOING": 10}, gpu={}))
     h = harness
     # 4 CPU nodes x 8 cores, 2 cores a pod: 16. The GPU nodes' cores are not the CPU tier's.
     await h.converge(lambda: counts(h) == (16, 1), what="16 CPU-tier pods and 1 GPU-tier pod")
@@ -182,32 +159,32 @@ async def test_a_cpu_bound_tier_scales_out_on_cpu_nodes_while_the_gpu_tier_keeps
     assert (cpu_env[envvars.CPUS], gpu_env[envvars.CPUS]) == ("2", "2")
 
     # Hand-offs arrive for the model: 3 shards, but 2 GPUs in the cluster.
-    master.set(status(spec, cpu={"TODO": 80, "DOING": 10, "DONE": 10}, gpu={"TODO": 3}))
+    scripted.set(status(spec, cpu={"TODO": 80, "DOING": 10, "DONE": 10}, gpu={"TODO": 3}))
     await h.converge(lambda: counts(h) == (16, 2), what="a second GPU-tier pod")
     assert {p["spec"]["nodeName"] for p in of_tier(h, "gpu")} == {"gpu-0", "gpu-1"}
     assert (desired("cpu"), desired("gpu")) == (16.0, 2.0)
 
 
 async def test_a_held_back_tier_gets_no_more_workers_and_a_finished_one_none(
-    kube: FakeKubeAPI, master: ScriptedMaster, harness: Harness, tmp_path: Path
+    kube: FakeKubeAPI, scripted: ScriptedMaster, harness: Harness, tmp_path: Path
 ) -> None:
     cluster(kube)
     spec = tiered_spec(tmp_path)
-    master.set(status(spec, cpu={"TODO": 100}, gpu={"TODO": 2}))
+    scripted.set(status(spec, cpu={"TODO": 100}, gpu={"TODO": 2}))
     h = harness
     await h.converge(lambda: counts(h) == (16, 2), what="16 CPU-tier pods and 2 GPU-tier pods")
     # The hand-offs waiting for the GPU tier are at their bound: decoding is held back. A
     # new CPU node comes, and the held-back tier takes none of it.
-    master.set(status(spec, cpu={"TODO": 80}, gpu={"TODO": 20}, cpu_held=True))
+    scripted.set(status(spec, cpu={"TODO": 80}, gpu={"TODO": 20}, cpu_held=True))
     offline(kube, "cpu-4", labels={"pool": "cpu"})
     await h.converge(lambda: len(h.backend.nodes.values()) == 7, what="the new node seen")
     decided = await h.reconciler.reconcile_once()
     assert decided.desired[f"{JOB}/cpu"] == 16 and counts(h) == (16, 2)
     # Released: the new node's room goes to it.
-    master.set(status(spec, cpu={"TODO": 80}, gpu={"TODO": 20}))
+    scripted.set(status(spec, cpu={"TODO": 80}, gpu={"TODO": 20}))
     await h.converge(lambda: counts(h) == (20, 2), what="4 more CPU-tier pods")
     # Decoding is done: its pods are drained; the model's stay, its backlog still there.
-    master.set(status(spec, cpu={"DONE": 100}, gpu={"TODO": 18, "DOING": 2}))
+    scripted.set(status(spec, cpu={"DONE": 100}, gpu={"TODO": 18, "DOING": 2}))
     await h.converge(lambda: counts(h) == (0, 2), what="the CPU tier drained")
     assert (desired("cpu"), desired("gpu")) == (0.0, 2.0)
 
