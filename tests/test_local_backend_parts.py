@@ -100,9 +100,11 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
         child.wait()
 
 
-def _pid_file(folder: Path, worker: str, *, pid: int, parent: int) -> Path:
+def _pid_file(folder: Path, worker: str, *, pid: int, parent: int, tier: str = "") -> Path:
+    """A pid file as an earlier controller wrote it (one before tiers wrote none)."""
     path = folder / f"{worker}.pid"
-    path.write_text(json.dumps({"pid": pid, "job": "j", "parent": parent}))
+    entry = {"pid": pid, "job": "j", "parent": parent, **({"tier": tier} if tier else {})}
+    path.write_text(json.dumps(entry))
     return path
 
 
@@ -132,10 +134,10 @@ def test_only_a_live_worker_whose_controller_is_gone_is_an_orphan(
 def test_an_orphan_holds_its_slot_until_it_exits_and_is_killed_after_its_grace(
     tmp_path: Path, sleeper: subprocess.Popen[bytes]
 ) -> None:
-    path = _pid_file(tmp_path, "w-1", pid=sleeper.pid, parent=-1)
+    path = _pid_file(tmp_path, "w-1", pid=sleeper.pid, parent=-1, tier="model")
     orphans = Orphans(str(tmp_path), grace_s=10.0)
     found = orphans.observe(now=100.0)
-    assert [(w.id, w.job, w.phase) for w in found] == [("w-1", "j", "terminating")]
+    assert [(w.id, w.job, w.tier, w.phase) for w in found] == [("w-1", "j", "model", "terminating")]
     assert [w.id for w in orphans.observe(now=109.0)] == ["w-1"]
     assert sleeper.poll() is None  # within its grace
     assert [w.id for w in orphans.observe(now=110.0)] == ["w-1"]  # killed, not yet gone

@@ -204,7 +204,7 @@ class LocalBackend:
         )
         if self.config.log_dir:
             # For the next controller, should we be killed before we can drain this worker.
-            write_pid_file(self.config.log_dir, worker_id, job.id, process.pid)
+            write_pid_file(self.config.log_dir, worker_id, job.id, process.pid, tier=tier)
         tiered = f" (tier {tier})" if tier else ""
         log.info("launched worker %s for job %s%s (pid %d)", worker_id, job.id, tiered, process.pid)
 

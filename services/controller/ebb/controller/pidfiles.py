@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 PID_SUFFIX = ".pid"
 
 
-def write_pid_file(folder: str, worker_id: str, job: str, pid: int) -> None:
-    """Worker `worker_id` of `job` runs as `pid`, a child of this process."""
+def write_pid_file(folder: str, worker_id: str, job: str, pid: int, *, tier: str = "") -> None:
+    """Worker `worker_id` of `job` (of its tier `tier`) runs as `pid`, a child of this
+    process."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    entry = {"pid": pid, "job": job, "parent": os.getpid()}
+    entry = {"pid": pid, "job": job, "tier": tier, "parent": os.getpid()}
     (Path(folder) / f"{worker_id}{PID_SUFFIX}").write_text(json.dumps(entry))
 
 
@@ -47,6 +48,8 @@ class Orphan:
     job: str
     process: psutil.Process
     kill_at: float
+    tier: str = ""
+    """The tier of its job it runs ("": none, or a pid file written before tiers)."""
 
 
 class Orphans:
@@ -84,7 +87,13 @@ class Orphans:
                 with contextlib.suppress(psutil.Error):
                     orphan.process.kill()
             out.append(
-                WorkerInfo(id=orphan.id, job=orphan.job, phase="terminating", started_at=now)
+                WorkerInfo(
+                    id=orphan.id,
+                    job=orphan.job,
+                    phase="terminating",
+                    started_at=now,
+                    tier=orphan.tier,
+                )
             )
         return out
 
@@ -118,7 +127,13 @@ def find_orphans(folder: str | None, now: float, grace_s: float) -> list[Orphan]
             continue  # its controller lives (another one, sharing this folder)
         if "ebb.worker" in command and worker_id in command and _alive(process):
             found.append(
-                Orphan(id=worker_id, job=str(entry["job"]), process=process, kill_at=now + grace_s)
+                Orphan(
+                    id=worker_id,
+                    job=str(entry["job"]),
+                    process=process,
+                    kill_at=now + grace_s,
+                    tier=str(entry.get("tier") or ""),
+                )
             )
         else:
             path.unlink(missing_ok=True)
