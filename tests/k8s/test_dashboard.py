@@ -16,10 +16,12 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 from prometheus_client import start_http_server
 
@@ -29,6 +31,7 @@ from ebb.common.spec import parse_job
 from ebb.controller.kube import KubeConfig, KubernetesBackend
 from ebb.controller.service import Controller, ControllerConfig
 from ebb.controller.tidal import TidalConfig
+from ebb.worker.cacheserver import CacheServerConfig, ModelCacheServer
 from tests.helpers import free_port, job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, offline
@@ -111,6 +114,12 @@ def as_prometheus(expr: str) -> str:
     return (
         expr.replace("$__rate_interval", "20s").replace("$__range", "5m").replace("$job_id", ".*")
     )
+
+
+def _read(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body: bytes = response.read()
+        return body
 
 
 def _get(url: str) -> Any:
@@ -230,6 +239,23 @@ async def test_every_panel_queries_metrics_ebb_exports(
     controller = Controller(ControllerConfig(nats=nats_config, resync_s=0.2), backend)
     running = asyncio.create_task(controller.run())
     worker = await worker_process(job)
+    # A node's model cache (in this process, where Prometheus scrapes it) that has sent a
+    # worker one model from a store.
+    root = f"memory://dash-{uuid.uuid4().hex[:8]}"
+    fsspec.filesystem("memory").pipe_file(f"{root}/model.onnx", b"an onnx model's bytes")
+    cache = ModelCacheServer(
+        CacheServerConfig(
+            cache_dir=str(tmp_path / "node-cache"),
+            max_bytes=1 << 20,
+            roots=[root],
+            host="127.0.0.1",
+            port=0,
+        )
+    )
+    await cache.start()
+    query = urllib.parse.urlencode({"uri": f"{root}/model.onnx"})
+    sent = await asyncio.to_thread(_read, f"http://127.0.0.1:{cache.port}/models?{query}")
+    assert sent == b"an onnx model's bytes"
     try:
         queries = {
             (p["title"], t["refId"]): as_prometheus(t["expr"])
@@ -282,6 +308,7 @@ async def test_every_panel_queries_metrics_ebb_exports(
         controller.request_stop()
         await running
         await client.close()
+        await cache.close()
 
 
 def test_the_nats_panels_show_jetstream_storage_and_consumer_lag() -> None:
