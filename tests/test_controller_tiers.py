@@ -149,9 +149,13 @@ def test_tiers_share_slots_as_jobs_do(tmp_path: Path) -> None:
         max_workers=4,
         submitted_at=1.0,
     )
-    # Minimums first (the tiers', then the other job's), then one at a time, least served first.
+    # Minimums first (the tiers', then the other job's), then one at a time, the least-served
+    # job first: a job in two tiers is one job, its tiers' workers counted together.
     assert share([job, other], 3) == {"j/cpu": 1, "j/gpu": 1, "o": 1}
-    assert share([job, other], 8) == {"j/cpu": 4, "j/gpu": 1, "o": 3}
+    assert share([job, other], 8) == {"j/cpu": 3, "j/gpu": 1, "o": 4}
+    # Within the job, its least-served tier first.
+    both = tiered(tiered_spec(tmp_path, gpu=(1, 8)), cpu={"TODO": 20}, gpu={"TODO": 20})
+    assert share([both], 6) == {"j/cpu": 3, "j/gpu": 3}
 
 
 def test_the_plan_launches_and_drains_per_tier(tmp_path: Path) -> None:

@@ -4,14 +4,15 @@ Resources are maps of name -> amount: "cpu" (cores), "memory" (bytes), "nvidia.c
 for the local backend, "workers" (slots). A Bin is one place workers can go (a node, or this
 machine). `allocate` decides how many workers each job should have by placing them, one by
 one, in fair order: every job's minimum first (higher priority first), then one worker at a
-time to the highest-priority jobs that can use one, the least-served first among equals.
-Each worker goes to the first bin that fits it in its own job's order of preference (the
+time to the highest-priority jobs that can use one, the least-served first among equals (a job
+in tiers is one job: the workers of all its tiers count in its share). Each worker goes to the first bin that fits it in its own job's order of preference (the
 offline pool first for one job, lent mixed nodes first for another).
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -91,6 +92,13 @@ class Demand:
     eligible: Callable[[Bin], bool] = field(default=lambda _: True)
     prefer: Callable[[Bin], int] = field(default=no_preference)
     """Its order of bins: lower fills first (bins by name among equals)."""
+    owner: str = ""
+    """The job whose share its workers count in ("": its own, `job`): the tiers of one job
+    share one, so that a job in two tiers gets no more than a job in one."""
+
+    @property
+    def share_of(self) -> str:
+        return self.owner or self.job
 
 
 def allocate(demands: Iterable[Demand], bins: list[Bin]) -> dict[str, int]:
@@ -112,13 +120,18 @@ def allocate(demands: Iterable[Demand], bins: list[Bin]) -> dict[str, int]:
     for d in order:
         while alloc[d.job] < min(d.min_workers, d.want) and place(d):
             pass
+    served: Counter[str] = Counter()
+    for d in order:
+        served[d.share_of] += alloc[d.job]
     for priority in sorted({d.priority for d in order}, reverse=True):
         group = [d for d in order if d.priority == priority]
         while True:
             hungry = [d for d in group if alloc[d.job] < d.want]
             placed = False
-            for d in sorted(hungry, key=lambda d: alloc[d.job]):
+            # The least-served job first, and within it its least-served demand (a tier).
+            for d in sorted(hungry, key=lambda d: (served[d.share_of], alloc[d.job])):
                 if place(d):
+                    served[d.share_of] += 1
                     placed = True
                     break
             if not placed:

@@ -160,6 +160,7 @@ def demand(group: Group, capacity: Capacity, *, have: int = 0) -> Demand:
         submitted_at=group.job.submitted_at,
         shape=capacity.shape(group.job, group.tier),
         eligible=capacity.eligible(group.job, group.tier),
+        owner=group.job.id,
         prefer=capacity.prefer(group.job, group.tier),
     )
 
