@@ -1,12 +1,13 @@
 """Capacity: what resources are free where, and how many workers of each job fit in them.
 
-Resources are maps of name -> amount: "cpu" (cores), "memory" (bytes), "nvidia.com/gpu", or,
-for the local backend, "workers" (slots). A Bin is one place workers can go (a node, or this
-machine). `allocate` decides how many workers each job should have by placing them, one by
-one, in fair order: every job's minimum first (higher priority first), then one worker at a
-time to the highest-priority jobs that can use one, the least-served first among equals (a job
-in tiers is one job: the workers of all its tiers count in its share). Each worker goes to the first bin that fits it in its own job's order of preference (the
-offline pool first for one job, lent mixed nodes first for another).
+Resources are maps of name -> amount: "cpu" (cores), "memory" (bytes), "nvidia.com/gpu", or, for
+the local backend, "workers" (slots). A Bin is one place workers can go (a node, or this
+machine). `allocate` decides how many workers each job should have by placing them, one by one,
+in fair order: every job's minimum first (higher priority first), then one worker at a time to
+the highest-priority jobs that can use one, the least-served first among equals (a job in tiers
+is one job: the workers of all its tiers count in its share). Each worker goes to the first bin
+that fits it in its own job's order of preference (the offline pool first for one job, lent
+mixed nodes first for another).
 """
 
 from __future__ import annotations
