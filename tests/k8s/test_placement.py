@@ -290,6 +290,33 @@ async def test_a_job_asking_for_a_pool_no_node_is_in_waits_and_says_why(
     assert {p["spec"].get("nodeName") for p in h.pods(job)} <= {"off-0", None}
 
 
+async def test_nodes_without_a_pool_label_are_no_pool_and_the_job_says_to_label_them(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    # A cluster as it comes: no node labelled. Its pods' node affinity names the pools, so
+    # room counted there would leave them Pending; the job waits, saying what to do.
+    kube.add_node("plain-0", allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"})
+    job = await ebb.submit(parse_job(spec_of(tmp_path / "job")))  # pool: auto
+    h = harness_factory(tidal=None)
+
+    async def waiting() -> str:
+        await h.reconciler.reconcile_once()
+        return (await ebb.job(job)).waiting
+
+    reason = await wait_until(waiting, timeout=30, what="the job's status to say why it waits")
+    assert "no node of the cluster is in the offline or mixed pool" in reason
+    assert "kubectl label node NODE ebb.io/pool=offline" in reason
+    assert not h.pods(job)
+    node = kube.get_node("plain-0")
+    assert node is not None
+    kube.set_node_labels("plain-0", {**node["metadata"]["labels"], "ebb.io/pool": "offline"})
+    await h.converge(lambda: len(h.pods(job)) == 2, what="pods once the node is labelled")
+    await kube.wait_for(
+        lambda: all(p["spec"].get("nodeName") == "plain-0" for p in h.pods(job)),
+        what="the pods scheduled there",
+    )
+
+
 async def test_a_job_asking_for_a_gpu_type_no_node_has_waits_until_one_comes(
     kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
 ) -> None:

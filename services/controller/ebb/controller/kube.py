@@ -248,7 +248,9 @@ class KubernetesBackend:
         nodes = {n.name: n for n in map(NodeView, self.nodes.values())}
         for node in nodes.values():
             labels = node.meta.labels
-            pool = labels.get(self.config.pool_label, OFFLINE)
+            # A node without the label is in no pool: the pods' node affinity names the pools,
+            # so counting it would promise room they can never take.
+            pool = labels.get(self.config.pool_label, "")
             lent = pool == MIXED and labels.get(TIDAL) == "offline"
             if not (node.ready and (pool == OFFLINE or lent)):
                 continue
@@ -266,7 +268,7 @@ class KubernetesBackend:
             offline_nodes = {
                 n.name
                 for n in map(NodeView, self.nodes.values())
-                if n.meta.labels.get(self.config.pool_label, OFFLINE) == OFFLINE
+                if n.meta.labels.get(self.config.pool_label) == OFFLINE
             }
             held: Resources = {}
             for p in map(PodView, self.workers.values()):

@@ -104,7 +104,7 @@ def unplaceable(
         pools = "offline pool" if placement.pool == "offline" else "offline or mixed pool"
         return (
             f"pool {placement.pool}: no node of the cluster is in the {pools} "
-            f"(node label {pool_label})"
+            f"(node label {pool_label}: `kubectl label node NODE {pool_label}=offline`)"
         )
     for key, value in placement.node_selector.items():
         if not any(n.labels.get(key) == value for n in pooled):

@@ -22,7 +22,7 @@ from .groups import groups_of, job_spec, tier_resources
 from .kube_settings import KubeConfig
 from .placement import NodeFacts, Placement, unplaceable
 from .podspec import JOB_LABEL, pod_placement
-from .pools import MIXED, OFFLINE, allows, decide, expected_s, preference
+from .pools import MIXED, allows, decide, expected_s, preference
 from .views import NodeView, PodView
 
 Shape = Callable[[JobStatus, str], Resources]
@@ -111,7 +111,7 @@ class Placer:
         facts = [
             NodeFacts(
                 name=n.name,
-                pool=n.meta.labels.get(self.config.pool_label, OFFLINE),
+                pool=n.meta.labels.get(self.config.pool_label, ""),
                 labels=n.meta.labels,
                 taints=n.taints(),
                 allocatable=n.allocatable(),
