@@ -22,12 +22,13 @@ run for N = 4. Each repeat runs the four single jobs, the one-read job of 2 mode
 submission to the manifest, the worker's start-up included. The target: the one-read job in
 at most 1.2x the slowest single job's time, with light models, reading the data once.
 
-Bytes read from the input: the `rchar` (bytes read by system calls, /proc/PID/task/TID/io) of
-every thread of the job's worker but its event loop's (imports, NATS) and its router's (rows
-coming back from the stage processes), the last value of each sampled every 0.1 s until the
-job succeeded: the threads that read the shards. Models are loaded by the stage processes,
-which are not counted. "reads of the input" is that over the input files' size (footers
-included: 1.0 is every byte read once).
+Bytes read from the input: the `rchar` (bytes read by system calls) of the job's worker
+(/proc/PID/io: every thread's, those that have ended included) less that of its event loop's
+thread (imports, NATS) and its router's (rows coming back from the stage processes,
+/proc/PID/task/TID/io), sampled every 0.1 s and once more when the job has succeeded, the last
+value kept: the threads that read the shards, however short-lived. Models are loaded by the
+stage processes, which are not counted. "reads of the input" is that over the input files' size
+(footers included: 1.0 is every byte read once).
 
 Before a one-read job's time counts, its output is checked: every row once, and each model's
 `p_k` equal, row by row (by `id`, within 1e-5), to that model's own job's.
@@ -147,13 +148,15 @@ def _is_worker(p: psutil.Process) -> bool:
 
 
 class InputReads(PeriodicSampler):
-    """Bytes read by the reading threads of the workers that start while it runs: every
-    thread of a worker process but its event loop's (the main thread) and its router's."""
+    """Bytes read by the reading threads of the workers that start while it runs: all a
+    worker process read (its ended threads' reads included: a thread that read a shard
+    between two samples is not missed) but what its event loop's thread (the main thread)
+    and its router's read."""
 
     def __init__(self, every_s: float = 0.1) -> None:
         super().__init__(every_s)
-        self.read: dict[tuple[int, int], int] = {}
-        """The last reading of each thread, by (pid, tid)."""
+        self.read: dict[int, int] = {}
+        """The last reading of each worker, by pid."""
         # Workers of an earlier job may still be on their way out: not this job's.
         self.earlier = {p.pid for p in psutil.Process().children(recursive=True)}
         self.workers: set[int] = set()
@@ -169,12 +172,17 @@ class InputReads(PeriodicSampler):
             except (psutil.Error, OSError):
                 continue  # it ended between the listing and the reading
 
+    def end(self) -> None:
+        """The job has succeeded: its worker has read all it will, and is still there."""
+        self.sample()
+
     def _read(self, pid: int) -> None:
+        total = _rchar(f"/proc/{pid}/io")
         for task in Path(f"/proc/{pid}/task").iterdir():
             tid = int(task.name)
             if tid == pid or (task / "comm").read_text().strip() == ROUTER_THREAD:
-                continue
-            self.read[(pid, tid)] = _rchar(str(task / "io"))
+                total -= _rchar(str(task / "io"))
+        self.read[pid] = total
 
     @property
     def bytes(self) -> int:
