@@ -8,7 +8,9 @@ from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig
 
 from ebb.common import provision
-from ebb.shard_master.store import _snapshot
+from ebb.common.messages import ShardSpec
+from ebb.common.subjects import Subjects
+from ebb.shard_master.store import JobRecord, ShardRecord, Store, _snapshot
 
 
 async def test_snapshots_taken_under_load_hold_every_live_key_and_only_those(nc: NATS) -> None:
@@ -35,20 +37,22 @@ async def test_snapshots_taken_under_load_hold_every_live_key_and_only_those(nc:
     assert (await js.stream_info("KV_snap")).state.consumer_count == 0
 
 
-async def test_a_forgotten_job_leaves_no_record_of_itself_or_its_shards(nc: NATS) -> None:
-    from ebb.common.messages import ShardSpec
-    from ebb.common.subjects import Subjects
-    from ebb.shard_master.store import JobRecord, ShardRecord, Store
-
-    subjects = Subjects("forget")
+async def provisioned_store(nc: NATS, subjects: Subjects) -> Store:
+    """A Store over freshly provisioned buckets of `subjects`."""
     js = nc.jetstream()
     await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
-    store = Store(
+    return Store(
         js,
         jobs=await js.key_value(subjects.jobs_bucket),
         shards=await js.key_value(subjects.shards_bucket),
         buckets=(subjects.jobs_bucket, subjects.shards_bucket),
     )
+
+
+async def test_a_forgotten_job_leaves_no_record_of_itself_or_its_shards(nc: NATS) -> None:
+
+    subjects = Subjects("forget")
+    store = await provisioned_store(nc, subjects)
     for job in ("old", "older", "kept"):
         assert await store.create_job(JobRecord(id=job, spec={}))
         for index in range(3):
@@ -64,18 +68,9 @@ async def test_a_forgotten_job_leaves_no_record_of_itself_or_its_shards(nc: NATS
 async def test_a_job_stored_before_pools_were_placed_reads_as_its_pool_meant_then(
     nc: NATS,
 ) -> None:
-    from ebb.common.subjects import Subjects
-    from ebb.shard_master.store import JobRecord, Store
 
     subjects = Subjects("pools")
-    js = nc.jetstream()
-    await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
-    store = Store(
-        js,
-        jobs=await js.key_value(subjects.jobs_bucket),
-        shards=await js.key_value(subjects.shards_bucket),
-        buckets=(subjects.jobs_bucket, subjects.shards_bucket),
-    )
+    store = await provisioned_store(nc, subjects)
 
     def spec(pool: str) -> dict[str, object]:
         tier = {"name": "model", "stages": ["m"], "resources": {"pool": pool, "gpu": 1}}
@@ -97,5 +92,5 @@ async def test_a_job_stored_before_pools_were_placed_reads_as_its_pool_meant_the
     assert loaded["now"].spec == spec("offline")
     # Written back as read: the next update stores the pool it meant.
     await store.update_job(before, last=revision)
-    raw = await (await js.key_value(subjects.jobs_bucket)).get("before")
+    raw = await (await nc.jetstream().key_value(subjects.jobs_bucket)).get("before")
     assert raw.value is not None and b"offline" not in raw.value

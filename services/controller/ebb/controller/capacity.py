@@ -59,6 +59,14 @@ def add(a: Resources, b: Resources, sign: float = 1.0) -> Resources:
     return out
 
 
+def total(amounts: Iterable[Resources]) -> Resources:
+    """The sum of `amounts`, resource by resource."""
+    out: Resources = {}
+    for a in amounts:
+        out = add(out, a)
+    return out
+
+
 def fits(free: Resources, need: Resources) -> bool:
     return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
 

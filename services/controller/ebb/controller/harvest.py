@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import metrics
-from .capacity import add
+from .capacity import add, total
 from .informer import Informer
 from .kube_settings import KubeConfig
 from .podspec import APP, APP_LABEL, JOB_LABEL
@@ -57,12 +57,11 @@ class MixedPool:
     """Online pods' requests on the pool, per resource."""
     batch: list[PodView]
     """Batch (worker) pods placed on the pool's nodes."""
+    asked: dict[str, Amounts]
+    """What each of them requests, by pod name (read once a sample)."""
 
     def capacity(self) -> Amounts:
-        total: Amounts = {}
-        for amounts in self.allocatable.values():
-            total = add(total, amounts)
-        return total
+        return total(self.allocatable.values())
 
     def average(self, resource: str) -> float:
         """A node's allocatable of `resource`, on average over the nodes that have some."""
@@ -123,10 +122,13 @@ class TidalHarvester:
                 online_use=max(use, default=0.0),
             )
             nodes.append((node, mixed))
-        total_online: Amounts = {}
-        for amounts in online.values():
-            total_online = add(total_online, amounts)
-        return MixedPool(nodes=nodes, allocatable=allocatable, online=total_online, batch=batch)
+        return MixedPool(
+            nodes=nodes,
+            allocatable=allocatable,
+            online=total(online.values()),
+            batch=batch,
+            asked={p.name: p.requests(resources) for p in batch},
+        )
 
     def pending_online(self) -> tuple[int, Amounts]:
         """Online pods that cannot be scheduled: how many, and their requests."""
@@ -177,9 +179,7 @@ class TidalHarvester:
         reclaiming |= {m.name for _, m in pool.nodes if m.state == "offline2online"}
         for pod in pool.batch:
             if pod.node in reclaiming and not pod.meta.deleting:
-                metrics.BATCH_EVICTIONS.inc()
-                self.reclaimed[pod.meta.labels.get(JOB_LABEL, "")] += 1
-                await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
+                await self._drain(pod)
         self._account(pool, moves, now)
         if moves:
             self.cluster.changed.set()
@@ -202,7 +202,7 @@ class TidalHarvester:
         held: Amounts = {}
         for pod in pool.batch:
             has = pool.allocatable.get(pod.node, {})
-            asked = pod.requests(self.cluster.config.resources)
+            asked = pool.asked[pod.name]
             held = add(held, {k: v / has[k] for k, v in asked.items() if has.get(k, 0.0) > 0})
         hours = (now - self.last_sample) / 3600 if self.last_sample is not None else 0.0
         self.last_sample = now
@@ -222,23 +222,24 @@ class TidalHarvester:
             for p in pool.batch
             if p.node in lent and not p.meta.deleting and p.name not in self.draining
         ]
-        resources = self.cluster.config.resources
-        used: Amounts = {}
-        for pod in pods:
-            used = add(used, pod.requests(resources))
+        used = total(pool.asked[p.name] for p in pods)
         youngest = sorted(pods, key=lambda p: (p.meta.created, p.name), reverse=True)
         for resource, allowed in budget.items():
             for pod in youngest:
                 if used.get(resource, 0.0) <= allowed + 1e-9:
                     break
-                asked = pod.requests(resources)
+                asked = pool.asked[pod.name]
                 if pod.name in self.draining or asked.get(resource, 0.0) <= 0:
                     continue
                 used = add(used, asked, -1.0)
                 self.draining.add(pod.name)
-                metrics.BATCH_EVICTIONS.inc()
-                self.reclaimed[pod.meta.labels.get(JOB_LABEL, "")] += 1
-                await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
+                await self._drain(pod)
+
+    async def _drain(self, pod: PodView) -> None:
+        """Delete a batch pod gracefully (its worker drains), counted against its job."""
+        metrics.BATCH_EVICTIONS.inc()
+        self.reclaimed[pod.meta.labels.get(JOB_LABEL, "")] += 1
+        await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)
 
     async def run(self) -> None:
         """Sample the tide every `sample_s`, for as long as the controller leads."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -178,12 +179,11 @@ class ModelCacheServer:
         dropping them (a response cut short: nothing more of it is worth waiting for)."""
         if flush:
             writer.close()
-            try:
+            # A peer that is gone, or takes nothing: what is left is dropped below.
+            with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(self.config.send_timeout_s):
                     await writer.wait_closed()
                 return
-            except (ConnectionError, TimeoutError):
-                pass  # the peer is gone, or takes nothing: drop what is left
         writer.transport.abort()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
