@@ -172,6 +172,31 @@ async def test_a_worker_killed_around_its_part_s_commit_record_loses_and_doubles
     assert final.shards_total == 2 + sum(1 for c in commits.values() if c["split_at"])
 
 
+async def test_a_part_whose_done_lost_its_answer_keeps_its_rest_once(
+    tmp_path: Path, client: EbbClient, short_grace: Path
+) -> None:
+    """The master's write of a part's DONE (naming its rest) lands in KV and its answer is
+    lost (in the real store, over a real nats-server): the master loads KV again, creates the
+    rest once, and gives its index to no other shard."""
+    job_id = await _submit(tmp_path, client)
+    lease, pid = await _holder_with_rows_done(client, job_id)
+    failpoints.arm(short_grace, failpoints.MASTER_KV_ANSWER_LOST, when="DONE split")
+    os.kill(pid, signal.SIGTERM)
+    await wait_until(
+        lambda: failpoints.fired(short_grace, failpoints.MASTER_KV_ANSWER_LOST),
+        timeout=60,
+        what="the part's DONE to lose its answer",
+    )
+    final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.rows_done == ROWS
+    table = assert_exactly_once(tmp_path, ROWS)
+    assert len(table) == ROWS
+    commits = _commits(tmp_path)
+    assert commits[lease.shard]["split_at"] > 0
+    assert final.shards_total == 2 + sum(1 for c in commits.values() if c["split_at"])
+
+
 async def test_at_the_tail_a_straggler_s_shard_is_split_for_the_idle_worker(
     tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import itertools
 
-import nats.errors
 import pytest
 
-from ebb.shard_master.errors import Deposed
+from ebb.shard_master.errors import Deposed, StoreUnavailable
 from ebb.shard_master.expiry import RETRY_MAX_S, Expiry, ExpiryHeap, retry_delay
 
 
@@ -55,7 +54,7 @@ async def test_a_failed_pass_backs_off_growing_then_a_good_one_resets() -> None:
     async def expire(entry: Expiry) -> bool:
         tried.append(entry.shard)
         if entry.shard == 0 and not store_up:
-            raise nats.errors.NoRespondersError
+            raise StoreUnavailable("no server heard the write")
         return True
 
     # The entry the store refused goes back on the heap; the other still expires.

@@ -17,14 +17,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 import pytest
 
 from ebb.common.layout import CommitRecord, OutputFile, attempt_dir
 from ebb.common.messages import JobEvent, JobState, LeaseReply, ShardState, StatusRequest
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
-from ebb.shard_master.errors import Deposed, IllegalTransition, JobEnded, StaleToken
+from ebb.shard_master.errors import (
+    Deposed,
+    IllegalTransition,
+    JobEnded,
+    StaleToken,
+    StateUnsure,
+    StoreUnavailable,
+)
 from ebb.shard_master.jobs import Job
 from ebb.shard_master.moves import PERSISTED_PERIODS
 from ebb.shard_master.store import JobRecord, ShardRecord, shard_key
@@ -39,49 +45,70 @@ from .helpers import job_spec, write_dataset, write_model
 
 
 class MemoryStore:
-    """The RecordStore contract in memory: revisions, compare-and-set, Deposed on a conflict."""
+    """The RecordStore contract in memory: revisions, compare-and-set, Deposed on a conflict.
+
+    Every call suspends once before it acts, as a real store's round trip does, so that what
+    the table does while a write is on its way is what it does in service (a section that holds
+    only with no suspension in it would pass here and fail there). `lose_answer`: a write of a
+    record it says True of lands, and its caller hears StateUnsure, as when KV's answer is lost
+    to a timeout (once: it is cleared when it fires)."""
 
     def __init__(self) -> None:
         self.jobs: dict[str, tuple[JobRecord, int]] = {}
         self.shards: dict[str, tuple[ShardRecord, int]] = {}
         self._revision = itertools.count(1)
+        self.lose_answer: Callable[[ShardRecord], bool] | None = None
+
+    def _answer(self, record: ShardRecord, revision: int) -> int:
+        if self.lose_answer is not None and self.lose_answer(record):
+            self.lose_answer = None
+            raise StateUnsure(f"the write of shard {record.spec.index} lost its answer")
+        return revision
 
     async def create_job(self, record: JobRecord) -> int | None:
+        await asyncio.sleep(0)
         if record.id in self.jobs:
             return None
         self.jobs[record.id] = (record, revision := next(self._revision))
         return revision
 
     async def update_job(self, record: JobRecord, *, last: int) -> int:
+        await asyncio.sleep(0)
         if self.jobs[record.id][1] != last:
             raise Deposed(f"job {record.id} was written by someone else")
         self.jobs[record.id] = (record, revision := next(self._revision))
         return revision
 
     async def get_job(self, job: str) -> tuple[JobRecord, int] | None:
+        await asyncio.sleep(0)
         return self.jobs.get(job)
 
     async def create_shard(self, record: ShardRecord) -> int | None:
+        await asyncio.sleep(0)
         key = shard_key(record.job, record.spec.index)
         if key in self.shards:
             return None
         self.shards[key] = (record, revision := next(self._revision))
-        return revision
+        return self._answer(record, revision)
 
     async def update_shard(self, record: ShardRecord, *, last: int) -> int:
+        await asyncio.sleep(0)
         key = shard_key(record.job, record.spec.index)
         if self.shards[key][1] != last:
             raise Deposed(f"shard {key} was written by someone else")
         self.shards[key] = (record, revision := next(self._revision))
-        return revision
+        return self._answer(record, revision)
 
     async def load_jobs(self) -> list[tuple[JobRecord, int]]:
+        await asyncio.sleep(0)
         return list(self.jobs.values())
 
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
+        await asyncio.sleep(0)
         return [entry for key, entry in self.shards.items() if key.startswith(f"{job}.")]
 
     async def forget_job(self, job: str) -> None:
+        await asyncio.sleep(0)
         self.jobs.pop(job, None)
         for key in [k for k in self.shards if k.startswith(f"{job}.")]:
             del self.shards[key]
@@ -459,7 +486,7 @@ async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path
     writes = store.update_shard
 
     async def refused(record: ShardRecord, *, last: int) -> int:
-        raise nats.errors.NoRespondersError
+        raise StoreUnavailable("no server heard the write")
 
     store.update_shard = refused  # type: ignore[method-assign]
     clock.now += 31

@@ -17,7 +17,7 @@ import pytest
 
 from ebb.client import EbbClient
 from ebb.client.stack import LocalStack
-from ebb.common import schema
+from ebb.common import envvars, failpoints, schema
 from ebb.common.bus import connect
 from ebb.common.layout import TIERS_DIR
 from ebb.common.messages import JobStatus
@@ -225,3 +225,35 @@ async def test_a_slow_tier_holds_the_one_before_back_within_its_bound(
     assert max(waiting) <= 2 * 1 + 2 * 2
     table, _ = read_output(tmp_path / "out")
     assert table.num_rows == ROWS
+
+
+async def test_a_hand_off_whose_done_lost_its_answer_reaches_the_output_once(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master's write of a prep shard's DONE (naming its hand-off) lands in KV and its
+    answer is lost (a failpoint after the write, in the real store over a real nats-server):
+    the master steps down and loads KV again rather than hand out the hand-off's index a
+    second time. Every row in the output once, no manifest entry twice."""
+    armed = tmp_path / "failpoints"
+    armed.mkdir()
+    monkeypatch.setenv(envvars.FAILPOINT_DIR, str(armed))
+    failpoints.arm(armed, failpoints.MASTER_KV_ANSWER_LOST, when="DONE handoff")
+    write_dataset(tmp_path / "data", rows=ROWS, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    spec = tiered(
+        job_spec(tmp_path, rows_per_shard=500, stages=stages(tmp_path, seconds_per_batch=0.02))
+    )
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=4) as stack,
+        await EbbClient.connect(stack.nats_config) as client,
+    ):
+        final = await run(client, spec)
+        assert failpoints.fired(armed, failpoints.MASTER_KV_ANSWER_LOST) is not None
+        records = await shard_records(stack, final.id)
+    assert final.rows_done == ROWS
+    table, manifest = read_output(tmp_path / "out")
+    assert sorted(table.column("id").to_numpy().tolist()) == list(range(ROWS)), "every id once"
+    paths = [f["path"] for f in manifest["files"]]
+    assert len(paths) == len(set(paths)), "no manifest entry twice"
+    handed = [r.handed_from for r in records if r.handed_from is not None and r.split_from is None]
+    assert len(handed) == len(set(handed)), "one hand-off per prep shard"

@@ -8,7 +8,12 @@ folder that EBB_FAILPOINT_DIR names. The first process to reach it takes the fil
 rename), writes what it was doing into it, renames it `<name>.fired-<pid>` (which tells the
 test who died, when, and at what) and SIGKILLs itself, so one file kills one process once.
 
-Without EBB_FAILPOINT_DIR, `hit` returns at once: nothing is read, nothing can fire.
+Some faults are not deaths: a write whose answer is lost (the server applied it, the client
+timed out). `take` is the same one-shot point for those: the process that takes it goes on, and
+makes the fault itself. An armed file may hold a condition: then only a process whose `detail`
+contains that text takes it (a write of a DONE that names a hand-off, say).
+
+Without EBB_FAILPOINT_DIR, `hit` and `take` return at once: nothing is read, nothing can fire.
 """
 
 from __future__ import annotations
@@ -26,32 +31,55 @@ WORKER_BEFORE_COMMIT_RECORD = "worker.before_commit_record"
 MASTER_AFTER_RECORDING_DONE = "master.after_recording_done"
 """The master has recorded a shard DONE in KV and not yet replied to the worker's commit."""
 
-POINTS = (WORKER_BEFORE_COMMIT_RECORD, WORKER_AFTER_COMMIT_RECORD, MASTER_AFTER_RECORDING_DONE)
+MASTER_KV_ANSWER_LOST = "master.kv_answer_lost"
+"""The master's write to KV landed, and its answer is lost (taken, not hit: nothing dies)."""
+
+POINTS = (
+    WORKER_BEFORE_COMMIT_RECORD,
+    WORKER_AFTER_COMMIT_RECORD,
+    MASTER_AFTER_RECORDING_DONE,
+    MASTER_KV_ANSWER_LOST,
+)
 
 
 def hit(name: str, detail: str = "") -> None:
     """Die here (SIGKILL, as the OOM killer would) if `name` is armed; else nothing.
     `detail` (what the process was doing: the shard, say) is left in the fired file."""
+    if take(name, detail):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def take(name: str, detail: str = "") -> bool:
+    """True, once, in the first process to reach `name` while it is armed (and its condition,
+    if it has one, is in `detail`): the caller then makes the fault. `detail` is left in the
+    fired file."""
     folder = os.environ.get(envvars.FAILPOINT_DIR)
     if not folder:
-        return
+        return False
     armed = Path(folder) / name
+    try:
+        condition = armed.read_text()
+    except FileNotFoundError:
+        return False  # not armed, or fired already
+    if condition not in detail:
+        return False
     taken = armed.with_name(f"{name}.taken-{os.getpid()}")
     try:
         armed.rename(taken)
     except FileNotFoundError:
-        return  # not armed, or another process took it first
+        return False  # another process took it first
     taken.write_text(detail)
     # Renamed again once it says what it hit: a "fired" file is complete when seen.
     taken.rename(armed.with_name(f"{name}.fired-{os.getpid()}"))
-    os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
-def arm(folder: Path, name: str) -> None:
-    """Arm `name` in `folder`: the next process to reach it dies."""
+def arm(folder: Path, name: str, *, when: str = "") -> None:
+    """Arm `name` in `folder`: the next process to reach it (with `when` in its detail, if
+    given) dies, or makes the fault `take` stands for."""
     if name not in POINTS:
         raise ValueError(f"no failpoint {name!r}; there are {', '.join(POINTS)}")
-    (folder / name).write_text("")
+    (folder / name).write_text(when)
 
 
 def fired(folder: Path, name: str) -> int | None:

@@ -78,8 +78,24 @@ class Deposed(MasterError):
     code = ErrorCode.NOT_LEADER
 
 
+class StoreUnavailable(MasterError):
+    """The state store could not be read (NATS down, a stream electing its leader). Nothing
+    was written: the request may be asked again."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
 class StateUnsure(Deposed):
-    """A transition was half written (a split's part is DONE in KV, its remainder's record
-    could not be created): what this master holds in memory may no longer be what KV says.
-    Like a deposition, it ends this round; the master campaigns again and loads the table
-    from KV, which completes the transition (`transitions.missing_remainders`)."""
+    """A write to the state store may or may not have landed (its answer was lost: a timeout,
+    a connection dropped mid-request), or a transition was half written (a split's part is
+    DONE in KV, its remainder's record could not be created): what this master holds in
+    memory may no longer be what KV says. Carrying on from memory would hand out what KV has
+    given away already (a shard's index, a lease), so, like a deposition, it ends this round;
+    the master campaigns again and loads the table from KV, which completes the transition
+    (`transitions.missing_successors`)."""
+
+
+class TableCorrupt(MasterError):
+    """A job's shard records contradict each other (a shard two records name as their
+    successor, which a master before indexes came from a counter could write after a lost
+    answer): finishing it would list rows twice and lose others. The job fails, saying so."""

@@ -15,9 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-import nats.errors
-
-from .errors import Deposed
+from .errors import Deposed, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +79,7 @@ class ExpiryHeap:
                         expired += 1
                 except Deposed:
                     raise
-                except (nats.errors.Error, TimeoutError) as e:
+                except StoreUnavailable as e:
                     failed = True
                     log.warning("could not expire a lease of job %s (%s); retrying", entry.job, e)
                     self.push(entry)

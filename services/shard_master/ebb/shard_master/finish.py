@@ -11,7 +11,9 @@ from ebb.common.layout import MANIFEST, TIERS_DIR, Manifest, ManifestFile, Quara
 from ebb.common.output import OutputStore
 
 from . import jobmetrics
+from .errors import TableCorrupt
 from .jobs import Job, Shard
+from .transitions import successor_of
 
 log = logging.getLogger(__name__)
 
@@ -21,34 +23,56 @@ def in_input_order(job: Job) -> list[Shard]:
     by the remainders split off it, so that the manifest lists a split shard's parts in order
     (a remainder's index is the next free one, after every planned shard). In a job in tiers,
     each piece done in a tier before the last stands for the pieces of the next tier that
-    read it, down to the last tier's, whose files are the output."""
+    read it, down to the last tier's, whose files are the output.
+
+    A successor is followed only where it was made for the shard that names it, and each
+    shard is placed once: TableCorrupt otherwise (no manifest lists a file twice)."""
+    placed: set[int] = set()
+
+    def successor(origin: Shard, index: int | None) -> Shard | None:
+        if index is None:
+            return None
+        found = job.shards[index] if index < len(job.shards) else None
+        if found is None or not successor_of(origin.record, found.record):
+            raise TableCorrupt(
+                f"job {job.id}: shard {origin.index} names shard {index} as its successor, "
+                "which was not made for it"
+            )
+        return found
 
     def pieces(first: Shard) -> list[Shard]:
         chain: list[Shard] = []
         part: Shard | None = first
         while part is not None:
+            if part.index in placed:
+                raise TableCorrupt(f"job {job.id}: shard {part.index} is reached twice")
+            placed.add(part.index)
             chain.append(part)
             rest = part.record.remainder
-            part = job.shards[rest.index] if rest and rest.index < len(job.shards) else None
+            part = successor(part, rest.index if rest is not None else None)
         return chain
 
     def down(first: Shard) -> list[Shard]:
         ordered: list[Shard] = []
         for piece in pieces(first):
-            on = piece.record.handoff
-            if on is not None and on < len(job.shards):
-                ordered += down(job.shards[on])
+            on = successor(piece, piece.record.handoff)
+            if on is not None:
+                ordered += down(on)
             else:
                 ordered.append(piece)
         return ordered
 
-    return [
+    ordered = [
         shard
         for planned in job.shards
         # Remainders and hand-offs are placed after the shards they come from.
         if planned.record.split_from is None and planned.record.handed_from is None
         for shard in down(planned)
     ]
+    if len(placed) != len(job.shards):
+        missed = sorted(set(range(len(job.shards))) - placed)
+        raise TableCorrupt(f"job {job.id}: shards {missed[:5]} are named by no shard")
+    return ordered
 
 
 def _input_path(job: Job, shard: Shard) -> str:

@@ -70,6 +70,15 @@ class Shard:
         return self.record.spec.index
 
 
+def named_index(record: ShardRecord) -> int:
+    """The highest shard index `record` names: its own, its remainder's, its hand-off's."""
+    return max(
+        record.spec.index,
+        record.remainder.index if record.remainder is not None else -1,
+        record.handoff if record.handoff is not None else -1,
+    )
+
+
 class Tier:
     """The indexes of one tier's shards (`JobSpec.tiers`; a job without tiers has one):
     each tier is leased, timed and sped up at its tail on its own."""
@@ -125,10 +134,15 @@ class Job:
         self.next_seq = 0
         self.head_seq = 0
         """Below every queued shard's seq: a remainder of a split shard goes first."""
+        self.next_index = 0
+        """The index the next shard made while the job runs (a split's remainder, a hand-off)
+        takes: past every index a record of the job names (`adopt_shards`), moved on as soon
+        as a DONE naming new ones is written. An index is given once, whatever a write's
+        answer was."""
         self.splitting = asyncio.Lock()
-        """Held across a split (the part's DONE, the remainder's record): a remainder's index
-        is the next one, `len(shards)`, and two splits must not both take it. Taken with a
-        shard's lock held, never the other way round."""
+        """Held across a split or a hand-off (the DONE naming the new shard, its record): two
+        must not both take `next_index`. Taken with a shard's lock held, never the other way
+        round."""
         self.finish_failures = 0
         self.ready_workers: set[str] = set()
         """Workers that said their pipeline has started (in memory: told again on every
@@ -172,6 +186,7 @@ class Job:
         self.shards = [
             Shard(rec, rev) for rec, rev in sorted(entries, key=lambda e: e[0].spec.index)
         ]
+        self.next_index = max((named_index(s.record) for s in self.shards), default=-1) + 1
         self.tiers = [Tier(name) for name in self.spec.tier_names()]
         self.doing.clear()
         self.counts.clear()
@@ -197,6 +212,15 @@ class Job:
         ):
             self.enter(shard)
         self.publish_gauges()
+
+    def add_shard(self, shard: Shard) -> None:
+        """A shard made while the job runs, whose record was just created: indexes are
+        dense, so it is the next one."""
+        if shard.index != len(self.shards):
+            raise ValueError(
+                f"job {self.id}: shard {shard.index} made where shard {len(self.shards)} was due"
+            )
+        self.shards.append(shard)
 
     @property
     def shards_total(self) -> int:

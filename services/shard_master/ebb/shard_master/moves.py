@@ -17,14 +17,12 @@ import contextlib
 import logging
 from dataclasses import replace
 
-import nats.errors
-
 from ebb.common.layout import CommitRecord, attempt_dir, tier_root
 from ebb.common.messages import ShardState
 
 from . import metrics
 from .context import TableContext
-from .errors import Deposed, ForeignCommit, StateUnsure
+from .errors import Deposed, ForeignCommit, IllegalTransition, StateUnsure
 from .expiry import Expiry, ExpiryHeap
 from .jobs import Job, Shard
 from .store import RecordStore, ShardRecord
@@ -151,11 +149,21 @@ class ShardMoves:
                     files=commit.files,
                     metrics=commit.metrics,
                 )
+                # Indexes from the job's counter, moved past them before the DONE naming
+                # them is written: whatever its answer, no other record is made with them.
+                first = index = job.next_index
                 if commit.split_at:
-                    new = split_part(new, commit.split_at, index=len(job.shards))
+                    new = split_part(new, commit.split_at, index=index)
+                    index += new.remainder is not None
                 if hands_on:
-                    new = replace(new, handoff=len(job.shards) + (new.remainder is not None))
-                await self.apply(job, shard, new)
+                    new = replace(new, handoff=index)
+                    index += 1
+                job.next_index = index
+                try:
+                    await self.apply(job, shard, new)
+                except IllegalTransition:
+                    job.next_index = first  # refused before anything was written
+                    raise
                 if new.remainder is not None:
                     await self._queue_remainder(job, new)
                 if new.handoff is not None:
@@ -182,7 +190,7 @@ class ShardMoves:
         )
         job.next_seq += 1
         handoff = Shard(record, revision)
-        job.shards.append(handoff)
+        job.add_shard(handoff)
         job.enter(handoff)
         job.publish_gauges("TODO")
 
@@ -193,7 +201,7 @@ class ShardMoves:
         again, which creates it (`missing_successors`)."""
         try:
             revision = await self._context.store.create_shard(record)
-        except (nats.errors.Error, TimeoutError) as e:
+        except StateUnsure as e:
             raise StateUnsure(
                 f"job {job.id}: {what} {record.spec.index} could not be written ({e})"
             ) from e
@@ -231,7 +239,7 @@ class ShardMoves:
         if asker is not None:  # a straggler's rest: for the worker it was split for
             del job.split_asks[asker]
             remainder.kept_for = (asker, self._context.clock() + KEEP_REST_S)
-        job.shards.append(remainder)
+        job.add_shard(remainder)
         job.enter(remainder, first=True)
         job.publish_gauges("TODO")
         metrics.SPLITS.labels(job.id).inc()

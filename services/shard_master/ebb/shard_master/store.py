@@ -3,13 +3,20 @@
 Every write is a compare-and-set on the record's last revision. A write that finds another
 revision means some other process (a second master that believes it leads) wrote the record:
 we raise `Deposed` rather than overwrite it.
+
+NATS's errors stop here, at the edge: the table above sees only Ebb's own. A read that fails,
+or a write that surely did not land (no server heard it, or one answered with an error), raises
+`StoreUnavailable`: nothing changed; ask again. A write whose answer never came (a timeout, a
+dropped connection) may have landed all the same, so it raises `StateUnsure`: the master no
+longer knows what KV holds, and loads it again rather than carry on from memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -17,12 +24,14 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
-from ebb.common import schema
+from ebb.common import failpoints, schema
 from ebb.common.layout import OutputFile
 from ebb.common.messages import JobState, ShardSpec, ShardState
 from ebb.common.placement import as_meant_before_pools
 
-from .errors import Deposed
+from .errors import Deposed, StateUnsure, StoreUnavailable
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +148,9 @@ class RecordStore(Protocol):
     """Where the lease table keeps its records: JetStream KV in service, memory in tests.
 
     `update_*` is a compare-and-set on `last`, raising Deposed when the record has moved on;
-    `create_*` returns None when the record exists already."""
+    `create_*` returns None when the record exists already. A write whose outcome is unknown
+    raises StateUnsure; a read that cannot be made, or a write that surely did not land,
+    StoreUnavailable."""
 
     async def create_job(self, record: JobRecord) -> int | None: ...
     async def update_job(self, record: JobRecord, *, last: int) -> int: ...
@@ -149,6 +160,54 @@ class RecordStore(Protocol):
     async def load_jobs(self) -> list[tuple[JobRecord, int]]: ...
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]: ...
     async def forget_job(self, job: str) -> None: ...
+
+
+class FencedStore:
+    """The table's store: `inner`, which takes no write more once one found this master
+    deposed or unsure of what it wrote.
+
+    Stepping down is not instant: the request that found it out ends this round, and until
+    the supervisor has stopped every agent, other requests are still being served from
+    memory. One of them would write on what memory says, and memory may be behind KV (a DONE
+    that landed unanswered names a new shard's index; a second DONE would name it again).
+    So every write from then on is refused (Deposed) until a new round loads the table."""
+
+    def __init__(self, inner: RecordStore) -> None:
+        self.inner = inner
+        self.fenced: Deposed | None = None
+
+    async def _write(self, write: Callable[[], Awaitable[T]]) -> T:
+        if self.fenced is not None:
+            raise Deposed(f"this master is stepping down: {self.fenced}")
+        try:
+            return await write()
+        except Deposed as e:
+            self.fenced = e
+            raise
+
+    async def create_job(self, record: JobRecord) -> int | None:
+        return await self._write(lambda: self.inner.create_job(record))
+
+    async def update_job(self, record: JobRecord, *, last: int) -> int:
+        return await self._write(lambda: self.inner.update_job(record, last=last))
+
+    async def get_job(self, job: str) -> tuple[JobRecord, int] | None:
+        return await self.inner.get_job(job)
+
+    async def create_shard(self, record: ShardRecord) -> int | None:
+        return await self._write(lambda: self.inner.create_shard(record))
+
+    async def update_shard(self, record: ShardRecord, *, last: int) -> int:
+        return await self._write(lambda: self.inner.update_shard(record, last=last))
+
+    async def load_jobs(self) -> list[tuple[JobRecord, int]]:
+        return await self.inner.load_jobs()
+
+    async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
+        return await self.inner.load_shards(job)
+
+    async def forget_job(self, job: str) -> None:
+        await self._write(lambda: self.inner.forget_job(job))
 
 
 class Store:
@@ -163,19 +222,24 @@ class Store:
     async def create_job(self, record: JobRecord) -> int | None:
         """Create the job's record; None if it exists already."""
         try:
-            return await self._jobs.create(record.id, schema.pack(record))
+            return await _written(
+                f"job {record.id}", self._jobs.create(record.id, schema.pack(record))
+            )
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def update_job(self, record: JobRecord, *, last: int) -> int:
         try:
-            return await self._jobs.update(record.id, schema.pack(record), last=last)
+            return await _written(
+                f"job {record.id} {record.state}",
+                self._jobs.update(record.id, schema.pack(record), last=last),
+            )
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise Deposed(f"job {record.id} was written by someone else") from e
 
     async def get_job(self, job: str) -> tuple[JobRecord, int] | None:
         try:
-            entry = await self._jobs.get(job)
+            entry = await _read(f"job {job}", self._jobs.get(job))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         assert entry.value is not None and entry.revision is not None
@@ -183,37 +247,85 @@ class Store:
 
     async def create_shard(self, record: ShardRecord) -> int | None:
         """Create a shard's record; None if it exists already (a resumed planning)."""
+        key = shard_key(record.job, record.spec.index)
         try:
-            return await self._shards.create(
-                shard_key(record.job, record.spec.index), schema.pack(record)
-            )
+            return await _written(describe(record), self._shards.create(key, schema.pack(record)))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def update_shard(self, record: ShardRecord, *, last: int) -> int:
         key = shard_key(record.job, record.spec.index)
         try:
-            return await self._shards.update(key, schema.pack(record), last=last)
+            return await _written(
+                describe(record), self._shards.update(key, schema.pack(record), last=last)
+            )
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise Deposed(f"shard {key} was written by someone else") from e
 
     async def load_jobs(self) -> list[tuple[JobRecord, int]]:
-        entries = await _snapshot(self._js, self._jobs_bucket, ">")
+        entries = await _read("the jobs", _snapshot(self._js, self._jobs_bucket, ">"))
         return [(read_job(v), rev) for v, rev in entries]
 
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
-        entries = await _snapshot(self._js, self._shards_bucket, f"{job}.*")
+        entries = await _read(
+            f"the shards of job {job}", _snapshot(self._js, self._shards_bucket, f"{job}.*")
+        )
         return [(schema.decode(ShardRecord, v), rev) for v, rev in entries]
 
     async def forget_job(self, job: str) -> None:
         """Remove a job's record and its shards' records for good (no delete markers left:
         a purge of their subjects in the buckets' streams)."""
-        await self._js.purge_stream(
-            f"KV_{self._shards_bucket}", subject=f"$KV.{self._shards_bucket}.{job}.*"
+        # Not a transition (the job ended long ago, its record says all there is): a purge
+        # that failed is made again on the next pass, whatever it did.
+        await _read(
+            f"job {job} (to forget it)",
+            self._js.purge_stream(
+                f"KV_{self._shards_bucket}", subject=f"$KV.{self._shards_bucket}.{job}.*"
+            ),
         )
-        await self._js.purge_stream(
-            f"KV_{self._jobs_bucket}", subject=f"$KV.{self._jobs_bucket}.{job}"
+        await _read(
+            f"job {job} (to forget it)",
+            self._js.purge_stream(
+                f"KV_{self._jobs_bucket}", subject=f"$KV.{self._jobs_bucket}.{job}"
+            ),
         )
+
+
+def describe(record: ShardRecord) -> str:
+    """A shard record as a failpoint's condition and an error message read it: its key, its
+    state, and the successors it names ("handoff", "split")."""
+    names = " handoff" if record.handoff is not None else ""
+    names += " split" if record.remainder is not None else ""
+    return f"shard {shard_key(record.job, record.spec.index)} {record.state}{names}"
+
+
+async def _written(what: str, write: Awaitable[T]) -> T:
+    """`write`'s answer. StoreUnavailable where it surely did not land (no server heard it,
+    or the server answered with an error); StateUnsure where no answer came, for it may
+    have landed all the same. (A compare-and-set's conflict, `KeyWrongLastSequenceError`,
+    passes: the caller knows what it means.)"""
+    try:
+        answer = await write
+        if failpoints.take(failpoints.MASTER_KV_ANSWER_LOST, detail=what):
+            raise nats.errors.TimeoutError  # the server applied the write; its answer is lost
+    except nats.js.errors.KeyWrongLastSequenceError:
+        raise
+    except (nats.errors.NoRespondersError, nats.js.errors.APIError) as e:
+        raise StoreUnavailable(f"could not write {what} ({e!r})") from e
+    except (nats.errors.Error, TimeoutError) as e:
+        raise StateUnsure(f"the write of {what} may or may not have landed ({e!r})") from e
+    return answer
+
+
+async def _read(what: str, read: Awaitable[T]) -> T:
+    """`read`'s answer; StoreUnavailable if it could not be had (nothing changed). A key
+    that is not there (`KeyNotFoundError`) passes: the caller knows what it means."""
+    try:
+        return await read
+    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        raise
+    except (nats.errors.Error, TimeoutError) as e:
+        raise StoreUnavailable(f"could not read {what} ({e!r})") from e
 
 
 async def _snapshot(

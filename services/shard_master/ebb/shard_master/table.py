@@ -43,7 +43,14 @@ from ebb.common.spec import parse_job
 
 from . import metrics
 from .context import EventSink, OutputOpener, TableContext
-from .errors import ForeignCommit, JobEnded, NoCommitRecord, NotHolder, StaleToken
+from .errors import (
+    ForeignCommit,
+    JobEnded,
+    NoCommitRecord,
+    NotHolder,
+    StaleToken,
+    TableCorrupt,
+)
 from .expiry import Expiry, ExpiryHeap
 from .intake import JobIntake
 from .jobs import Job, Shard, Tier
@@ -51,7 +58,7 @@ from .lifecycle import JobLifecycle
 from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
 from .status import status_reply
-from .store import LeaseRecord, RecordStore
+from .store import FencedStore, LeaseRecord, RecordStore
 from .tail import ask_split, pace_wait, pick_speculative
 
 log = logging.getLogger(__name__)
@@ -95,7 +102,7 @@ class LeaseTable:
         self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
         self.context = context = TableContext(
             jobs={},
-            store=store,
+            store=FencedStore(store),
             emit=on_event,
             open_output=open_output,
             clock=clock or asyncio.get_running_loop().time,
@@ -118,7 +125,14 @@ class LeaseTable:
             job = Job(record, revision, parse_job(record.spec))
             self.jobs[job.id] = job
             if record.state == "RUNNING":
-                self.context.adopt_shards(job, await load_with_successors(store, job))
+                try:
+                    entries = await load_with_successors(store, job)
+                except TableCorrupt as e:
+                    # One job's records must not keep the master (and every other job) down.
+                    log.error("%s", e)
+                    await self.lifecycle.end(job, "FAILED", str(e))
+                    continue
+                self.context.adopt_shards(job, entries)
                 for shard in job.shards:
                     for token, deadline in shard.deadlines.items():
                         self.expiries.push(Expiry(deadline, job.id, shard.index, token))

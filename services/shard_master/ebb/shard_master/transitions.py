@@ -34,7 +34,7 @@ from typing import get_args
 from ebb.common.layout import attempt_dir
 from ebb.common.messages import HandoffPart, JobState, ShardSpec, ShardState, rest_of
 
-from .errors import IllegalTransition
+from .errors import IllegalTransition, TableCorrupt
 from .store import ShardRecord
 
 SHARD_STATES: tuple[ShardState, ...] = get_args(ShardState)
@@ -134,10 +134,43 @@ def handoff_record(job: str, done: ShardRecord, *, root: str, seq: int) -> Shard
     return ShardRecord(job=job, spec=spec, seq=seq, tier=done.tier + 1, handed_from=done.spec.index)
 
 
+def successor_of(origin: ShardRecord, successor: ShardRecord) -> bool:
+    """`successor` was made for `origin`, whose record names its index: the rest of its split
+    (`split_from`), or the hand-off of its output (`handed_from`, and no split of it)."""
+    index = origin.spec.index
+    if origin.remainder is not None and successor.spec.index == origin.remainder.index:
+        return successor.split_from == index
+    if origin.handoff is not None and successor.spec.index == origin.handoff:
+        return successor.handed_from == index and successor.split_from is None
+    return False
+
+
+def check_successors(records: list[ShardRecord]) -> None:
+    """Raise TableCorrupt if a record some DONE record names as its successor was made for
+    another (two DONEs naming one index): the job cannot be finished right."""
+    by_index = {r.spec.index: r for r in records}
+    for origin in records:
+        named = [origin.remainder.index] if origin.remainder is not None else []
+        named += [origin.handoff] if origin.handoff is not None else []
+        for index in named:
+            found = by_index.get(index)
+            if found is not None and not successor_of(origin, found):
+                raise TableCorrupt(
+                    f"job {origin.job}: shard {origin.spec.index} names shard {index} as its "
+                    f"successor, but that shard was made for shard "
+                    f"{found.split_from if found.split_from is not None else found.handed_from}"
+                    " (written by a master of an older version after a lost answer): its "
+                    "rows cannot be placed; submit the job again into a new output root"
+                )
+
+
 def missing_successors(records: list[ShardRecord], roots: list[str]) -> list[ShardRecord]:
     """The records a DONE shard names (a split's remainder, a hand-off to the next tier)
-    whose own record was never created (the master died between the two), in the order of
-    their indexes. `roots`: each tier's root (`layout.tier_root`)."""
+    whose own record was never created (the master died between the two, or lost the
+    answer to the DONE's write), in the order of their indexes. `roots`: each tier's root
+    (`layout.tier_root`). TableCorrupt if an index named is held by a record made for
+    another shard."""
+    check_successors(records)
     present = {r.spec.index for r in records}
     remainders = missing_remainders(records)
     tail = max((r.seq for r in records), default=0) + 1
