@@ -107,3 +107,24 @@ def test_rows_taken_from_a_slice_of_tensors_are_those_rows() -> None:
         rows: list[Any] = taken.column("t").to_pylist()
         assert [row[1][2] for row in rows] == [27.0, 28.0, 32.0, 49.0]
     assert take_rows(table, np.array([4])).column("t").to_pylist() == [None]  # row 31: null
+
+
+def test_the_rows_metric_values_ride_the_hand_off_and_stay_out_of_the_next_pipeline() -> None:
+    """A tier before the last carries each row's metric values on (a count's ones, an auc's
+    label and score pairs), for the last tier to reduce over the rows it writes."""
+    table, results, errors = chunk(0, 6)
+    values = {
+        "rows": np.ones(6),
+        "auc": np.stack([np.arange(6) % 2, np.linspace(0, 1, 6)], axis=1).astype(np.float64),
+    }
+    out, _ = handoff.handoff_table(
+        table,
+        results,
+        errors,
+        OutputSpec(uri="x", carryover=["id"]),
+        metrics=handoff.metric_columns(values),
+    )
+    back = handoff.metric_values(out, ["rows", "auc"])
+    assert np.array_equal(back["rows"], values["rows"])
+    assert back["auc"].shape == (6, 2) and np.array_equal(back["auc"], values["auc"])
+    assert not any(n.startswith(handoff.METRIC) for n in handoff.pipeline_inputs(out).schema.names)

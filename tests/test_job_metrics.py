@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from ebb.client.sdk import EbbClient
@@ -265,3 +266,91 @@ async def test_metrics_count_each_row_once_across_a_resume(
     assert final.state == "SUCCEEDED", final.reason
     assert_exactly_once(tmp_path, rows)
     assert_metrics_match_output(tmp_path, spec, final.metrics)
+
+
+FAIL_LAST = [17, 2_500, 3_999]
+"""Rows the last stage fails: error rows of the output, in no metric."""
+UNSTORABLE = 1_234
+"""A row whose shard's every attempt fails in the last stage: that shard is quarantined."""
+
+
+def gated_stages() -> list[dict[str, Any]]:
+    """Truth and a model with its metrics, then a last stage that fails some rows and every
+    attempt at one shard."""
+    weights = [1.0, 0.5, -0.5, 0.2, 0.0, 0.1, -0.1, 0.3]
+    return [
+        {
+            "name": "truth",
+            "modelet": "ebbtest_modelets:Labelled",
+            "batch_size": 128,
+            "metrics": {"rows_truth": {"kind": "count"}},
+        },
+        {
+            "name": "a",
+            "modelet": "ebbtest_modelets:Probability",
+            "params": {"weights": weights, "out": "p_a"},
+            "batch_size": 100,
+            "metrics": {
+                "auc_a": {"kind": "auc", "label": "label", "score": "p_a"},
+                "rows": {"kind": "count"},
+                "p_a": {"kind": "histogram", "column": "p_a", "range": [0, 1]},
+            },
+        },
+        {
+            "name": "gate",
+            "modelet": "ebbtest_modelets:Gate",
+            "params": {"fail": FAIL_LAST, "unstorable": [UNSTORABLE]},
+            "batch_size": 64,
+        },
+    ]
+
+
+def in_tiers(spec: dict[str, Any], cuts: list[list[str]]) -> dict[str, Any]:
+    each = {"min_workers": 1, "max_workers": 1, "cpu": 0.5, "memory_gb": 1}
+    tiers = [{"name": f"t{k}", "stages": cut, "resources": each} for k, cut in enumerate(cuts)]
+    return {**spec, "tiers": tiers}
+
+
+@pytest.mark.parametrize(
+    "cuts",
+    [[], [["truth", "a"], ["gate"]], [["truth"], ["a"], ["gate"]]],
+    ids=["one tier", "two tiers", "three tiers"],
+)
+async def test_metrics_count_the_rows_of_the_output_however_the_job_is_cut_into_tiers(
+    tmp_path: Path, prefix: str, cuts: list[list[str]]
+) -> None:
+    """Rows that pass the first tiers and fail in the last, and a last-tier shard quarantined:
+    the job's metrics count exactly the rows of its output without error, the same in one
+    tier as in three (a worker for each tier)."""
+    rows = 4_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=500)
+    body = job_spec(
+        tmp_path,
+        rows_per_shard=500,
+        carryover=["customer"],
+        stages=gated_stages(),
+        fault={"max_attempts": 2, "max_error_fraction": 0.5},
+    )
+    spec = parse_job(in_tiers(body, cuts) if cuts else body)
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=max(1, len(cuts))) as stack,
+        await EbbClient.connect(stack.nats_config) as client,
+    ):
+        final = await client.wait(await client.submit(spec))
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.shards["QUARANTINED"] == 1
+
+    table, manifest = read_output(tmp_path / "out")
+    assert [q["rows"] for q in manifest["quarantined"]] == [500]
+    ids = table.column("id").to_numpy()
+    assert len(ids) == rows - 500 and UNSTORABLE not in ids
+    good = table.filter(pc.is_null(table.column("_error")))
+    assert len(good) == rows - 500 - len(FAIL_LAST)
+    specs = spec.pipeline.all_metrics()
+    columns = {name: good.column(name).to_numpy() for name in ("label", "p_a")}
+    expected = accumulators.results_named(
+        specs, accumulators.reduce_named(specs, accumulators.row_values_named(specs, columns))
+    )
+    written = json.loads((tmp_path / "out" / METRICS).read_text())
+    assert written["metrics"] == expected == final.metrics
+    assert expected["rows"] == expected["rows_truth"] == len(good)

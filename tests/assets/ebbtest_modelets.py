@@ -445,3 +445,25 @@ class Counted:
 
         ids = batch["id"]
         return {"id": ids, "double": ids * 2, hidden_column("work"): ids % 3}
+
+
+class Gate:
+    """The batch as it came, with "tag" (the id), except: a batch holding an id of `fail`
+    raises (bisected, those rows are error rows); one holding an id of `unstorable` tags its
+    rows with what no column can store, which fails every attempt that writes them (their
+    shard is quarantined once its attempts are spent)."""
+
+    def __init__(self, fail: list[int] | None = None, unstorable: list[int] | None = None) -> None:
+        self.fail = np.asarray(fail or [], dtype=np.int64)
+        self.unstorable = np.asarray(unstorable or [], dtype=np.int64)
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = batch["id"]
+        failing = ids[np.isin(ids, self.fail)]
+        if len(failing):
+            raise ValueError(f"gate closed to rows {failing.tolist()}")
+        tag: np.ndarray = ids.copy()
+        if np.isin(ids, self.unstorable).any():
+            tag = np.empty(len(ids), dtype=object)
+            tag[:] = [{int(i)} for i in ids]
+        return {**batch, "tag": tag}

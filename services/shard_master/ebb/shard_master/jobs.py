@@ -291,8 +291,11 @@ class Job:
             if self.is_last_tier(shard):  # an earlier tier's rows are the next one's input
                 self.rows_done += rec.rows
                 self.error_rows += rec.error_rows
-            if rec.metrics:
-                self._merge_metrics(shard)
+                # The last tier's partials count the rows of the output, those of the tiers
+                # before too (their values come in the hand-off). An earlier tier's count
+                # rows the output may never hold.
+                if rec.metrics:
+                    self._merge_metrics(shard)
             if rec.seconds > 0:
                 if not rec.split_at:  # a part is no shard's whole time
                     tier.durations.append(rec.seconds)

@@ -70,6 +70,7 @@ async def run_attempt(
     stop: asyncio.Event | None = None,
     progress: AttemptProgress | None = None,
     hands_on: bool = False,
+    carried_metrics: dict[str, accumulators.MetricSpec] | None = None,
 ) -> CommitRecord:
     """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
     attempt of this job committed first (an earlier one found before anything ran, or one
@@ -79,7 +80,9 @@ async def run_attempt(
     raises AttemptStopped if there are none). `progress`: how far it has got, kept up to date
     for the renewals to tell. `hands_on`: a tier before the last of a job in tiers: `store`
     is the tier's root, and what is committed there is the hand-off to the next tier
-    (handoff.py). A shard of format "arrow" is a hand-off from the tier before."""
+    (handoff.py). A shard of format "arrow" is a hand-off from the tier before, and
+    `carried_metrics` the metrics of the tiers before, whose values it carries: only the last
+    tier reduces metrics, over the rows it writes, so that they count the job's output."""
     existing = await asyncio.to_thread(store.read_commit, shard.index)
     if existing is not None and existing.job == spec.id:
         log.info(
@@ -99,7 +102,9 @@ async def run_attempt(
     started = time.perf_counter()
     files: list[OutputFile] = []
     rows = error_rows = rows_in = 0
-    metric_specs = spec.pipeline.all_metrics()
+    own_metrics = spec.pipeline.all_metrics()
+    carried = carried_metrics or {}
+    every_metric = {**carried, **own_metrics}
     partials: dict[str, accumulators.Partial] = {}
     try:
         # Closed on the way out whatever happens here, not when it is collected: its
@@ -108,13 +113,21 @@ async def run_attempt(
             _computed(reader, pipeline, spec, stop, progress)
         ) as computed:
             async for data, good, result in computed:
-                if metric_specs:
-                    partials = accumulators.merge_named(
-                        metric_specs, partials, _partials(metric_specs, result)
-                    )
                 handed = shard.format == "arrow"
+                values = _metric_values(own_metrics, carried, data, good, result, handed=handed)
+                if every_metric and not hands_on:
+                    partials = accumulators.merge_named(
+                        every_metric, partials, _partials(every_metric, values, good, result)
+                    )
                 table, errors = await asyncio.to_thread(
-                    _output, data, good, result, spec, handed=handed, hands_on=hands_on
+                    _output,
+                    data,
+                    good,
+                    result,
+                    spec,
+                    handed=handed,
+                    hands_on=hands_on,
+                    metric_values=values if hands_on else None,
                 )
                 files += await asyncio.to_thread(
                     write_attempt,
@@ -255,16 +268,43 @@ def _inputs(data: ShardData, spec: JobSpec, *, handed: bool) -> tuple[pa.Table, 
     return inputs, good
 
 
+def _metric_values(
+    own: dict[str, accumulators.MetricSpec],
+    carried: dict[str, accumulators.MetricSpec],
+    data: ShardData,
+    good: np.ndarray,
+    result: RunResult,
+    *,
+    handed: bool,
+) -> dict[str, np.ndarray]:
+    """Every metric's values for each row of the chunk (NaN where a row did not go in): this
+    tier's from the run, the tiers' before from the hand-off read."""
+    n = data.table.num_rows
+    went_in = good[: result.rows]
+    values = handoff.metric_values(data.table, list(carried)) if handed and carried else {}
+    for name in own:
+        got = np.asarray(result.metrics[name], dtype=np.float64)[: result.rows]
+        full = np.full((n, *got.shape[1:]), np.nan)
+        full[went_in] = got
+        values[name] = full
+    return values
+
+
 def _partials(
-    specs: dict[str, accumulators.MetricSpec], result: RunResult
+    specs: dict[str, accumulators.MetricSpec],
+    values: dict[str, np.ndarray],
+    good: np.ndarray,
+    result: RunResult,
 ) -> dict[str, accumulators.Partial]:
     """The metrics' partials over the rows of a run that came through (a failed row's values
-    are not values): exactly the rows this attempt writes."""
+    are not values, nor are those of a row that failed in a tier before): exactly the rows
+    this attempt writes without error."""
     ok = np.ones(result.rows, dtype=bool)
     ok[np.fromiter(result.errors, dtype=np.int64, count=len(result.errors))] = False
     if not ok.any():
         return {}
-    return accumulators.reduce_named(specs, {n: result.metrics[n][ok] for n in specs})
+    rows = good[: result.rows][ok]
+    return accumulators.reduce_named(specs, {n: values[n][rows] for n in specs})
 
 
 def _output(
@@ -275,11 +315,12 @@ def _output(
     *,
     handed: bool = False,
     hands_on: bool = False,
+    metric_values: dict[str, np.ndarray] | None = None,
 ) -> tuple[pa.Table, int]:
     """The shard's output table: the pipeline's results (for the rows that went in, `good`)
     put back among the shard's rows, and the rows that could not be read as errors.
     `handed`: the rows are a hand-off from the tier before; `hands_on`: the table is one
-    for the next tier."""
+    for the next tier, which carries the rows' `metric_values` on."""
     n = data.table.num_rows
     results, errors = result.columns, dict(result.errors)
     if len(good) != n:
@@ -288,5 +329,6 @@ def _output(
         results, _ = scatter([(good, results)], n) if results else ({}, None)
     rows = handoff.carried(data.table) if handed else data.table
     if hands_on:
-        return handoff.handoff_table(rows, results, errors, spec.output)
+        metrics = handoff.metric_columns(metric_values or {})
+        return handoff.handoff_table(rows, results, errors, spec.output, metrics=metrics)
     return build_output(rows, results, errors, spec.output)

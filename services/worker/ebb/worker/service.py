@@ -52,7 +52,7 @@ from ebb.common.supervisor import Supervisor
 
 from . import cpus, devices, metrics
 from .attempt import AttemptStopped, run_attempt
-from .handoff import tier_view
+from .handoff import carried_metrics, tier_view
 from .leases import LeaseState, StopCause
 from .pipeline import Pipeline, PipelineError, PipelineSetupError
 from .reader import CHUNK_ROWS
@@ -149,7 +149,8 @@ class Worker:
             log.info("job %s is %s: nothing to do", status.id, status.state)
             return EXIT_OK
         try:
-            spec, hands_on = tier_view(parse_job(status.spec), self.config.tier)
+            job = parse_job(status.spec)
+            spec, hands_on = tier_view(job, self.config.tier)
         except SpecError as e:
             log.error("job %s: %s", self.config.job, e)
             self.fatal_reason = str(e)
@@ -178,6 +179,7 @@ class Worker:
             on_failed_start=self._give_up,
             tier=self.config.tier,
             hands_on=hands_on,
+            carried_metrics=carried_metrics(job, self.config.tier),
         )
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
@@ -318,6 +320,7 @@ class Worker:
                 stop=active.stop,
                 progress=active.progress,
                 hands_on=session.hands_on,
+                carried_metrics=session.carried_metrics,
             )
             await self.reports.commit(session.master, active, record)
             if record.split_at:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
+from ebb.common.accumulators import MetricSpec
 from ebb.common.aio import until
 from ebb.common.api import MasterClient
 from ebb.common.spec import JobSpec
@@ -57,12 +58,15 @@ class JobSession:
         on_failed_start: Callable[[BaseException], None],
         tier: str = "",
         hands_on: bool = False,
+        carried_metrics: dict[str, MetricSpec] | None = None,
     ) -> None:
         self.spec = spec
         """The job as this worker's tier runs it (`handoff.tier_view`)."""
         self.tier = tier
         self.hands_on = hands_on
         """A tier before the last: what it commits is the next tier's input."""
+        self.carried_metrics = carried_metrics or {}
+        """The metrics of the tiers before, whose values the hand-offs it reads carry."""
         self.pipeline = pipeline
         self.master = master
         self.cores = cores
