@@ -13,12 +13,18 @@ from ebb.common.layout import TIERS_DIR, OutputFile, attempt_dir, tier_root
 from ebb.common.messages import LeaseReply, StatusRequest
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
-from ebb.shard_master.errors import BadRequest
+from ebb.shard_master.errors import BadRequest, OutputTaken
 from ebb.shard_master.store import shard_key
 from ebb.shard_master.table import LeaseTable
 
 from .helpers import job_spec, write_dataset, write_model
-from .test_lease_table import Clock, MemoryStore, assert_indexes_match_records, new_table
+from .test_lease_table import (
+    Clock,
+    MemoryStore,
+    assert_indexes_match_records,
+    make_job,
+    new_table,
+)
 
 
 def tiered_job(tmp_path: Path, *, shards: int = 3, infer_workers: int = 1) -> JobSpec:
@@ -295,3 +301,64 @@ async def test_each_tier_says_why_it_waits_for_a_place_and_its_own_shard_time(
     assert table.status(StatusRequest(job=spec.id)).jobs[0].waiting == ""
     with pytest.raises(BadRequest, match="no tier 'gpu'"):
         job.wait_for_placement("gpu", "why")
+
+
+@pytest.mark.parametrize("tiered", [True, False], ids=["in tiers", "in one tier"])
+async def test_a_job_cancelled_between_its_tiers_commits_keeps_its_root_for_its_resume(
+    tmp_path: Path, tiered: bool
+) -> None:
+    """Cancelled once its first tier committed and before its last did: the root holds its
+    work (`_tiers/<tier>/_commits`) as it would its output's. Another job naming the root is
+    refused, saying whose it is; the first one's resume runs it to the end, each row once.
+    As for a job in one tier that committed a shard."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    if tiered:
+        spec = tiered_job(tmp_path, shards=2)
+        other = tiered_job(tmp_path, shards=2)
+    else:
+        spec = make_job(tmp_path, shards=2)
+        other = make_job(tmp_path, shards=2)
+    first = spec.tier_names()[0]
+    assert await table.intake.submit(spec)
+    reply = await lease(table, spec, "w1", first)
+    commit(spec, reply, tier=first)
+    assert (await table.commit(reply.token)).status == "done"
+    await table.lifecycle.cancel(spec.id, "a user's wish")
+
+    owner = OutputStore(spec.output.uri).owner_record()
+    assert owner is not None and owner.job == spec.id and not owner.released
+    with pytest.raises(OutputTaken, match=spec.id):
+        await table.intake.submit(other)
+
+    resumed = await table.lifecycle.resume(spec.id)
+    assert resumed.state == "RUNNING"
+    job = table.jobs[spec.id]
+    for tier in spec.tier_names():
+        while (reply := await lease(table, spec, "w2", tier)).status == "granted":
+            commit(spec, reply, tier=tier)
+            await table.commit(reply.token)
+    assert job.record.state == "SUCCEEDED" and job.record.rows_done == 200
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None and manifest.rows == 200
+    paths = [f.path for f in manifest.files]
+    assert len(paths) == len(set(paths)) == 2
+
+
+async def test_a_job_in_tiers_resubmitted_to_a_master_without_its_records_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Its first tier's commits are in the root, the master that numbered them is gone: a
+    later tier's shards would be numbered otherwise, and adopting a record for another shard
+    would lose rows. Refused, saying what to do, before anything is planned."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = tiered_job(tmp_path, shards=2)
+    assert await table.intake.submit(spec)
+    reply = await lease(table, spec, "w1", "prep")
+    commit(spec, reply, tier="prep")
+    assert (await table.commit(reply.token)).status == "done"
+
+    forgetful = new_table(MemoryStore(), Clock())
+    with pytest.raises(OutputTaken, match="carries on only from the master's state"):
+        await forgetful.intake.submit(spec)

@@ -15,7 +15,8 @@ TIERS_DIR = "_tiers"
 """Under the output root: each tier but the last commits its output here, in a folder of its
 own (`tier_root`), for the next tier to read. Readers of the output pass over it (a leading
 underscore, as pyarrow's datasets and Spark do), and the master removes it when the job
-succeeds or is cancelled."""
+succeeds. A job that fails or is cancelled keeps it, for its resume: its commit records hold
+the root for that job as the output's own do."""
 """Beside the manifest: the values of the job's metrics over exactly its rows."""
 OWNER = "_job.json"
 """Names the job that owns the output root; created exclusively when the job is accepted."""

@@ -21,7 +21,9 @@ answer was lost) counts as created.
 
 A root belongs to the job that first created `_job.json`. A job that ends having committed
 nothing lets go of it (`release`): the next job that names the root takes it over, and of
-several trying at once only the one that creates `_claims/generation=N.json` does.
+several trying at once only the one that creates `_claims/generation=N.json` does. What a job
+in tiers committed in a tier before the last (`<out>/_tiers/<tier>/_commits/`) is committed
+work of the root as much as its output is: the root is not let go while any is there.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .layout import (
     MANIFEST,
     METRICS,
     OWNER,
+    TIERS_DIR,
     CommitRecord,
     Manifest,
     OutputFile,
@@ -217,12 +220,25 @@ class OutputStore:
         return schema.load(OutputOwner, raw, strict=False)
 
     def committed_shards(self) -> int:
-        """How many commit records the root holds (a listing: no record is read)."""
+        """How many commit records the root holds, its tiers' included (a listing: no
+        record is read)."""
+        count = 0
+        for folder in self._commit_folders():
+            try:
+                names = self._ls(folder)
+            except FileNotFoundError:
+                continue
+            count += sum(1 for name in names if name.endswith(".json"))
+        return count
+
+    def _commit_folders(self) -> list[str]:
+        """Where commit records are: the root's `_commits`, then each tier's under `_tiers`."""
+        folders = [self.full(COMMITS_DIR)]
         try:
-            names = self._ls(self.full(COMMITS_DIR))
+            tiers = sorted(self._ls(self.full(TIERS_DIR)))
         except FileNotFoundError:
-            return 0
-        return sum(1 for name in names if name.endswith(".json"))
+            return folders
+        return folders + [posixpath.join(tier, COMMITS_DIR) for tier in tiers]
 
     def _size(self, path: str) -> int:
         self.fs.invalidate_cache(path)
@@ -294,14 +310,16 @@ class OutputStore:
         return schema.load(CommitRecord, json.loads(raw), strict=False)
 
     def first_commit(self) -> CommitRecord | None:
-        """Any one commit record under this root (to tell whose output the root holds)."""
-        try:
-            names = sorted(self._ls(self.full(COMMITS_DIR)))
-        except FileNotFoundError:
-            return None
-        for name in names:
-            if name.endswith(".json"):
-                return schema.load(CommitRecord, json.loads(self._cat(name)), strict=False)
+        """Any one commit record under this root, a tier's included (to tell whose work the
+        root holds)."""
+        for folder in self._commit_folders():
+            try:
+                names = sorted(self._ls(folder))
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.endswith(".json"):
+                    return schema.load(CommitRecord, json.loads(self._cat(name)), strict=False)
         return None
 
     def remove(self, relpath: str) -> bool:
