@@ -243,6 +243,11 @@ def _condition(obj: Obj, kind: str) -> Obj | None:
     return None
 
 
+def _condition_is(pod: Obj, kind: str, reason: str) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == kind and c.get("reason") == reason for c in conditions)
+
+
 def set_condition(
     pod: Obj, kind: str, value: str, reason: str | None = None, message: str | None = None
 ) -> None:
@@ -455,6 +460,16 @@ class FakeKubelet:
             return self._terminate(pod, run, now)
         if status.get("phase") in TERMINAL_PHASES or run.stage == "done":
             run.stage = "done"
+            return None
+        if not spec.get("nodeName") and spec.get("schedulingGates"):
+            # The scheduler leaves a gated pod alone until every gate is removed.
+            if not _condition_is(pod, "PodScheduled", "SchedulingGated"):
+                self._write(
+                    pod,
+                    lambda p: set_condition(
+                        p, "PodScheduled", "False", "SchedulingGated", "Scheduling is blocked"
+                    ),
+                )
             return None
         if not spec.get("nodeName"):
             self._schedule(pod)

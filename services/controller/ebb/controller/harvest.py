@@ -59,13 +59,24 @@ class MixedPool:
     """Batch (worker) pods placed on the pool's nodes."""
     asked: dict[str, Amounts]
     """What each of them requests, by pod name (read once a sample)."""
+    unready: set[str]
+    """Nodes cordoned or not reporting Ready: no pod is placed there, so they count in no
+    capacity and are neither lent nor reclaimed (as `capacity()` of the backend skips them);
+    batch pods on one being reclaimed are drained all the same."""
+
+    def usable(self) -> list[MixedNode]:
+        return [m for node, m in self.nodes if node.name not in self.unready]
 
     def capacity(self) -> Amounts:
-        return total(self.allocatable.values())
+        return total(a for n, a in self.allocatable.items() if n not in self.unready)
 
     def average(self, resource: str) -> float:
-        """A node's allocatable of `resource`, on average over the nodes that have some."""
-        have = [a[resource] for a in self.allocatable.values() if a.get(resource, 0.0) > 0]
+        """A usable node's allocatable of `resource`, on average over those that have some."""
+        have = [
+            a[resource]
+            for n, a in self.allocatable.items()
+            if n not in self.unready and a.get(resource, 0.0) > 0
+        ]
         return sum(have) / len(have) if have else 0.0
 
 
@@ -128,14 +139,22 @@ class TidalHarvester:
             online=total(online.values()),
             batch=batch,
             asked={p.name: p.requests(resources) for p in batch},
+            unready={n.name for n in views if not n.ready},
         )
 
-    def pending_online(self) -> tuple[int, Amounts]:
-        """Online pods that cannot be scheduled: how many, and their requests."""
+    def pending_online(self, pool: MixedPool) -> tuple[int, Amounts]:
+        """Online pods the scheduler found no room for that a node of the mixed pool could
+        take: how many, and their requests. A pod merely not bound yet (just created, being
+        bound, gated, waiting for a volume) is no sign of demand, nor one pinned to another
+        pool: reclaiming a node would do nothing for it."""
         count, asked = 0, Amounts()
+        labels = [n.meta.labels for n, _ in pool.nodes if n.name not in pool.unready]
         for pod in map(PodView, self.cluster.pods.values()):
-            pending = not pod.node and pod.phase == "Pending"
-            if pending and selector_matches(pod.meta.labels, self.cluster.config.online_selector):
+            if pod.node or pod.phase != "Pending" or not pod.unschedulable:
+                continue
+            if not selector_matches(pod.meta.labels, self.cluster.config.online_selector):
+                continue
+            if any(pod.could_run_on(node) for node in labels):
                 count += 1
                 asked = add(asked, pod.requests(self.cluster.config.resources))
         return count, asked
@@ -144,23 +163,23 @@ class TidalHarvester:
         """One sample of the tide: measure, decide, relabel, drain what is reclaimed."""
         await self.cluster.synced()
         pool = self.mixed_pool()
-        pending, pending_asked = self.pending_online()
+        pending, pending_asked = self.pending_online(pool)
         if isinstance(self.tide, ForecastTide):
             moves = self.tide.decide(
                 now,
                 demand=add(pool.online, pending_asked),
                 capacity=pool.capacity(),
-                nodes=[m for _, m in pool.nodes],
+                nodes=pool.usable(),
             )
         else:
             # In nodes: each node's share of the resource its online pods use most of.
             waiting = [v / pool.average(k) for k, v in pending_asked.items() if pool.average(k)]
             moves = self.tide.decide(
                 now,
-                online_load=sum(m.online_use for _, m in pool.nodes),
+                online_load=sum(m.online_use for m in pool.usable()),
                 pending_online=pending,
                 pending_load=max(waiting, default=0.0),
-                nodes=[m for _, m in pool.nodes],
+                nodes=pool.usable(),
             )
         if moves:
             log.debug("tide: %d online pods pending: %s", pending, moves)
@@ -178,7 +197,7 @@ class TidalHarvester:
         reclaiming = {m.node for m in moves if m.to == "offline2online"}
         reclaiming |= {m.name for _, m in pool.nodes if m.state == "offline2online"}
         for pod in pool.batch:
-            if pod.node in reclaiming and not pod.meta.deleting:
+            if pod.node in reclaiming:
                 await self._drain(pod)
         self._account(pool, moves, now)
         if moves:
@@ -193,7 +212,7 @@ class TidalHarvester:
         for node, m in pool.nodes:
             state = after.get(m.name, m.state)
             counts[state] += 1
-            if state == "offline":
+            if state == "offline" and node.name not in pool.unready:
                 lent = add(lent, pool.allocatable[node.name])
         for state in STATES:
             metrics.NODE_STATES.labels(state).set(counts[state])
@@ -217,11 +236,7 @@ class TidalHarvester:
         of those holding it, the youngest first (their age stands in for their shards'
         progress, which we do not see)."""
         lent = {m.name for _, m in pool.nodes if m.state in ("offline", "online2offline")}
-        pods = [
-            p
-            for p in pool.batch
-            if p.node in lent and not p.meta.deleting and p.name not in self.draining
-        ]
+        pods = [p for p in pool.batch if p.node in lent and not self._gone(p)]
         used = total(pool.asked[p.name] for p in pods)
         youngest = sorted(pods, key=lambda p: (p.meta.created, p.name), reverse=True)
         for resource, allowed in budget.items():
@@ -229,14 +244,23 @@ class TidalHarvester:
                 if used.get(resource, 0.0) <= allowed + 1e-9:
                     break
                 asked = pool.asked[pod.name]
-                if pod.name in self.draining or asked.get(resource, 0.0) <= 0:
+                if self._gone(pod) or asked.get(resource, 0.0) <= 0:
                     continue
                 used = add(used, asked, -1.0)
-                self.draining.add(pod.name)
                 await self._drain(pod)
 
+    def _gone(self, pod: PodView) -> bool:
+        """Terminating, or drained already (by a sample whose deletion the cache has not
+        shown yet)."""
+        return pod.meta.deleting or pod.name in self.draining
+
     async def _drain(self, pod: PodView) -> None:
-        """Delete a batch pod gracefully (its worker drains), counted against its job."""
+        """Delete a batch pod gracefully (its worker drains), counted against its job once:
+        recorded as draining, so that a later sample on a cache that lags does not drain
+        (nor count) it again."""
+        if self._gone(pod):
+            return
+        self.draining.add(pod.name)
         metrics.BATCH_EVICTIONS.inc()
         self.reclaimed[pod.meta.labels.get(JOB_LABEL, "")] += 1
         await self.cluster.delete_pod(pod.name, grace_s=self.cluster.config.grace_s)

@@ -105,6 +105,62 @@ class PodView:
     def cpu(self) -> float:
         return self.requests().get("cpu", 0.0)
 
+    @property
+    def unschedulable(self) -> bool:
+        """The scheduler tried it and found no node with room: its PodScheduled condition is
+        False for that reason. Not a pod just created (not tried yet), being bound, held by
+        scheduling gates (SchedulingGated), or waiting for its volumes' claims to bind: more
+        room would not place those."""
+        for condition in _list(_map(self.obj, "status"), "conditions"):
+            if condition.get("type") == "PodScheduled":
+                return (
+                    condition.get("status") == "False"
+                    and condition.get("reason") == "Unschedulable"
+                    and "persistentvolumeclaim" not in str(condition.get("message", "")).lower()
+                )
+        return False
+
+    def could_run_on(self, labels: dict[str, str]) -> bool:
+        """Its nodeSelector and required node affinity admit a node labelled `labels`
+        (taints and room aside)."""
+        spec = _map(self.obj, "spec")
+        selector: dict[str, str] = spec.get("nodeSelector") or {}
+        if any(labels.get(k) != v for k, v in selector.items()):
+            return False
+        required = _map(
+            _map(_map(spec, "affinity"), "nodeAffinity"),
+            "requiredDuringSchedulingIgnoredDuringExecution",
+        )
+        terms = _list(required, "nodeSelectorTerms")
+        return not terms or any(_term_matches(term, labels) for term in terms)
+
+
+def _term_matches(term: Obj, labels: dict[str, str]) -> bool:
+    """A nodeSelectorTerm's matchExpressions all hold for `labels` (an empty term matches
+    nothing, as Kubernetes reads it)."""
+    expressions = _list(term, "matchExpressions")
+    if not expressions:
+        return False
+    for e in expressions:
+        key, op, values = e.get("key", ""), e.get("operator", ""), list(e.get("values") or [])
+        value = labels.get(key)
+        if op == "In" and value not in values:
+            return False
+        if op == "NotIn" and value in values:
+            return False
+        if op == "Exists" and value is None:
+            return False
+        if op == "DoesNotExist" and value is not None:
+            return False
+        if op in ("Gt", "Lt"):
+            try:
+                number, bound = int(value or ""), int(values[0])
+            except (ValueError, IndexError):
+                return False
+            if (op == "Gt" and not number > bound) or (op == "Lt" and not number < bound):
+                return False
+    return True
+
 
 class NodeView:
     __slots__ = ("meta", "obj")

@@ -1,0 +1,148 @@
+"""What the tide reads as online demand and as capacity (fake API server, real controller and
+master): only online pods the scheduler found no room for, that a mixed node could take,
+call a lent node back; a cordoned or NotReady node is neither lent nor counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from ebb.client.sdk import EbbClient
+from ebb.controller.harvest import TidalHarvester
+from ebb.controller.tidal import TidalConfig
+from tests.helpers import wait_until
+from tests.k8s.fake_apiserver import FakeKubeAPI
+from tests.k8s.harness import Harness, offline, submit, tidal_state
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
+
+MIXED = ("mix-0", "mix-1", "mix-2")
+SAMPLE_S = 0.05
+
+
+def mixed_nodes(kube: FakeKubeAPI) -> None:
+    for name in MIXED:
+        kube.add_node(
+            name,
+            labels={"ebb.io/pool": "mixed"},
+            allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
+        )
+
+
+def threshold_tide() -> TidalConfig:
+    return TidalConfig(
+        policy="threshold",
+        sample_s=SAMPLE_S,
+        window=3,
+        cooldown_s=60.0,
+        lend_below=0.45,
+        reclaim_above=0.7,
+    )
+
+
+def online(kube: FakeKubeAPI, name: str, *, cpu: str = "6", **spec: Any) -> None:
+    """An online pod asking for `cpu` cores (more than any node has free once lent)."""
+    kube.add_pod(
+        {
+            "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
+            "spec": {
+                "nodeSelector": {"ebb.io/pool": "mixed"},
+                "containers": [
+                    {"name": "web", "image": "web", "resources": {"requests": {"cpu": cpu}}}
+                ],
+                **spec,
+            },
+        },
+        "default",
+    )
+
+
+def harvester(h: Harness) -> TidalHarvester:
+    assert h.backend.harvester is not None
+    return h.backend.harvester
+
+
+async def samples(h: Harness, n: int) -> None:
+    """Until the tide has taken `n` more samples."""
+    tide = harvester(h)
+    start = tide.last_sample or 0.0
+    await wait_until(
+        lambda: (tide.last_sample or 0.0) >= start + n * SAMPLE_S,
+        what=f"{n} samples of the tide",
+    )
+
+
+def condition(kube: FakeKubeAPI, pod: str) -> tuple[str, str]:
+    found = kube.get_pod(pod, "default") or {}
+    for c in (found.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled":
+            return c.get("status", ""), c.get("reason", "")
+    return "", ""
+
+
+async def test_pending_online_pods_that_more_room_would_not_place_reclaim_nothing(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0", cpu="4")
+    mixed_nodes(kube)
+    job = await submit(ebb, tmp_path / "job", workers=20, cpu=2)
+    h = harness_factory(tidal=threshold_tide())
+    await h.converge(
+        lambda: sum(tidal_state(kube, n) == "offline" for n in MIXED) == 2,
+        what="two mixed nodes lent",
+    )
+    lent = {n for n in MIXED if tidal_state(kube, n) == "offline"}
+    evictions = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0
+    # Held by a scheduling gate; pinned to a pool with no node (the scheduler finds no room,
+    # but no mixed node could take it); waiting for its volume's claim to bind.
+    online(kube, "gated", schedulingGates=[{"name": "example.com/quota"}])
+    online(kube, "pinned", nodeSelector={"ebb.io/pool": "online"})
+    await wait_until(lambda: condition(kube, "gated") == ("False", "SchedulingGated"), what="gate")
+    await wait_until(lambda: condition(kube, "pinned") == ("False", "Unschedulable"), what="pin")
+    await samples(h, 10)
+    await h.converge(lambda: True, what="a reconcile pass")
+    assert {n for n in MIXED if tidal_state(kube, n) == "offline"} == lent
+    assert (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0) == evictions
+    assert harvester(h).reclaimed[job] == 0
+
+    # One the mixed pool's room would place: that one calls a lent node back.
+    online(kube, "room")
+    await h.converge(
+        lambda: any(tidal_state(kube, n) != "offline" for n in lent),
+        what="a lent node reclaimed for the pod that needs room",
+    )
+
+
+async def test_cordoned_and_not_ready_mixed_nodes_are_neither_lent_nor_counted(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    offline(kube, "off-0", cpu="4")
+    mixed_nodes(kube)
+    kube.add_node(
+        "mix-cordoned",
+        labels={"ebb.io/pool": "mixed"},
+        allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
+        unschedulable=True,
+    )
+    kube.add_node(
+        "mix-down",
+        labels={"ebb.io/pool": "mixed"},
+        allocatable={"cpu": "8", "memory": "32Gi", "pods": "110"},
+        ready=False,
+    )
+    await submit(ebb, tmp_path / "job", workers=20, cpu=2)
+    h = harness_factory(tidal=threshold_tide())
+    await h.converge(
+        lambda: sum(tidal_state(kube, n) == "offline" for n in MIXED) == 2,
+        what="two mixed nodes lent",
+    )
+    await samples(h, 10)
+    assert tidal_state(kube, "mix-cordoned") in (None, "online")
+    assert tidal_state(kube, "mix-down") in (None, "online")
+    # What is lent is what the two lent nodes have: nothing of the others.
+    assert REGISTRY.get_sample_value("ebb_tidal_lent", {"resource": "cpu"}) == 16.0
+    pool = harvester(h).mixed_pool()
+    assert pool.capacity()["cpu"] == 24.0
