@@ -444,3 +444,67 @@ def test_a_gpu_stage_where_no_gpu_is_says_what_to_change(tmp_path: Path, runs: P
         "`device: cpu` on it, or run the job where a GPU is"
     ) in said(failed)
     assert "map_location" not in said(failed)  # torch's own advice is not what to change
+
+
+def test_a_run_killed_leaves_no_process_behind_and_resume_finishes_it_exactly_once(
+    tmp_path: Path, runs: Path
+) -> None:
+    """`ebb run` SIGKILLed mid-job (the OOM killer, a CI runner's timeout): every process of
+    its stack ends within seconds (its reaper), and `--resume` finishes the job, each row
+    once, the shards committed before kept."""
+    import psutil
+
+    write_dataset(tmp_path / "data", rows=6_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages: list[dict[str, Any]] = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.2}},
+        {"model": str(tmp_path / "model.onnx"), "batch_size": 100},
+        {"modelet": "ebb.worker.modelets:TopClass"},
+    ]
+    job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(1, 2))
+    roots = [*ROOTS, "--max-workers", "2"]
+    first = subprocess.Popen(
+        [*EBB, "run", "job.yaml", "--quiet", *roots],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    commits = tmp_path / "out" / "_commits"
+    stack: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (commits.exists() and any(commits.iterdir())):
+            assert first.poll() is None and time.monotonic() < deadline, "no shard committed"
+            time.sleep(0.1)
+        stack = psutil.Process(first.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in stack)
+        for part in ("ebb.client.reaper", "nats-server", "ebb.shard_master", "ebb.controller"):
+            assert part in names
+        assert "ebb.worker" in names
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in stack):
+        left = [" ".join(p.cmdline())[:80] for p in stack if alive(p)]
+        assert time.monotonic() < deadline, f"still running after the kill: {left}"
+        time.sleep(0.2)
+    before = {p.name: p.read_text() for p in commits.iterdir()}
+
+    resumed = ebb("run", "job.yaml", "--resume", *roots, cwd=tmp_path)
+    assert resumed.returncode == 0, said(resumed)
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["rows"] == 6_000 and manifest["error_rows"] == 0
+    paths = [f["path"] for f in manifest["files"]]
+    assert len(paths) == len(set(paths))  # a shard drained as the stack went is in parts
+    assert sum(f["rows"] for f in manifest["files"]) == 6_000
+    after = {p.name: p.read_text() for p in commits.iterdir()}
+    assert {name: after[name] for name in before} == before  # the first run's shards kept

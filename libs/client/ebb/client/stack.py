@@ -2,7 +2,9 @@
 
 Each service runs as its own process (`python -m ebb.shard_master`, `python -m ebb.controller`),
 exactly as it is deployed, only with loopback networking and local workers. Logs go to files
-under the state folder; `ebb run` prints where when a job fails.
+under the state folder; `ebb run` prints where when a job fails. A reaper (reaper.py) watches
+every process the stack starts and ends them if the process that started the stack dies
+without stopping them (SIGKILLed, say).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class LocalStack:
         """Services (or "nats") that `supervise()` leaves down for now: a drill's lost node."""
         self._log_files: list[IO[bytes]] = []
         self._stopping = False
+        self._reaper: asyncio.subprocess.Process | None = None
 
     @property
     def nats_config(self) -> NatsConfig:
@@ -138,23 +141,54 @@ class LocalStack:
 
     async def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self.nats.start)
+        await self._start_reaper()
+        await self._start_nats()
         for name in [*self.masters, *(["controller"] if self.config.controller else [])]:
             await self._spawn(name)
         await self._wait_for_master()
 
-    async def _spawn(self, name: str) -> None:
-        log_file = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115, ASYNC230 - closed in stop()
+    async def _start_reaper(self) -> None:
+        """The process that ends the stack if this one dies without stopping it. Its own
+        session: a signal to this process's group (a terminal's, a CI runner's) misses it."""
+        self._reaper = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "ebb.client.reaper",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=self._log("reaper"),
+            start_new_session=True,
+        )
+
+    async def _tell_reaper(self, line: str) -> None:
+        reaper = self._reaper
+        if reaper is None or reaper.stdin is None or reaper.returncode is not None:
+            return
+        with contextlib.suppress(ConnectionError):
+            reaper.stdin.write(f"{line}\n".encode())
+            await reaper.stdin.drain()
+
+    async def _start_nats(self) -> None:
+        await asyncio.to_thread(self.nats.start)
+        if self.nats.pid is not None:
+            await self._tell_reaper(f"watch {self.nats.pid}")
+
+    def _log(self, name: str) -> IO[bytes]:
+        log_file = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._log_files.append(log_file)
-        self.processes[name] = await asyncio.create_subprocess_exec(
+        return log_file
+
+    async def _spawn(self, name: str) -> None:
+        self.processes[name] = process = await asyncio.create_subprocess_exec(
             sys.executable,
             *self._command(name),
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=log_file,
+            stdout=self._log(name),
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             env=self._environment(name),
         )
+        await self._tell_reaper(f"watch {process.pid}")
 
     def _environment(self, name: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
@@ -223,7 +257,7 @@ class LocalStack:
                     await self._spawn(name)
             if not self.nats.running() and not self._stopping and "nats" not in self.held:
                 log.warning("nats-server exited; restarting it")
-                await asyncio.to_thread(self.nats.start)
+                await self._start_nats()
             await asyncio.sleep(0.5)
 
     async def _wait_for_master(self) -> None:
@@ -246,9 +280,27 @@ class LocalStack:
         for name in self.masters:
             await _terminate(self.processes.get(name), 15)
         await asyncio.to_thread(self.nats.stop)
+        await self._stop_reaper()
         for f in self._log_files:
             f.close()
         self._log_files.clear()
+
+    async def _stop_reaper(self) -> None:
+        """Every process is stopped: the reaper has nothing left to do."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is None:
+            return
+        if reaper.stdin is not None and reaper.returncode is None:
+            with contextlib.suppress(ConnectionError):
+                reaper.stdin.write(b"done\n")
+                await reaper.stdin.drain()
+            reaper.stdin.close()
+        try:
+            await asyncio.wait_for(reaper.wait(), 5)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                reaper.kill()
+            await reaper.wait()
 
 
 _NOT_INHERITED = (envvars.NATS_NAME_PREFIX, envvars.WORKER_NATS_NAME_PREFIX, envvars.METRICS_PORT)
