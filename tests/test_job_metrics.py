@@ -192,15 +192,15 @@ async def test_metrics_count_each_row_once_when_a_worker_is_killed(
     assert_exactly_once(tmp_path, rows)
     assert_metrics_match_output(tmp_path, spec, final.metrics)
     assert final.metrics["rows"] == rows
-    # ...and as an MLflow run, in the store the spec named.
+    # ...and as an MLflow run, in the store the spec named, once the master says it is.
     mlflow = pytest.importorskip("mlflow")
     tracking = mlflow.MlflowClient(tracking_uri=mlruns.as_uri())
 
-    def the_run() -> Any:
-        experiment = tracking.get_experiment_by_name("evaluation")
-        runs = tracking.search_runs([experiment.experiment_id]) if experiment else []
-        # Created first, its metrics logged, then ended: read it once it has ended.
-        return runs[0] if runs and runs[0].info.status == "FINISHED" else None
+    async def the_run() -> Any:
+        status = await client.job(job_id)
+        if status.mlflow_run in ("", "pending"):
+            return None
+        return tracking.get_run(status.mlflow_run)
 
     run = await wait_until(the_run, timeout=60, interval=0.5, what="the job's MLflow run")
     assert run.info.run_name == job_id

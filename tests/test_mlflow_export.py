@@ -80,3 +80,27 @@ def test_a_store_that_refuses_is_an_export_error(store: str, tmp_path: Path) -> 
             params={},
         )
     assert isinstance(e.value.__cause__, NotADirectoryError)
+
+
+def test_a_job_s_run_is_logged_once_however_often_it_is_logged(store: str) -> None:
+    """The master logs a job's run at least once (it retries): the run tagged with the job is
+    found again, finished as it is, or completed where an earlier try stopped half way."""
+    first = log_metrics(
+        tracking_uri=store, experiment="e", run_name="j-1", values={"rows": 3}, params={}, job="j-1"
+    )
+    again = log_metrics(
+        tracking_uri=store, experiment="e", run_name="j-1", values={"rows": 3}, params={}, job="j-1"
+    )
+    assert again == first
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("e")
+    # A try that made the run and died before it finished it: the next completes that run.
+    started = client.create_run(experiment.experiment_id, run_name="j-2", tags={"ebb.job": "j-2"})
+    completed = log_metrics(
+        tracking_uri=store, experiment="e", run_name="j-2", values={"rows": 5}, params={}, job="j-2"
+    )
+    assert completed == started.info.run_id
+    run = client.get_run(completed)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"rows": 5.0}
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["j-1", "j-2"]

@@ -113,6 +113,10 @@ def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
         out.print(f"  metric   {name} = {metric_text(value)}")
     if status.manifest:
         out.print(f"  output   {status.manifest}")
+    if status.mlflow_run == "pending":
+        out.print(f"  mlflow   [yellow]not logged[/]: {status.mlflow_error or 'not yet'}")
+    elif status.mlflow_run:
+        out.print(f"  mlflow   run {status.mlflow_run}")
     if status.reason:
         out.print(f"  reason   {status.reason}")
     if logs is not None and status.state != "SUCCEEDED":

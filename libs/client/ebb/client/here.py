@@ -14,7 +14,7 @@ from pathlib import Path
 from ebb.common import envvars
 from ebb.common.aio import until
 from ebb.common.errors import EbbError, ErrorCode, RemoteError, SpecError
-from ebb.common.messages import TERMINAL_JOB_STATES
+from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.output import OutputStore
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 from ebb.common.spec import JobSpec, check_roots, load_job_file
@@ -90,7 +90,7 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
                     summarize(final, time.monotonic() - started, stack.logs)
                     keep = args.keep_state  # the user stopped it: nothing went wrong
                     return EXIT_SIGNALLED + signals[0]
-                final = waited
+                final = await logged_to_mlflow(client, waited)
         summarize(final, time.monotonic() - started, stack.logs)
         if final.state != "SUCCEEDED":
             return EXIT_FAILED
@@ -111,6 +111,27 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
                 )
             else:
                 folder.discard()
+
+
+MLFLOW_WAIT_S = 60.0
+"""How long `ebb run` waits for its master to log a succeeded job's MLflow run: the stack,
+and the master that would go on trying, stop when the run does."""
+
+
+async def logged_to_mlflow(
+    client: EbbClient, status: JobStatus, *, timeout_s: float = MLFLOW_WAIT_S
+) -> JobStatus:
+    """The job's status once its MLflow run is logged (if it has one due), or as it is after
+    `timeout_s` (the summary then says the run was not logged, and why)."""
+    if status.mlflow_run != "pending":
+        return status
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    with console.status("logging the job's metrics to MLflow"):
+        while status.mlflow_run == "pending" and loop.time() < deadline:
+            await asyncio.sleep(0.5)
+            status = await client.job(status.id)
+    return status
 
 
 def _run_folder(spec: JobSpec) -> RunFolder:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ebb.common import envvars
 from ebb.common.errors import EbbError
+from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig, nats_config_from_env
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 from ebb.common.spec import load_job_file
@@ -114,6 +115,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("workers lost", lost_workers(status) if status.workers_lost else ""),
                 *((f"tier {tier.name}", tier_text(tier)) for tier in status.tiers),
                 ("manifest", status.manifest),
+                ("mlflow run", _mlflow_text(status)),
                 *((f"metric {name}", metric_text(v)) for name, v in status.metrics.items()),
             ):
                 if value:
@@ -137,6 +139,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
         for job in sorted((j for j in reply.jobs if j.waiting), key=lambda j: j.id):
             out.print(f"[yellow]waiting[/] {job.id}: {job.waiting}")
         return EXIT_OK
+
+
+def _mlflow_text(status: JobStatus) -> str:
+    if status.mlflow_run == "pending" and status.mlflow_error:
+        return f"pending (the master keeps trying: {status.mlflow_error})"
+    return status.mlflow_run
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:

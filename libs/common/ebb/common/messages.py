@@ -238,6 +238,11 @@ class JobStatus(Message):
     shard_s: float = 0.0
     """The median time its shards took, of those committed lately (a part of a split shard
     is no shard's whole time); 0: none yet. A job with tiers: see each tier's."""
+    mlflow_run: str = ""
+    """Its metrics' MLflow run, when the spec names a tracking URI and it SUCCEEDED: the
+    run's id, or "pending" while the tracking store has not taken it (`mlflow_error` says
+    why; the master keeps trying)."""
+    mlflow_error: str = ""
     waiting: str = ""
     """Why the job runs no workers although it wants some: no node of the cluster could
     ever take them (the pool, GPU type or node selector it asks for), as the controller told

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
-from ebb.common import mlflow_export, schema
+from ebb.common import schema
 from ebb.common.layout import MANIFEST, TIERS_DIR, Manifest, ManifestFile, QuarantinedShard
 from ebb.common.output import OutputStore
 
@@ -149,28 +148,6 @@ async def write_manifest(job: Job, output: OutputStore, *, created_at: float) ->
         except OSError as e:
             log.warning("job %s: could not remove %s: %s", job.id, TIERS_DIR, e)
     return output.url(MANIFEST)
-
-
-async def log_to_mlflow(job: Job, values: dict[str, Any]) -> None:
-    """The job's metrics as an MLflow run, when its spec names a tracking URI. Best effort:
-    the job's output and `_metrics.json` are what it promised; a tracking server that is down
-    costs the run in MLflow, said in the log, not the job."""
-    tracking = job.spec.tracking
-    if tracking.mlflow_uri is None:
-        return
-    try:
-        run = await asyncio.to_thread(
-            mlflow_export.log_metrics,
-            tracking_uri=tracking.mlflow_uri,
-            experiment=tracking.experiment or job.spec.name,
-            run_name=job.id,
-            values=values,
-            params={"job": job.id, "rows": str(job.rows_done)},
-        )
-    except mlflow_export.MlflowExportError as e:
-        log.warning("job %s: its metrics were not logged to MLflow: %s", job.id, e)
-        return
-    log.info("job %s: metrics logged to MLflow as run %s", job.id, run)
 
 
 def failure_reason(job: Job, errors: int) -> str:

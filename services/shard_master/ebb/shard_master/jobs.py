@@ -153,6 +153,9 @@ class Job:
         self.split_asks: dict[str, int] = {}
         """Idle workers, each with the shard whose holder was asked to split for it: one
         split at a time per idle worker, not one per lease request while it waits."""
+        self.mlflow_error = ""
+        """Why its MLflow run is not logged yet, as the tracking store said last time (in
+        memory: a new master tries again at once)."""
         self.ended_workers: set[str] = set()
         """Workers the controller said have ended (a repeat of its word counts once)."""
         self.waiting: dict[str, str] = {}

@@ -24,10 +24,11 @@ from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobState, Resu
 from . import jobmetrics
 from .context import TableContext
 from .errors import Deposed, JobNotFound, NotResumable
-from .finish import failure_reason, log_to_mlflow, write_manifest
+from .finish import failure_reason, write_manifest
 from .jobs import Job
 from .moves import load_with_successors
 from .store import JobRecord, ShardRecord
+from .tracking import PENDING
 from .transitions import check_job_transition, reopen
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,6 @@ class JobLifecycle:
             created_at=self._context.wall_clock(),
         )
         await self.end(job, "SUCCEEDED", "", manifest=manifest)
-        await log_to_mlflow(job, job.record.metrics)
 
     async def end(self, job: Job, state: JobState, reason: str, *, manifest: str = "") -> None:
         """Persist a terminal state (caller holds the job's lock), every shard lock held."""
@@ -124,6 +124,10 @@ class JobLifecycle:
                 error_rows=job.error_rows,
                 manifest=manifest,
                 metrics=jobmetrics.results(job),
+                # In the same write as the SUCCEEDED: the run is due whatever happens next.
+                mlflow_run=PENDING
+                if state == "SUCCEEDED" and job.spec.tracking.mlflow_uri is not None
+                else job.record.mlflow_run,
             )
             await self.move(job, record)
             log.info("job %s %s %s", job.id, state, reason)

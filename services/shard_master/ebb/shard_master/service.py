@@ -212,6 +212,7 @@ class ShardMaster:
                 sup.spawn("leadership", leadership.keepalive())
                 sup.spawn("intake", submissions.intake(js))
                 sup.spawn("reaper", self.reaper(table))
+                sup.spawn("tracker", table.mlflow.tracker())
                 sup.spawn("publisher", self.publisher(nc))
                 await sup.wait()
             if self.deposed is not None:

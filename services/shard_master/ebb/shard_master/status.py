@@ -115,6 +115,8 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         tiers=_tiers(job) if live and job.spec.tiers else [],
         shard_s=job.tiers[0].shard_s if live and not job.spec.tiers else 0.0,
         waiting=_waiting(job) if live else "",
+        mlflow_run=record.mlflow_run,
+        mlflow_error=job.mlflow_error,
     )
 
 

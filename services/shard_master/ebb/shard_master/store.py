@@ -125,6 +125,10 @@ class JobRecord:
     """Attempts lost with a worker the cluster took, not counted as failures (every run)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """The values of the job's metrics over its DONE shards, written when the job ends."""
+    mlflow_run: str = ""
+    """A job whose spec names an MLflow tracking URI, once it SUCCEEDED: "pending" (written
+    with the SUCCEEDED) until its metrics are logged as a run, then that run's id
+    (tracking.py)."""
     pools_placed: bool = False
     """Written by a master whose controller places workers by `resources.pool`. A record
     without it is read with the pools its spec meant then (placement.as_meant_before_pools)."""

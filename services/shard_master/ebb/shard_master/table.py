@@ -60,6 +60,7 @@ from .reaper import LeaseReaper
 from .status import status_reply
 from .store import FencedStore, LeaseRecord, RecordStore
 from .tail import ask_split, pace_wait, pick_speculative
+from .tracking import MlflowRuns
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class LeaseTable:
         self.reaper = LeaseReaper(
             context, expiries=self.expiries, moves=self.moves, lifecycle=self.lifecycle
         )
+        self.mlflow = MlflowRuns(context)
 
     async def load(self) -> None:
         """Rebuild the table from KV: every job, and every shard of the jobs still running."""
