@@ -88,7 +88,7 @@ async def server(tmp_path: Path, root: str) -> AsyncIterator[ModelCacheServer]:
         CacheServerConfig(
             cache_dir=str(tmp_path / "node"),
             max_bytes=1 << 30,
-            roots=[root],
+            model_roots=[root],
             host="127.0.0.1",
             port=0,
         )
@@ -171,7 +171,11 @@ async def test_a_server_closed_during_a_fetch_cuts_its_waiters_after_the_grace(
 ) -> None:
     s = ModelCacheServer(
         CacheServerConfig(
-            cache_dir=str(tmp_path / "node"), max_bytes=MiB, roots=[root], host="127.0.0.1", port=0
+            cache_dir=str(tmp_path / "node"),
+            max_bytes=MiB,
+            model_roots=[root],
+            host="127.0.0.1",
+            port=0,
         )
     )
     await s.start()
@@ -197,7 +201,7 @@ async def test_least_recently_used_models_go_past_the_bound(tmp_path: Path, root
         CacheServerConfig(
             cache_dir=str(tmp_path / "node"),
             max_bytes=int(2.5 * size),
-            roots=[root],
+            model_roots=[root],
             host="127.0.0.1",
             port=0,
         )
@@ -220,14 +224,17 @@ async def test_least_recently_used_models_go_past_the_bound(tmp_path: Path, root
         await s.close()
 
 
-async def test_a_model_being_sent_is_never_evicted(tmp_path: Path, root: str) -> None:
+async def test_a_model_being_sent_is_never_evicted_and_a_download_waits_for_room(
+    tmp_path: Path, root: str
+) -> None:
     s = ModelCacheServer(
         CacheServerConfig(
             cache_dir=str(tmp_path / "node"),
             max_bytes=40 * MiB,
-            roots=[root],
+            model_roots=[root],
             host="127.0.0.1",
             port=0,
+            room_timeout_s=0.5,
         )
     )
     await s.start()
@@ -239,9 +246,11 @@ async def test_a_model_being_sent_is_never_evicted(tmp_path: Path, root: str) ->
         writer.write(f"GET {target(f'{root}/big')} HTTP/1.1\r\n\r\n".encode())
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200")
-        # 48 MiB held, over the bound: the big one is pinned, so the small one goes.
+        # 48 MiB would pass the bound, and the big one is being sent: no room for the small
+        # one within the wait. Refused (its worker reads it from the store), nothing evicted.
         status, _, body = await request(s.port, target(f"{root}/small"))
-        assert (status, hashlib.sha256(body).hexdigest()) == (200, sha_small)
+        assert status == 503 and b"no room" in body
+        assert reads(f"{root}/small") == 0
         blobs = tmp_path / "node" / "blobs" / "sha256"
         assert {p.name for p in blobs.iterdir()} == {sha_big}
         rest = await reader.read()
@@ -249,7 +258,10 @@ async def test_a_model_being_sent_is_never_evicted(tmp_path: Path, root: str) ->
         await writer.wait_closed()
         assert hashlib.sha256(rest).hexdigest() == sha_big
         await wait_until(lambda: s.connections == 0, timeout=30, what="the response done")
-        assert {p.name for p in blobs.iterdir()} == {sha_big}  # within the bound alone
+        # The big one sent, it may go: the small one takes its room.
+        status, _, body = await request(s.port, target(f"{root}/small"))
+        assert (status, hashlib.sha256(body).hexdigest()) == (200, sha_small)
+        assert {p.name for p in blobs.iterdir()} == {sha_small}
     finally:
         await s.close()
 
@@ -260,8 +272,8 @@ async def test_a_stalled_worker_is_cut_off_and_its_model_released(
     s = ModelCacheServer(
         CacheServerConfig(
             cache_dir=str(tmp_path / "node"),
-            max_bytes=MiB,  # the model alone is past it: kept only while it is sent
-            roots=[root],
+            max_bytes=40 * MiB,
+            model_roots=[root],
             host="127.0.0.1",
             port=0,
             send_timeout_s=0.2,
@@ -273,15 +285,106 @@ async def test_a_stalled_worker_is_cut_off_and_its_model_released(
         reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
         writer.write(f"GET {target(f'{root}/big')} HTTP/1.1\r\n\r\n".encode())
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
-        blob = tmp_path / "node" / "blobs" / "sha256" / sha
-        assert blob.exists()
-        # The worker takes no more: the server gives up on it, and drops the model.
+        assert s.pins(sha) == 1
+        # The worker takes no more: the server gives up on it, and lets go of the model.
         await wait_until(lambda: s.connections == 0, timeout=30, what="the response cut")
-        assert not blob.exists()
+        assert s.pins(sha) == 0
         writer.close()
         await writer.wait_closed()
     finally:
         await s.close()
+
+
+async def test_only_models_are_served_and_none_larger_than_the_cache(
+    tmp_path: Path, root: str
+) -> None:
+    """A job's input under the data roots is no model: refused. A model larger than the whole
+    cache is refused before a byte is downloaded (its worker reads it from the store), and
+    evicts nothing."""
+    s = ModelCacheServer(
+        CacheServerConfig(
+            cache_dir=str(tmp_path / "node"),
+            max_bytes=4 * MiB,
+            model_roots=[f"{root}/models"],
+            host="127.0.0.1",
+            port=0,
+        )
+    )
+    await s.start()
+    try:
+        data = f"{root}/data/part-0.parquet"
+        put(data, os.urandom(MiB))
+        status, _, body = await request(s.port, target(data))
+        assert status == 403 and b"outside the model roots" in body
+        kept = put(f"{root}/models/small.onnx", os.urandom(MiB))
+        assert (await request(s.port, target(f"{root}/models/small.onnx")))[0] == 200
+        huge = f"{root}/models/huge.onnx"
+        put(huge, os.urandom(5 * MiB))
+        status, _, body = await request(s.port, target(huge))
+        assert status == 413 and b"larger than this node's cache" in body
+        assert (reads(data), reads(huge)) == (0, 0)
+        blobs = tmp_path / "node" / "blobs" / "sha256"
+        assert {p.name for p in blobs.iterdir()} == {kept}
+    finally:
+        await s.close()
+
+
+async def test_concurrent_requests_of_different_models_stay_within_the_bound(
+    tmp_path: Path, root: str
+) -> None:
+    """Eight workers ask for eight different models at once, three fitting the cache: two
+    downloads at a time, each once its room is had; the folder never holds more than the
+    bound; every response whole."""
+    size, bound = 4 * MiB, 12 * MiB
+    s = ModelCacheServer(
+        CacheServerConfig(
+            cache_dir=str(tmp_path / "node"),
+            max_bytes=bound,
+            model_roots=[root],
+            host="127.0.0.1",
+            port=0,
+            max_fetches=2,
+        )
+    )
+    await s.start()
+    blobs = tmp_path / "node" / "blobs" / "sha256"
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            held = sum(p.stat().st_size for p in blobs.iterdir() if p.is_file())
+            most = max(most, held)
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    uris = [f"{root}/model-{n}.onnx" for n in range(8)]
+    shas = [put(uri, os.urandom(size)) for uri in uris]
+    CountingStore.gate = threading.Event()
+    try:
+        asked = [asyncio.create_task(request(s.port, target(uri))) for uri in uris]
+        await wait_until(
+            lambda: all(s.waiting(uri) == 1 for uri in uris) and sum(map(reads, uris)) == 2,
+            timeout=30,
+            what="eight requests waiting, two downloads started",
+        )
+        assert s.reserved_bytes == 2 * size
+        CountingStore.gate.set()
+        answers = await asyncio.gather(*asked)
+    finally:
+        CountingStore.gate.set()
+        CountingStore.gate = None
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await s.close()
+    for (status, headers, body), sha in zip(answers, shas, strict=True):
+        assert (status, headers["x-ebb-sha256"], hashlib.sha256(body).hexdigest()) == (
+            200,
+            sha,
+            sha,
+        )
+    assert sum(map(reads, uris)) == 8
+    assert most <= bound
 
 
 @pytest.mark.parametrize(
@@ -291,9 +394,9 @@ async def test_a_stalled_worker_is_cut_off_and_its_model_released(
         ("/models?uri=a&uri=b", 400, "give one store URI"),
         ("/nowhere", 404, "GET /models?uri="),
         ("/models?uri=/etc/passwd", 403, "not a store URI"),
-        ("/models?uri=file:///etc/passwd", 403, "outside the roots"),
+        ("/models?uri=file:///etc/passwd", 403, "outside the model roots"),
         ("/models?uri={root}/../other/m.onnx", 403, "canonical"),
-        ("/models?uri=countmem://elsewhere/m.onnx", 403, "outside the roots"),
+        ("/models?uri=countmem://elsewhere/m.onnx", 403, "outside the model roots"),
         ("/models?uri={root}/missing.onnx", 404, "does not exist"),
         ("/models?uri=nosuchstore://bucket/m.onnx", 502, "cannot fetch"),
     ],
@@ -305,7 +408,7 @@ async def test_a_bad_request_gets_a_clear_error_and_the_server_stays_up(
         CacheServerConfig(
             cache_dir=str(tmp_path / "node"),
             max_bytes=MiB,
-            roots=[root, "nosuchstore://bucket"],
+            model_roots=[root, "nosuchstore://bucket"],
             host="127.0.0.1",
             port=0,
         )
@@ -337,7 +440,11 @@ async def test_a_restarted_server_finds_its_models_and_drops_cut_downloads(
     tmp_path: Path, root: str
 ) -> None:
     config = CacheServerConfig(
-        cache_dir=str(tmp_path / "node"), max_bytes=MiB, roots=[root], host="127.0.0.1", port=0
+        cache_dir=str(tmp_path / "node"),
+        max_bytes=MiB,
+        model_roots=[root],
+        host="127.0.0.1",
+        port=0,
     )
     uri = f"{root}/m.onnx"
     put(uri, b"model bytes")
@@ -366,7 +473,7 @@ async def test_the_cache_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) 
         **os.environ,
         envvars.MODEL_CACHE_DIR: str(tmp_path / "node"),
         envvars.MODEL_CACHE_MAX_BYTES: "1Mi",
-        envvars.DATA_ROOTS: f"file://{store}",
+        envvars.MODEL_ROOTS: f"file://{store}",
         envvars.METRICS_PORT: "0",
     }
     process = await asyncio.create_subprocess_exec(
@@ -517,7 +624,7 @@ async def test_a_worker_falls_back_when_the_cache_refuses(
     elsewhere = f"countmem://other-{uuid.uuid4().hex[:8]}/m.onnx"  # outside its roots
     put(elsewhere, b"weights")
     url = f"http://127.0.0.1:{server.port}"
-    with pytest.raises(NodeCacheError, match=r"403 Forbidden: .* outside the roots"):
+    with pytest.raises(NodeCacheError, match=r"403 Forbidden: .* outside the model roots"):
         await asyncio.to_thread(fetch_through, url, elsewhere, str(tmp_path / "w"))
     got = await asyncio.to_thread(local_model, elsewhere, str(tmp_path / "w"), cache_url=url)
     assert Path(got.path).read_bytes() == b"weights"
@@ -541,6 +648,22 @@ async def _unnamed(writer: asyncio.StreamWriter, blob: bytes, sha: str) -> None:
     writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(blob)}\r\n\r\n".encode() + blob)
 
 
+async def _another(writer: asyncio.StreamWriter, blob: bytes, sha: str) -> None:
+    """Other bytes of the same length, announced with their own SHA-256: consistent in
+    itself, and not what the store holds (its MD5 says so)."""
+    other = os.urandom(len(blob))
+    named = hashlib.sha256(other).hexdigest()
+    head = f"HTTP/1.1 200 OK\r\n{SHA256_HEADER}: {named}\r\nContent-Length: {len(other)}\r\n\r\n"
+    writer.write(head.encode() + other)
+
+
+async def _longer(writer: asyncio.StreamWriter, blob: bytes, sha: str) -> None:
+    other = blob + b"more"
+    named = hashlib.sha256(other).hexdigest()
+    head = f"HTTP/1.1 200 OK\r\n{SHA256_HEADER}: {named}\r\nContent-Length: {len(other)}\r\n\r\n"
+    writer.write(head.encode() + other)
+
+
 async def _failing(writer: asyncio.StreamWriter, blob: bytes, sha: str) -> None:
     writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\n\r\nbusy\n")
 
@@ -552,6 +675,8 @@ async def _failing(writer: asyncio.StreamWriter, blob: bytes, sha: str) -> None:
         (_short, "bytes of"),
         (_unnamed, "names no SHA-256"),
         (_failing, "503"),
+        (_another, "not the store.s"),
+        (_longer, "the store holds"),
     ],
 )
 async def test_a_worker_never_keeps_what_a_lying_cache_sends(

@@ -247,7 +247,7 @@ async def test_every_panel_queries_metrics_ebb_exports(
         CacheServerConfig(
             cache_dir=str(tmp_path / "node-cache"),
             max_bytes=1 << 20,
-            roots=[root],
+            model_roots=[root],
             host="127.0.0.1",
             port=0,
         )

@@ -63,6 +63,9 @@ store only when the cache cannot serve them. Unset: from the store."""
 MODEL_CACHE_MAX_BYTES = "EBB_MODEL_CACHE_MAX_BYTES"
 """The node cache's bound: least recently used models are removed beyond it."""
 MODEL_CACHE_PORT = "EBB_MODEL_CACHE_PORT"
+MODEL_ROOTS = "EBB_MODEL_ROOTS"
+"""The node cache serves objects under these store URIs only (comma-separated): where the
+operator keeps models, not the data roots, whose inputs and outputs are no cache's business."""
 PARENT_PID = "EBB_PARENT_PID"
 """Set by the local backend: the worker's entry point (ebb.worker.entry) drains once this
 process is gone."""

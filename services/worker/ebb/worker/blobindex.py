@@ -1,9 +1,11 @@
 """The node model cache's bound: which blobs go, least recently used first, never one in use.
 
 The cache server (cacheserver.py) keeps one `BlobIndex` of the blobs in its folder: their
-sizes, in the order they were last asked for, and how many responses hold each now (a pin).
-`evictions` is the decision, a pure function of those values; the server deletes what the
-index gives up, in the same turn of its event loop, so that no pin can arrive in between.
+sizes, in the order they were last asked for, how many responses hold each now (a pin), and
+the room reserved for downloads under way. `evictions` is the decision, a pure function of
+those values; the server deletes what the index gives up, in the same turn of its event loop,
+so that no pin can arrive in between. A download starts only once its room is reserved: the
+blobs, pinned or not, plus the downloads never hold more than the bound.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class BlobIndex:
         self.max_bytes = max_bytes
         self._sizes: OrderedDict[str, int] = OrderedDict(blobs)
         self._pins: Counter[str] = Counter()
+        self.reserved = 0
+        """Bytes of the downloads under way, each reserved before it starts."""
 
     @property
     def total_bytes(self) -> int:
@@ -74,13 +78,22 @@ class BlobIndex:
     def pins(self, sha: str) -> int:
         return self._pins[sha]
 
-    def evict(self) -> list[str]:
-        """Forget the blobs past the bound (see `evictions`) and name them, for the caller to
-        delete before it yields to anything that could pin them."""
-        chosen = evictions(self._sizes.items(), pinned=self._pins, max_bytes=self.max_bytes)
+    def evict(self, *, room: int = 0) -> list[str]:
+        """Forget the blobs past the bound, less the room reserved and `room` more (see
+        `evictions`), and name them, for the caller to delete before it yields to anything
+        that could pin them."""
+        bound = max(0, self.max_bytes - self.reserved - room)
+        chosen = evictions(self._sizes.items(), pinned=self._pins, max_bytes=bound)
         for sha in chosen:
             del self._sizes[sha]
         return chosen
+
+    def fits(self, size: int) -> bool:
+        """A download of `size` bytes fits beside the blobs and the downloads under way."""
+        return self.total_bytes + self.reserved + size <= self.max_bytes
+
+    def pinned_bytes(self) -> int:
+        return sum(self._sizes.get(sha, 0) for sha in self._pins)
 
 
 def scan(blobs_dir: str) -> list[tuple[str, int]]:

@@ -16,11 +16,13 @@ from urllib.parse import parse_qs, urlsplit
 
 
 class RequestError(Exception):
-    """A request the server answers with an error status, and why."""
+    """A request the server answers with an error status, and why. `counted`: its outcome
+    is in the request metrics already (under a name of its own)."""
 
-    def __init__(self, status: HTTPStatus, message: str) -> None:
+    def __init__(self, status: HTTPStatus, message: str, *, counted: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.counted = counted
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ async def reply(writer: asyncio.StreamWriter, status: HTTPStatus, message: str) 
 
 def refusal(uri: str, roots: Sequence[str]) -> str | None:
     """Why the cache will not fetch `uri`; None: it will. Only a store URI in canonical form
-    (no `.`, `..` or `//` to read past a root, no query) under one of `roots`."""
+    (no `.`, `..` or `//` to read past a root, no query) under one of `roots` (the model
+    roots)."""
     parts = urlsplit(uri)
     if not parts.scheme or "://" not in uri:
         return f"{uri!r} is not a store URI (scheme://...)"
@@ -83,5 +86,5 @@ def refusal(uri: str, roots: Sequence[str]) -> str | None:
         return f"{uri!r} is not in canonical form ({canonical!r})"
     if not any(uri.startswith(root.rstrip("/") + "/") for root in roots):
         allowed = ", ".join(roots) or "(none configured)"
-        return f"{uri!r} lies outside the roots this cache serves: {allowed}"
+        return f"{uri!r} lies outside the model roots this cache serves: {allowed}"
     return None

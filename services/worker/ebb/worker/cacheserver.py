@@ -13,8 +13,19 @@ whose internalTrafficPolicy is Local (docs/deployment.md); nodecache.py is their
 A miss is fetched by modelcache.fetch_model (its lock, its checks of size and MD5) into the
 cache folder; the requests for a URI that arrive while it is fetched wait for that one fetch.
 Every request asks the store for the object's version (a stat, not a download), so that a
-changed object is fetched anew. The cache is bound by `max_bytes` (blobindex.py): the least
-recently used blobs go, never one a response holds. One request per connection.
+changed object is fetched anew. One request per connection.
+
+Bounds: only objects under the model roots the operator names are served (not the data roots:
+inputs and outputs are no cache's business); an object larger than the whole cache is refused
+(413: the worker reads it from its store); at most `max_fetches` downloads run at once, each
+only once its room is reserved. The cache is bound by `max_bytes` (blobindex.py): the blobs
+and the downloads under way never hold more; the least recently used blobs go to make room,
+never one a response holds; a download that finds no room within `room_timeout_s` (the cache
+full of models being sent) is refused (503: the worker reads it from its store).
+
+The server has no authentication of its own: who may reach it is the NetworkPolicy's word
+(k8s/base/model-cache.yaml), and a worker checks what it gets against the store's own size
+and checksum (nodecache.py), not only against what the cache announces.
 """
 
 from __future__ import annotations
@@ -38,7 +49,14 @@ from ebb.common.supervisor import install_stop_signals
 
 from .blobindex import BlobIndex, scan
 from .cachehttp import Request, RequestError, read_request, refusal, reply, response_head
-from .modelcache import CachedModel, ModelFetchError, ModelMissing, fetch_model
+from .modelcache import (
+    CachedModel,
+    ModelFetchError,
+    ModelMissing,
+    cached_model,
+    fetch_model,
+    stat_model,
+)
 from .nodecache import CACHE_HEADER, SHA256_HEADER
 
 log = logging.getLogger("ebb.worker.cacheserver")
@@ -46,7 +64,8 @@ log = logging.getLogger("ebb.worker.cacheserver")
 REQUESTS = Counter(
     "ebb_model_cache_requests_total",
     "Model requests to the node cache by outcome: hit, miss (fetched from the store), "
-    "refused (4xx), failed (5xx)",
+    "too_large (over the cache's bound), no_room (the cache full of models being sent), "
+    "refused (other 4xx), failed (other 5xx)",
     ["outcome"],
 )
 SERVED_BYTES = Counter("ebb_model_cache_served_bytes_total", "Model bytes sent to workers")
@@ -54,6 +73,15 @@ STORED_BYTES = Gauge("ebb_model_cache_stored_bytes", "Bytes of the models the no
 EVICTIONS = Counter("ebb_model_cache_evictions_total", "Models removed to keep within the bound")
 
 _FETCH_TRIES = 3
+
+
+class TooLarge(Exception):
+    """The object is larger than the whole cache: kept, it would evict everything else and
+    pass the bound, and go again after one response."""
+
+
+class NoRoom(Exception):
+    """No room for the download within the wait: the cache is full of models being sent."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,9 +92,10 @@ class CacheServerConfig:
     """Models beyond this are removed, least recently used first. The folder may hold more
     for a while: downloads under way, and models still being sent (the emptyDir's sizeLimit
     must leave room for them, or the kubelet evicts the pod)."""
-    roots: Sequence[str]
-    """Only objects under these URIs are fetched (the master's data roots): workers run user
-    code, and the cache must not become a way to read its own files or other stores."""
+    model_roots: Sequence[str]
+    """Only objects under these URIs are fetched (where the operator keeps models): workers
+    run user code, and the cache must not become a way to read its own files, other stores,
+    or a job's inputs and outputs (a 100 GB Parquet file would fill its disk)."""
     host: str = "0.0.0.0"  # noqa: S104 - every worker of the node connects
     port: int = 8080
     """0: any free port (`ModelCacheServer.port` says which)."""
@@ -76,6 +105,11 @@ class CacheServerConfig:
     """A response whose worker takes none of its bytes for this long is cut: a stalled worker
     must not pin a model (and its room on the disk) for ever."""
     chunk_bytes: int = 1 << 20
+    max_fetches: int = 2
+    """Downloads from the store at once (each of a different model): the rest wait."""
+    room_timeout_s: float = 60.0
+    """A download waits this long for room (responses to end, unpinning models to evict);
+    then its request is refused, and its worker reads the model from the store."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +143,10 @@ class ModelCacheServer:
         self._blobs = os.path.join(config.cache_dir, "blobs", "sha256")
         self._index = BlobIndex(max_bytes=config.max_bytes)
         self._flights: dict[str, _Flight] = {}
+        self._downloads = asyncio.Semaphore(config.max_fetches)
+        self._freed: asyncio.Future[None] | None = None
+        """Resolved (and replaced) whenever room may have been freed: a pin let go, a
+        download's reservation ended."""
         self._connections: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -116,6 +154,15 @@ class ModelCacheServer:
     @property
     def connections(self) -> int:
         return len(self._connections)
+
+    def pins(self, sha: str) -> int:
+        """Responses holding the blob `sha` now."""
+        return self._index.pins(sha)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Room held for downloads under way."""
+        return self._index.reserved
 
     def waiting(self, uri: str) -> int:
         """Requests waiting now for the fetch of `uri` under way (0: none under way)."""
@@ -192,7 +239,8 @@ class ModelCacheServer:
             if request is not None:
                 await self._route(request, writer)
         except RequestError as e:
-            REQUESTS.labels("refused" if e.status < 500 else "failed").inc()
+            if not e.counted:
+                REQUESTS.labels("refused" if e.status < 500 else "failed").inc()
             await reply(writer, e.status, str(e))
 
     async def _route(self, request: Request, writer: asyncio.StreamWriter) -> None:
@@ -213,13 +261,19 @@ class ModelCacheServer:
         if len(uris) != 1:
             raise RequestError(HTTPStatus.BAD_REQUEST, "give one store URI: /models?uri=...")
         (uri,) = uris
-        why = refusal(uri, self.config.roots)
+        why = refusal(uri, self.config.model_roots)
         if why is not None:
             raise RequestError(HTTPStatus.FORBIDDEN, why)
         try:
             held = await self._acquire(uri)
         except ModelMissing as e:
             raise RequestError(HTTPStatus.NOT_FOUND, str(e)) from e
+        except TooLarge as e:
+            REQUESTS.labels("too_large").inc()
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(e), counted=True) from e
+        except NoRoom as e:
+            REQUESTS.labels("no_room").inc()
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), counted=True) from e
         except (ModelFetchError, OSError, ValueError, ImportError) as e:
             # OSError: the store's errors (StoreError), after modelcache's retries, or the
             # cache folder's. ValueError, ImportError: fsspec without that protocol.
@@ -252,29 +306,81 @@ class ModelCacheServer:
 
     async def _fetch(self, uri: str) -> _Held:
         try:
-            for _ in range(_FETCH_TRIES):
-                model = await asyncio.to_thread(fetch_model, uri, self.config.cache_dir)
-                # Looked at and pinned in one turn of the loop, the only place blobs are
-                # deleted: a blob evicted while fetch_model returned it is fetched again.
-                size = _size(model.path)
-                if size is not None:
-                    break
+            info = await asyncio.to_thread(stat_model, uri)
+            size = int(info["size"])
+            hit = await asyncio.to_thread(cached_model, uri, self.config.cache_dir, info)
+            # Looked at and pinned in one turn of the loop, the only place blobs are deleted.
+            if hit is not None and _size(hit.path) == size:
+                model = hit
             else:
-                raise ModelFetchError(f"model {uri}: evicted each time it was fetched")
+                model, size = await self._download(uri, size)
             self._index.pin(model.sha256, size, count=self._flights[uri].waiters)
         finally:
             del self._flights[uri]  # a later request asks the store for the version again
         self._evict()
         return _Held(model, size)
 
+    async def _download(self, uri: str, size: int) -> tuple[CachedModel, int]:
+        """The model into the cache, once a download slot and its room are had."""
+        if size > self.config.max_bytes:
+            raise TooLarge(
+                f"model {uri} ({size} bytes) is larger than this node's cache "
+                f"({self.config.max_bytes} bytes): read it from its store"
+            )
+        async with self._downloads:
+            await self._reserve(size)
+            try:
+                for _ in range(_FETCH_TRIES):
+                    model = await asyncio.to_thread(fetch_model, uri, self.config.cache_dir)
+                    # Looked at (and pinned by the caller) in this turn of the loop: a blob
+                    # evicted while fetch_model returned it is fetched again.
+                    got = _size(model.path)
+                    if got is not None:
+                        return model, got
+                raise ModelFetchError(f"model {uri}: evicted each time it was fetched")
+            finally:
+                self._index.reserved -= size
+                self._room_freed()
+
+    async def _reserve(self, size: int) -> None:
+        """Hold `size` bytes of the bound for a download, evicting the least recently used
+        models that no response holds; wait (`room_timeout_s`) for responses to end if that
+        is not enough, then NoRoom."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.room_timeout_s
+        while True:
+            self._evict(room=size)
+            if self._index.fits(size):
+                self._index.reserved += size
+                STORED_BYTES.set(self._index.total_bytes)
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                raise NoRoom(
+                    f"no room for {size} bytes in this node's cache within "
+                    f"{self.config.room_timeout_s:g}s: {self._index.pinned_bytes()} bytes of "
+                    f"models are being sent and {self._index.reserved} being fetched, of "
+                    f"{self.config.max_bytes}"
+                )
+            if self._freed is None or self._freed.done():
+                self._freed = loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._freed), left)
+
+    def _room_freed(self) -> None:
+        if self._freed is not None and not self._freed.done():
+            self._freed.set_result(None)
+
     def _release(self, sha: str) -> None:
         self._index.unpin(sha)
         self._evict()
+        self._room_freed()
 
-    def _evict(self) -> None:
-        """Delete the blobs past the bound, in this turn of the loop (see `_fetch`). Their refs
-        stay: modelcache reads a ref whose blob is gone as a miss."""
-        for sha in self._index.evict():
+    def _evict(self, *, room: int = 0) -> None:
+        """Delete the blobs past the bound (less the downloads' room, and `room` more), in
+        this turn of the loop (see `_fetch`). Their refs stay: modelcache reads a ref whose
+        blob is gone as a miss."""
+        for sha in self._index.evict(room=room):
             log.info(
                 "evicting blob %s: the cache is over %d bytes", sha[:12], self._index.max_bytes
             )
@@ -337,11 +443,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         required=env(envvars.MODEL_CACHE_MAX_BYTES) is None,
         help="the cache's bound (50Gi, say): least recently used models go beyond it",
     )
+    roots = [r for r in env(envvars.MODEL_ROOTS, "").split(",") if r]
     p.add_argument(
-        "--root",
+        "--model-root",
         action="append",
-        default=[r for r in env(envvars.DATA_ROOTS, "").split(",") if r],
-        help="a store URI under which models may lie (repeatable; default: EBB_DATA_ROOTS)",
+        default=roots,
+        required=not roots,
+        help="a store URI under which models lie, the only objects served (repeatable; "
+        "default: EBB_MODEL_ROOTS)",
     )
     p.add_argument("--port", type=int, default=int(env(envvars.MODEL_CACHE_PORT, "8080")))
     p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "10")))
@@ -353,7 +462,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def amain(args: argparse.Namespace) -> int:
     server = ModelCacheServer(
         CacheServerConfig(
-            cache_dir=args.cache_dir, max_bytes=args.max_bytes, roots=args.root, port=args.port
+            cache_dir=args.cache_dir,
+            max_bytes=args.max_bytes,
+            model_roots=args.model_root,
+            port=args.port,
         )
     )
     await server.start()

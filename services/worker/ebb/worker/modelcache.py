@@ -93,8 +93,8 @@ def _cached(cache_dir: str, ref: str, size: int) -> tuple[str, str] | None:
     return None
 
 
-def fetch_model(uri: str, cache_dir: str) -> CachedModel:
-    """A local path holding the bytes of the model at `uri`, fetched at most once per cache."""
+def stat_model(uri: str) -> dict[str, Any]:
+    """What the store says of the object at `uri` (size, ETag...): ModelMissing if none."""
     fs, path = fsspec.core.url_to_fs(uri)
 
     def stat() -> dict[str, Any]:
@@ -103,9 +103,29 @@ def fetch_model(uri: str, cache_dir: str) -> CachedModel:
         return info
 
     try:
-        info = retrying(f"stat {uri}", stat)
+        return retrying(f"stat {uri}", stat)
     except FileNotFoundError:
         raise ModelMissing(f"model {uri} does not exist") from None
+
+
+def cached_model(uri: str, cache_dir: str, info: dict[str, Any]) -> CachedModel | None:
+    """The blob holding the version of `uri` that `info` describes, if the cache has it."""
+    ref = os.path.join(cache_dir, "refs", f"{_key(uri, info)}.json")
+    found = _cached(cache_dir, ref, int(info["size"]))
+    return CachedModel(found[0], found[1], fetched=False) if found is not None else None
+
+
+def store_md5(info: dict[str, Any]) -> str | None:
+    """The MD5 of the object's bytes where the store gives it: a single-part upload's ETag
+    (a multipart one has a dash, and is no digest of the bytes)."""
+    etag = str(info.get("ETag", info.get("etag", ""))).strip('"')
+    return etag if len(etag) == 32 and "-" not in etag else None
+
+
+def fetch_model(uri: str, cache_dir: str) -> CachedModel:
+    """A local path holding the bytes of the model at `uri`, fetched at most once per cache."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    info = stat_model(uri)
     size = int(info["size"])
     key = _key(uri, info)
     for sub in ("blobs/sha256", "refs", "locks"):
@@ -146,9 +166,8 @@ def _download(
         expected = int(info["size"])
         if size != expected:
             raise ModelFetchError(f"model {uri}: read {size} bytes, the store holds {expected}")
-        etag = str(info.get("ETag", info.get("etag", ""))).strip('"')
-        # A single-part upload's ETag is the MD5 of its bytes (a multipart one has a dash).
-        if len(etag) == 32 and "-" not in etag and etag != md5.hexdigest():
+        etag = store_md5(info)
+        if etag is not None and etag != md5.hexdigest():
             raise ModelFetchError(f"model {uri}: MD5 {md5.hexdigest()} is not its ETag {etag}")
         blob = os.path.join(blobs, sha.hexdigest())
         os.replace(tmp, blob)

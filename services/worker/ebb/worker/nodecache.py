@@ -2,10 +2,12 @@
 
 A model file comes into the worker's own cache folder (modelcache's layout: the blob named by
 its SHA-256) from the node cache over HTTP, its bytes hashed as they arrive and checked against
-the SHA-256 and length the cache announced before the blob is renamed into place. Anything else
-(no cache pod on the node, a refusal, an error, a short or corrupt body) and the worker fetches
-the model from the store itself, as it would without a node cache: a slower start, never a
-partial or wrong model.
+the SHA-256 and length the cache announced, and against what the store itself says of the
+object (its size, and its MD5 where the ETag is one), before the blob is renamed into place:
+the cache has no authentication beyond the NetworkPolicy, and what it announces is only its
+word. Anything else (no cache pod on the node, a refusal, an error, a short or corrupt body)
+and the worker fetches the model from the store itself, as it would without a node cache: a
+slower start, never a partial or wrong model.
 
 Blocking, like modelcache: each stage process calls it while it loads its model. The stage
 processes of one worker take turns by URI (a file lock), so that the first copies the model and
@@ -22,7 +24,7 @@ import re
 import secrets
 from urllib.parse import urlencode, urlsplit
 
-from .modelcache import CachedModel, fetch_model, locked
+from .modelcache import CachedModel, fetch_model, locked, stat_model, store_md5
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,10 @@ def fetch_through(
     for sub in (blobs, os.path.join(cache_dir, "locks")):
         os.makedirs(sub, exist_ok=True)
     key = hashlib.sha256(uri.encode()).hexdigest()[:32]
+    try:
+        info = stat_model(uri)  # the store's own word, to check the cache's against
+    except OSError as e:
+        raise NodeCacheError(f"cannot stat {uri} at its store: {e}") from e
     with locked(os.path.join(cache_dir, "locks", f"node-{key}.lock")):
         conn = http.client.HTTPConnection(
             target.hostname, target.port or 80, timeout=connect_timeout_s
@@ -87,10 +93,14 @@ def fetch_through(
                 text = response.read(1000).decode(errors="replace").strip()
                 raise NodeCacheError(f"{response.status} {response.reason}: {text}")
             sha, size = _announced(response)
+            if size != int(info["size"]):
+                raise NodeCacheError(
+                    f"the cache announces {size} bytes, the store holds {info['size']}"
+                )
             blob = os.path.join(blobs, sha)
             if _size(blob) == size:  # another stage process of this worker copied it
                 return CachedModel(blob, sha, fetched=False)
-            _receive(response, blobs, sha=sha, size=size)
+            _receive(response, blobs, sha=sha, size=size, md5=store_md5(info))
         except (OSError, http.client.HTTPException) as e:
             raise NodeCacheError(f"{cache_url}: {type(e).__name__}: {e}") from e
         finally:
@@ -116,16 +126,20 @@ def _size(path: str) -> int | None:
         return None
 
 
-def _receive(response: http.client.HTTPResponse, blobs: str, *, sha: str, size: int) -> None:
+def _receive(
+    response: http.client.HTTPResponse, blobs: str, *, sha: str, size: int, md5: str | None
+) -> None:
     """The body into a temp file, renamed to its blob only once its length and hash are
-    those announced."""
+    those announced, and its MD5 the store's (`md5`, where the store gives one)."""
     tmp = os.path.join(blobs, f".fetch-{secrets.token_hex(6)}")
     digest, received = hashlib.sha256(), 0
+    plain = hashlib.md5(usedforsecurity=False)
     try:
         with open(tmp, "wb") as f:
             while chunk := response.read(_CHUNK):
                 f.write(chunk)
                 digest.update(chunk)
+                plain.update(chunk)
                 received += len(chunk)
             f.flush()
             os.fsync(f.fileno())
@@ -133,6 +147,9 @@ def _receive(response: http.client.HTTPResponse, blobs: str, *, sha: str, size: 
             raise NodeCacheError(f"received {received} bytes of {size}")
         if digest.hexdigest() != sha:
             raise NodeCacheError(f"the bytes received hash to {digest.hexdigest()}, not {sha}")
+        if md5 is not None and plain.hexdigest() != md5:
+            got = plain.hexdigest()
+            raise NodeCacheError(f"the bytes received have MD5 {got}, not the store's")
         os.replace(tmp, os.path.join(blobs, sha))
     finally:
         try:
