@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from ebb.client import EbbClient
+from ebb.client.sdk import SubmitError
 from ebb.client.stack import LocalStack
 from ebb.common import envvars, failpoints, schema
 from ebb.common.bus import connect
@@ -257,3 +258,49 @@ async def test_a_hand_off_whose_done_lost_its_answer_reaches_the_output_once(
     assert len(paths) == len(set(paths)), "no manifest entry twice"
     handed = [r.handed_from for r in records if r.handed_from is not None and r.split_from is None]
     assert len(handed) == len(set(handed)), "one hand-off per prep shard"
+
+
+async def test_a_job_cancelled_between_its_tiers_keeps_its_root_and_its_resume_finishes(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    """Cancelled with its first tier's shards committed and none of its last tier's: its root
+    is not let go (its work is under `_tiers`), another job naming it is refused saying so,
+    and its resume finishes it, each row once, as for a job of one tier."""
+    write_dataset(tmp_path / "data", rows=ROWS, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    gate = tmp_path / "gate"
+    held = [
+        {"name": "prep", "modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0}},
+        {"name": "hold", "modelet": "ebbtest_modelets:Hold", "params": {"gate": str(gate)}},
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},
+        {"name": "top", "modelet": "ebb.worker.modelets:TopClass", "batch_size": 200},
+    ]
+    each = {"min_workers": 1, "max_workers": 2, "cpu": 0.5, "memory_gb": 1}
+    body = {
+        **job_spec(tmp_path, rows_per_shard=1_000, stages=held),
+        "tiers": [
+            {"name": "prep", "stages": ["prep"], "resources": each},
+            {"name": "infer", "stages": ["hold", "model", "top"], "resources": each},
+        ],
+    }
+    job_id = await client.submit(parse_job(body))
+    handed = tmp_path / "out" / TIERS_DIR / "prep" / "_commits"
+    await wait_until(
+        lambda: handed.exists() and any(handed.iterdir()), timeout=120, what="a prep commit"
+    )
+    await client.cancel(job_id, "a user's wish")
+    assert (await client.wait(job_id)).state == "CANCELLED"
+    assert not list((tmp_path / "out" / "_commits").glob("*.json")), "the gate held infer"
+
+    other = parse_job({**body, "name": "other"})
+    with pytest.raises(SubmitError, match=job_id):
+        await client.submit(other)
+
+    gate.write_text("")
+    await client.resume(job_id)
+    final = await asyncio.wait_for(client.wait(job_id), 240)
+    assert final.state == "SUCCEEDED", final.reason
+    table, manifest = read_output(tmp_path / "out")
+    assert sorted(table.column("id").to_numpy().tolist()) == list(range(ROWS))
+    paths = [f["path"] for f in manifest["files"]]
+    assert len(paths) == len(set(paths))
