@@ -37,6 +37,19 @@ hide a healthy shard quarantined by faults not its own.
                 SIGKILLed so that one starts.
 - worker_storm  every worker of the job SIGKILLed at once, two or three times 2-5 s apart (a
                 node pool lost)
+- drain         SIGTERM of a worker holding a lease with rows done (a node drained, a spot
+                notice): with the stack's short grace it commits the rows it has done as a part
+                of the shard, and the rest is a shard of its own
+- split_kill    a drain, with the leading master SIGKILLed exactly between writing the part's
+                DONE and creating its rest's record (a failpoint); the standby creates the rest
+- successor_kill  SIGKILL of the leading master exactly between a DONE that names a new shard
+                (a hand-off to the next tier, a split's rest) and that shard's record
+- kv_answer_lost  the leading master's next write of a DONE lands in KV and its answer is lost
+                (a failpoint): the master steps down, loads KV again and leads on
+
+Each run's job is of one of two shapes, by the seed: one tier, or two (the features in a tier
+`cpu`, the model and the top class in a tier `infer`, each with a worker), and computes metrics
+(a count on the first stage; a count, a mean and a histogram on the last).
 
 disk_full needs root (to mount the tmpfs), slow_disk /dev/fuse, libfuse 2 and fusepy; a run
 without them does not choose those faults, and the report says so.
@@ -54,8 +67,10 @@ RECOVERY_MARGIN_S.
 When the job ends: a FAILED job is resumed (`resume`) and followed to its end; unless it failed
 on the input that vanished, it failed by a fault not its own, and the run says so. Then every
 input id must be in the output exactly once (as a result, or as an error row), the job's
-counters must agree with the manifest and the files, and the manifest must list exactly the
-committed files.
+counters must agree with the manifest and the files, the manifest must list exactly the
+committed files, and the job's metrics (`_metrics.json` and its status) must equal the same
+metrics computed again from the output files' rows without error. Once the stack has stopped,
+no process of the run (each carries the run's failpoint folder in its environment) may be left.
 """
 
 from __future__ import annotations
@@ -83,6 +98,7 @@ import nats.errors
 import nats.js.errors
 import psutil
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
@@ -90,11 +106,12 @@ from nats.js.kv import KeyValue
 from ebb.client.demo import feature_table, mlp_onnx
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common import envvars, failpoints, schema
+from ebb.common import accumulators, envvars, failpoints, schema
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, connect
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.layout import COMMITS_DIR, MANIFEST
+from ebb.common.layout import COMMITS_DIR, MANIFEST, TIERS_DIR
+from ebb.common.layout import METRICS as METRICS_FILE
 from ebb.common.messages import JobStatus
 from ebb.common.spec import FaultPolicy, parse_job
 from ebb.common.subjects import Subjects
@@ -119,6 +136,10 @@ FAULTS = (
     "churn",
     "flaky_node",
     "worker_storm",
+    "drain",
+    "split_kill",
+    "successor_kill",
+    "kv_answer_lost",
 )
 VANISH_P = 0.3
 """The share of runs that begin with input_vanish (a job that fails, to be resumed)."""
@@ -140,6 +161,10 @@ FLAKY_TIMEOUT_S = 60.0
 DISK_MB = 256
 """The output disk's size: the output of a run is a few MB; the rest is what disk_full fills."""
 BALLAST = ".ballast"
+TIERED_P = 0.5
+"""The share of runs whose job is in two tiers."""
+LEFT_BEHIND_WAIT_S = 15.0
+"""How long a process of a stopped stack may take to end before it counts as left behind."""
 
 
 @dataclass
@@ -166,10 +191,16 @@ class RunResult:
     """The job's lease."""
     max_attempts: int = 0
     """The job's max_attempts."""
+    tiered: bool = False
+    """The job ran in two tiers."""
     lost: int = 0
     duplicated: int = 0
     error_rows: int = 0
     counters_agree: bool = False
+    metrics_agree: bool = False
+    """The job's metrics equal those computed again from its output."""
+    left_behind: int = 0
+    """Processes of the run still alive once its stack had stopped (killed then)."""
     problems: list[str] = field(default_factory=list)
     injections: list[Injection] = field(default_factory=list)
     seconds: float = 0.0
@@ -195,9 +226,10 @@ def write_job(
     seed: int,
     lease_s: float | None = None,
     max_attempts: int | None = None,
+    tiered: bool = False,
 ) -> dict[str, Any]:
     """A dataset (two Parquet files), an ONNX MLP, and the job over them, at the default
-    fault settings but for those given (None: the default)."""
+    fault settings but for those given (None: the default); in two tiers if `tiered`."""
     data = folder / "data"
     data.mkdir(parents=True)
     half = rows // 2
@@ -212,7 +244,7 @@ def write_job(
         fault["lease_s"] = lease_s
     if max_attempts is not None:
         fault["max_attempts"] = max_attempts
-    return {
+    job: dict[str, Any] = {
         "name": f"chaos-{seed}",
         "input": {
             "uri": str(data),
@@ -228,6 +260,7 @@ def write_job(
                     "modelet": "bench.modelets:ChaosFeatures",
                     "params": {"seconds_per_batch": 0.1, "hang_dir": str(folder / "hang")},
                     "batch_size": 100,
+                    "metrics": {"rows_prep": {"kind": "count"}},
                 },
                 {"name": "model", "model": str(model), "threads": 1, "batch_size": 256},
                 {
@@ -236,6 +269,7 @@ def write_job(
                     "modelet": "bench.chaos_modelets:FlakyTopClass",
                     "params": {"flaky_dir": str(folder / "flaky")},
                     "batch_size": 256,
+                    "metrics": METRICS,
                 },
             ],
         },
@@ -243,6 +277,21 @@ def write_job(
         "resources": {"min_workers": 2, "max_workers": 2},
         "fault": fault,
     }
+    if tiered:
+        each = {"min_workers": 1, "max_workers": 1}
+        job["tiers"] = [
+            {"name": "cpu", "stages": ["prep"], "resources": each},
+            {"name": "infer", "stages": ["model", "top"], "resources": each},
+        ]
+    return job
+
+
+METRICS: dict[str, Any] = {
+    "rows": {"kind": "count"},
+    "mean_score": {"kind": "mean", "column": "score"},
+    "score_hist": {"kind": "histogram", "column": "score", "range": [0, 1], "bins": 10},
+}
+"""The last stage's metrics (the first stage counts its rows as `rows_prep`)."""
 
 
 # -- looking at the stack --------------------------------------------------------------------
@@ -283,10 +332,15 @@ def _stages(worker: psutil.Process) -> list[psutil.Process]:
 
 
 def committed(out: Path) -> set[int]:
-    folder = out / COMMITS_DIR
-    if not folder.exists():
-        return set()
-    return {int(p.stem.split("=")[1]) for p in folder.glob("shard=*.json")}
+    """The shards with a commit record in the output, or in a tier's folder under `_tiers`
+    (shard indexes are the job's, across its tiers)."""
+    folders = [out / COMMITS_DIR, *sorted((out / TIERS_DIR).glob(f"*/{COMMITS_DIR}"))]
+    return {
+        int(p.stem.split("=")[1])
+        for folder in folders
+        if folder.exists()
+        for p in folder.glob("shard=*.json")
+    }
 
 
 async def _leases(client: EbbClient, job: str) -> dict[str, set[int]]:
@@ -448,6 +502,7 @@ class Injector:
         self.failpoints = folder / "failpoints"
         self.subjects = Subjects(stack.config.prefix)
         self._shards: tuple[NATS, KeyValue] | None = None
+        self._committed: set[int] = set()
         self.ended = asyncio.Event()
         self.probe = MasterClient(client.nc, client.config, backoff=Backoff(attempts=1))
 
@@ -470,12 +525,18 @@ class Injector:
         the job ends without them, or the wait times out."""
 
         def done() -> bool:
-            return shards <= committed(self.out) or self.ended.is_set()
+            return shards <= self.committed() or self.ended.is_set()
 
         await _until(done, self.recovery_timeout_s - (time.monotonic() - since))
-        if shards <= committed(self.out):
+        if shards <= self.committed():
             return time.monotonic() - since
         return None
+
+    def committed(self) -> set[int]:
+        """Every shard seen committed so far: a tier's commit records go with the job's
+        success, and a shard committed then is committed all the same."""
+        self._committed |= committed(self.out)
+        return self._committed
 
     async def _lost_done(self, shards: set[int], since: float) -> float | None:
         """As `_shards_done`; for workers that held no shard, until one more is DONE."""
@@ -684,17 +745,48 @@ class Injector:
             if not self.ended.is_set():
                 return None, "no shard of the file was left to fail"
             return None, "the job failed on it"  # the run resumes it, and times that
-        if kind in ("commit_kill", "master_commit_kill"):
-            point = (
-                failpoints.WORKER_AFTER_COMMIT_RECORD
-                if kind == "commit_kill"
-                else failpoints.MASTER_AFTER_RECORDING_DONE
-            )
-            if kind == "master_commit_kill":
+        if kind == "drain":
+            found = await self._victim(rng)
+            if found is None:
+                return None, "no worker held a lease"
+            worker, shards = found
+            worker.send_signal(signal.SIGTERM)
+            drained = time.monotonic()
+            note = f"pid {worker.pid}, shards {sorted(shards)}"
+            return await self._shards_done(shards, drained), note
+        if kind == "kv_answer_lost":
+            point = failpoints.MASTER_KV_ANSWER_LOST
+            failpoints.arm(self.failpoints, point, when=" DONE")
+            took = await _until(lambda: failpoints.fired(self.failpoints, point), 30, 0.05)
+            if not took:
+                (self.failpoints / point).unlink(missing_ok=True)
+                return None, "no DONE was written"
+            started = time.monotonic()
+            pid = failpoints.fired(self.failpoints, point)
+            assert pid is not None
+            what = failpoints.detail(self.failpoints, point, pid)
+            for path in self.failpoints.glob(f"{point}.fired-*"):
+                path.unlink()
+            return await self.next_done(before, started), what
+        if kind in ("commit_kill", "master_commit_kill", "split_kill", "successor_kill"):
+            point, when = {
+                "commit_kill": (failpoints.WORKER_AFTER_COMMIT_RECORD, ""),
+                "master_commit_kill": (failpoints.MASTER_AFTER_RECORDING_DONE, ""),
+                "split_kill": (failpoints.MASTER_BEFORE_SUCCESSOR, "split"),
+                "successor_kill": (failpoints.MASTER_BEFORE_SUCCESSOR, ""),
+            }[kind]
+            if kind != "commit_kill":
                 # Until we know which master dies, none is restarted by the supervisor: the
                 # one that dies is restarted here, once the job has recovered without it.
                 self.stack.held.update(self.stack.masters)
-            failpoints.arm(self.failpoints, point)
+            failpoints.arm(self.failpoints, point, when=when)
+            if kind == "split_kill":  # a drain, whose part the master dies recording
+                found = await self._victim(rng)
+                if found is None:
+                    (self.failpoints / point).unlink(missing_ok=True)
+                    self.stack.held.difference_update(self.stack.masters)
+                    return None, "no worker held a lease"
+                found[0].send_signal(signal.SIGTERM)
             # The DONE count just before the kill: the master's own, for master_commit_kill
             # (the shard it recorded at the failpoint is in what the next master counts).
             last = before
@@ -703,11 +795,11 @@ class Injector:
                 if time.monotonic() > deadline or self.ended.is_set():
                     (self.failpoints / point).unlink(missing_ok=True)
                     self.stack.held.difference_update(self.stack.masters)
-                    return None, "no commit came by"
+                    return None, f"no {'commit' if 'commit' in kind else 'successor'} came by"
                 last = max(last, await self.done_count())
                 await asyncio.sleep(0.05)
             started = time.monotonic()
-            shard = int(failpoints.detail(self.failpoints, point, pid))
+            shard = int(failpoints.detail(self.failpoints, point, pid).split()[0])
             for fired in self.failpoints.glob(f"{point}.fired-*"):
                 fired.unlink()  # ready to fire again, later in the run
             before = last
@@ -772,6 +864,8 @@ async def run_one(
     max_attempts: int | None = None,
 ) -> RunResult:
     rng = random.Random(seed)
+    # Its own draw, so that a seed's faults are those it chose before there were shapes.
+    tiered = random.Random(f"shape-{seed}").random() < TIERED_P
     folder = workdir / f"seed-{seed}"
     shutil.rmtree(folder, ignore_errors=True)
     spec = parse_job(
@@ -782,6 +876,7 @@ async def run_one(
             seed=seed,
             lease_s=lease_s,
             max_attempts=max_attempts,
+            tiered=tiered,
         )
     )
     result = RunResult(
@@ -789,6 +884,7 @@ async def run_one(
         rows=rows,
         lease_s=spec.fault.lease_s,
         max_attempts=spec.fault.max_attempts,
+        tiered=tiered,
     )
     stack = LocalStack(
         StackConfig(
@@ -811,7 +907,9 @@ async def run_one(
             job = await client.submit(spec)
             injector = Injector(stack, client, job, disk, folder, lease_s=spec.fault.lease_s)
             waiting = _follow(client, job, injector)
-            choices = [k for k in kinds if k != "input_vanish" and k not in missing]
+            # Without tiers, a successor is only ever a split's rest: split_kill aims at it.
+            skip = {"input_vanish", *missing, *(() if tiered else ("successor_kill",))}
+            choices = [k for k in kinds if k not in skip]
             chosen = [rng.choice(choices) for _ in range(faults)] if choices else []
             # Early, while the file still has shards to do.
             if "input_vanish" in kinds and rng.random() < VANISH_P:
@@ -855,6 +953,7 @@ async def run_one(
             result.final_state = final.state
             if final.state == "SUCCEEDED":
                 _verify(result, final, disk.out, rows)
+                _verify_metrics(result, final, disk.out, spec.pipeline.all_metrics())
             else:
                 result.problems.append(f"ended {final.state}: {final.reason}")
     finally:
@@ -864,6 +963,9 @@ async def run_one(
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor
         await stack.stop()
+        result.left_behind = await _left_behind(folder / "failpoints")
+        if result.left_behind:
+            result.problems.append(f"{result.left_behind} processes left behind")
         if result.problems:  # the evidence outlives the run's disk
             shutil.copytree(disk.out, folder / "out-kept", dirs_exist_ok=True)
         disk.unmount()
@@ -926,6 +1028,63 @@ def _verify(result: RunResult, final: JobStatus, out: Path, rows: int) -> None:
         result.problems.append(f"{result.lost} ids lost")
     if result.duplicated:
         result.problems.append(f"{result.duplicated} ids duplicated")
+
+
+def _verify_metrics(
+    result: RunResult, final: JobStatus, out: Path, specs: dict[str, accumulators.MetricSpec]
+) -> None:
+    """The job's metrics, as written beside its manifest and as its status says them, against
+    the same metrics computed again from the output's rows without error: each row's
+    contribution once, none lost, none from a row that is not in the output."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    table = pa.concat_tables(
+        [pq.read_table(out / f["path"]) for f in manifest["files"]], promote_options="default"
+    )
+    if "_error" in table.column_names:
+        table = table.filter(pc.is_null(table.column("_error")))
+    columns = {name: table.column(name).to_numpy() for name in ("score", "id")}
+    values = accumulators.row_values_named(specs, columns)
+    expected = accumulators.results_named(specs, accumulators.reduce_named(specs, values))
+    written = json.loads((out / METRICS_FILE).read_text())["metrics"]
+    result.metrics_agree = written == expected == final.metrics
+    if not result.metrics_agree:
+        wrong = sorted(n for n in expected if written.get(n) != expected[n])
+        result.problems.append(f"metrics differ from the output's: {wrong or 'status'}")
+
+
+def _run_processes(failpoints_dir: Path) -> list[psutil.Process]:
+    """The processes of one run, wherever they are in the process tree: every one inherits
+    the run's failpoint folder in its environment (nats-server, masters, controller, workers,
+    stage processes)."""
+    found = []
+    wanted = str(failpoints_dir)
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(envvars.FAILPOINT_DIR) == wanted:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def _left_behind(failpoints_dir: Path) -> int:
+    """How many processes of the run are still alive after its stack stopped (given
+    LEFT_BEHIND_WAIT_S to end); they are killed, so that the next run starts clean."""
+
+    def alive() -> list[psutil.Process]:
+        out = []
+        for p in _run_processes(failpoints_dir):
+            with contextlib.suppress(psutil.Error):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+    await _until(lambda: not alive(), LEFT_BEHIND_WAIT_S, 0.2)
+    left = alive()
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return len(left)
 
 
 # -- the campaign ----------------------------------------------------------------------------
@@ -1007,9 +1166,12 @@ def report(
         "Produced by `bench/chaos.py` (its docstring says what each fault is and how recovery is",
         "timed). Each run: the embedded stack as separate processes (nats-server, two shard",
         "masters, the controller, two workers with three stage processes each), one job of",
-        f"{results[0].rows:,} rows, faults injected one after another at random moments; then",
-        "every input id is checked to be in the output exactly once and the counters to agree",
-        "with the files. The job runs at "
+        f"{results[0].rows:,} rows, in one tier or two (the seed decides: "
+        f"{sum(r.tiered for r in results)} of these runs in two), computing metrics, faults",
+        "injected one after another at random moments; then every input id is checked to be in",
+        "the output exactly once, the counters to agree with the files, the job's metrics to",
+        "equal those computed again from the output's rows, and no process of the run to be",
+        "left once its stack has stopped. The job runs at "
         + ("the default fault settings" if defaults else "these fault settings")
         + f" (lease_s {lease_s:g}, max_attempts {max_attempts}).",
         "",
@@ -1022,14 +1184,21 @@ def report(
     failed_first = [r for r in results if r.first_state != "SUCCEEDED"]
     lines += [
         "| runs | succeeded at once | failed, then finished by resume | ended badly "
-        "| failed by a fault not its own | rows lost | rows duplicated | counters disagree |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| failed by a fault not its own | rows lost | rows duplicated | counters disagree "
+        "| metrics disagree | processes left behind |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {len(results)} | {len(results) - len(failed_first)} "
         f"| {sum(1 for r in failed_first if r.final_state == 'SUCCEEDED')} "
         f"| {sum(1 for r in results if r.final_state != 'SUCCEEDED')} "
         f"| {sum(1 for r in results if r.failed_by_another)} "
         f"| {sum(r.lost for r in results)} | {sum(r.duplicated for r in results)} "
-        f"| {sum(1 for r in results if r.final_state == 'SUCCEEDED' and not r.counters_agree)} |",
+        f"| {sum(1 for r in results if r.final_state == 'SUCCEEDED' and not r.counters_agree)} "
+        f"| {sum(1 for r in results if r.final_state == 'SUCCEEDED' and not r.metrics_agree)} "
+        f"| {sum(r.left_behind for r in results)} |",
+        "",
+        "Metrics disagree: runs whose `_metrics.json` (or status) differs from the metrics",
+        "computed again from the output's rows without error (a row's contribution lost, or",
+        "counted twice, or counted for a row the output does not hold).",
         "",
         "input_vanish is the one fault that is the job's own: it is meant to fail the job, which",
         "is then resumed. A job that failed on anything else failed by a fault not its own.",
@@ -1057,7 +1226,13 @@ def report(
         "",
         "commit_kill and master_commit_kill are aimed (ebb.common.failpoints) at the two",
         "narrowest windows of exactly-once: a worker's commit record written but the master not",
-        "told, and a shard recorded DONE but the worker not answered.",
+        "told, and a shard recorded DONE but the worker not answered. split_kill and",
+        "successor_kill aim at a DONE written that names a new shard (a split's rest, a",
+        "hand-off to the next tier) whose own record is not yet; kv_answer_lost at a DONE that",
+        "landed in KV with its answer lost (the master steps down and loads KV again).",
+        "successor_kill is chosen only in runs in two tiers (without tiers a split_kill aims at",
+        "the same window). A drain's grace is the stack's (1 s a worker): shorter than a shard,",
+        "so a drained worker commits a part of its shard and the rest runs as a shard of its own.",
         *(
             f"Not injected on this machine: {kind} ({why})."
             for kind, why in sorted(unavailable().items())
@@ -1066,9 +1241,9 @@ def report(
         "",
         "## Runs",
         "",
-        "| seed | first end | final | failed by a fault not its own | seconds "
+        "| seed | tiers | first end | final | failed by a fault not its own | seconds "
         "| faults (recovery s) | problems |",
-        "|---:|---|---|---|---:|---|---|",
+        "|---:|---:|---|---|---|---:|---|---|",
     ]
     for r in results:
         faults = ", ".join(
@@ -1077,7 +1252,8 @@ def report(
         )
         first = r.first_state + (f": {r.first_reason[:80]}" if r.first_reason else "")
         lines.append(
-            f"| {r.seed} | {first} | {r.final_state} | {'yes' if r.failed_by_another else 'no'} "
+            f"| {r.seed} | {2 if r.tiered else 1} | {first} | {r.final_state} "
+            f"| {'yes' if r.failed_by_another else 'no'} "
             f"| {r.seconds:.0f} | {faults} "
             f"| {'; '.join(r.problems) or '-'} |"
         )

@@ -31,6 +31,9 @@ WORKER_BEFORE_COMMIT_RECORD = "worker.before_commit_record"
 MASTER_AFTER_RECORDING_DONE = "master.after_recording_done"
 """The master has recorded a shard DONE in KV and not yet replied to the worker's commit."""
 
+MASTER_BEFORE_SUCCESSOR = "master.before_successor"
+"""The master has written a DONE that names a new shard (a split's rest, a hand-off to the next
+tier: its detail says which) and not yet that shard's own record."""
 MASTER_KV_ANSWER_LOST = "master.kv_answer_lost"
 """The master's write to KV landed, and its answer is lost (taken, not hit: nothing dies)."""
 
@@ -38,6 +41,7 @@ POINTS = (
     WORKER_BEFORE_COMMIT_RECORD,
     WORKER_AFTER_COMMIT_RECORD,
     MASTER_AFTER_RECORDING_DONE,
+    MASTER_BEFORE_SUCCESSOR,
     MASTER_KV_ANSWER_LOST,
 )
 

@@ -17,6 +17,7 @@ import contextlib
 import logging
 from dataclasses import replace
 
+from ebb.common import failpoints
 from ebb.common.layout import CommitRecord, attempt_dir, tier_root
 from ebb.common.messages import ShardState
 
@@ -164,6 +165,10 @@ class ShardMoves:
                 except IllegalTransition:
                     job.next_index = first  # refused before anything was written
                     raise
+                names = " split" if new.remainder is not None else ""
+                names += " handoff" if new.handoff is not None else ""
+                if names:
+                    failpoints.hit(failpoints.MASTER_BEFORE_SUCCESSOR, f"{shard.index}{names}")
                 if new.remainder is not None:
                     await self._queue_remainder(job, new)
                 if new.handoff is not None:
