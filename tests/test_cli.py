@@ -345,6 +345,14 @@ def test_a_command_where_no_stack_runs_on_this_machine_says_how_to_start_one(
     assert "Traceback" not in said(result)
 
 
+def until_a_commit(run: subprocess.Popen[Any], commits: Path, *, timeout_s: float = 180) -> None:
+    """Until `run` (an `ebb run`) has committed a shard; it must not end first."""
+    deadline = time.monotonic() + timeout_s
+    while not (commits.exists() and any(commits.iterdir())):
+        assert run.poll() is None and time.monotonic() < deadline, "no shard committed"
+        time.sleep(0.1)
+
+
 def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
     tmp_path: Path, runs: Path
 ) -> None:
@@ -372,10 +380,7 @@ def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
     )
     commits = tmp_path / "out" / "_commits"
     try:
-        deadline = time.monotonic() + 180
-        while not (commits.exists() and any(commits.iterdir())):
-            assert first.poll() is None and time.monotonic() < deadline, "no shard committed"
-            time.sleep(0.1)
+        until_a_commit(first, commits)
     finally:
         first.send_signal(signal.SIGINT)
         output = first.communicate(timeout=120)[0]
@@ -473,10 +478,7 @@ def test_a_run_killed_leaves_no_process_behind_and_resume_finishes_it_exactly_on
     commits = tmp_path / "out" / "_commits"
     stack: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 180
-        while not (commits.exists() and any(commits.iterdir())):
-            assert first.poll() is None and time.monotonic() < deadline, "no shard committed"
-            time.sleep(0.1)
+        until_a_commit(first, commits)
         stack = psutil.Process(first.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in stack)
         for part in ("ebb.client.reaper", "nats-server", "ebb.shard_master", "ebb.controller"):

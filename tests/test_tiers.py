@@ -269,7 +269,7 @@ async def test_a_job_cancelled_between_its_tiers_keeps_its_root_and_its_resume_f
     write_dataset(tmp_path / "data", rows=ROWS, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
     gate = tmp_path / "gate"
-    held = [
+    held: list[dict[str, Any]] = [
         {"name": "prep", "modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0}},
         {"name": "hold", "modelet": "ebbtest_modelets:Hold", "params": {"gate": str(gate)}},
         {"name": "model", "model": str(tmp_path / "model.onnx"), "batch_size": 200},

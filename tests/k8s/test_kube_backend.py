@@ -299,7 +299,9 @@ def displaced_pods(kube: FakeKubeAPI) -> dict[str, Any]:
     return counts
 
 
-def online_pod(kube: FakeKubeAPI, name: str, cpu: str) -> None:
+def online_pod(kube: FakeKubeAPI, name: str, cpu: str, **spec: Any) -> None:
+    """An online pod for the mixed pool asking for `cpu` cores; `spec`: more of its spec (a
+    node selector of its own, scheduling gates)."""
     kube.add_pod(
         {
             "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
@@ -308,6 +310,7 @@ def online_pod(kube: FakeKubeAPI, name: str, cpu: str) -> None:
                 "containers": [
                     {"name": "web", "image": "web", "resources": {"requests": {"cpu": cpu}}}
                 ],
+                **spec,
             },
         },
         "default",

@@ -16,6 +16,7 @@ from ebb.controller.tidal import TidalConfig
 from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import Harness, offline, submit, tidal_state
+from tests.k8s.test_kube_backend import online_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
@@ -40,23 +41,6 @@ def threshold_tide() -> TidalConfig:
         cooldown_s=60.0,
         lend_below=0.45,
         reclaim_above=0.7,
-    )
-
-
-def online(kube: FakeKubeAPI, name: str, *, cpu: str = "6", **spec: Any) -> None:
-    """An online pod asking for `cpu` cores (more than any node has free once lent)."""
-    kube.add_pod(
-        {
-            "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
-            "spec": {
-                "nodeSelector": {"ebb.io/pool": "mixed"},
-                "containers": [
-                    {"name": "web", "image": "web", "resources": {"requests": {"cpu": cpu}}}
-                ],
-                **spec,
-            },
-        },
-        "default",
     )
 
 
@@ -98,8 +82,8 @@ async def test_pending_online_pods_that_more_room_would_not_place_reclaim_nothin
     evictions = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0
     # Held by a scheduling gate; pinned to a pool with no node (the scheduler finds no room,
     # but no mixed node could take it); waiting for its volume's claim to bind.
-    online(kube, "gated", schedulingGates=[{"name": "example.com/quota"}])
-    online(kube, "pinned", nodeSelector={"ebb.io/pool": "online"})
+    online_pod(kube, "gated", "6", schedulingGates=[{"name": "example.com/quota"}])
+    online_pod(kube, "pinned", "6", nodeSelector={"ebb.io/pool": "online"})
     await wait_until(lambda: condition(kube, "gated") == ("False", "SchedulingGated"), what="gate")
     await wait_until(lambda: condition(kube, "pinned") == ("False", "Unschedulable"), what="pin")
     await samples(h, 10)
@@ -109,7 +93,7 @@ async def test_pending_online_pods_that_more_room_would_not_place_reclaim_nothin
     assert harvester(h).reclaimed[job] == 0
 
     # One the mixed pool's room would place: that one calls a lent node back.
-    online(kube, "room")
+    online_pod(kube, "room", "6")
     await h.converge(
         lambda: any(tidal_state(kube, n) != "offline" for n in lent),
         what="a lent node reclaimed for the pod that needs room",
