@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 from ebb.client.sdk import EbbClient
 from ebb.controller.harvest import TidalHarvester
 from ebb.controller.tidal import TidalConfig
+from ebb.controller.views import PodView
 from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import Harness, offline, submit, tidal_state
@@ -130,3 +131,21 @@ async def test_cordoned_and_not_ready_mixed_nodes_are_neither_lent_nor_counted(
     assert REGISTRY.get_sample_value("ebb_tidal_lent", {"resource": "cpu"}) == 16.0
     pool = harvester(h).mixed_pool()
     assert pool.capacity()["cpu"] == 24.0
+
+
+async def test_a_pod_drained_twice_on_a_lagging_cache_counts_once(
+    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
+) -> None:
+    """A sample whose cache has not seen the deletion yet drains the pod again: it is deleted
+    and counted against its job (reclaims_to_offline) once."""
+    offline(kube, "off-0", cpu="4")
+    job = await submit(ebb, tmp_path / "job", workers=2, cpu=2)
+    h = harness_factory(tidal=threshold_tide())
+    await h.converge(lambda: len(h.pods(job)) == 2, what="two workers")
+    pod = PodView(h.pods(job)[0])  # as the cache saw it before the deletion
+    tide = harvester(h)
+    evictions = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0
+    await tide._drain(pod)
+    await tide._drain(pod)
+    assert tide.reclaimed[job] == 1
+    assert (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0) == evictions + 1
