@@ -38,7 +38,7 @@ from ebb.common.subjects import Subjects
 from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics
-from .errors import Deposed
+from .errors import Deposed, StoreUnavailable
 from .leader import Leadership
 from .lifecycle import FORGET_PER_PASS
 from .requests import MasterRequests
@@ -125,12 +125,12 @@ class ShardMaster:
                 except (Deposed, AgentExited) as e:
                     cause = e if isinstance(e, Deposed) else e.__cause__
                     if self.supervisor.stop_requested.is_set() or not isinstance(
-                        cause, Deposed | nats.errors.Error | TimeoutError
+                        cause, Deposed | StoreUnavailable | nats.errors.Error | TimeoutError
                     ):
                         raise
                     log.warning("stepping down (%s): campaigning again", e)
                     failures = 0
-                except (nats.errors.Error, TimeoutError) as e:
+                except (StoreUnavailable, nats.errors.Error, TimeoutError) as e:
                     # Setting up (the stream, the buckets, the leader key, the state) while
                     # NATS fails over: a server gone, a stream electing its leader. Not a
                     # reason to exit: try again, backing off.
