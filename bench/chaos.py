@@ -115,7 +115,7 @@ from ebb.common.layout import METRICS as METRICS_FILE
 from ebb.common.messages import JobStatus
 from ebb.common.spec import FaultPolicy, parse_job
 from ebb.common.subjects import Subjects
-from ebb.shard_master.store import ShardRecord, shard_key
+from ebb.shard_master.table.records import ShardRecord, shard_key
 
 from . import docblock, lost_worker, slowfs, soak
 from .chaos_modelets import FLAKY_MARKER, TAKEN_PREFIX, arm_flaky, taken_by

@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ebb.common.spec import InputSpec, parse_job
-from ebb.shard_master.planner import plan_shards
+from ebb.shard_master.planning.planner import plan_shards
 from ebb.worker.reader import ShardReader
 from ebb.worker.router import ROUTER_THREAD
 

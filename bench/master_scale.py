@@ -50,8 +50,8 @@ from ebb.common.layout import OutputFile
 from ebb.common.messages import LeaseReply
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import parse_job
+from ebb.shard_master.planning.sizing import fleet_shard_rows
 from ebb.shard_master.service import MasterConfig
-from ebb.shard_master.sizing import fleet_shard_rows
 
 from .common import BENCH_DIR, Context, Section, median, table
 

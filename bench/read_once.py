@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ebb.common.spec import InputSpec
-from ebb.shard_master.planner import plan_shards
+from ebb.shard_master.planning.planner import plan_shards
 from ebb.worker.reader import ShardReader
 
 FILES = 4

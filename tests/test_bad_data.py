@@ -17,7 +17,7 @@ from ebb.client.demo import feature_table
 from ebb.client.sdk import EbbClient
 from ebb.common.spec import InputSpec, StageSpec, parse_job
 from ebb.shard_master.errors import PlanningError
-from ebb.shard_master.planner import plan_shards
+from ebb.shard_master.planning.planner import plan_shards
 from ebb.worker.columns import VALUE
 from ebb.worker.runtimes import load_runtime
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from ebb.shard_master.errors import Deposed, StoreUnavailable
-from ebb.shard_master.expiry import RETRY_MAX_S, Expiry, ExpiryHeap, retry_delay
+from ebb.shard_master.table.expiry import RETRY_MAX_S, Expiry, ExpiryHeap, retry_delay
 
 
 class Clock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ebb.shard_master.intake import REASON_CHARS, REJECTIONS_KEPT, RejectionLog
+from ebb.shard_master.table.intake import REASON_CHARS, REJECTIONS_KEPT, RejectionLog
 
 
 def test_the_newest_refusals_are_kept_each_cut_in_the_middle() -> None:

@@ -31,11 +31,11 @@ from ebb.shard_master.errors import (
     StateUnsure,
     StoreUnavailable,
 )
-from ebb.shard_master.jobs import Job
-from ebb.shard_master.moves import PERSISTED_PERIODS
-from ebb.shard_master.store import JobRecord, ShardRecord, shard_key
-from ebb.shard_master.table import LeaseTable
-from ebb.shard_master.transitions import (
+from ebb.shard_master.table.jobs import Job
+from ebb.shard_master.table.lease_table import LeaseTable
+from ebb.shard_master.table.moves import PERSISTED_PERIODS
+from ebb.shard_master.table.records import JobRecord, ShardRecord, shard_key
+from ebb.shard_master.table.transitions import (
     JOB_STATES,
     SHARD_STATES,
     TRANSITIONS,

@@ -19,9 +19,9 @@ import pytest
 from ebb.common.messages import ShardSpec
 from ebb.common.output import OutputStore
 from ebb.shard_master.errors import Deposed, StateUnsure, TableCorrupt
-from ebb.shard_master.finish import in_input_order
-from ebb.shard_master.store import ShardRecord, shard_key
-from ebb.shard_master.transitions import handoff_record, missing_successors
+from ebb.shard_master.table.finish import in_input_order
+from ebb.shard_master.table.records import ShardRecord, shard_key
+from ebb.shard_master.table.transitions import handoff_record, missing_successors
 
 from .test_lease_table import Clock, MemoryStore, assert_indexes_match_records, new_table
 from .test_master_tiers import commit, lease, tiered_job

@@ -29,13 +29,13 @@ from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
+from ebb.shard_master.election import KEY, Leadership
 from ebb.shard_master.errors import Deposed
-from ebb.shard_master.intake import REASON_CHARS, REJECTIONS_KEPT, JobIntake
-from ebb.shard_master.leader import KEY, Leadership
-from ebb.shard_master.moves import PERSISTED_PERIODS
-from ebb.shard_master.ownership import spec_mismatch
 from ebb.shard_master.service import MasterConfig, ShardMaster
-from ebb.shard_master.store import shard_key
+from ebb.shard_master.table.intake import REASON_CHARS, REJECTIONS_KEPT, JobIntake
+from ebb.shard_master.table.moves import PERSISTED_PERIODS
+from ebb.shard_master.table.ownership import spec_mismatch
+from ebb.shard_master.table.records import shard_key
 from ebb.worker.leases import LeaseKeeper, LeaseState
 from ebb.worker.service import Worker, WorkerConfig
 

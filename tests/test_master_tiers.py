@@ -14,8 +14,8 @@ from ebb.common.messages import LeaseReply, StatusRequest
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.shard_master.errors import BadRequest, OutputTaken
-from ebb.shard_master.store import shard_key
-from ebb.shard_master.table import LeaseTable
+from ebb.shard_master.table.lease_table import LeaseTable
+from ebb.shard_master.table.records import shard_key
 
 from .helpers import job_spec, write_dataset, write_model
 from .test_lease_table import (

@@ -15,7 +15,7 @@ from ebb.common import accumulators
 from ebb.common.layout import METRICS
 from ebb.common.messages import LeaseReply
 from ebb.common.spec import JobSpec, parse_job
-from ebb.shard_master.store import shard_key
+from ebb.shard_master.table.records import shard_key
 
 from .helpers import job_spec, write_dataset
 from .test_lease_table import Clock, MemoryStore, assert_indexes_match_records, new_table

@@ -13,8 +13,8 @@ import pytest
 from ebb.common.bus import Backoff
 from ebb.common.messages import JobStatus, StatusRequest
 from ebb.common.spec import parse_job
-from ebb.shard_master.table import LeaseTable
-from ebb.shard_master.tracking import PENDING, MlflowRuns
+from ebb.shard_master.table.lease_table import LeaseTable
+from ebb.shard_master.table.tracking import PENDING, MlflowRuns
 
 from .helpers import job_spec, write_dataset, write_model
 from .test_lease_table import Clock, MemoryStore, commit_record, new_table

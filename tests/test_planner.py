@@ -19,8 +19,8 @@ import pytest
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import InputSpec
 from ebb.shard_master.errors import PlanningError
-from ebb.shard_master.planner import list_input_files, plan_input, plan_shards
-from ebb.shard_master.sizing import fleet_shard_rows
+from ebb.shard_master.planning.planner import list_input_files, plan_input, plan_shards
+from ebb.shard_master.planning.sizing import fleet_shard_rows
 from ebb.worker.reader import ShardReader, read_shard
 
 

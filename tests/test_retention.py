@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ENDED = 5_000
 AT_ONCE = 100  # submissions and cancellations in flight together
-PAGE = 500  # the master's status page (ebb.shard_master.status.STATUS_PAGE)
+PAGE = 500  # the master's status page (ebb.shard_master.table.status.STATUS_PAGE)
 
 
 class MasterProcess:

@@ -17,12 +17,12 @@ from ebb.common.messages import LeaseReply, ShardSpec
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec
 from ebb.shard_master.errors import StateUnsure
-from ebb.shard_master.finish import in_input_order
-from ebb.shard_master.jobs import Job
-from ebb.shard_master.store import ShardRecord
-from ebb.shard_master.table import LeaseTable
-from ebb.shard_master.tail import KEEP_REST_S
-from ebb.shard_master.transitions import missing_remainders, split_part
+from ebb.shard_master.table.finish import in_input_order
+from ebb.shard_master.table.jobs import Job
+from ebb.shard_master.table.lease_table import LeaseTable
+from ebb.shard_master.table.records import ShardRecord
+from ebb.shard_master.table.tail import KEEP_REST_S
+from ebb.shard_master.table.transitions import missing_remainders, split_part
 
 from .test_lease_table import (
     Clock,

@@ -10,7 +10,8 @@ from nats.js.api import KeyValueConfig
 from ebb.common import provision
 from ebb.common.messages import ShardSpec
 from ebb.common.subjects import Subjects
-from ebb.shard_master.store import JobRecord, ShardRecord, Store, _snapshot
+from ebb.shard_master.kv import Store, _snapshot
+from ebb.shard_master.table.records import JobRecord, ShardRecord
 
 
 async def test_snapshots_taken_under_load_hold_every_live_key_and_only_those(nc: NATS) -> None:

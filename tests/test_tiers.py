@@ -24,7 +24,7 @@ from ebb.common.layout import TIERS_DIR
 from ebb.common.messages import JobStatus
 from ebb.common.spec import parse_job
 from ebb.common.subjects import Subjects
-from ebb.shard_master.store import ShardRecord
+from ebb.shard_master.table.records import ShardRecord
 
 from .helpers import embedded_stack, job_spec, read_output, wait_until, write_dataset, write_model
 

@@ -11,8 +11,8 @@ import pytest
 
 from ebb.common.messages import ShardSpec, ShardState
 from ebb.shard_master.errors import IllegalTransition
-from ebb.shard_master.store import LeaseRecord, ShardRecord
-from ebb.shard_master.transitions import (
+from ebb.shard_master.table.records import LeaseRecord, ShardRecord
+from ebb.shard_master.table.transitions import (
     JOB_STATES,
     JOB_TRANSITIONS,
     SHARD_STATES,

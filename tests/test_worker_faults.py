@@ -22,7 +22,7 @@ from ebb.common.runner import EXIT_OK, EXIT_SETUP
 from ebb.common.spec import JobSpec, parse_job
 from ebb.common.subjects import Subjects
 from ebb.shard_master.service import MasterConfig, ShardMaster
-from ebb.shard_master.store import ShardRecord, shard_key
+from ebb.shard_master.table.records import ShardRecord, shard_key
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
 

@@ -40,7 +40,7 @@ from ebb.common.subjects import WORKER_ID_RE, WORKER_OPS, Subjects
 
 from . import metrics
 from .errors import BadRequest, Deposed, MasterError
-from .table import LeaseTable
+from .table.lease_table import LeaseTable
 
 log = logging.getLogger(__name__)
 

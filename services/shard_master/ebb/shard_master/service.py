@@ -38,13 +38,13 @@ from ebb.common.subjects import Subjects
 from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics
+from .election import Leadership
 from .errors import Deposed, StoreUnavailable
-from .leader import Leadership
-from .lifecycle import FORGET_PER_PASS
+from .kv import Store
 from .requests import MasterRequests
-from .store import Store
 from .submissions import Submissions
-from .table import LeaseTable
+from .table.lease_table import LeaseTable
+from .table.lifecycle import FORGET_PER_PASS
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from ebb.common.subjects import Subjects
 
 from . import metrics
 from .errors import Deposed, PlanningError
-from .table import LeaseTable
+from .table.lease_table import LeaseTable
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from ebb.common.messages import WorkerEndedReply
 
-from . import metrics
+from .. import metrics
 from .context import TableContext
 from .expiry import Expiry, ExpiryHeap
 from .jobs import Job

@@ -9,8 +9,8 @@ from ebb.common import schema
 from ebb.common.layout import MANIFEST, TIERS_DIR, Manifest, ManifestFile, QuarantinedShard
 from ebb.common.output import OutputStore
 
+from ..errors import TableCorrupt
 from . import jobmetrics
-from .errors import TableCorrupt
 from .jobs import Job, Shard
 from .transitions import successor_of
 

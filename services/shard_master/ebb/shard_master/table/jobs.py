@@ -18,9 +18,9 @@ from ebb.common import accumulators
 from ebb.common.messages import TERMINAL_JOB_STATES, JobState, ShardState
 from ebb.common.spec import JobSpec
 
-from . import metrics
-from .errors import BadRequest
-from .store import JobRecord, ShardRecord
+from .. import metrics
+from ..errors import BadRequest
+from .records import JobRecord, ShardRecord
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import replace
 from ebb.common import mlflow_export
 from ebb.common.bus import Backoff
 
+from ..errors import Deposed
 from .context import TableContext
-from .errors import Deposed
 from .jobs import Job
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,8 @@ from typing import get_args
 from ebb.common.layout import attempt_dir
 from ebb.common.messages import HandoffPart, JobState, ShardSpec, ShardState, rest_of
 
-from .errors import IllegalTransition, TableCorrupt
-from .store import ShardRecord
+from ..errors import IllegalTransition, TableCorrupt
+from .records import ShardRecord
 
 SHARD_STATES: tuple[ShardState, ...] = get_args(ShardState)
 JOB_STATES: tuple[JobState, ...] = get_args(JobState)

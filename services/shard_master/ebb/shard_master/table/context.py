@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from ebb.common.messages import JobEvent
 from ebb.common.output import OutputStore
 
-from . import metrics
-from .errors import JobNotFound
+from .. import metrics
+from ..errors import JobNotFound
 from .jobs import Job
+from .records import RecordStore, ShardRecord
 from .status import EventKind, job_event
-from .store import RecordStore, ShardRecord
 from .transitions import JOB_STATES
 
 EventSink = Callable[[JobEvent], None]

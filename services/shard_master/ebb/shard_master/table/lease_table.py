@@ -41,9 +41,8 @@ from ebb.common.messages import (
 from ebb.common.output import OutputStore
 from ebb.common.spec import parse_job
 
-from . import metrics
-from .context import EventSink, OutputOpener, TableContext
-from .errors import (
+from .. import metrics
+from ..errors import (
     ForeignCommit,
     JobEnded,
     NoCommitRecord,
@@ -51,14 +50,15 @@ from .errors import (
     StaleToken,
     TableCorrupt,
 )
+from .context import EventSink, OutputOpener, TableContext
 from .expiry import Expiry, ExpiryHeap
 from .intake import JobIntake
 from .jobs import Job, Shard, Tier
 from .lifecycle import JobLifecycle
 from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
+from .records import FencedStore, LeaseRecord, RecordStore
 from .status import status_reply
-from .store import FencedStore, LeaseRecord, RecordStore
 from .tail import ask_split, pace_wait, pick_speculative
 from .tracking import MlflowRuns
 

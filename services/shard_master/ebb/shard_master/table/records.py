@@ -1,35 +1,25 @@
-"""The lease table's durable form: one JetStream KV record per job and per shard.
+"""The lease table's durable form: one record per job and per shard, and the store they live in.
 
 Every write is a compare-and-set on the record's last revision. A write that finds another
 revision means some other process (a second master that believes it leads) wrote the record:
-we raise `Deposed` rather than overwrite it.
-
-NATS's errors stop here, at the edge: the table above sees only Ebb's own. A read that fails,
-or a write that surely did not land (no server heard it, or one answered with an error), raises
-`StoreUnavailable`: nothing changed; ask again. A write whose answer never came (a timeout, a
-dropped connection) may have landed all the same, so it raises `StateUnsure`: the master no
-longer knows what KV holds, and loads it again rather than carry on from memory.
+the store raises `Deposed` rather than overwrite it. A write whose answer never came raises
+`StateUnsure` (it may have landed); a read that fails, or a write that surely did not land,
+`StoreUnavailable`. The JetStream KV store is at the NATS edge (`ebb.shard_master.kv`); the
+table sees only `RecordStore`, and holds it through `FencedStore`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
-import nats.errors
-import nats.js.errors
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
-
-from ebb.common import failpoints, schema
+from ebb.common import schema
 from ebb.common.layout import OutputFile
 from ebb.common.messages import JobState, ShardSpec, ShardState
 from ebb.common.placement import as_meant_before_pools
 
-from .errors import Deposed, StateUnsure, StoreUnavailable
+from ..errors import Deposed
 
 T = TypeVar("T")
 
@@ -92,7 +82,8 @@ class ShardRecord:
     remainder: ShardSpec | None = None
     """The shard made of the rows after `split_at`. Written here, in the same record as the
     part's DONE, so that the split is one durable transition: a master that dies before it
-    created the remainder's own record creates it when it loads the job (`splits.py`)."""
+    created the remainder's own record creates it when it loads the job
+    (`transitions.missing_successors`)."""
     split_from: int | None = None
     """The shard this one is the remainder of."""
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -214,159 +205,9 @@ class FencedStore:
         await self._write(lambda: self.inner.forget_job(job))
 
 
-class Store:
-    def __init__(
-        self, js: JetStreamContext, *, jobs: KeyValue, shards: KeyValue, buckets: tuple[str, str]
-    ) -> None:
-        self._js = js
-        self._jobs = jobs
-        self._shards = shards
-        self._jobs_bucket, self._shards_bucket = buckets
-
-    async def create_job(self, record: JobRecord) -> int | None:
-        """Create the job's record; None if it exists already."""
-        try:
-            return await _written(
-                f"job {record.id}", self._jobs.create(record.id, schema.pack(record))
-            )
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return None
-
-    async def update_job(self, record: JobRecord, *, last: int) -> int:
-        try:
-            return await _written(
-                f"job {record.id} {record.state}",
-                self._jobs.update(record.id, schema.pack(record), last=last),
-            )
-        except nats.js.errors.KeyWrongLastSequenceError as e:
-            raise Deposed(f"job {record.id} was written by someone else") from e
-
-    async def get_job(self, job: str) -> tuple[JobRecord, int] | None:
-        try:
-            entry = await _read(f"job {job}", self._jobs.get(job))
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        assert entry.value is not None and entry.revision is not None
-        return read_job(entry.value), entry.revision
-
-    async def create_shard(self, record: ShardRecord) -> int | None:
-        """Create a shard's record; None if it exists already (a resumed planning)."""
-        key = shard_key(record.job, record.spec.index)
-        try:
-            return await _written(describe(record), self._shards.create(key, schema.pack(record)))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return None
-
-    async def update_shard(self, record: ShardRecord, *, last: int) -> int:
-        key = shard_key(record.job, record.spec.index)
-        try:
-            return await _written(
-                describe(record), self._shards.update(key, schema.pack(record), last=last)
-            )
-        except nats.js.errors.KeyWrongLastSequenceError as e:
-            raise Deposed(f"shard {key} was written by someone else") from e
-
-    async def load_jobs(self) -> list[tuple[JobRecord, int]]:
-        entries = await _read("the jobs", _snapshot(self._js, self._jobs_bucket, ">"))
-        return [(read_job(v), rev) for v, rev in entries]
-
-    async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
-        entries = await _read(
-            f"the shards of job {job}", _snapshot(self._js, self._shards_bucket, f"{job}.*")
-        )
-        return [(schema.decode(ShardRecord, v), rev) for v, rev in entries]
-
-    async def forget_job(self, job: str) -> None:
-        """Remove a job's record and its shards' records for good (no delete markers left:
-        a purge of their subjects in the buckets' streams)."""
-        # Not a transition (the job ended long ago, its record says all there is): a purge
-        # that failed is made again on the next pass, whatever it did.
-        await _read(
-            f"job {job} (to forget it)",
-            self._js.purge_stream(
-                f"KV_{self._shards_bucket}", subject=f"$KV.{self._shards_bucket}.{job}.*"
-            ),
-        )
-        await _read(
-            f"job {job} (to forget it)",
-            self._js.purge_stream(
-                f"KV_{self._jobs_bucket}", subject=f"$KV.{self._jobs_bucket}.{job}"
-            ),
-        )
-
-
 def describe(record: ShardRecord) -> str:
     """A shard record as a failpoint's condition and an error message read it: its key, its
     state, and the successors it names ("handoff", "split")."""
     names = " handoff" if record.handoff is not None else ""
     names += " split" if record.remainder is not None else ""
     return f"shard {shard_key(record.job, record.spec.index)} {record.state}{names}"
-
-
-async def _written(what: str, write: Awaitable[T]) -> T:
-    """`write`'s answer. StoreUnavailable where it surely did not land (no server heard it,
-    or the server answered with an error); StateUnsure where no answer came, for it may
-    have landed all the same. (A compare-and-set's conflict, `KeyWrongLastSequenceError`,
-    passes: the caller knows what it means.)"""
-    try:
-        answer = await write
-        if failpoints.take(failpoints.MASTER_KV_ANSWER_LOST, detail=what):
-            raise nats.errors.TimeoutError  # the server applied the write; its answer is lost
-    except nats.js.errors.KeyWrongLastSequenceError:
-        raise
-    except (nats.errors.NoRespondersError, nats.js.errors.APIError) as e:
-        raise StoreUnavailable(f"could not write {what} ({e!r})") from e
-    except (nats.errors.Error, TimeoutError) as e:
-        raise StateUnsure(f"the write of {what} may or may not have landed ({e!r})") from e
-    return answer
-
-
-async def _read(what: str, read: Awaitable[T]) -> T:
-    """`read`'s answer; StoreUnavailable if it could not be had (nothing changed). A key
-    that is not there (`KeyNotFoundError`) passes: the caller knows what it means."""
-    try:
-        return await read
-    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-        raise
-    except (nats.errors.Error, TimeoutError) as e:
-        raise StoreUnavailable(f"could not read {what} ({e!r})") from e
-
-
-async def _snapshot(
-    js: JetStreamContext, bucket: str, pattern: str, *, timeout_s: float = 30.0
-) -> list[tuple[bytes, int]]:
-    """(value, revision) of every live key of `bucket` matching `pattern`.
-
-    Read through an ephemeral pull consumer that delivers the last message of each key. A pull
-    consumer sends nothing until asked, so the count of messages it reports when created is
-    exact, and we read exactly that many. (nats-py's KV watcher instead decides that the
-    initial values are over from counters that race with messages already in flight, and can
-    end a snapshot early: nats-io/nats.py#842. A job would then lose shards.)
-    """
-    stream = f"KV_{bucket}"
-    info = await js.add_consumer(
-        stream,
-        ConsumerConfig(
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            ack_policy=AckPolicy.NONE,
-            filter_subject=f"$KV.{bucket}.{pattern}",
-            inactive_threshold=timeout_s,  # the server removes it if we vanish mid-read
-            mem_storage=True,
-            num_replicas=1,
-        ),
-    )
-    subscription = await js.pull_subscribe_bind(consumer=info.name, stream=stream)
-    out: list[tuple[bytes, int]] = []
-    remaining = info.num_pending or 0
-    try:
-        while remaining > 0:
-            for msg in await subscription.fetch(min(remaining, 1_000), timeout=timeout_s):
-                remaining -= 1
-                if msg.headers and msg.headers.get(KV_OP) in (KV_DEL, KV_PURGE):
-                    continue  # a deleted key
-                out.append((msg.data, msg.metadata.sequence.stream))
-    finally:
-        await subscription.unsubscribe()
-        with contextlib.suppress(nats.errors.Error):
-            await js.delete_consumer(stream, info.name)
-    return out

@@ -21,12 +21,12 @@ from ebb.common import failpoints
 from ebb.common.layout import CommitRecord, attempt_dir, tier_root
 from ebb.common.messages import ShardState
 
-from . import metrics
+from .. import metrics
+from ..errors import Deposed, ForeignCommit, IllegalTransition, StateUnsure
 from .context import TableContext
-from .errors import Deposed, ForeignCommit, IllegalTransition, StateUnsure
 from .expiry import Expiry, ExpiryHeap
 from .jobs import Job, Shard
-from .store import RecordStore, ShardRecord
+from .records import RecordStore, ShardRecord
 from .tail import KEEP_REST_S
 from .transitions import (
     check_transition,

@@ -15,8 +15,8 @@ from ebb.common.messages import (
     TierStatus,
 )
 
+from ..errors import BadRequest, JobNotFound
 from . import jobmetrics
-from .errors import BadRequest, JobNotFound
 from .jobs import Job
 
 EventKind = Literal["accepted", "rejected", "progress", "state"]

@@ -21,13 +21,13 @@ from dataclasses import replace
 
 from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobState, ResumeReply
 
+from ..errors import Deposed, JobNotFound, NotResumable
 from . import jobmetrics
 from .context import TableContext
-from .errors import Deposed, JobNotFound, NotResumable
 from .finish import failure_reason, write_manifest
 from .jobs import Job
 from .moves import load_with_successors
-from .store import JobRecord, ShardRecord
+from .records import JobRecord, ShardRecord
 from .tracking import PENDING
 from .transitions import check_job_transition, reopen
 

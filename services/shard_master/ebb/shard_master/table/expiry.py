@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from .errors import Deposed, StoreUnavailable
+from ..errors import Deposed, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

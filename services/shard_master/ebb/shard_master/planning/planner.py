@@ -41,7 +41,7 @@ from ebb.common.messages import ShardSpec
 from ebb.common.spec import FORMAT_SUFFIXES, InputFormat, InputSpec
 from ebb.common.storage import StoreError, retrying
 
-from .errors import PlanningError
+from ..errors import PlanningError
 from .sizing import fleet_shard_rows, pack
 
 _SAMPLE_BYTES = 256 * 1024

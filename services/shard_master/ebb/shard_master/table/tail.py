@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 
-from . import metrics
+from .. import metrics
 from .jobs import Job, Shard, Tier
 
 log = logging.getLogger(__name__)

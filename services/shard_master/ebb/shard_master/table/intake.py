@@ -20,13 +20,13 @@ from ebb.common.messages import JobEvent
 from ebb.common.output import OutputStore
 from ebb.common.spec import JobSpec
 
+from ..errors import BadRequest, OutputTaken
+from ..planning.planner import plan_input
 from .context import TableContext
-from .errors import BadRequest, OutputTaken
 from .jobs import Job
 from .lifecycle import JobLifecycle
 from .ownership import OwnerView, spec_mismatch, taken_reason, view_from_record
-from .planner import plan_input
-from .store import JobRecord, ShardRecord
+from .records import JobRecord, ShardRecord
 
 log = logging.getLogger(__name__)
 
