@@ -31,8 +31,8 @@ from ebb.common.layout import CommitRecord, OutputFile, attempt_dir, tier_root
 from ebb.common.messages import LeaseReply
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec
-from ebb.controller.kube import APP, APP_LABEL
-from ebb.controller.podspec import TIER_LABEL
+from ebb.controller.kube.backend import APP, APP_LABEL
+from ebb.controller.kube.podspec import TIER_LABEL
 from ebb.worker.service import WorkerConfig
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_store import PODS, TERMINAL_PHASES, Change, Obj

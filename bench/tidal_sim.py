@@ -88,9 +88,9 @@ from ebb.common.bus import Backoff
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
-from ebb.controller.kube import APP, APP_LABEL, KubeConfig, KubernetesBackend
+from ebb.controller.kube.backend import APP, APP_LABEL, KubeConfig, KubernetesBackend
+from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
-from ebb.controller.tidal import TidalConfig
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.worker.service import WorkerConfig
 from tests.k8s.fake_apiserver import FakeKubeAPI

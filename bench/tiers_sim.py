@@ -86,7 +86,7 @@ from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore
 from ebb.common.spec import parse_job
-from ebb.controller.kube import KubeConfig, KubernetesBackend
+from ebb.controller.kube.backend import KubeConfig, KubernetesBackend
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from tests.k8s.fake_apiserver import FakeKubeAPI

@@ -5,7 +5,7 @@ or cut short in its drain."""
 from __future__ import annotations
 
 from bench.tidal_sim import DRAIN_S, ROWS_PER_MINUTE, Simulator
-from ebb.controller.podspec import APP, APP_LABEL
+from ebb.controller.kube.podspec import APP, APP_LABEL
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_store import PODS
 

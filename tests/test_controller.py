@@ -25,7 +25,7 @@ from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.controller.backend import Capacity, WorkerInfo
-from ebb.controller.local import LocalBackend, LocalConfig, machine_cores
+from ebb.controller.local.backend import LocalBackend, LocalConfig, machine_cores
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig, plan, share
 from ebb.shard_master.service import MasterConfig
 

@@ -10,11 +10,11 @@ import pytest
 
 from ebb.common.api import MasterClient
 from ebb.controller.backend import ClusterBackend, WorkerInfo
-from ebb.controller.capacity import Bin, Demand, allocate, parse_quantity
-from ebb.controller.failures import classify
+from ebb.controller.policy.capacity import Bin, Demand, allocate, parse_quantity
+from ebb.controller.policy.failures import classify
+from ebb.controller.policy.setupfailures import SetupFailures, SetupPolicy
+from ebb.controller.policy.tidal import ForecastTide, MixedNode, TidalConfig, Tide
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
-from ebb.controller.setup import SetupFailures, SetupPolicy
-from ebb.controller.tidal import ForecastTide, MixedNode, TidalConfig, Tide
 
 
 @pytest.mark.parametrize(

@@ -27,10 +27,10 @@ from ebb.common.messages import JobStatus, TierStatus
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.subjects import WORKER_ID_RE
 from ebb.controller.backend import Capacity, ClusterBackend, WorkerInfo
-from ebb.controller.capacity import Bin
 from ebb.controller.groups import Group, groups_of, new_worker_id, wanted
-from ebb.controller.local import LocalBackend, LocalConfig
-from ebb.controller.podspec import pod_name
+from ebb.controller.kube.podspec import pod_name
+from ebb.controller.local.backend import LocalBackend, LocalConfig
+from ebb.controller.policy.capacity import Bin
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig, ever_ready, plan, share
 
 from .helpers import job_spec, wait_until

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
-from ebb.controller.cores import least_held
-from ebb.controller.exits import evidence, failure_kind, reason
-from ebb.controller.failures import Kind
-from ebb.controller.pidfiles import Orphans, find_orphans, write_pid_file
+from ebb.controller.local.cores import least_held
+from ebb.controller.local.exits import evidence, failure_kind, reason
+from ebb.controller.local.pidfiles import Orphans, find_orphans, write_pid_file
+from ebb.controller.policy.failures import Kind
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,16 @@ from typing import Any
 
 import pytest
 
-from ebb.controller.capacity import Bin, Demand, allocate
-from ebb.controller.placement import NodeFacts, Placement, unplaceable
-from ebb.controller.pools import PoolPolicy, allows, decide, expected_s, preference, preferred
+from ebb.controller.kube.placement import NodeFacts, Placement, unplaceable
+from ebb.controller.policy.capacity import Bin, Demand, allocate
+from ebb.controller.policy.pools import (
+    PoolPolicy,
+    allows,
+    decide,
+    expected_s,
+    preference,
+    preferred,
+)
 
 POLICY = PoolPolicy(short_job_s=1800.0, reclaims_to_offline=3)
 

@@ -17,9 +17,9 @@ from ebb.common.bus import Backoff
 from ebb.common.identity import WorkerSigner
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
-from ebb.controller.kube import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
+from ebb.controller.kube.backend import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
+from ebb.controller.policy.tidal import LABEL as TIDAL
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
-from ebb.controller.tidal import LABEL as TIDAL
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.manifests import find

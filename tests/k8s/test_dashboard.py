@@ -28,9 +28,9 @@ from prometheus_client import start_http_server
 from ebb.client.sdk import EbbClient
 from ebb.common.natsconfig import NatsConfig, nats_environment
 from ebb.common.spec import parse_job
-from ebb.controller.kube import KubeConfig, KubernetesBackend
+from ebb.controller.kube.backend import KubeConfig, KubernetesBackend
+from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.service import Controller, ControllerConfig
-from ebb.controller.tidal import TidalConfig
 from ebb.worker.cacheserver import CacheServerConfig, ModelCacheServer
 from tests.helpers import free_port, job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI

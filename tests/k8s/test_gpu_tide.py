@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
-from ebb.controller.tidal import TidalConfig
+from ebb.controller.policy.tidal import TidalConfig
 from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_store import NODES as NODE_TYPE

@@ -23,7 +23,7 @@ from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
 from ebb.controller.__main__ import worker_signer
 from ebb.controller.election import LeaderElector
-from ebb.controller.kube import (
+from ebb.controller.kube.backend import (
     JOB_LABEL,
     KubeConfig,
     KubernetesBackend,
@@ -31,9 +31,9 @@ from ebb.controller.kube import (
     repository,
     running_image,
 )
-from ebb.controller.podspec import CREDENTIALS_DIR, CREDENTIALS_KEY, mounted_credentials
+from ebb.controller.kube.podspec import CREDENTIALS_DIR, CREDENTIALS_KEY, mounted_credentials
+from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.service import Controller, ControllerConfig
-from ebb.controller.tidal import TidalConfig
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled

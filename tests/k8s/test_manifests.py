@@ -20,7 +20,7 @@ from ebb.common import auth, bus, identity, schema
 from ebb.common.embedded import EmbeddedNats, find_nats_server
 from ebb.common.errors import BusError
 from ebb.common.natsconfig import NatsConfig
-from ebb.controller.kube import KubeConfig
+from ebb.controller.kube.backend import KubeConfig
 
 from .manifests import K8S, Obj, find, kustomization, objects
 

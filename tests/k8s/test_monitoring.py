@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ebb.controller.kube import KubeConfig
-from ebb.controller.podspec import worker_pod
+from ebb.controller.kube.backend import KubeConfig
+from ebb.controller.kube.podspec import worker_pod
 
 from .manifests import BASE, PROD, Obj, find, objects
 

@@ -21,10 +21,10 @@ from ebb.client.sdk import EbbClient
 from ebb.common.messages import JobStatus, TierStatus
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
-from ebb.controller.kube import KubeConfig
-from ebb.controller.podspec import TIER_LABEL, pod_placement
-from ebb.controller.pools import PoolPolicy
-from ebb.controller.tidal import LABEL as TIDAL
+from ebb.controller.kube.backend import KubeConfig
+from ebb.controller.kube.podspec import TIER_LABEL, pod_placement
+from ebb.controller.policy.pools import PoolPolicy
+from ebb.controller.policy.tidal import LABEL as TIDAL
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, Harness, offline

@@ -11,12 +11,12 @@ import yaml
 
 from ebb.common import schema
 from ebb.common.natsconfig import NatsConfig
-from ebb.controller.avoidance import NodeAvoidance
-from ebb.controller.capacity import Resources
-from ebb.controller.failures import Failure
-from ebb.controller.kube import KubeConfig
-from ebb.controller.podspec import credentials_secret_name, pod_name, worker_pod
-from ebb.controller.views import NodeView, PodView
+from ebb.controller.kube.backend import KubeConfig
+from ebb.controller.kube.podspec import credentials_secret_name, pod_name, worker_pod
+from ebb.controller.kube.views import NodeView, PodView
+from ebb.controller.policy.avoidance import NodeAvoidance
+from ebb.controller.policy.capacity import Resources
+from ebb.controller.policy.failures import Failure
 
 from .manifests import find
 

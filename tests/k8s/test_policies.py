@@ -128,8 +128,8 @@ def test_images_are_pinned_and_nats_is_the_release_the_tests_run() -> None:
 
 
 def test_worker_pods_meet_the_restricted_level_too() -> None:
-    from ebb.controller.kube import KubeConfig
-    from ebb.controller.podspec import worker_pod
+    from ebb.controller.kube.backend import KubeConfig
+    from ebb.controller.kube.podspec import worker_pod
 
     pod = worker_pod(
         "job-1",
@@ -165,8 +165,8 @@ def test_master_and_controller_have_probes_on_their_health_endpoints() -> None:
 
 
 def test_workers_reach_only_nats_dns_and_stores_outside_the_cluster() -> None:
-    from ebb.controller.kube import KubeConfig
-    from ebb.controller.podspec import worker_pod
+    from ebb.controller.kube.backend import KubeConfig
+    from ebb.controller.kube.podspec import worker_pod
 
     policy = find("NetworkPolicy", "ebb-worker-egress")
     pod = worker_pod("j", KubeConfig(tidal=None), worker_id="w", shape={"cpu": 1.0, "memory": 1.0})
@@ -197,8 +197,8 @@ def test_workers_reach_only_nats_dns_and_stores_outside_the_cluster() -> None:
 def test_the_node_model_cache_is_per_node_restricted_and_reached_only_by_workers() -> None:
     """A DaemonSet whose cache is an emptyDir (restricted refuses a hostPath), behind a
     Service that keeps traffic on the node; workers ask it, it reads what workers read."""
-    from ebb.controller.kube import KubeConfig
-    from ebb.controller.podspec import worker_pod
+    from ebb.controller.kube.backend import KubeConfig
+    from ebb.controller.kube.podspec import worker_pod
 
     daemonset = find("DaemonSet", "ebb-model-cache")
     pod = daemonset["spec"]["template"]["spec"]

@@ -16,10 +16,10 @@ from ebb.client.sdk import EbbClient
 from ebb.common import identity
 from ebb.common.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
-from ebb.controller.kube import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
-from ebb.controller.podspec import credentials_secret_name
+from ebb.controller.kube.backend import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
+from ebb.controller.kube.podspec import credentials_secret_name
+from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.service import Controller, ControllerConfig
-from ebb.controller.tidal import TidalConfig
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, offline, submit, tidal_state
 from tests.k8s.manifests import Access, Obj, access, allowed, find, objects

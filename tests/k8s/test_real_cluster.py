@@ -24,7 +24,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
-from ebb.controller.kube import KubeConfig, KubernetesBackend, pod_name
+from ebb.controller.kube.backend import KubeConfig, KubernetesBackend, pod_name
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]

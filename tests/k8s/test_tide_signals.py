@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
-from ebb.controller.harvest import TidalHarvester
-from ebb.controller.tidal import TidalConfig
-from ebb.controller.views import PodView
+from ebb.controller.kube.harvest import TidalHarvester
+from ebb.controller.kube.views import PodView
+from ebb.controller.policy.tidal import TidalConfig
 from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import Harness, offline, submit, tidal_state

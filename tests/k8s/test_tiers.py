@@ -20,9 +20,9 @@ from ebb.common import envvars
 from ebb.common.messages import JobStatus, TierStatus
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.spec import parse_job
-from ebb.controller.kube import KubeConfig
-from ebb.controller.placement import Placement, tolerated
-from ebb.controller.podspec import TIER_LABEL, pod_placement, worker_pod
+from ebb.controller.kube.backend import KubeConfig
+from ebb.controller.kube.placement import Placement, tolerated
+from ebb.controller.kube.podspec import TIER_LABEL, pod_placement, worker_pod
 from tests.helpers import job_spec
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import Harness, offline

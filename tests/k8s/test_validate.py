@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from ebb.common import identity
-from ebb.controller.podspec import credentials_secret
+from ebb.controller.kube.podspec import credentials_secret
 
 from .manifests import BASE, K8S, OVERLAYS, render
 from .test_podspec import GOLDEN

@@ -312,7 +312,7 @@ class WorkerEndedRequest(Message):
     job: str
     worker: str
     kind: str
-    """How it ended, as the controller classified it (ebb.controller.failures.Kind)."""
+    """How it ended, as the controller classified it (ebb.controller.policy.failures.Kind)."""
     blame: bool
     """True: it died of what a shard can cause (out of memory, a crash) while computing its
     shards, and their attempts count as failed. False: the cluster took it (preempted,

@@ -27,7 +27,7 @@ from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .backend import ClusterBackend
 from .election import LeaderElector, LostLeadership
-from .local import LocalBackend, LocalConfig
+from .local.backend import LocalBackend, LocalConfig
 from .reconcile import ReconcilerConfig
 from .service import Controller, ControllerConfig
 
@@ -76,7 +76,7 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
     from kubernetes_asyncio import config as kube_config
     from kubernetes_asyncio.client import ApiClient
 
-    from .kube import KubeConfig, KubernetesBackend, from_cluster
+    from .kube.backend import KubeConfig, KubernetesBackend, from_cluster
 
     if args.kubeconfig:
         await kube_config.load_kube_config(config_file=args.kubeconfig)

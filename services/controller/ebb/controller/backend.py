@@ -12,8 +12,8 @@ from ebb.common.errors import SpecError
 from ebb.common.messages import JobStatus
 from ebb.common.spec import RUNTIME_MODULES, parse_job
 
-from .capacity import Bin, Resources, no_preference
-from .failures import Kind
+from .policy.capacity import Bin, Resources, no_preference
+from .policy.failures import Kind
 
 Phase = Literal["starting", "running", "terminating", "succeeded", "failed"]
 

@@ -25,7 +25,7 @@ from ebb.common.messages import JobStatus, TierStatus
 from ebb.common.spec import JobSpec, ResourceSpec, TierSpec, parse_job
 
 from .backend import Capacity, WorkerInfo
-from .capacity import Demand, allocate
+from .policy.capacity import Demand, allocate
 
 UNTIERED = ""
 """The tier of a job without tiers."""

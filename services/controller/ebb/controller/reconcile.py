@@ -30,7 +30,6 @@ from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
 
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
-from .failures import Kind
 from .groups import (
     Plan,
     group_key,
@@ -41,7 +40,8 @@ from .groups import (
     rows_done,
     share,
 )
-from .setup import SetupFailures, SetupPolicy
+from .policy.failures import Kind
+from .policy.setupfailures import SetupFailures, SetupPolicy
 
 __all__ = ["Plan", "Reconciler", "ReconcilerConfig", "plan", "share"]
 

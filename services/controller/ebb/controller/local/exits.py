@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
 
-from .failures import Kind
+from ..policy.failures import Kind
 
 KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """Signals a process gets from someone else; one that crashes raises others (SIGSEGV...)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from .backend import WorkerInfo
+from ..backend import WorkerInfo
 
 log = logging.getLogger(__name__)
 

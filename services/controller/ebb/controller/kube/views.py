@@ -12,7 +12,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from .capacity import Resources, add, quantities
+from ..policy.capacity import Resources, add, quantities
 from .informer import Obj
 
 RESOURCES = ("cpu", "memory", "nvidia.com/gpu")

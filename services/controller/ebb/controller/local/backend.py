@@ -24,10 +24,10 @@ from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig, nats_environment
 
+from ..backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
+from ..groups import job_spec, tier_resources
 from . import exits
-from .backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
 from .cores import allowed_cores, least_held, machine_cores
-from .groups import job_spec, tier_resources
 from .pidfiles import Orphans, remove_pid_file, write_pid_file
 
 __all__ = ["LocalBackend", "LocalConfig", "machine_cores"]

@@ -29,16 +29,19 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 
-from . import metrics
-from .avoidance import NodeAvoidance
-from .backend import Capacity, Phase, WorkerInfo, job_environment
-from .capacity import Bin, Resources, add
+from .. import metrics
+from ..backend import Capacity, Phase, WorkerInfo, job_environment
+from ..groups import group_key, job_spec, tier_resources
+from ..policy.avoidance import NodeAvoidance
+from ..policy.capacity import Bin, Resources, add
+from ..policy.failures import classify
+from ..policy.pools import MIXED, OFFLINE
+from ..policy.tidal import LABEL as TIDAL
+from ..policy.tidal import ForecastTide, Tide
+from .config import KubeConfig
 from .credentials import CredentialIssuer
-from .failures import classify
-from .groups import group_key, job_spec, tier_resources
 from .harvest import TidalHarvester
 from .informer import Informer
-from .kube_settings import KubeConfig
 from .placement import Placement
 from .placer import Placer
 from .podspec import (
@@ -50,9 +53,6 @@ from .podspec import (
     pod_name,
     worker_pod,
 )
-from .pools import MIXED, OFFLINE
-from .tidal import LABEL as TIDAL
-from .tidal import ForecastTide, Tide
 from .views import NodeView, PodView, parse_time, selector_matches
 
 __all__ = ["APP", "APP_LABEL", "JOB_LABEL", "TIER_LABEL", "WORKER_LABEL", "KubeConfig"]

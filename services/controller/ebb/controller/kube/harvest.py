@@ -16,13 +16,13 @@ from typing import Any, Protocol
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from . import metrics
-from .capacity import add, total
+from .. import metrics
+from ..policy.capacity import add, total
+from ..policy.tidal import LABEL as TIDAL
+from ..policy.tidal import STATES, Amounts, ForecastTide, MixedNode, Move, State, Tide
+from .config import KubeConfig
 from .informer import Informer
-from .kube_settings import KubeConfig
 from .podspec import APP, APP_LABEL, JOB_LABEL
-from .tidal import LABEL as TIDAL
-from .tidal import STATES, Amounts, ForecastTide, MixedNode, Move, State, Tide
 from .views import NodeView, PodView, selector_matches
 
 log = logging.getLogger(__name__)

@@ -16,13 +16,13 @@ from collections.abc import Callable, Collection, Iterable
 from ebb.common.messages import JobStatus
 from ebb.common.placement import PoolMode
 
-from .capacity import Bin, Resources
-from .failures import preempted
-from .groups import groups_of, job_spec, tier_resources
-from .kube_settings import KubeConfig
+from ..groups import groups_of, job_spec, tier_resources
+from ..policy.capacity import Bin, Resources
+from ..policy.failures import preempted
+from ..policy.pools import MIXED, allows, decide, expected_s, preference
+from .config import KubeConfig
 from .placement import NodeFacts, Placement, unplaceable
 from .podspec import JOB_LABEL, pod_placement
-from .pools import MIXED, allows, decide, expected_s, preference
 from .views import NodeView, PodView
 
 Shape = Callable[[JobStatus, str], Resources]

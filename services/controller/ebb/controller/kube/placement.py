@@ -17,8 +17,8 @@ from typing import Any
 
 from ebb.common.placement import PoolMode
 
-from .capacity import Resources, fits
-from .pools import allows
+from ..policy.capacity import Resources, fits
+from ..policy.pools import allows
 
 _BARS = frozenset({"NoSchedule", "NoExecute"})
 """Taint effects that keep a pod that does not tolerate them off a node (PreferNoSchedule

@@ -20,7 +20,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ebb.common.bus import Backoff
 
-from . import metrics
+from .. import metrics
 
 log = logging.getLogger(__name__)
 

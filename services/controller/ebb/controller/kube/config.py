@@ -7,8 +7,8 @@ from typing import Any
 
 from ebb.common.natsconfig import NatsConfig
 
-from .pools import PoolPolicy
-from .tidal import TidalConfig
+from ..policy.pools import PoolPolicy
+from ..policy.tidal import TidalConfig
 from .views import RESOURCES
 
 

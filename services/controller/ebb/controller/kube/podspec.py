@@ -10,12 +10,12 @@ from ebb.common import envvars
 from ebb.common.placement import PoolMode
 from ebb.common.spec import JobSpec
 
-from .capacity import Resources
+from ..policy.capacity import Resources
+from ..policy.pools import MIXED, OFFLINE, preferred
+from ..policy.tidal import LABEL as TIDAL
+from .config import KubeConfig
 from .informer import Obj
-from .kube_settings import KubeConfig
 from .placement import Placement
-from .pools import MIXED, OFFLINE, preferred
-from .tidal import LABEL as TIDAL
 
 APP = "ebb-worker"
 APP_LABEL = "app.kubernetes.io/name"
