@@ -22,7 +22,8 @@ def _check(results: list[chaos.RunResult], lines: list[str]) -> None:
     for r in results:
         assert r.final_state == "SUCCEEDED", log
         assert not r.failed_by_another, f"seed {r.seed}: {r.foreign_failure}\n{log}"
-        assert (r.lost, r.duplicated, r.counters_agree, r.problems) == (0, 0, True, []), log
+        outcome = (r.lost, r.duplicated, r.counters_agree, r.metrics_agree, r.left_behind)
+        assert (outcome, r.problems) == ((0, 0, True, True, 0), []), log
         assert r.injections, f"seed {r.seed}: no fault was injected\n{log}"
 
 
@@ -56,6 +57,22 @@ async def test_faults_of_the_cluster_do_not_fail_the_job(tmp_path: Path, kind: s
     assert (results[0].lease_s, results[0].max_attempts) == (60.0, 3)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_faults_at_the_seams_lose_and_count_nothing_twice(tmp_path: Path) -> None:
+    """A job in two tiers (seed 3's shape) with metrics, hurt where a DONE names a new shard (a
+    hand-off, a split's rest) and where a DONE's answer is lost: every row once, every metric
+    as the output says, nothing left running."""
+    lines: list[str] = []
+    kinds = ("split_kill", "successor_kill", "kv_answer_lost")
+    results = await chaos.campaign(
+        [3], tmp_path, rows=8_000, rows_per_shard=500, faults=3, log=lines.append, kinds=kinds
+    )
+    _check(results, lines)
+    assert results[0].tiered
+    assert {i.kind for i in results[0].injections} <= set(kinds)
+
+
 def test_the_report_counts_runs_failed_by_a_fault_not_their_own() -> None:
     own = chaos.RunResult(
         seed=1, rows=10, first_state="FAILED", first_reason="part-1.parquet vanished"
@@ -68,9 +85,9 @@ def test_the_report_counts_runs_failed_by_a_fault_not_their_own() -> None:
     totals = report.split("## Totals")[1].splitlines()
     assert "| failed by a fault not its own |" in totals[2]
     assert totals[4].startswith("| 2 | 0 | 2 | 0 | 1 |")
-    assert "| 1 | FAILED: part-1.parquet vanished | SUCCEEDED | no |" in report
-    assert "| 2 | FAILED | SUCCEEDED | yes |" in report
-    for kind in ("churn", "flaky_node", "worker_storm"):
+    assert "| 1 | 1 | FAILED: part-1.parquet vanished | SUCCEEDED | no |" in report
+    assert "| 2 | 1 | FAILED | SUCCEEDED | yes |" in report
+    for kind in ("churn", "flaky_node", "worker_storm", "split_kill", "kv_answer_lost"):
         assert f"| {kind} |" in report
     assert "default fault settings (lease_s 60, max_attempts 3)" in report
 
