@@ -1233,6 +1233,10 @@ def report(
         "successor_kill is chosen only in runs in two tiers (without tiers a split_kill aims at",
         "the same window). A drain's grace is the stack's (1 s a worker): shorter than a shard,",
         "so a drained worker commits a part of its shard and the rest runs as a shard of its own.",
+        "In a job in two tiers each tier has one worker: a worker_stop holds its whole tier until",
+        "its lease runs out, and flaky_node, which arms the last stage's setup, fires only when",
+        "the worker started after it is the last tier's (otherwise the job ends first: shown as",
+        "not recovered, nothing having failed).",
         *(
             f"Not injected on this machine: {kind} ({why})."
             for kind, why in sorted(unavailable().items())
