@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from ebb.common.errors import BusError, ErrorCode, RemoteError
+from ebb.common.lifecycle import IllegalTransition
 from ebb.common.messages import LeaseReply, RenewReply, ShardSpec
 from ebb.worker.leases import (
     TRANSITIONS,
     ActiveLease,
-    IllegalLeaseTransition,
     LeaseKeeper,
     LeaseState,
     StopCause,
@@ -82,7 +82,7 @@ def test_a_lease_moves_only_as_the_transitions_allow(old: LeaseState, new: Lease
         move()
         assert active.state is new
     else:
-        with pytest.raises(IllegalLeaseTransition):
+        with pytest.raises(IllegalTransition):
             move()
         assert active.state is old
 

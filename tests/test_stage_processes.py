@@ -8,12 +8,12 @@ from collections import deque
 import numpy as np
 import pytest
 
+from ebb.common.lifecycle import IllegalTransition
 from ebb.common.spec import StageSpec
 from ebb.worker import frames
 from ebb.worker.processes import (
     TRANSITIONS,
     Holding,
-    IllegalTransition,
     ProcState,
     StageProcess,
     check_transition,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ebb.common import lifecycle
 from ebb.common.errors import EbbError, ErrorCode
 
 
@@ -67,7 +68,7 @@ class OutputTaken(PlanningError):
     """The output root belongs to another job."""
 
 
-class IllegalTransition(MasterError):
+class IllegalTransition(MasterError, lifecycle.IllegalTransition):
     """A shard or a job was about to make a move section 4 of the design does not allow: a bug
     in the master, refused before anything is written."""
 

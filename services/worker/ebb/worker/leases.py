@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from ebb.common import lifecycle
 from ebb.common.errors import BusError, RemoteError
 from ebb.common.messages import LeaseReply, RenewReply, ShardSpec
 
@@ -53,10 +54,6 @@ TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.LOST: frozenset(),
     LeaseState.RELEASED: frozenset(),
 }
-
-
-class IllegalLeaseTransition(Exception):
-    """A lease was about to make a move the transitions do not allow: a bug in the worker."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -112,11 +109,8 @@ class ActiveLease:
         self._move(LeaseState.RELEASED)
 
     def _move(self, new: LeaseState) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise IllegalLeaseTransition(
-                f"the lease of shard {self.shard.index} cannot go from {self.state.value} "
-                f"to {new.value}"
-            )
+        """IllegalTransition (a bug in the worker) unless the lease may make the move."""
+        lifecycle.check(TRANSITIONS, self.state, new, what=f"the lease of shard {self.shard.index}")
         self.state = new
 
 

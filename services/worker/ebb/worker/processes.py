@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ebb.common import lifecycle
 from ebb.common.spec import StageSpec
 
 from . import frames
@@ -108,14 +109,10 @@ TRANSITIONS: dict[ProcState, frozenset[ProcState]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
-    """A stage process was moved where its lifecycle does not go: a bug in the router."""
-
-
 def check_transition(old: ProcState, new: ProcState) -> None:
-    """Raise IllegalTransition unless a process may go from `old` to `new`."""
-    if new not in TRANSITIONS[old]:
-        raise IllegalTransition(f"a stage process cannot go from {old.value} to {new.value}")
+    """Raise IllegalTransition unless a process may go from `old` to `new` (a bug in the
+    router)."""
+    lifecycle.check(TRANSITIONS, old, new, what="a stage process")
 
 
 class StageProcess:

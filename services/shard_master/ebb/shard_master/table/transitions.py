@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import get_args
 
+from ebb.common import lifecycle
 from ebb.common.layout import attempt_dir
 from ebb.common.messages import HandoffPart, JobState, ShardSpec, ShardState, rest_of
 
@@ -68,14 +69,12 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 def check_transition(old: ShardState, new: ShardState) -> None:
     """Raise IllegalTransition unless a shard may go from `old` to `new`."""
-    if new not in TRANSITIONS[old]:
-        raise IllegalTransition(f"a shard cannot go from {old} to {new}")
+    lifecycle.check(TRANSITIONS, old, new, what="a shard", error=IllegalTransition)
 
 
 def check_job_transition(old: JobState, new: JobState) -> None:
     """Raise IllegalTransition unless a job may go from `old` to `new`."""
-    if new not in JOB_TRANSITIONS[old]:
-        raise IllegalTransition(f"a job cannot go from {old} to {new}")
+    lifecycle.check(JOB_TRANSITIONS, old, new, what="a job", error=IllegalTransition)
 
 
 def reopen(records: list[ShardRecord]) -> list[ShardRecord]:
