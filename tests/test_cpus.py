@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from ebb.common import envvars
+from ebb.client.stack import StackConfig
+from ebb.common import envvars, host
+from ebb.common.host import cgroup_quota
 from ebb.common.spec import StageSpec
 from ebb.worker.cpus import (
     blas_environment,
     budget,
-    cgroup_quota,
     detect,
     room_for_model_process,
     shares,
@@ -129,3 +130,17 @@ def test_a_model_runs_the_threads_it_is_told_and_takes_a_new_count_between_batch
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_part_counts_the_cores_it_may_use_alike(tmp_path: Path) -> None:
+    """One answer (ebb.common.host) for the local backend, `ebb run` and the worker: the
+    affinity mask within the cgroup's quota, never the machine's every core."""
+    affinity = len(host.allowed_cores()) or 1
+    quota = _cgroup(tmp_path, {"cpu.max": "150000 100000"})
+    assert host.usable_cores(root=quota) == min(affinity, 1.5)
+    assert host.core_count(root=quota) == 1
+    unbounded = _cgroup(tmp_path / "none", {"cpu.max": "max 100000"})
+    assert host.usable_cores(root=unbounded) == affinity
+    assert host.core_count(root=unbounded) == affinity
+    assert detect({}, root=quota) == host.usable_cores(root=quota)
+    assert StackConfig(state_dir=tmp_path, data_roots=[]).max_workers == host.core_count()

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ebb.common import envvars
+from ebb.common import envvars, host
 from ebb.common.aio import until
 from ebb.common.errors import EbbError, ErrorCode, RemoteError, SpecError
 from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
@@ -252,7 +252,7 @@ def _stack(
             state_dir=state_dir,
             data_roots=roots,
             port=port,
-            max_workers=args.max_workers or (os.cpu_count() or 1),
+            max_workers=args.max_workers or host.core_count(),
             pin_cpus=args.pin_cpus,
             prefix=args.prefix,
             log_level=args.log_level,

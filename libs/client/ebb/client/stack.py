@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ebb.common import auth, envvars, identity
+from ebb.common import auth, envvars, host, identity
 from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff, connect
 from ebb.common.embedded import EmbeddedNats
@@ -41,7 +41,7 @@ class StackConfig:
     data_roots: list[str]
     port: int = 0
     """NATS port on 127.0.0.1 (0: any free port)."""
-    max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_workers: int = field(default_factory=host.core_count)
     pin_cpus: bool = False
     """Pin each local worker to cores of its own (the controller's --pin-cpus)."""
     prefix: str = "ebb"

@@ -6,7 +6,8 @@ BLAS under numpy: two workers on two cores ran four OpenMP pools that spun again
 threads into a one-core quota. A worker's budget is the least of what it is told
 (`EBB_CPUS`: its share of a machine the local backend splits among several workers, or the
 `resources.cpu` of its pod), its cgroup's CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`)
-and its affinity mask. Its stage processes share it:
+and its affinity mask (`ebb.common.host`, which every part of Ebb asks). Its stage processes
+share it:
 
 - a model stage (ONNX Runtime, TorchScript) whose `threads` is 0 gets the budget's share:
   the budget over the model processes it runs now, at least one thread each; when the
@@ -25,10 +26,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ebb.common import envvars
+from ebb.common import envvars, host
+from ebb.common.host import CGROUP
 from ebb.common.spec import StageSpec
-
-CGROUP = Path("/sys/fs/cgroup")
 
 BLAS_THREADS = (
     "OMP_NUM_THREADS",
@@ -39,24 +39,6 @@ BLAS_THREADS = (
     "NUMEXPR_NUM_THREADS",
 )
 """What numpy's BLAS, OpenMP and numexpr read for the size of their thread pools."""
-
-
-def cgroup_quota(root: Path = CGROUP) -> float | None:
-    """Cores the cgroup's CPU quota allows (None: no quota). cgroup v2's `cpu.max` ("max
-    100000", or "150000 100000" for 1.5 cores), else v1's cfs quota and period."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    for folder in (root / "cpu", root / "cpu,cpuacct", root):
-        try:
-            quota_us = int((folder / "cpu.cfs_quota_us").read_text())
-            period_us = int((folder / "cpu.cfs_period_us").read_text())
-        except (OSError, ValueError):
-            continue
-        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
-    return None
 
 
 def budget(*, told: float | None, quota: float | None, affinity: int) -> float:
@@ -74,11 +56,8 @@ def detect(environ: Mapping[str, str] | None = None, *, root: Path = CGROUP) -> 
             told = float(with_told)
         except ValueError:
             told = None
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = os.cpu_count() or 1
-    return budget(told=told, quota=cgroup_quota(root), affinity=affinity)
+    affinity = len(host.allowed_cores()) or os.cpu_count() or 1
+    return budget(told=told, quota=host.cgroup_quota(root), affinity=affinity)
 
 
 def shares(stages: Sequence[StageSpec], processes: Sequence[int], cores: float) -> list[int]:

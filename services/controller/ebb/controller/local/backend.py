@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ebb.common import envvars
+from ebb.common import envvars, host
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig, nats_environment
@@ -59,7 +59,7 @@ class _Child:
 @dataclass(frozen=True, kw_only=True)
 class LocalConfig:
     nats: NatsConfig
-    max_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_workers: int = field(default_factory=host.core_count)
     """Workers this machine runs at once, across all jobs."""
     log_dir: str | None = None
     """Each worker's output goes to <log_dir>/<worker id>.log; None: inherit ours."""

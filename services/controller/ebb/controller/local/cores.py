@@ -1,23 +1,19 @@
-"""This machine's cores, as the local backend divides them among its workers."""
+"""This machine's cores, as the local backend divides them among its workers (what it may use
+is `ebb.common.host`'s answer, as for every part of Ebb)."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable
 
+from ebb.common.host import allowed_cores, usable_cores
 
-def allowed_cores() -> list[int]:
-    """The cores this process may run on, in order; [] where the platform does not say."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return []
+__all__ = ["allowed_cores", "least_held", "machine_cores"]
 
 
-def machine_cores() -> int:
-    """How many cores this process may run on."""
-    return len(allowed_cores()) or os.cpu_count() or 1
+def machine_cores() -> float:
+    """The cores this process may use (its affinity within its cgroup's quota)."""
+    return usable_cores()
 
 
 def least_held(cores: Iterable[int], held: Counter[int], count: int) -> tuple[int, ...]:
