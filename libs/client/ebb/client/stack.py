@@ -26,6 +26,7 @@ from ebb.common.bus import Backoff, connect
 from ebb.common.embedded import EmbeddedNats
 from ebb.common.errors import BusError, EbbError, RemoteError
 from ebb.common.natsconfig import NatsConfig, nats_environment
+from ebb.common.runner import GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class StackConfig:
     permissions its role needs (ebb.common.auth), and each worker with one minted for it
     alone (ebb.common.identity); keys are new at every start."""
     log_level: str = "INFO"
-    worker_grace_s: float = 30.0
+    worker_grace_s: float = GRACE_S
     start_timeout_s: float = 60.0
     controller: bool = True
     """Start a controller (with local workers). Without one, workers are someone else's."""

@@ -15,6 +15,11 @@ EXIT_SETUP = 4
 """A worker could not start its job's pipeline here (a model that would not load, a device
 that would not open): the node's fault until workers fail so on several nodes."""
 
+GRACE_S = 30.0
+"""Between a worker's SIGTERM and its SIGKILL, unless configured otherwise: Kubernetes' own
+default (terminationGracePeriodSeconds), the one default of every part that stops workers or
+is one (the controller, its local backend and reconciler, the embedded stack, the worker)."""
+
 
 def run(main: Coroutine[Any, Any, int]) -> int:
     try:

@@ -22,7 +22,7 @@ from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.identity import Key, WorkerSigner
 from ebb.common.natsconfig import add_nats_arguments, nats_config_from_args
-from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
+from ebb.common.runner import EXIT_FAILED, EXIT_OK, GRACE_S, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .backend import ClusterBackend
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=env(envvars.CONTROLLER_CONFIG), help="KubeConfig YAML")
     p.add_argument("--id", default=env(envvars.CONTROLLER_ID, socket.gethostname()))
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="outside a cluster")
-    p.add_argument("--worker-grace", type=float, default=30.0)
+    p.add_argument("--worker-grace", type=float, default=GRACE_S)
     p.add_argument("--resync", type=float, default=2.0)
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))

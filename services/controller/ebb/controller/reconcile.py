@@ -27,6 +27,7 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
+from ebb.common.runner import GRACE_S
 
 from . import metrics
 from .backend import Capacity, ClusterBackend, WorkerInfo
@@ -90,7 +91,7 @@ class Notice:
 
 @dataclass(frozen=True, kw_only=True)
 class ReconcilerConfig:
-    worker_grace_s: float = 30.0
+    worker_grace_s: float = GRACE_S
     """Time a drained worker has to finish its shard before it is killed."""
     relaunch_backoff: Backoff = field(default_factory=lambda: Backoff(first_s=1.0, max_s=60.0))
     healthy_after_s: float = 60.0

@@ -24,6 +24,7 @@ from ebb.common.api import MasterClient
 from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, RemoteError
 from ebb.common.natsconfig import NatsConfig
+from ebb.common.runner import GRACE_S
 from ebb.common.subjects import Subjects
 from ebb.common.supervisor import Supervisor
 
@@ -43,7 +44,7 @@ class ControllerConfig:
     min_interval_s: float = 0.2
     """Shortest time between two passes, however many events arrive."""
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: float = GRACE_S
 
 
 class Controller:

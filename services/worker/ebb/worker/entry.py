@@ -13,7 +13,7 @@ from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.natsconfig import add_nats_arguments, nats_config_from_args
-from ebb.common.runner import EXIT_FAILED, run
+from ebb.common.runner import EXIT_FAILED, GRACE_S, run
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="wait a random 0..this many seconds before the first lease (a fleet starting "
         "at once spreads its first reads of the store)",
     )
-    p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "30")))
+    p.add_argument(
+        "--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, f"{GRACE_S:g}"))
+    )
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)

@@ -45,7 +45,7 @@ from ebb.common.errors import BusError, ErrorCode, RemoteError, SpecError
 from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
 from ebb.common.natsconfig import NatsConfig
 from ebb.common.output import OutputStore
-from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP
+from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP, GRACE_S
 from ebb.common.spec import parse_job
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
@@ -83,7 +83,7 @@ class WorkerConfig:
     start_jitter_s: float = 0.0
     """Before the first lease, wait a random time up to this: a fleet started at once does not
     hit the store (and the master) in one burst."""
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: float = GRACE_S
     """On SIGTERM, time for shards in flight to finish. A shard that has not finished
     `split_reserve_s` before its end stops and commits the rows it has done (a part of the
     shard; the master queues the rest first); one with none done is released."""

@@ -23,6 +23,7 @@ from ebb.common import envvars, host
 from ebb.common.identity import WorkerSigner
 from ebb.common.messages import JobStatus
 from ebb.common.natsconfig import NatsConfig, nats_environment
+from ebb.common.runner import GRACE_S
 
 from ..backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
 from ..groups import job_spec, tier_resources
@@ -71,7 +72,7 @@ class LocalConfig:
     worker_signer: WorkerSigner | None = None
     """Mints each worker a credential of its own (ebb.common.identity), used instead of any
     in `worker_nats`: no worker can then act in another's name."""
-    worker_grace_s: float = 30.0
+    worker_grace_s: float = GRACE_S
     """Between a worker's SIGTERM and its SIGKILL (the reconciler's and the controller's
     grace). A worker is told 5 s less as its own (`EBB_SHUTDOWN_GRACE_S`, unless set), as a
     pod is told its grace less 10 s: its drain, the parts it commits included, ends before the
