@@ -2,6 +2,9 @@
 
 Requests go to `<prefix>.master.<op>`; each has one reply type. A reply is either the op's
 reply message (`ok: true`) or an `ErrorReply` (`ok: false`, a stable `code` and a sentence).
+
+Over 400 lines: one schema per message, kept together so that a change of the wire format
+is read in one place.
 """
 
 from __future__ import annotations

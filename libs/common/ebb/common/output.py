@@ -24,6 +24,9 @@ nothing lets go of it (`release`): the next job that names the root takes it ove
 several trying at once only the one that creates `_claims/generation=N.json` does. What a job
 in tiers committed in a tier before the last (`<out>/_tiers/<tier>/_commits/`) is committed
 work of the root as much as its output is: the root is not let go while any is there.
+
+Over 400 lines: one store's protocol (files, commit records, ownership, manifest) over one
+fsspec filesystem; ownership is the part that would go, with `ebb.common`'s folders.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ full of models being sent) is refused (503: the worker reads it from its store).
 The server has no authentication of its own: who may reach it is the NetworkPolicy's word
 (k8s/base/model-cache.yaml), and a worker checks what it gets against the store's own size
 and checksum (nodecache.py), not only against what the cache announces.
+
+Over 400 lines for now: the server with its command line; the layout's plan moves the cache
+to a package of its own (server, protocol, index, store, client), where this splits.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ wall-clock time (`wall_clock`), when it was granted and when it expires as of it
 renewal: a restarted master gives a lease what it had left plus a grace (never a fresh full
 period, or a master that restarts more often than a lease lasts would keep a dead holder's
 shard forever), and knows how long each attempt has run, which speculation needs.
+
+Over 400 lines: the lease protocol's four operations share one class's locks and indexes;
+the worker's folders come first in the layout's plan, then this splits by operation.
 """
 
 from __future__ import annotations
