@@ -46,8 +46,8 @@ import pyarrow.parquet as pq
 
 from ebb.common.spec import InputSpec, parse_job
 from ebb.shard_master.planning.planner import plan_shards
-from ebb.worker.reader import ShardReader
-from ebb.worker.router import ROUTER_THREAD
+from ebb.worker.pipeline.router import ROUTER_THREAD
+from ebb.worker.shardio.reader import ShardReader
 
 from .common import (
     BENCH_DIR,

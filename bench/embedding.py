@@ -82,7 +82,7 @@ def write_encoder(path: Path, *, layers: int, width: int, heads: int) -> Path:
             pooled: torch.Tensor = (x * mask).sum(1) / mask.sum(1).clamp(min=1.0)
             return pooled
 
-    from ebb.worker.runtimes import warm_up_extra_files
+    from ebb.worker.modelets.runtimes import warm_up_extra_files
 
     torch.manual_seed(0)
     example = {

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from bench.workloads import CELLS, CHANNELS, CROP, PATCH, decode, normalise, pixels
-from ebb.worker.columns import VALUE
+from ebb.worker.chunks.columns import VALUE
 
 
 class Decode:

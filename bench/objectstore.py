@@ -34,8 +34,8 @@ from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import envvars
 from ebb.common.messages import ShardSpec
 from ebb.common.spec import parse_job
-from ebb.worker.fetch import Fetch
-from ebb.worker.reader import read_shard
+from ebb.worker.modelets.fetch import Fetch
+from ebb.worker.shardio.reader import read_shard
 from tests.objectstore import FaultyProxy, MotoS3, create_bucket, environment, s3, s3_environment
 
 from .common import REPO, Context, Section, median, spread, table

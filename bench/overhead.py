@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ebb.common.spec import StageSpec
-from ebb.worker.pipeline import Pipeline, PipelineConfig
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
 from .common import BENCH_DIR, Context, Rate, Section, interleaved_rates, median, spread, table
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ebb.common.spec import InputSpec
 from ebb.shard_master.planning.planner import plan_shards
-from ebb.worker.reader import ShardReader
+from ebb.worker.shardio.reader import ShardReader
 
 FILES = 4
 ROWS_PER_FILE = 50_000

@@ -106,3 +106,77 @@ def test_mypy_searches_the_source_roots_pyproject_lists() -> None:
     """mypy cannot read the roots from setuptools' table: its own copy must stay equal."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert config["tool"]["mypy"]["mypy_path"].split(":") == SOURCE_ROOTS
+
+
+_DOTTED = re.compile(
+    r"(?<![\w.])ebb\.(?:worker|shard_master|controller|common|client)(?:\.[A-Za-z_]\w*)+"
+    r"(?::[A-Za-z_]\w*)?"
+)
+_BARE_FILE = re.compile(r"(?<![\w/.-])[a-z_]+\.py\b")
+_REPO_PATH = re.compile(r"(?<![\w/.-])(?:libs|services|tests|bench|docs|k8s)/[\w/.-]+\.\w+")
+
+
+def _resolves(reference: str) -> bool:
+    """Whether `ebb.x.y[.Name...][:Name]` names a module, or a name in one."""
+    import importlib
+
+    dotted, _, attribute = reference.partition(":")
+    parts = dotted.split(".")
+    for cut in range(len(parts), 1, -1):
+        try:
+            target: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in [*parts[cut:], *([attribute] if attribute else [])]:
+            if not hasattr(target, name):
+                return False
+            target = getattr(target, name)
+        return True
+    return False
+
+
+def _prose(path: Path) -> str:
+    """A module's docstrings and comments: where it names other modules for a reader."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text()
+    # Every string statement: the docstrings of modules, classes and functions, and those of
+    # attributes (a string after an assignment).
+    pieces = [
+        node.value.value
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    pieces += [
+        token.string
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    return "\n".join(pieces)
+
+
+def test_prose_names_modules_by_dotted_paths_that_resolve() -> None:
+    """A docstring or comment that points a reader at another module names it by its dotted
+    path (`ebb.worker.pipeline.ledger`), never by a bare file name (`ledger.py`) that a move
+    leaves pointing nowhere; and every such path, here and in the docs, still resolves."""
+    bare: list[str] = []
+    dangling: list[str] = []
+    for root in SOURCE_ROOTS:
+        for path in (ROOT / root).rglob("*.py"):
+            prose = _prose(path)
+            where = str(path.relative_to(ROOT))
+            bare += [f"{where}: {m}" for m in _BARE_FILE.findall(prose)]
+            dangling += [f"{where}: {m}" for m in _DOTTED.findall(prose) if not _resolves(m)]
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        where = str(page.relative_to(ROOT))
+        dangling += [f"{where}: {m}" for m in _DOTTED.findall(text) if not _resolves(m)]
+        dangling += [
+            f"{where}: {m}" for m in _REPO_PATH.findall(text) if not (ROOT / m).exists()
+        ]
+    assert bare == [], "\n".join(bare)
+    assert dangling == [], "\n".join(dangling)

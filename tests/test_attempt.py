@@ -14,7 +14,7 @@ from ebb.common.messages import ShardSpec, rest_of
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec, parse_job
 from ebb.worker.attempt import AttemptStopped, run_attempt
-from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, RowsBack, RunResult
+from ebb.worker.pipeline.front import Pipeline, PipelineBroken, PipelineConfig, RowsBack, RunResult
 from ebb.worker.progress import AttemptProgress
 
 from .helpers import job_spec, reference_predictions, wait_until, write_dataset, write_model

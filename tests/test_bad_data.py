@@ -18,8 +18,8 @@ from ebb.client.sdk import EbbClient
 from ebb.common.spec import InputSpec, StageSpec, parse_job
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planning.planner import plan_shards
-from ebb.worker.columns import VALUE
-from ebb.worker.runtimes import load_runtime
+from ebb.worker.chunks.columns import VALUE
+from ebb.worker.modelets.runtimes import load_runtime
 
 from .helpers import embedded_stack, job_spec, read_output, write_model
 

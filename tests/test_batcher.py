@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ebb.worker.batcher import Batcher, row_lengths
-from ebb.worker.columns import VALUE, Columns
+from ebb.worker.chunks.columns import VALUE, Columns
+from ebb.worker.stage.batcher import Batcher, row_lengths
 
 
 def chunk(uids: list[int], values: list[Any] | None = None) -> tuple[np.ndarray, Columns]:
@@ -128,7 +128,7 @@ def test_a_row_longer_than_the_budget_runs_alone() -> None:
 
 
 def test_adaptive_batch_size_grows_while_it_pays_and_settles() -> None:
-    from ebb.worker.batcher import AdaptiveBatchSize
+    from ebb.worker.stage.batcher import AdaptiveBatchSize
 
     # Per-item cost falls until 64, then flattens: the search should settle on 64.
     def cost(size: int) -> float:

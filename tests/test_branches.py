@@ -11,8 +11,8 @@ import pytest
 
 from ebb.common.errors import SpecError
 from ebb.common.spec import PipelineSpec, StageSpec, parse_job
-from ebb.worker.columns import VALUE
-from ebb.worker.pipeline import Pipeline, PipelineConfig, RunResult
+from ebb.worker.chunks.columns import VALUE
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig, RunResult
 
 from .helpers import ASSETS, CLASSES, FEATURES, write_model
 

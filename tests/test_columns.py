@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ebb.worker.columns import (
+from ebb.worker.chunks.columns import (
     VALUE,
     ChunkError,
     checked,

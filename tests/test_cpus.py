@@ -12,14 +12,14 @@ from ebb.client.stack import StackConfig
 from ebb.common import envvars, host
 from ebb.common.host import cgroup_quota
 from ebb.common.spec import StageSpec
-from ebb.worker.cpus import (
+from ebb.worker.modelets.runtimes import OnnxStage, TorchScriptStage
+from ebb.worker.resources.cpus import (
     blas_environment,
     budget,
     detect,
     room_for_model_process,
     shares,
 )
-from ebb.worker.runtimes import OnnxStage, TorchScriptStage
 
 from .helpers import FEATURES, write_model
 

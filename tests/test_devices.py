@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from ebb.common.spec import StageSpec
-from ebb.worker.devices import DEVICE_ENV, least_used_slot, placement, spread, visible
-from ebb.worker.modelet_api import StageError
-from ebb.worker.pipeline import Pipeline, PipelineConfig
-from ebb.worker.runtimes import TorchScriptStage
+from ebb.worker.modelets.api import StageError
+from ebb.worker.modelets.runtimes import TorchScriptStage
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig
+from ebb.worker.resources.devices import DEVICE_ENV, least_used_slot, placement, spread, visible
 
 from .helpers import ASSETS
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ebb.common.spec import StageSpec
-from ebb.worker.elastic import ElasticScheduler, ElasticSettings, StageLoad
-from ebb.worker.pipeline import Pipeline, PipelineConfig
+from ebb.worker.pipeline.elastic import ElasticScheduler, ElasticSettings, StageLoad
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
 from .helpers import ASSETS, FEATURES, wait_until
 from .test_pipeline import features_stage, rows

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ebb.common.spec import StageSpec
-from ebb.worker.runtimes import TorchScriptStage
+from ebb.worker.modelets.runtimes import TorchScriptStage
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "embeddings"
 

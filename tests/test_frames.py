@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ebb.worker import frames, shm
-from ebb.worker.shm import Arena
+from ebb.worker.chunks import frames, shm
+from ebb.worker.chunks.shm import Arena
 
 
 def roundtrip(payload: Any, arena: Arena | None = None) -> Any:

@@ -14,10 +14,10 @@ from ebb.common.layout import attempt_dir
 from ebb.common.messages import HandoffPart, ShardSpec
 from ebb.common.output import OutputStore
 from ebb.common.spec import OutputSpec
-from ebb.worker import handoff
-from ebb.worker.columns import VALUE, from_arrow, take_rows
-from ebb.worker.reader import ShardReader
-from ebb.worker.writer import ERROR_COLUMN, write_attempt
+from ebb.worker.chunks.columns import VALUE, from_arrow, take_rows
+from ebb.worker.shardio import handoff
+from ebb.worker.shardio.reader import ShardReader
+from ebb.worker.shardio.writer import ERROR_COLUMN, write_attempt
 
 
 def chunk(start: int, n: int) -> tuple[pa.Table, dict[str, np.ndarray], dict[int, str]]:

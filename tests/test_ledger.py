@@ -9,12 +9,12 @@ import pyarrow as pa
 import pytest
 
 from ebb.common.spec import StageSpec
-from ebb.worker import frames
-from ebb.worker.columns import VALUE, Columns
-from ebb.worker.conveyor import Conveyor
-from ebb.worker.ledger import Blame, RowLedger, blame
-from ebb.worker.segments import SegmentLedger
-from ebb.worker.shm import Arena
+from ebb.worker.chunks import frames
+from ebb.worker.chunks.columns import VALUE, Columns
+from ebb.worker.chunks.segments import SegmentLedger
+from ebb.worker.chunks.shm import Arena
+from ebb.worker.pipeline.conveyor import Conveyor
+from ebb.worker.pipeline.ledger import Blame, RowLedger, blame
 
 FAMILY = {-1: 10, -2: 10, -3: 10, -4: 20, -5: 20}
 """Parts of fan-outs still awaited: item 10 fanned out into -1..-3, item 20 into -4 and -5."""

@@ -15,11 +15,11 @@ import yaml
 
 from ebb.common.errors import SpecError
 from ebb.common.spec import ModelSpec, StageSpec, check_roots, load_job_file, parse_job
-from ebb.worker.columns import from_rows
-from ebb.worker.cpus import room_for_model_process, shares
-from ebb.worker.multimodel import MultiModelStage, model_stage_spec
-from ebb.worker.pipeline import Pipeline, PipelineConfig
-from ebb.worker.runtimes import OnnxStage, load_runtime
+from ebb.worker.chunks.columns import from_rows
+from ebb.worker.modelets.multimodel import MultiModelStage, model_stage_spec
+from ebb.worker.modelets.runtimes import OnnxStage, load_runtime
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig
+from ebb.worker.resources.cpus import room_for_model_process, shares
 
 from .helpers import ASSETS, FEATURES, write_model
 

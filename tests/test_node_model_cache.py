@@ -1,6 +1,6 @@
-"""The node model cache (ebb.worker.cacheserver) over real HTTP on loopback, with a store fsspec
-reads; and a worker's side of it (ebb.worker.nodecache): through the cache, and from the store
-when the cache is down, refuses, or lies."""
+"""The node model cache (ebb.worker.modelcache.server) over real HTTP on loopback, with a
+store fsspec reads; and a worker's side of it (ebb.worker.modelcache.client): through the
+cache, and from the store when the cache is down, refuses, or lies."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ebb.common import envvars
-from ebb.worker.blobindex import BlobIndex, evictions
-from ebb.worker.cachehttp import refusal
-from ebb.worker.cacheserver import CacheServerConfig, ModelCacheServer, byte_size
-from ebb.worker.nodecache import SHA256_HEADER, NodeCacheError, fetch_through, local_model
+from ebb.worker.modelcache.client import SHA256_HEADER, NodeCacheError, fetch_through, local_model
+from ebb.worker.modelcache.index import BlobIndex, evictions
+from ebb.worker.modelcache.protocol import refusal
+from ebb.worker.modelcache.server import CacheServerConfig, ModelCacheServer, byte_size
 
 from .helpers import free_port, wait_until
 
@@ -478,7 +478,7 @@ async def test_the_cache_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) 
     }
     process = await asyncio.create_subprocess_exec(
         sys.executable,
-        *("-m", "ebb.worker.cacheserver", "--port", "0"),
+        *("-m", "ebb.worker.modelcache", "--port", "0"),
         env=env,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -611,7 +611,7 @@ async def test_a_worker_without_a_cache_on_its_node_reads_from_the_store(
     uri = f"{root}/m.onnx"
     sha = put(uri, blob)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens
-    with caplog.at_level(logging.WARNING, "ebb.worker.nodecache"):
+    with caplog.at_level(logging.WARNING, "ebb.worker.modelcache.client"):
         got = await asyncio.to_thread(local_model, uri, str(tmp_path / "w"), cache_url=url)
     assert (got.sha256, Path(got.path).read_bytes()) == (sha, blob)
     assert reads(uri) == 1

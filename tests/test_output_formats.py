@@ -13,7 +13,7 @@ import pytest
 from ebb.common.errors import SpecError
 from ebb.common.output import OutputStore
 from ebb.common.spec import parse_job
-from ebb.worker.writer import ERROR_COLUMN, OutputFormat, write_attempt
+from ebb.worker.shardio.writer import ERROR_COLUMN, OutputFormat, write_attempt
 
 
 def _table(rows: int) -> pa.Table:

@@ -24,13 +24,14 @@ from prometheus_client import REGISTRY
 
 from ebb.common import envvars
 from ebb.common.spec import StageSpec
-from ebb.worker import frames, shm, stageserver
-from ebb.worker.board import BatchBoard
-from ebb.worker.columns import VALUE
-from ebb.worker.pipeline import Pipeline, PipelineBroken, PipelineConfig, PipelineSetupError
-from ebb.worker.processes import ProcState, StageProcess
-from ebb.worker.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
-from ebb.worker.stage import StageConfig, StageLoop
+from ebb.worker.chunks import frames, shm
+from ebb.worker.chunks.columns import VALUE
+from ebb.worker.modelets.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
+from ebb.worker.pipeline import stageserver
+from ebb.worker.pipeline.front import Pipeline, PipelineBroken, PipelineConfig, PipelineSetupError
+from ebb.worker.pipeline.processes import ProcState, StageProcess
+from ebb.worker.stage.board import BatchBoard
+from ebb.worker.stage.loop import StageConfig, StageLoop
 
 from .helpers import ASSETS, FEATURES, wait_until, write_model
 
@@ -240,7 +241,9 @@ async def test_a_router_that_gives_up_breaks_the_pipeline(monkeypatch: pytest.Mo
             self.starts += 1
             return real.Process(*args, **kwargs) if self.starts == 1 else _NeverStarts()
 
-    monkeypatch.setattr("ebb.worker.router.stage_context", LosesItsServerAfterTheFirstStart)
+    monkeypatch.setattr(
+        "ebb.worker.pipeline.router.stage_context", LosesItsServerAfterTheFirstStart
+    )
     stage = StageSpec(
         name="crashy", modelet="ebbtest_modelets:CrashOn", params={"ids": [5]}, batch_size=4
     )
@@ -301,8 +304,8 @@ async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_rep
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr("ebb.worker.stagepool.StageProcess", Counted)
-    caplog.set_level(logging.DEBUG, logger="ebb.worker.router")
+    monkeypatch.setattr("ebb.worker.pipeline.stagepool.StageProcess", Counted)
+    caplog.set_level(logging.DEBUG, logger="ebb.worker.pipeline.router")
     entered, gate, then = tmp_path / "entered", tmp_path / "gate", tmp_path / "then"
     stage = StageSpec(
         name="gated",
@@ -641,8 +644,8 @@ def test_a_stage_whose_worker_died_exits_quietly() -> None:
     code = """
 import multiprocessing as mp
 from ebb.common.spec import StageSpec
-from ebb.worker.board import BatchBoard
-from ebb.worker.stage import StageConfig, stage_main
+from ebb.worker.stage.board import BatchBoard
+from ebb.worker.stage.loop import StageConfig, stage_main
 
 ctx = mp.get_context("spawn")
 inbox_r, inbox_w = ctx.Pipe(duplex=False)
@@ -763,8 +766,8 @@ async def test_a_fork_server_killed_while_a_stage_starts_is_replaced_not_fatal(
                 threading.Timer(0.5, server.send_signal, (signal.SIGKILL,)).start()
             return real.Process(*args, **kwargs)
 
-    monkeypatch.setattr("ebb.worker.router.stage_context", LosesItsServerOnce)
-    caplog.set_level(logging.WARNING, logger="ebb.worker.stagepool")
+    monkeypatch.setattr("ebb.worker.pipeline.router.stage_context", LosesItsServerOnce)
+    caplog.set_level(logging.WARNING, logger="ebb.worker.pipeline.stagepool")
     outcomes = await run_pipeline([features_stage(batch_size=16)], rows(50))
     assert all(ok for ok, _ in outcomes) and len(outcomes) == 50
     assert "stage server lost (EOFError" in caplog.text

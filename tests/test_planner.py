@@ -21,7 +21,7 @@ from ebb.common.spec import InputSpec
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planning.planner import list_input_files, plan_input, plan_shards
 from ebb.shard_master.planning.sizing import fleet_shard_rows
-from ebb.worker.reader import ShardReader, read_shard
+from ebb.worker.shardio.reader import ShardReader, read_shard
 
 
 def _ids_of_all_shards(spec: InputSpec) -> list[int | None]:
@@ -117,7 +117,7 @@ def test_a_shards_memory_does_not_grow_with_its_row_group(tmp_path: Path) -> Non
         peaks.append(
             _peak_rss_mb(
                 "from ebb.common.messages import ShardSpec\n"
-                "from ebb.worker.reader import ShardReader\n"
+                "from ebb.worker.shardio.reader import ShardReader\n"
                 f"shard = ShardSpec(index=0, path={str(path)!r}, format='parquet', "
                 f"rows={rows}, row_groups=[0])\n"
                 "reader = ShardReader(shard, None, chunk_rows=20_000)\n"

@@ -12,9 +12,9 @@ import pytest
 
 from ebb.common.messages import ShardSpec, rest_of
 from ebb.common.spec import OutputSpec
-from ebb.worker.columns import VALUE, from_arrow, to_arrow
-from ebb.worker.reader import ShardReadError, read_shard
-from ebb.worker.writer import ERROR_COLUMN, OutputError, build_output
+from ebb.worker.chunks.columns import VALUE, from_arrow, to_arrow
+from ebb.worker.shardio.reader import ShardReadError, read_shard
+from ebb.worker.shardio.writer import ERROR_COLUMN, OutputError, build_output
 
 
 def _text_shard(path: Path, fmt: str) -> ShardSpec:

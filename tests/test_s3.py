@@ -27,8 +27,8 @@ from ebb.common.messages import ShardSpec
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import parse_job
 from ebb.common.storage import STORE_RETRIES, RetryPolicy, StoreError, retrying
-from ebb.worker.modelcache import fetch_model
-from ebb.worker.reader import ShardReadError, read_shard
+from ebb.worker.modelcache.store import fetch_model
+from ebb.worker.shardio.reader import ShardReadError, read_shard
 
 from .helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
 from .objectstore import (
@@ -412,7 +412,7 @@ async def test_a_url_column_is_fetched_with_retries_and_per_item_errors(
     proxy: FaultyProxy, bucket: str
 ) -> None:
     from ebb.common.spec import StageSpec
-    from ebb.worker.pipeline import Pipeline, PipelineConfig
+    from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
     fs = s3(proxy.url)
     for i in range(40):
@@ -424,7 +424,7 @@ async def test_a_url_column_is_fetched_with_retries_and_per_item_errors(
     proxy.add(Fault("error", method="GET", path=r"/docs/33\.txt", times=100))
     stage = StageSpec(
         name="fetch",
-        modelet="ebb.worker.fetch:Fetch",
+        modelet="ebb.worker.modelets:Fetch",
         params={"column": "url", "output": "content", "concurrency": 8},
         batch_size=40,
         batch_wait_s=0.5,

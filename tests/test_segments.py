@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from ebb.worker import shm
-from ebb.worker.segments import SegmentLedger, maker_of
-from ebb.worker.shm import Arena
+from ebb.worker.chunks import shm
+from ebb.worker.chunks.segments import SegmentLedger, maker_of
+from ebb.worker.chunks.shm import Arena
 
 MAKER, OTHER_MAKER, READER = 101, 102, 201
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ebb.common.accumulators import MetricSpec
 from ebb.common.spec import StageSpec
-from ebb.worker.columns import VALUE
+from ebb.worker.chunks.columns import VALUE
 
 from .test_branches import run
 

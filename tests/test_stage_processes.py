@@ -10,17 +10,17 @@ import pytest
 
 from ebb.common.lifecycle import IllegalTransition
 from ebb.common.spec import StageSpec
-from ebb.worker import frames
-from ebb.worker.processes import (
+from ebb.worker.chunks import frames
+from ebb.worker.chunks.segments import SegmentLedger
+from ebb.worker.chunks.shm import Arena
+from ebb.worker.pipeline.processes import (
     TRANSITIONS,
     Holding,
     ProcState,
     StageProcess,
     check_transition,
 )
-from ebb.worker.segments import SegmentLedger
-from ebb.worker.shm import Arena
-from ebb.worker.stagepool import StagePool
+from ebb.worker.pipeline.stagepool import StagePool
 
 STARTING, READY, DRAINING, DEAD = ProcState
 

@@ -215,7 +215,7 @@ async def test_a_worker_tells_the_master_its_pipeline_is_ready_at_once(
 _HUNG_PIPELINE = """
 import asyncio, sys
 from ebb.common.spec import StageSpec
-from ebb.worker.pipeline import Pipeline, PipelineConfig
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
 async def main():
     stage = StageSpec(name="hang", modelet="hang_modelet:Hang", params={"marker": sys.argv[1]},

@@ -151,7 +151,7 @@ def export_torchscript(path: Path) -> Path:
     """Write the scripted encoder to `path` (a `.pt` file a model stage loads)."""
     import torch
 
-    from ebb.worker.runtimes import warm_up_extra_files
+    from ebb.worker.modelets.runtimes import warm_up_extra_files
 
     scripted = torch.jit.script(build_encoder())
     # One example batch's shapes travel in the archive: a worker warms the model up with it

@@ -441,7 +441,7 @@ class Counted:
     out) each row's `work`: id % 3."""
 
     def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from ebb.worker.modelet_api import hidden_column
+        from ebb.worker.modelets.api import hidden_column
 
         ids = batch["id"]
         return {"id": ids, "double": ids * 2, hidden_column("work"): ids % 3}

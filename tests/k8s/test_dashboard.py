@@ -31,7 +31,7 @@ from ebb.common.spec import parse_job
 from ebb.controller.kube.backend import KubeConfig, KubernetesBackend
 from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.service import Controller, ControllerConfig
-from ebb.worker.cacheserver import CacheServerConfig, ModelCacheServer
+from ebb.worker.modelcache.server import CacheServerConfig, ModelCacheServer
 from tests.helpers import free_port, job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, offline

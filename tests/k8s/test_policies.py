@@ -215,7 +215,7 @@ def test_the_node_model_cache_is_per_node_restricted_and_reached_only_by_workers
     assert [s["secretRef"] for s in container["envFrom"]] == [
         {"name": "ebb-storage-worker", "optional": True}
     ]
-    assert container["command"] == ["python", "-m", "ebb.worker.cacheserver"]
+    assert container["command"] == ["python", "-m", "ebb.worker.modelcache"]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
 

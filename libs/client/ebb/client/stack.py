@@ -2,8 +2,8 @@
 
 Each service runs as its own process (`python -m ebb.shard_master`, `python -m ebb.controller`),
 exactly as it is deployed, only with loopback networking and local workers. Logs go to files
-under the state folder; `ebb run` prints where when a job fails. A reaper (reaper.py) watches
-every process the stack starts and ends them if the process that started the stack dies
+under the state folder; `ebb run` prints where when a job fails. A reaper (ebb.client.reaper)
+watches every process the stack starts and ends them if the process that started the stack dies
 without stopping them (SIGKILLed, say).
 """
 

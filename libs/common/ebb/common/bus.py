@@ -109,7 +109,7 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
     if config.user is not None:
         options["user"] = config.user
         options["password"] = config.password
-    # Ebb's roles may subscribe only to their own inboxes (see auth.py).
+    # Ebb's roles may subscribe only to their own inboxes (see ebb.common.auth).
     user = config.user or _credentials_user(config)
     inbox = inbox_for_user(config.prefix, user) if user else None
     if inbox is not None:

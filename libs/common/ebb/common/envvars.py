@@ -56,7 +56,7 @@ CHUNK_ROWS = "EBB_CHUNK_ROWS"
 START_JITTER_S = "EBB_START_JITTER_S"
 MODEL_CACHE_DIR = "EBB_MODEL_CACHE_DIR"
 """Where model files from a store are cached: a worker's own (its stage processes share it),
-or the node cache's (ebb.worker.cacheserver)."""
+or the node cache's (ebb.worker.modelcache)."""
 MODEL_CACHE_URL = "EBB_MODEL_CACHE_URL"
 """The node's model cache (http://host:port): a worker copies models from there, and from the
 store only when the cache cannot serve them. Unset: from the store."""

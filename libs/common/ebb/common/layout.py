@@ -1,6 +1,6 @@
 """What an output root holds, and where: the records (`_job.json`, commit records, the
 manifest) and the paths of data files, commit records and claims. The protocol that writes
-them is output.py's."""
+them is in ebb.common.output."""
 
 from __future__ import annotations
 

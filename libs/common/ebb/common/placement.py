@@ -1,7 +1,7 @@
 """Where a job asks its workers to run: the pools a spec may name, and the checks of a job's
 GPU type, node selector and tolerations (of the job, or of one of its tiers), made when the
-job is submitted rather than when its first pod is made. The job spec (spec.py) calls these;
-its fields' docstrings are the reference. Imports nothing of spec.py (it imports this)."""
+job is submitted rather than when its first pod is made. The job spec (ebb.common.spec) calls these;
+its fields' docstrings are the reference. Imports nothing of ebb.common.spec (it imports this)."""
 
 from __future__ import annotations
 

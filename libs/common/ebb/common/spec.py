@@ -236,7 +236,7 @@ class StageSpec:
     """Most processes the elastic scheduler may start (default: workers: no scaling)."""
     threads: int = 0
     """Intra-op threads per process for model runtimes (0: the worker's share of the cores it
-    may use, over the model stages' processes; see ebb.worker.cpus)."""
+    may use, over the model stages' processes; see ebb.worker.resources.cpus)."""
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
     dtype: ModelDtype | None = None

@@ -1,7 +1,7 @@
 """How a job's tiers may cut its pipeline, and the Kubernetes placement a tier names (its
 node selector and tolerations), checked when the job is submitted rather than when its first
-pod is made. The job spec (spec.py) calls these; its fields' docstrings are the reference. The
-checks read the spec through protocols: this module imports nothing of spec.py."""
+pod is made. The job spec (ebb.common.spec) calls these; its fields' docstrings are the reference.
+The checks read the spec through protocols: this module imports nothing of ebb.common.spec."""
 
 from __future__ import annotations
 

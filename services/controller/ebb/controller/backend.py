@@ -34,7 +34,8 @@ class WorkerInfo:
     reason: str = ""
     """Why it failed, in the backend's words (exit code, OOMKilled, Evicted...)."""
     failure: Kind | None = None
-    """What kind of failure (see failures.py); None: not classified (a plain exit code)."""
+    """What kind of failure (see ebb.controller.policy.failures); None: not classified (a plain exit
+    code)."""
     node: str = ""
     """Where it runs or ran (a node's name; the local backend's one place)."""
     tier: str = ""

@@ -1,9 +1,9 @@
-"""The level-triggered reconcile step around a pure plan (groups.py).
+"""The level-triggered reconcile step around a pure plan (ebb.controller.groups).
 
 Each pass looks at the whole world (running jobs from the master, workers from the backend)
 and makes it right, whatever happened before: desired workers per group (a job, or one tier
-of a job with tiers: groups.py) = its fair share of capacity, capped by its max and by the
-shards it has left, at least its min; launch the missing, drain the surplus, drain workers
+of a job with tiers: ebb.controller.groups) = its fair share of capacity, capped by its max and by
+the shards it has left, at least its min; launch the missing, drain the surplus, drain workers
 of jobs that ended, relaunch failed workers after a capped exponential backoff (per group).
 Nothing is remembered between passes but that backoff, the evidence against each job
 (crashes in a row, workers whose pipeline could not start), and what the master has yet to
@@ -101,7 +101,8 @@ class ReconcilerConfig:
     cluster, is what fails. A worker that lived healthy_after_s, a shard committed since the
     last crash, or a worker killed from outside (not a crash) starts the count again."""
     setup: SetupPolicy = field(default_factory=SetupPolicy)
-    """When workers whose pipeline cannot start fail the job (see setup.py)."""
+    """When workers whose pipeline cannot start fail the job (see
+    ebb.controller.policy.setupfailures)."""
     setup_backoff: Backoff = field(default_factory=lambda: Backoff(first_s=0.5, max_s=5.0))
     """Relaunch delay after a worker could not start its pipeline: short, so that a job that
     cannot start anywhere fails in seconds, and one that can is not held back."""

@@ -1,9 +1,9 @@
 """Submitted jobs taken off the EBB_JOBS stream, one message at a time.
 
 Each message is decoded (MessagePack, or JSON when its Content-Type says so), its paths
-checked against the data roots, and handed to the table (`intake.py` plans and persists it).
-It is acked once persisted, terminated when refused (a refusal is remembered for `status`
-under the id the message claims, if any can be read), and let come back a bounded number of
+checked against the data roots, and handed to the table (`ebb.shard_master.table.intake` plans and
+persists it). It is acked once persisted, terminated when refused (a refusal is remembered for
+`status` under the id the message claims, if any can be read), and let come back a bounded number of
 times when the store could not take it, after which the job is abandoned.
 """
 

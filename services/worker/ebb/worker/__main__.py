@@ -3,14 +3,14 @@
 The fork server that stage processes come from starts before anything else is imported, so
 that its imports (numpy, pyarrow, the stage loop) overlap the worker's own (NATS, the metrics
 server, ...) and its first exchanges with the master; its stage processes' BLAS and OpenMP
-pools are sized first (cpus.py).
+pools are sized first (ebb.worker.resources.cpus).
 """
 
 if __name__ == "__main__":
     import os
 
-    from ebb.worker.cpus import blas_environment, pin
-    from ebb.worker.stageserver import start_stage_server
+    from ebb.worker.pipeline.stageserver import start_stage_server
+    from ebb.worker.resources.cpus import blas_environment, pin
 
     # Before the fork server starts: it, and every stage process, inherits the pinning.
     pin(os.environ)

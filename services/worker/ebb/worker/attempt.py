@@ -28,12 +28,13 @@ from ebb.common.messages import ShardSpec
 from ebb.common.output import OutputStore, new_commit
 from ebb.common.spec import JobSpec
 
-from . import handoff, metrics
-from .columns import scatter, take_rows
-from .pipeline import RowsBack, RunResult
+from . import metrics
+from .chunks.columns import scatter, take_rows
+from .pipeline.front import RowsBack, RunResult
 from .progress import AttemptProgress
-from .reader import CHUNK_ROWS, ShardData, ShardReader
-from .writer import build_output, write_attempt
+from .shardio import handoff
+from .shardio.reader import CHUNK_ROWS, ShardData, ShardReader
+from .shardio.writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ async def run_attempt(
     raises AttemptStopped if there are none). `progress`: how far it has got, kept up to date
     for the renewals to tell. `hands_on`: a tier before the last of a job in tiers: `store`
     is the tier's root, and what is committed there is the hand-off to the next tier
-    (handoff.py). A shard of format "arrow" is a hand-off from the tier before, and
+    (ebb.worker.shardio.handoff). A shard of format "arrow" is a hand-off from the tier before, and
     `carried_metrics` the metrics of the tiers before, whose values it carries: only the last
     tier reduces metrics, over the rows it writes, so that they count the job's output."""
     existing = await asyncio.to_thread(store.read_commit, shard.index)

@@ -17,8 +17,8 @@ from ebb.common.runner import EXIT_FAILED, GRACE_S, run
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
-from .reader import CHUNK_ROWS
 from .service import Worker, WorkerConfig, default_worker_id
+from .shardio.reader import CHUNK_ROWS
 
 log = logging.getLogger("ebb.worker")
 

@@ -7,8 +7,8 @@ Agents (tasks of one supervisor):
 - renewer: renews every held lease at about a third of its period, telling the rows done;
            a lease the master refuses (expired, superseded, job over) is lost, and its
            shard's task is cancelled; a renewal answered with `split` stops the shard's
-           attempt at its next batch, which commits what it has done (leases.py).
-- gauges:  the pipeline's queue depths and its devices' utilisation (session.py).
+           attempt at its next batch, which commits what it has done (ebb.worker.leases).
+- gauges:  the pipeline's queue depths and its devices' utilisation (ebb.worker.session).
 
 SIGTERM drains in stages: stop leasing; let shards in flight finish within the grace period;
 `split_reserve_s` before its end, stop those still computing and commit the rows each has
@@ -16,7 +16,7 @@ done as a part of its shard (the master queues the rest first); release (retryab
 is still unfinished at its end; stop the stage processes; exit 0.
 
 The stage processes start (models load) while the first shard is leased and read
-(session.py). A pipeline that cannot start here, or that breaks later, is no shard's fault:
+(ebb.worker.session). A pipeline that cannot start here, or that breaks later, is no shard's fault:
 its shards go back retryable, and the worker drains and exits EXIT_SETUP (cannot start here)
 or EXIT_FAILED (broke), with the reason as its termination message, shards held or not.
 """
@@ -50,14 +50,15 @@ from ebb.common.spec import parse_job
 from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
-from . import cpus, devices, metrics
+from . import metrics
 from .attempt import AttemptStopped, run_attempt
-from .handoff import carried_metrics, tier_view
 from .leases import LeaseState, StopCause
-from .pipeline import Pipeline, PipelineError, PipelineSetupError
-from .reader import CHUNK_ROWS
+from .pipeline.front import Pipeline, PipelineError, PipelineSetupError
 from .reports import Reports
+from .resources import cpus, devices
 from .session import JobSession, pipeline_config
+from .shardio.handoff import carried_metrics, tier_view
+from .shardio.reader import CHUNK_ROWS
 
 log = logging.getLogger(__name__)
 

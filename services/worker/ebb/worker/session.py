@@ -21,10 +21,11 @@ from ebb.common.aio import until
 from ebb.common.api import MasterClient
 from ebb.common.spec import JobSpec
 
-from . import devices, metrics
-from .elastic import DeviceMonitor
+from . import metrics
 from .leases import LeaseKeeper
-from .pipeline import Pipeline, PipelineConfig, RowsBack, RunResult
+from .pipeline.elastic import DeviceMonitor
+from .pipeline.front import Pipeline, PipelineConfig, RowsBack, RunResult
+from .resources import devices
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,9 @@ class JobSession:
         self.pipeline = pipeline
         self.master = master
         self.cores = cores
-        """The cores this worker may use (cpus.py)."""
+        """The cores this worker may use (ebb.worker.resources.cpus)."""
         self.gpus = gpus
-        """The GPUs it may use (devices.py; None: nothing says)."""
+        """The GPUs it may use (ebb.worker.resources.devices; None: nothing says)."""
         self.ready = False
         """The stage processes have started: lease and renew requests say so."""
         self.leases = LeaseKeeper(master, worker=worker, ready=lambda: self.ready)

@@ -5,12 +5,12 @@ Three informers keep the picture: the nodes, every pod that is not finished (clu
 what the nodes have free is their allocatable minus what all their pods request), and the
 worker pods of our namespace (finished ones too: how they ended is what the reconciler needs).
 The reconciler reads them; writes are the pods it creates and deletes, the tidal labels
-on mixed nodes (harvest.py), and (given a signer) each worker pod's NATS credentials Secret
-(credentials.py).
+on mixed nodes (ebb.controller.kube.harvest), and (given a signer) each worker pod's NATS
+credentials Secret (ebb.controller.kube.credentials).
 
 Batch workers go to the offline pool, or to mixed nodes in tidal state `offline` (lent), in
-the order their job's pool mode says (placer.py); never to nodes where our pods keep failing
-(for a while).
+the order their job's pool mode says (ebb.controller.kube.placer); never to nodes where our pods
+keep failing (for a while).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class KubeConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     """How workers reach NATS: its URL and subject prefix, nothing else of it. Their
     credentials: each worker pod's own, minted by a controller that has the workers'
-    signing key (credentials.py); without one, `nats_secret`."""
+    signing key (ebb.controller.kube.credentials); without one, `nats_secret`."""
     nats_secret: str | None = "ebb-nats-worker"  # noqa: S105 - the Secret's name
     """Read only by a controller without the workers' signing key: a Secret that all
     workers share, whose keys `user`, `password` and `token` (each optional, as is the

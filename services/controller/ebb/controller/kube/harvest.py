@@ -1,9 +1,9 @@
 """The tide on a Kubernetes cluster: each sample measures the mixed pool's online load and the
-online pods waiting, per resource (CPU, memory, GPUs...), lets the policy (tidal.py) decide
-which nodes to lend or reclaim, labels them so, and drains the batch pods on nodes being
-reclaimed (and, under the forecast policy, those holding more of a resource than its budget,
-the youngest first). What it lends, the backend's capacity counts. It also counts what batch
-pods harvest: node-hours per resource (GPU node-hours on GPU nodes).
+online pods waiting, per resource (CPU, memory, GPUs...), lets the policy
+(ebb.controller.policy.tidal) decide which nodes to lend or reclaim, labels them so, and drains the
+batch pods on nodes being reclaimed (and, under the forecast policy, those holding more of a
+resource than its budget, the youngest first). What it lends, the backend's capacity counts. It also
+counts what batch pods harvest: node-hours per resource (GPU node-hours on GPU nodes).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class TidalHarvester:
         (None: no cap)."""
         self.last_sample: float | None = None
         self.reclaimed: Counter[str] = Counter()
-        """Per job (its pods' job label): worker pods the tide drained (placer.py reads it)."""
+        """Per job (its pods' job label): worker pods the tide drained (ebb.controller.kube.placer
+        reads it)."""
 
     def forget_gone(self, pods: list[PodView]) -> set[str]:
         """The pods still draining, of those that exist."""

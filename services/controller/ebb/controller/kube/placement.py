@@ -1,7 +1,7 @@
 """Which nodes a group's worker pods may land on, judged as the scheduler judges them: the
-pools their node affinity allows (pools.py), the node selector they carry (the controller's,
-the job's over it, a tier's over that, the GPU type's last) and the taints their tolerations
-(the controller's, the job's and a tier's) tolerate.
+pools their node affinity allows (ebb.controller.policy.pools), the node selector they carry (the
+controller's, the job's over it, a tier's over that, the GPU type's last) and the taints their
+tolerations (the controller's, the job's and a tier's) tolerate.
 
 Capacity counts for a group only the nodes it may land on: a CPU tier is not promised room on
 tainted GPU nodes, nor a GPU tier on nodes without its GPU model's label, which would leave
@@ -35,7 +35,7 @@ class Placement:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     pool: PoolMode = "any"
-    """The pools they may run on, and which first (pools.py)."""
+    """The pools they may run on, and which first (ebb.controller.policy.pools)."""
 
     def over(
         self, node_selector: Mapping[str, str], tolerations: Iterable[Mapping[str, Any]]

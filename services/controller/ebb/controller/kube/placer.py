@@ -1,11 +1,12 @@
 """Where each group's worker pods go on a Kubernetes cluster, pass by pass: its pool mode (its
 spec's, or the WPAI policy's, from the time it needs yet and how often the mixed pool took its
-workers back: pools.py), its node selector and tolerations (podspec.pod_placement), the nodes
-capacity may count for it, and why none ever could (placement.unplaceable).
+workers back: ebb.controller.policy.pools), its node selector and tolerations
+(podspec.pod_placement), the nodes capacity may count for it, and why none ever could
+(placement.unplaceable).
 
 The reclaims are counted here: a worker pod the scheduler preempted on a mixed node (for an
-online pod), and one the tide drained (harvest.py counts those). A job's count starts again
-when it no longer runs: a job resumed later is judged afresh.
+online pod), and one the tide drained (ebb.controller.kube.harvest counts those). A job's
+count starts again when it no longer runs: a job resumed later is judged afresh.
 """
 
 from __future__ import annotations

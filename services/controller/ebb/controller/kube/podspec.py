@@ -231,9 +231,9 @@ def _environment(
 
 
 def node_affinity(pool_label: str, mode: PoolMode, avoid: list[str]) -> Obj:
-    """The pools pods placed in `mode` may run on (pools.py), required: the offline pool,
-    and, unless `offline`, mixed nodes lent to batch work (tidal state `offline`); the pool
-    they go to first, preferred; never a node in `avoid`."""
+    """The pools pods placed in `mode` may run on (ebb.controller.policy.pools), required: the
+    offline pool, and, unless `offline`, mixed nodes lent to batch work (tidal state `offline`); the
+    pool they go to first, preferred; never a node in `avoid`."""
     offline = {"key": pool_label, "operator": "In", "values": [OFFLINE]}
     mixed = {"key": pool_label, "operator": "In", "values": [MIXED]}
     lent = {"key": TIDAL, "operator": "In", "values": ["offline"]}

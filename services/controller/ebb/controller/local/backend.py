@@ -1,7 +1,8 @@
 """The local backend: workers are child processes of the controller (`ebb run`, `ebb up`).
 
-How a worker's end reads is exits.py's; the pid files through which a successor finds the
-workers that outlived us, pidfiles.py's; the machine's cores, cores.py's.
+How a worker's end reads: ebb.controller.local.exits; the pid files through which a successor
+finds the workers that outlived us: ebb.controller.local.pidfiles; the machine's cores:
+ebb.controller.local.cores.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How a local worker's end reads: its exit code as a kind of failure and a reason, and the
 evidence it left (its termination message, or the tail of its log).
 
-The local backend's counterpart of failures.py, which reads a pod's status."""
+The local backend's counterpart of ebb.controller.policy.failures, which reads a pod's status."""
 
 from __future__ import annotations
 

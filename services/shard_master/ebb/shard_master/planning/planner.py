@@ -1,6 +1,7 @@
 """Shard planning: split a dataset into shards of about `rows_per_shard` rows, from metadata.
 
-Without `rows_per_shard` (the default), shards are sized for the fleet (`sizing.py`).
+Without `rows_per_shard` (the default), shards are sized for the fleet
+(`ebb.shard_master.planning.sizing`).
 
 - Parquet: from the footer's row-group sizes. Small row groups are packed together; a row group
   larger than a shard is a shard of its own, never cut into row ranges: Parquet cannot read part

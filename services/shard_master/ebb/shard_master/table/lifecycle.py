@@ -2,8 +2,8 @@
 forgotten past its retention.
 
 Every change of a job's state goes through `JobLifecycle.move`, which checks it against the
-job transition map (`transitions.py`), writes the record (compare-and-set), and only then
-shows it in memory, as `ShardMoves.apply` does for shards.
+job transition map (`ebb.shard_master.table.transitions`), writes the record (compare-and-set), and
+only then shows it in memory, as `ShardMoves.apply` does for shards.
 
 Ending a job takes every lock of its shards, in index order (nothing else holds two): a
 shard transition under way (a commit reading its record from the output, say) finishes

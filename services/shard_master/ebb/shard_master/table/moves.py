@@ -4,7 +4,8 @@ State lives in two places with one rule between them: a transition is written to
 (compare-and-set) first, and only then applied in memory and answered. The memory side is
 what makes it fast; the KV side is what lets a restarted master carry on. Every change of a
 shard's record goes through `ShardMoves.apply`, which checks the move against the transition
-map (`transitions.py`), writes it, and then updates every index the job keeps of its shards.
+map (`ebb.shard_master.table.transitions`), writes it, and then updates every index the job keeps of
+its shards.
 
 Every method here is called with the shard's lock held: two transitions of one shard never
 interleave, while different shards proceed concurrently.

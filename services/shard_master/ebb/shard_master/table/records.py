@@ -119,7 +119,7 @@ class JobRecord:
     mlflow_run: str = ""
     """A job whose spec names an MLflow tracking URI, once it SUCCEEDED: "pending" (written
     with the SUCCEEDED) until its metrics are logged as a run, then that run's id
-    (tracking.py)."""
+    (ebb.shard_master.table.tracking)."""
     pools_placed: bool = False
     """Written by a master whose controller places workers by `resources.pool`. A record
     without it is read with the pools its spec meant then (placement.as_meant_before_pools)."""

@@ -1,0 +1,386 @@
+"""The body of one stage process: receive chunks of rows, batch them, run the modelet, send
+results.
+
+One thread reads the inbox pipe without pause (so the router never blocks on a busy stage);
+the main thread cuts batches from the chunks and runs them, a batch at a time, as columns.
+A failing batch is bisected until each failing row stands alone: only those rows become
+errors. The batch board (shared memory)
+tells the router what runs now and since when, so that it can kill a stage that hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ebb.common.spec import StageSpec
+
+from ..chunks import frames
+from ..chunks.columns import (
+    VALUE,
+    Columns,
+    concat,
+    from_arrow,
+    from_rows,
+    split_metrics,
+    take,
+    to_rows,
+)
+from ..chunks.shm import Arena
+from ..modelets.api import StageError, columns_callable, resolve_class, rows_callable
+from ..modelets.multimodel import MultiModelStage
+from ..modelets.runtimes import load_runtime
+from .batcher import AdaptiveBatchSize, Batch, Batcher, row_lengths
+from .board import BatchBoard
+from .lifeline import die_with_parent, die_with_worker, name_this_thread
+from .metering import MetricFailure, with_metrics
+
+EXIT_SETUP_FAILED = 3
+_MAX_ERROR_CHARS = 2000
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    spec: StageSpec
+    code_paths: list[str]
+    memory_limit_bytes: int | None = None
+    environment: dict[str, str] | None = None
+    """The worker's environment when it started this process. A stage process is forked
+    from a server that started with the worker: without this it would see the environment of
+    then, not of now (credentials or a store's endpoint the worker set since)."""
+    worker_pid: int | None = None
+    """The worker that started this process: when it is gone, so is this process."""
+
+
+def _describe(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:
+    """Instantiate a stage's modelet (user class or model runtime). Not yet set up."""
+    for path in reversed(code_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    if spec.model is not None:
+        return load_runtime(spec)
+    if spec.models is not None:
+        return MultiModelStage(spec)
+    assert spec.modelet is not None
+    cls = resolve_class(spec.modelet)
+    try:
+        return cls(**spec.params)
+    except Exception as e:
+        raise StageError(f"{spec.modelet}(**params) failed: {type(e).__name__}: {e}") from e
+
+
+def stage_main(
+    config: StageConfig, inbox: Connection, outbox: Connection, board: BatchBoard
+) -> None:
+    """Entry point of a stage process (spawned by the pipeline router)."""
+    die_with_parent()
+    die_with_worker(config.worker_pid)
+    if config.environment is not None:
+        os.environ.clear()
+        os.environ.update(config.environment)
+    # Ctrl-C goes to the whole process group; the worker decides when its stages stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name = config.spec.name
+    name_this_thread(f"ebb:{name}")
+    try:
+        modelet = build_stage(config.spec, code_paths=config.code_paths)
+        setup = getattr(modelet, "setup", None)
+        if callable(setup):
+            setup()
+        label = config.spec.modelet or config.spec.model or name
+        # A fan-out stage returns a list of parts per row: it runs on rows, not columns.
+        run_rows = rows_callable(modelet, label) if config.spec.fanout else None
+        run = None if config.spec.fanout else columns_callable(modelet, label)
+        set_threads = getattr(modelet, "set_threads", None)
+    except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        with contextlib.suppress(OSError):  # the worker may be gone already
+            outbox.send_bytes(frames.pack(frames.SETUP_FAILED, payload=f"stage {name!r}: {detail}"))
+            outbox.close()
+        sys.exit(EXIT_SETUP_FAILED)
+    try:
+        outbox.send_bytes(frames.pack(frames.READY, payload=os.getpid()))
+        StageLoop(
+            config, run, inbox, outbox, board, run_rows=run_rows, set_threads=set_threads
+        ).run()
+    except (BrokenPipeError, ConnectionResetError):
+        # The worker that spawned us died (its end of the pipe is closed): nobody is left
+        # to tell anything, and nothing we hold can reach the output. Leave quietly.
+        sys.exit(0)
+
+
+class StageLoop:
+    def __init__(
+        self,
+        config: StageConfig,
+        run: Callable[[Columns], Columns] | None,
+        inbox: Connection,
+        outbox: Connection,
+        board: BatchBoard,
+        *,
+        run_rows: Callable[[list[Any]], list[Any]] | None = None,
+        set_threads: Callable[[int], None] | None = None,
+    ) -> None:
+        spec = config.spec
+        self.set_threads = set_threads
+        """The model's thread count, changed between batches (frames.THREADS)."""
+        self.name = spec.name
+        self.run_batch = run
+        self.run_rows = run_rows
+        """A fan-out stage's per-row function (one list of parts per row)."""
+        self.memory_limit = config.memory_limit_bytes
+        self.outbox = outbox
+        self.board = board
+        self.batcher = Batcher(
+            max_size=spec.batch_size,
+            max_wait_s=spec.batch_wait_s,
+            max_tokens=spec.batch_tokens,
+            lengths=row_lengths(spec.length_column) if spec.length_column else None,
+        )
+        self.sizer = AdaptiveBatchSize(max_size=spec.batch_size) if spec.adaptive_batch else None
+        if self.sizer is not None:
+            self.batcher.max_size = self.sizer.size
+        self.messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.arena = Arena()
+        self.reader = threading.Thread(target=self._read, args=(inbox,), daemon=True)
+        self.stopping = False
+        self.recycling = False
+        self.fanout = spec.fanout
+        self.metrics = spec.metrics
+
+    def _read(self, inbox: Connection) -> None:
+        try:
+            while True:
+                self.messages.put(inbox.recv_bytes())
+        except (EOFError, OSError):
+            self.messages.put(None)  # the worker is gone, or closed our inbox
+
+    def run(self) -> None:
+        self.reader.start()
+        while True:
+            timeout = self.batcher.time_left(time.monotonic())
+            if self.stopping:
+                timeout = 0.0
+            try:
+                message = self.messages.get(timeout=timeout)
+            except queue.Empty:
+                message = b""
+            # Take everything already delivered before deciding on a batch: a full batch
+            # that is already here must not wait.
+            while message is not None:
+                if message:
+                    self._handle(message)
+                try:
+                    message = self.messages.get_nowait()
+                except queue.Empty:
+                    break
+            if message is None:
+                self.stopping = True
+            if self.stopping:
+                self.batcher.flush()
+            while self.batcher.ready(time.monotonic()):
+                batch = self.batcher.take()
+                messages = self._run(batch)
+                segments = batch.segments
+                del batch  # the last references to views of shared memory, before unmapping
+                unmapped = [name for name, n in segments.items() if self.arena.done(name, n)]
+                if unmapped:
+                    # Told with the batch's output: one message fewer for the router.
+                    if messages:
+                        messages[0] = frames.with_released(messages[0], unmapped)
+                    else:
+                        messages.append(frames.pack(frames.UNMAPPED, payload=unmapped))
+                for message in messages:
+                    self._send(message)
+                self._check_memory()
+            if self.stopping and not len(self.batcher):
+                self.arena.close()
+                self.outbox.close()
+                return
+
+    def _send(self, message: bytes) -> None:
+        self.outbox.send_bytes(message)
+
+    def _handle(self, message: bytes) -> None:
+        h = frames.header(message)
+        if h.kind == frames.ITEMS:
+            # A copy of the uids: the view would keep the whole message alive.
+            uids = h.uids.copy()
+            try:
+                payload = frames.payload(message, arena=self.arena)
+                if h.flags & frames.ARROW:
+                    schema, data = payload
+                    payload = from_arrow(pa.ipc.read_record_batch(pa.py_buffer(data), schema))
+                self.batcher.add(
+                    uids,
+                    payload,
+                    time.monotonic(),
+                    solo=bool(h.flags & frames.SOLO),
+                    segment=h.segment,
+                )
+            except Exception as e:  # noqa: BLE001 - rows we cannot read or measure fail, not the stage
+                if h.segment and self.arena.done(h.segment, len(uids)):
+                    self._send(frames.pack(frames.UNMAPPED, payload=[h.segment]))
+                problem = f"stage {self.name!r}: {_describe(e)}"
+                self._send(frames.pack(frames.ERRORS, uids, [problem] * len(uids)))
+        elif h.kind == frames.RECLAIM:
+            for name in frames.payload(message):
+                self.arena.reclaim(name)
+        elif h.kind == frames.FLUSH:
+            self.batcher.flush()
+        elif h.kind == frames.THREADS:
+            if self.set_threads is not None:
+                self.set_threads(int(frames.payload(message)))
+        elif h.kind == frames.STOP:
+            self.stopping = True
+
+    def _run(self, batch: Batch) -> list[bytes]:
+        """Run a batch; the messages that tell its outcome."""
+        messages: list[bytes] = []
+        if not len(batch):
+            return messages
+        self.board.post(batch.uids)
+        started = time.perf_counter()
+        # The metrics' values of earlier stages go round the modelet, not through it.
+        columns, carried = split_metrics(batch.columns)
+        try:
+            pieces, failed = self._isolate(batch.uids, columns)
+        finally:
+            self.board.clear()
+        if self.sizer is not None and not batch.solo:
+            self.batcher.max_size = self.sizer.observe(len(batch), time.perf_counter() - started)
+        flags = frames.SOLO if batch.solo else 0
+        if pieces:
+            uids = np.concatenate([u for u, _ in pieces])
+            if self.fanout:
+                message = self._fan_out_message(uids, [v for _, v in pieces], failed, flags)
+            else:
+                chunk = concat([c for _, c in pieces])
+                try:
+                    chunk = with_metrics(
+                        chunk,
+                        uids,
+                        stage=self.name,
+                        metrics=self.metrics,
+                        batch_uids=batch.uids,
+                        carried=carried,
+                    )
+                    message = self._items_message(uids, chunk, failed, flags)
+                except MetricFailure as e:
+                    failed += [(int(u), str(e)) for u in uids.tolist()]
+                    message = b""
+            if message:
+                messages.append(message)
+        if failed:
+            failed_uids = [u for u, _ in failed]
+            messages.append(frames.pack(frames.ERRORS, failed_uids, [m for _, m in failed]))
+        return messages
+
+    def _items_message(
+        self, uids: np.ndarray, chunk: Columns, failed: list[tuple[int, str]], flags: int
+    ) -> bytes:
+        try:
+            return frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
+        except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
+            bad = self._unsendable_rows(chunk)
+            failed += [(int(uids[i]), why) for i, why in bad.items()]
+            keep = np.array([i not in bad for i in range(len(uids))], dtype=bool)
+            if not keep.any():
+                return b""
+            return frames.pack(
+                frames.ITEMS, uids[keep], take(chunk, keep), flags=flags, arena=self.arena
+            )
+
+    def _fan_out_message(
+        self, uids: np.ndarray, outputs: list[Any], failed: list[tuple[int, str]], flags: int
+    ) -> bytes:
+        """A fan-out stage's lists, flattened into one chunk of parts, with each row's count
+        of parts. A row whose output is not a list, or has a part that cannot be sent, fails
+        alone (with its parts)."""
+        values = [v for out in outputs for v in out]
+        kept: list[int] = []
+        counts: list[int] = []
+        parts: list[Any] = []
+        for uid, value in zip(uids.tolist(), values, strict=True):
+            if not isinstance(value, list | tuple):
+                kind = type(value).__name__
+                failed.append(
+                    (uid, f"stage {self.name!r} fans out: it must return a list, not {kind}")
+                )
+                continue
+            problem = frames.unsendable(value)
+            if problem:
+                failed.append((uid, f"stage {self.name!r}: output cannot be sent: {problem}"))
+                continue
+            kept.append(uid)
+            counts.append(len(value))
+            parts.extend(value)
+        if not kept:
+            return b""
+        chunk = from_rows(parts) if parts else {VALUE: np.empty(0, dtype=object)}
+        message = frames.pack(frames.ITEMS, [], chunk, flags=flags, arena=self.arena)
+        return frames.splice(message, frames.FANOUT, kept + counts)
+
+    def _unsendable_rows(self, chunk: Columns) -> dict[int, str]:
+        """The rows (by index) whose values cannot be pickled, and why."""
+        bad: dict[int, str] = {}
+        for column in chunk.values():
+            if column.dtype != object:
+                continue
+            for i, value in enumerate(column):
+                problem = frames.unsendable([value])
+                if problem and i not in bad:
+                    bad[i] = f"stage {self.name!r}: output cannot be sent: {problem}"
+        return bad
+
+    def _isolate(
+        self, uids: np.ndarray, batch: Columns
+    ) -> tuple[list[tuple[np.ndarray, Any]], list[tuple[int, str]]]:
+        """Run a batch; if it raises, bisect it so that only the failing rows fail. Returns
+        the outputs of the parts that went through, and the rows that did not."""
+        try:
+            if self.run_rows is not None:
+                out: Any = self.run_rows(to_rows(batch))
+            else:
+                assert self.run_batch is not None
+                out = self.run_batch(batch)
+        except Exception as e:  # noqa: BLE001 - user code: any failure fails only its rows
+            if len(uids) == 1:
+                return [], [(int(uids[0]), f"stage {self.name!r}: {_describe(e)}")]
+        else:
+            return [(uids, out)], []
+        mid = len(uids) // 2
+        left = self._isolate(uids[:mid], take(batch, slice(0, mid)))
+        right = self._isolate(uids[mid:], take(batch, slice(mid, None)))
+        return left[0] + right[0], left[1] + right[1]
+
+    def _check_memory(self) -> None:
+        # Stopping, we exit after what we hold anyway: a replacement now would only be one
+        # more process to start (and load a model) while the pipeline shuts down.
+        if self.memory_limit is None or self.recycling or self.stopping:
+            return
+        import psutil
+
+        if psutil.Process().memory_info().rss > self.memory_limit:
+            # Between batches, nothing half done: ask the router to stop feeding us, finish
+            # what we hold, and exit; the router starts a fresh process in our place.
+            self.recycling = True
+            self._send(frames.pack(frames.RECYCLE))
