@@ -106,15 +106,15 @@ from nats.js.kv import KeyValue
 from ebb.client.demo import feature_table, mlp_onnx
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common import accumulators, envvars, failpoints, schema
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, connect
+from ebb.common import envvars, failpoints, schema
+from ebb.common.data.layout import COMMITS_DIR, MANIFEST, TIERS_DIR
+from ebb.common.data.layout import METRICS as METRICS_FILE
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.layout import COMMITS_DIR, MANIFEST, TIERS_DIR
-from ebb.common.layout import METRICS as METRICS_FILE
-from ebb.common.messages import JobStatus
-from ebb.common.spec import FaultPolicy, parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.job import FaultPolicy, accumulators, parse_job
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff, connect
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.table.records import ShardRecord, shard_key
 
 from . import docblock, lost_worker, slowfs, soak

@@ -19,9 +19,9 @@ import psutil
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common.layout import COMMITS_DIR
-from ebb.common.messages import JobStatus
-from ebb.common.spec import JobSpec
+from ebb.common.data.layout import COMMITS_DIR
+from ebb.common.job import JobSpec
+from ebb.common.messaging.messages import JobStatus
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

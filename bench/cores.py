@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ebb.common.spec import InputSpec, parse_job
+from ebb.common.job import InputSpec, parse_job
 from ebb.shard_master.planning.planner import plan_shards
 from ebb.worker.pipeline.router import ROUTER_THREAD
 from ebb.worker.shardio.reader import ShardReader

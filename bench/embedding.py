@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
 
 from .common import (
     BENCH_DIR,

@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 import pyarrow.parquet as pq
 
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
 
 from . import workloads
 from .common import (

@@ -52,8 +52,8 @@ import pyarrow.parquet as pq
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.messages import JobStatus
-from ebb.common.spec import FaultPolicy, parse_job
+from ebb.common.job import FaultPolicy, parse_job
+from ebb.common.messaging.messages import JobStatus
 
 from .common import REPO, machine, median, table
 from .docblock import DocBlock

@@ -42,14 +42,14 @@ import pyarrow.parquet as pq
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common import bus
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
+from ebb.common.data.layout import OutputFile
+from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.errors import RemoteError
-from ebb.common.layout import OutputFile
-from ebb.common.messages import LeaseReply
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging import bus
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import LeaseReply
 from ebb.shard_master.planning.sizing import fleet_shard_rows
 from ebb.shard_master.service import MasterConfig
 

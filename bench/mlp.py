@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ebb.client.demo import CLASSES, FEATURES, feature_table
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
 
 from .common import (
     BENCH_DIR,

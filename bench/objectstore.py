@@ -32,8 +32,8 @@ import pyarrow.parquet as pq
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import envvars
-from ebb.common.messages import ShardSpec
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import ShardSpec
 from ebb.worker.modelets.fetch import Fetch
 from ebb.worker.shardio.reader import read_shard
 from tests.objectstore import FaultyProxy, MotoS3, create_bucket, environment, s3, s3_environment

@@ -53,8 +53,8 @@ import pyarrow.parquet as pq
 
 from ebb.client.demo import mlp_onnx
 from ebb.client.sdk import EbbClient
-from ebb.common.layout import MANIFEST
-from ebb.common.spec import parse_job
+from ebb.common.data.layout import MANIFEST
+from ebb.common.job import parse_job
 from ebb.worker.pipeline.router import ROUTER_THREAD
 
 from .common import Context, PeriodicSampler, Section, ebb_stack, median, run_job, spread, table

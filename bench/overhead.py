@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
 from .common import BENCH_DIR, Context, Rate, Section, interleaved_rates, median, spread, table

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ebb.common.spec import InputSpec
+from ebb.common.job import InputSpec
 from ebb.shard_master.planning.planner import plan_shards
 from ebb.worker.shardio.reader import ShardReader
 

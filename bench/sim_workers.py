@@ -25,12 +25,12 @@ import math
 from dataclasses import dataclass, field
 
 from ebb.common import envvars
-from ebb.common.api import MasterClient
+from ebb.common.data.layout import CommitRecord, OutputFile, attempt_dir, tier_root
+from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.errors import RemoteError
-from ebb.common.layout import CommitRecord, OutputFile, attempt_dir, tier_root
-from ebb.common.messages import LeaseReply
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec
+from ebb.common.job import JobSpec
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.messages import LeaseReply
 from ebb.controller.kube.backend import APP, APP_LABEL
 from ebb.controller.kube.podspec import TIER_LABEL
 from ebb.worker.service import WorkerConfig

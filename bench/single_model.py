@@ -42,7 +42,7 @@ import onnxruntime as ort
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
 
 from . import workloads
 from .common import (

@@ -23,7 +23,7 @@ import psutil
 import yaml
 
 from ebb.client.demo import write_demo
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
 
 from .common import REPO, Context, ebb_stack, machine, table
 from .docblock import DocBlock

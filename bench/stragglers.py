@@ -49,9 +49,9 @@ import pyarrow.parquet as pq
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import envvars
-from ebb.common.layout import COMMITS_DIR
-from ebb.common.natsconfig import nats_environment
-from ebb.common.spec import parse_job
+from ebb.common.data.layout import COMMITS_DIR
+from ebb.common.job import parse_job
+from ebb.common.messaging.natsconfig import nats_environment
 
 from .common import REPO, Context, Section, median, spread, table
 

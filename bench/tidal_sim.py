@@ -83,11 +83,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ebb.client.sdk import EbbClient
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
-from ebb.common.embedded import EmbeddedNats
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.embedded import EmbeddedNats
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import APP, APP_LABEL, KubeConfig, KubernetesBackend
 from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig

@@ -37,9 +37,9 @@ import pyarrow.parquet as pq
 
 from ebb.client.demo import mlp_onnx
 from ebb.client.sdk import EbbClient
-from ebb.common.layout import MANIFEST
-from ebb.common.messages import JobStatus
-from ebb.common.spec import parse_job
+from ebb.common.data.layout import MANIFEST
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import JobStatus
 
 from .common import Context, Section, ebb_stack, median, spread, table
 

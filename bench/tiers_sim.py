@@ -79,13 +79,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ebb.client.sdk import EbbClient
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
-from ebb.common.embedded import EmbeddedNats
-from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.output import OutputStore
-from ebb.common.spec import parse_job
+from ebb.common.data.output import OutputStore
+from ebb.common.job import parse_job
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.embedded import EmbeddedNats
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import KubeConfig, KubernetesBackend
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig
 from ebb.shard_master.service import MasterConfig, ShardMaster

@@ -1,7 +1,8 @@
 """The job spec reference, generated from the spec's own code so that it cannot drift.
 
-`libs/common/ebb/common/spec.py` declares the job spec as dataclasses, a docstring under each
-field (a stage's metrics are `accumulators.py`'s `MetricSpec`). This module reads those files
+`libs/common/ebb/common/job/` declares the job spec as dataclasses, a docstring under each
+field (`spec.py`, its sections in `sections.py` and `pipeline.py`; a stage's metrics are
+`accumulators.py`'s `MetricSpec`). This module reads those files
 with `ast` (nothing is imported: the docs build needs none of Ebb's dependencies), walks the
 sections from `JobSpec` down (`input`, `pipeline`, `pipeline.stages[]`,
 `pipeline.stages[].metrics.<name>`, ...) and renders each as a table: field, type, default,
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SPEC = Path(__file__).resolve().parent.parent / "libs" / "common" / "ebb" / "common" / "spec.py"
-SOURCES = [SPEC, SPEC.with_name("accumulators.py")]
+JOB = Path(__file__).resolve().parent.parent / "libs" / "common" / "ebb" / "common" / "job"
+SOURCES = [
+    JOB / f"{module}.py" for module in ("spec", "sections", "pipeline", "fields", "accumulators")
+]
 """The modules whose dataclasses make up the spec."""
 MARKER = "<!-- spec-reference -->"
 ROOT = "JobSpec"

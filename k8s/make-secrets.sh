@@ -1,5 +1,5 @@
 #!/bin/sh
-# Makes the NATS keys of a new installation and prints them as Secrets (ebb.common.identity):
+# Makes the NATS keys of a new installation and prints them as Secrets (ebb.common.messaging.identity):
 #   ebb-nats-auth           auth.conf: nats-server's operator and accounts (operator mode)
 #   ebb-nats-master         creds: the shard master's credentials
 #   ebb-nats-controller     creds: the controller's credentials
@@ -12,5 +12,5 @@
 # `create`, not `apply`: running it again makes a new operator and new keys; applied, they
 # would lock out every running pod. Needs Ebb installed (PYTHON: the interpreter that has it).
 set -eu
-exec "${PYTHON:-python3}" -m ebb.common.identity k8s \
+exec "${PYTHON:-python3}" -m ebb.common.messaging.identity k8s \
     --namespace "${NAMESPACE:-ebb}" --prefix "${EBB_PREFIX:-ebb}"

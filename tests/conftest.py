@@ -16,9 +16,9 @@ import psutil
 import pytest
 from nats.aio.client import Client as NATS
 
-from ebb.common import bus
-from ebb.common.embedded import EmbeddedNats
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging import bus
+from ebb.common.messaging.embedded import EmbeddedNats
+from ebb.common.messaging.natsconfig import NatsConfig
 
 ASSETS = Path(__file__).parent / "assets"
 

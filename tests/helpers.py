@@ -18,7 +18,7 @@ import yaml
 
 from ebb.client.demo import feature_table, mlp_onnx
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common.layout import COMMITS_DIR, MANIFEST
+from ebb.common.data.layout import COMMITS_DIR, MANIFEST
 
 ASSETS = Path(__file__).parent / "assets"
 FEATURES = 8

@@ -13,8 +13,8 @@ import dataclasses
 from nats.aio.client import Client as NATS
 
 from ebb.common import schema
-from ebb.common.bus import RequestServer
-from ebb.common.messages import (
+from ebb.common.messaging.bus import RequestServer
+from ebb.common.messaging.messages import (
     TERMINAL_JOB_STATES,
     CancelReply,
     FailRequest,
@@ -26,8 +26,8 @@ from ebb.common.messages import (
     WorkerEndedReply,
     WorkerEndedRequest,
 )
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.subjects import Subjects
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 
 
 class ScriptedMaster:

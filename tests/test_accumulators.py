@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ebb.common.accumulators import (
+from ebb.common.errors import SpecError
+from ebb.common.job.accumulators import (
     LOGLOSS_EPS,
     MetricSpec,
     Partial,
@@ -28,7 +29,6 @@ from ebb.common.accumulators import (
     row_values,
     row_values_named,
 )
-from ebb.common.errors import SpecError
 
 SPECS: dict[str, MetricSpec] = {
     "count": MetricSpec(kind="count", column="x"),

@@ -49,23 +49,31 @@ def _module_imports() -> dict[str, set[str]]:
     import ast
 
     graph: dict[str, set[str]] = {}
-    for root in SOURCE_ROOTS:
-        for path in (ROOT / root).rglob("*.py"):
-            parts = path.relative_to(ROOT / root).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
-            targets: set[str] = set()
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom):
-                    base = node.module or ""
-                    if node.level:
-                        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                        base = ".".join([*anchor, *([base] if base else [])])
-                    targets.add(base)
-                    targets.update(f"{base}.{alias.name}" for alias in node.names)
-                elif isinstance(node, ast.Import):
-                    targets.update(alias.name for alias in node.names)
-            graph[name] = {t for t in targets if t.startswith("ebb.")}
+    paths = {
+        path: path.relative_to(ROOT / root).with_suffix("").parts
+        for root in SOURCE_ROOTS
+        for path in (ROOT / root).rglob("*.py")
+    }
+    modules = {".".join(p[:-1] if p[-1] == "__init__" else p) for p in paths.values()}
+    for path, parts in paths.items():
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                # `from . import x` imports the module x when there is one (the
+                # package is only its way there), the package's name x otherwise.
+                targets.update(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                )
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t.startswith("ebb.")}
     return {
         name: {t for t in targets if t in graph and t != name} for name, targets in graph.items()
     }
@@ -175,8 +183,6 @@ def test_prose_names_modules_by_dotted_paths_that_resolve() -> None:
         text = page.read_text()
         where = str(page.relative_to(ROOT))
         dangling += [f"{where}: {m}" for m in _DOTTED.findall(text) if not _resolves(m)]
-        dangling += [
-            f"{where}: {m}" for m in _REPO_PATH.findall(text) if not (ROOT / m).exists()
-        ]
+        dangling += [f"{where}: {m}" for m in _REPO_PATH.findall(text) if not (ROOT / m).exists()]
     assert bare == [], "\n".join(bare)
     assert dangling == [], "\n".join(dangling)

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ebb.common.layout import OutputFile, attempt_dir
-from ebb.common.messages import ShardSpec, rest_of
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec, parse_job
+from ebb.common.data.layout import OutputFile, attempt_dir
+from ebb.common.data.output import OutputStore, new_commit
+from ebb.common.job import JobSpec, parse_job
+from ebb.common.messaging.messages import ShardSpec, rest_of
 from ebb.worker.attempt import AttemptStopped, run_attempt
 from ebb.worker.pipeline.front import Pipeline, PipelineBroken, PipelineConfig, RowsBack, RunResult
 from ebb.worker.progress import AttemptProgress

@@ -15,13 +15,14 @@ from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
-from ebb.common import auth, bus, envvars, identity
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
+from ebb.common import envvars
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
-from ebb.common.subjects import WORKER_OPS, Subjects, check_worker_id
+from ebb.common.job import parse_job
+from ebb.common.messaging import auth, bus, identity
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import WORKER_OPS, Subjects, check_worker_id
 from ebb.worker.service import default_worker_id
 
 from .helpers import (

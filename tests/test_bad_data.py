@@ -15,7 +15,7 @@ import pytest
 
 from ebb.client.demo import feature_table
 from ebb.client.sdk import EbbClient
-from ebb.common.spec import InputSpec, StageSpec, parse_job
+from ebb.common.job import InputSpec, StageSpec, parse_job
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planning.planner import plan_shards
 from ebb.worker.chunks.columns import VALUE

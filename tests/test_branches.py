@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from ebb.common.errors import SpecError
-from ebb.common.spec import PipelineSpec, StageSpec, parse_job
+from ebb.common.job import PipelineSpec, StageSpec, parse_job
 from ebb.worker.chunks.columns import VALUE
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig, RunResult
 

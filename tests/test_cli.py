@@ -22,9 +22,9 @@ import yaml
 from ebb.client.display import lost_workers, tier_text
 from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder
 from ebb.common import envvars
-from ebb.common.embedded import EmbeddedNats
-from ebb.common.layout import MANIFEST, OWNER
-from ebb.common.messages import JobStatus, TierStatus
+from ebb.common.data.layout import MANIFEST, OWNER
+from ebb.common.messaging.embedded import EmbeddedNats
+from ebb.common.messaging.messages import JobStatus, TierStatus
 
 from .helpers import ASSETS, free_port, job_spec, write_dataset, write_model
 

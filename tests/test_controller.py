@@ -18,12 +18,12 @@ from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
 from ebb.common.errors import RemoteError
-from ebb.common.messages import JobStatus
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.backend import Capacity, WorkerInfo
 from ebb.controller.local.backend import LocalBackend, LocalConfig, machine_cores
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig, plan, share

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 
-from ebb.common.api import MasterClient
+from ebb.common.messaging.api import MasterClient
 from ebb.controller.backend import ClusterBackend, WorkerInfo
 from ebb.controller.policy.capacity import Bin, Demand, allocate, parse_quantity
 from ebb.controller.policy.failures import classify

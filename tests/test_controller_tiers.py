@@ -21,11 +21,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from ebb.common import envvars
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
-from ebb.common.messages import JobStatus, TierStatus
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.subjects import WORKER_ID_RE
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import JobStatus, TierStatus
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import WORKER_ID_RE
 from ebb.controller.backend import Capacity, ClusterBackend, WorkerInfo
 from ebb.controller.groups import Group, groups_of, new_worker_id, wanted
 from ebb.controller.kube.podspec import pod_name

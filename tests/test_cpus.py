@@ -11,7 +11,7 @@ import torch
 from ebb.client.stack import StackConfig
 from ebb.common import envvars, host
 from ebb.common.host import cgroup_quota
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.modelets.runtimes import OnnxStage, TorchScriptStage
 from ebb.worker.resources.cpus import (
     blas_environment,

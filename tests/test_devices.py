@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.modelets.api import StageError
 from ebb.worker.modelets.runtimes import TorchScriptStage
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig

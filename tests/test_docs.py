@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from ebb.common import accumulators, spec
+from ebb.common.job import accumulators, fields, pipeline, sections, spec
 
 ROOT = Path(__file__).parent.parent
 
@@ -32,13 +32,15 @@ def _load_generator() -> ModuleType:
 
 
 GEN = _load_generator()
+SPEC_MODULES = (spec, sections, pipeline, fields, accumulators)
+"""The modules whose dataclasses make up the job spec, in the generator's order."""
 
 
 def spec_dataclasses() -> list[type]:
     """Every dataclass the spec's modules define (imported ones aside)."""
     return [
         value
-        for module in (spec, accumulators)
+        for module in SPEC_MODULES
         for value in vars(module).values()
         if isinstance(value, type)
         and dataclasses.is_dataclass(value)
@@ -47,7 +49,7 @@ def spec_dataclasses() -> list[type]:
 
 
 def test_the_generator_reads_what_python_sees() -> None:
-    assert [Path(m.__file__ or "").resolve() for m in (spec, accumulators)] == GEN.SOURCES
+    assert [Path(m.__file__ or "").resolve() for m in SPEC_MODULES] == GEN.SOURCES
     classes, _ = GEN.read_sources()
     assert set(classes) == {cls.__name__ for cls in spec_dataclasses()}
     for cls in spec_dataclasses():

@@ -18,9 +18,9 @@ import pytest
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
 from ebb.common import envvars, failpoints
-from ebb.common.layout import COMMITS_DIR
-from ebb.common.messages import LeaseInfo
-from ebb.common.spec import parse_job
+from ebb.common.data.layout import COMMITS_DIR
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import LeaseInfo
 
 from .helpers import embedded_stack, job_spec, wait_until, write_dataset, write_model
 from .test_e2e import _pid_of as pid_of

@@ -19,12 +19,12 @@ import pytest
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
 from ebb.common import envvars, failpoints
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
+from ebb.common.data.layout import COMMITS_DIR
 from ebb.common.errors import BusError
-from ebb.common.layout import COMMITS_DIR
-from ebb.common.messages import JobStatus
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import JobStatus
 
 from .helpers import (
     committed_files,

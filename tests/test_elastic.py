@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.pipeline.elastic import ElasticScheduler, ElasticSettings, StageLoad
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ebb.common import envvars
-from ebb.common.natsconfig import NatsConfig, nats_config_from_env, nats_environment
+from ebb.common.messaging.natsconfig import NatsConfig, nats_config_from_env, nats_environment
 
 
 def test_nats_settings_survive_the_environment_of_a_child() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ebb.common import bus
 from ebb.common.errors import ERROR_KINDS, ErrorCode, ErrorKind, RemoteError
-from ebb.common.messages import RenewReply
+from ebb.common.messaging import bus
+from ebb.common.messaging.messages import RenewReply
 
 
 def test_every_code_has_a_kind() -> None:

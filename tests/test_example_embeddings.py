@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.modelets.runtimes import TorchScriptStage
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "embeddings"

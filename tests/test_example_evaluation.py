@@ -16,9 +16,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from ebb.common import accumulators
-from ebb.common.layout import MANIFEST, METRICS
-from ebb.common.spec import load_job_file
+from ebb.common.data.layout import MANIFEST, METRICS
+from ebb.common.job import accumulators, load_job_file
 
 from .test_cli import ebb, runs, said
 

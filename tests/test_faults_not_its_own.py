@@ -16,8 +16,8 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
-from ebb.common.messages import JobStatus
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import JobStatus
 
 from .helpers import embedded_stack, job_spec, read_output, write_dataset, write_model
 

@@ -16,10 +16,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ebb.client.sdk import EbbClient
-from ebb.common import messages, schema
-from ebb.common.api import MasterClient
+from ebb.common import schema
 from ebb.common.errors import SchemaError, SpecError
-from ebb.common.messages import (
+from ebb.common.job import JobSpec, parse_job
+from ebb.common.messaging import messages
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.messages import (
     CancelRequest,
     CommitRequest,
     FailRequest,
@@ -29,9 +31,8 @@ from ebb.common.messages import (
     ResumeRequest,
     StatusRequest,
 )
+from ebb.common.messaging.subjects import WORKER_OPS, Subjects
 from ebb.common.schema import Message
-from ebb.common.spec import JobSpec, parse_job
-from ebb.common.subjects import WORKER_OPS, Subjects
 
 from . import test_master as _master_tests
 from .test_master import make_job

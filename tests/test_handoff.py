@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ebb.common.layout import attempt_dir
-from ebb.common.messages import HandoffPart, ShardSpec
-from ebb.common.output import OutputStore
-from ebb.common.spec import OutputSpec
+from ebb.common.data.layout import attempt_dir
+from ebb.common.data.output import OutputStore
+from ebb.common.job import OutputSpec
+from ebb.common.messaging.messages import HandoffPart, ShardSpec
 from ebb.worker.chunks.columns import VALUE, from_arrow, take_rows
 from ebb.worker.shardio import handoff
 from ebb.worker.shardio.reader import ShardReader

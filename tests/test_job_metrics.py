@@ -19,9 +19,8 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
-from ebb.common import accumulators
-from ebb.common.layout import METRICS
-from ebb.common.spec import JobSpec, parse_job
+from ebb.common.data.layout import METRICS
+from ebb.common.job import JobSpec, accumulators, parse_job
 
 from .helpers import embedded_stack, job_spec, read_output, wait_until, write_dataset, write_model
 from .test_e2e import _pid_of, assert_exactly_once

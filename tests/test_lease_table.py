@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from ebb.common.layout import CommitRecord, OutputFile, attempt_dir
-from ebb.common.messages import JobEvent, JobState, LeaseReply, ShardState, StatusRequest
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec, parse_job
+from ebb.common.data.layout import CommitRecord, OutputFile, attempt_dir
+from ebb.common.data.output import OutputStore, new_commit
+from ebb.common.job import JobSpec, parse_job
+from ebb.common.messaging.messages import JobEvent, JobState, LeaseReply, ShardState, StatusRequest
 from ebb.shard_master.errors import (
     Deposed,
     IllegalTransition,

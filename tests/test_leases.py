@@ -8,7 +8,7 @@ import pytest
 
 from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.lifecycle import IllegalTransition
-from ebb.common.messages import LeaseReply, RenewReply, ShardSpec
+from ebb.common.messaging.messages import LeaseReply, RenewReply, ShardSpec
 from ebb.worker.leases import (
     TRANSITIONS,
     ActiveLease,

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.chunks import frames
 from ebb.worker.chunks.columns import VALUE, Columns
 from ebb.worker.chunks.segments import SegmentLedger

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ebb.common.messages import ShardSpec
-from ebb.common.output import OutputStore
+from ebb.common.data.output import OutputStore
+from ebb.common.messaging.messages import ShardSpec
 from ebb.shard_master.errors import Deposed, StateUnsure, TableCorrupt
 from ebb.shard_master.table.finish import in_input_order
 from ebb.shard_master.table.records import ShardRecord, shard_key

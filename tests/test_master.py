@@ -18,17 +18,18 @@ from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
-from ebb.common import provision, schema
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
-from ebb.common.embedded import EmbeddedNats
+from ebb.common import schema
+from ebb.common.data.layout import OWNER, OutputFile, OutputOwner, attempt_dir
+from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.errors import RemoteError
-from ebb.common.layout import OWNER, OutputFile, OutputOwner, attempt_dir
-from ebb.common.messages import ErrorReply, LeaseReply, LeaseRequest, ResumeRequest
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec, parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.job import JobSpec, parse_job
+from ebb.common.messaging import provision
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.embedded import EmbeddedNats
+from ebb.common.messaging.messages import ErrorReply, LeaseReply, LeaseRequest, ResumeRequest
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.election import KEY, Leadership
 from ebb.shard_master.errors import Deposed
 from ebb.shard_master.service import MasterConfig, ShardMaster

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from ebb.common.layout import TIERS_DIR, OutputFile, attempt_dir, tier_root
-from ebb.common.messages import LeaseReply, StatusRequest
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec, parse_job
+from ebb.common.data.layout import TIERS_DIR, OutputFile, attempt_dir, tier_root
+from ebb.common.data.output import OutputStore, new_commit
+from ebb.common.job import JobSpec, parse_job
+from ebb.common.messaging.messages import LeaseReply, StatusRequest
 from ebb.shard_master.errors import BadRequest, OutputTaken
 from ebb.shard_master.table.lease_table import LeaseTable
 from ebb.shard_master.table.records import shard_key

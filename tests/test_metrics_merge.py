@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ebb.common import accumulators
-from ebb.common.layout import METRICS
-from ebb.common.messages import LeaseReply
-from ebb.common.spec import JobSpec, parse_job
+from ebb.common.data.layout import METRICS
+from ebb.common.job import JobSpec, accumulators, parse_job
+from ebb.common.messaging.messages import LeaseReply
 from ebb.shard_master.table.records import shard_key
 
 from .helpers import job_spec, write_dataset

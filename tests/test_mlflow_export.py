@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ebb.common.accumulators import MetricSpec, reduce_named, results_named, row_values_named
+from ebb.common.job.accumulators import MetricSpec, reduce_named, results_named, row_values_named
 from ebb.common.mlflow_export import ARTIFACT, MlflowExportError, log_metrics
 
 mlflow = pytest.importorskip("mlflow")

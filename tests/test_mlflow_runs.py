@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ebb.common.bus import Backoff
-from ebb.common.messages import JobStatus, StatusRequest
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import JobStatus, StatusRequest
 from ebb.shard_master.table.lease_table import LeaseTable
 from ebb.shard_master.table.tracking import PENDING, MlflowRuns
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from ebb.common.errors import SpecError
-from ebb.common.spec import ModelSpec, StageSpec, check_roots, load_job_file, parse_job
+from ebb.common.job import ModelSpec, StageSpec, check_roots, load_job_file, parse_job
 from ebb.worker.chunks.columns import from_rows
 from ebb.worker.modelets.multimodel import MultiModelStage, model_stage_spec
 from ebb.worker.modelets.runtimes import OnnxStage, load_runtime

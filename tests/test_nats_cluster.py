@@ -18,12 +18,13 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
-from ebb.common import envvars, provision
-from ebb.common.embedded import find_nats_server
+from ebb.common import envvars
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.job import parse_job
+from ebb.common.messaging import provision
+from ebb.common.messaging.embedded import find_nats_server
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 
 from .helpers import (
     ASSETS,

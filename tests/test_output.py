@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ebb.common.durable import waiting_for_room
-from ebb.common.layout import OWNER, OutputFile, attempt_dir
-from ebb.common.output import OutputStore, new_commit
+from ebb.common.data.durable import waiting_for_room
+from ebb.common.data.layout import OWNER, OutputFile, attempt_dir
+from ebb.common.data.output import OutputStore, new_commit
 
 
 def _record(shard: int, attempt: int) -> object:

@@ -10,9 +10,9 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
+from ebb.common.data.output import OutputStore
 from ebb.common.errors import SpecError
-from ebb.common.output import OutputStore
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
 from ebb.worker.shardio.writer import ERROR_COLUMN, OutputFormat, write_attempt
 
 

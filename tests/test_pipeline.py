@@ -23,7 +23,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from ebb.common import envvars
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.chunks import frames, shm
 from ebb.worker.chunks.columns import VALUE
 from ebb.worker.modelets.runtimes import WARM_UP_FILE, TorchScriptStage, warm_up_extra_files
@@ -643,7 +643,7 @@ def test_a_stage_whose_worker_died_exits_quietly() -> None:
     without a traceback, instead of a BrokenPipeError per message."""
     code = """
 import multiprocessing as mp
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.stage.board import BatchBoard
 from ebb.worker.stage.loop import StageConfig, stage_main
 

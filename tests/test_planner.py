@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ebb.common.messages import ShardSpec
-from ebb.common.spec import InputSpec
+from ebb.common.job import InputSpec
+from ebb.common.messaging.messages import ShardSpec
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planning.planner import list_input_files, plan_input, plan_shards
 from ebb.shard_master.planning.sizing import fleet_shard_rows
@@ -116,7 +116,7 @@ def test_a_shards_memory_does_not_grow_with_its_row_group(tmp_path: Path) -> Non
         assert shard.rows == rows and shard.row_groups == [0]
         peaks.append(
             _peak_rss_mb(
-                "from ebb.common.messages import ShardSpec\n"
+                "from ebb.common.messaging.messages import ShardSpec\n"
                 "from ebb.worker.shardio.reader import ShardReader\n"
                 f"shard = ShardSpec(index=0, path={str(path)!r}, format='parquet', "
                 f"rows={rows}, row_groups=[0])\n"

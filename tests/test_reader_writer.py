@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ebb.common.messages import ShardSpec, rest_of
-from ebb.common.spec import OutputSpec
+from ebb.common.job import OutputSpec
+from ebb.common.messaging.messages import ShardSpec, rest_of
 from ebb.worker.chunks.columns import VALUE, from_arrow, to_arrow
 from ebb.worker.shardio.reader import ShardReadError, read_shard
 from ebb.worker.shardio.writer import ERROR_COLUMN, OutputError, build_output

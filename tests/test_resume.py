@@ -10,8 +10,8 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack
-from ebb.common.layout import COMMITS_DIR
-from ebb.common.spec import parse_job
+from ebb.common.data.layout import COMMITS_DIR
+from ebb.common.job import parse_job
 
 from .helpers import embedded_stack, job_spec, write_dataset, write_model
 from .test_e2e import assert_exactly_once, slow_stages

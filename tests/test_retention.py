@@ -23,11 +23,11 @@ from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
 from ebb.common import schema
-from ebb.common.bus import parse_reply
-from ebb.common.messages import StatusReply, StatusRequest
-from ebb.common.natsconfig import NatsConfig, nats_environment
-from ebb.common.spec import parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.job import parse_job
+from ebb.common.messaging.bus import parse_reply
+from ebb.common.messaging.messages import StatusReply, StatusRequest
+from ebb.common.messaging.natsconfig import NatsConfig, nats_environment
+from ebb.common.messaging.subjects import Subjects
 
 from .helpers import ASSETS, free_port, job_spec, wait_until, write_dataset, write_model
 

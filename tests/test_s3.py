@@ -22,11 +22,11 @@ import pytest
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import envvars
-from ebb.common.layout import COMMITS_DIR, MANIFEST, OutputFile
-from ebb.common.messages import ShardSpec
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import parse_job
-from ebb.common.storage import STORE_RETRIES, RetryPolicy, StoreError, retrying
+from ebb.common.data.layout import COMMITS_DIR, MANIFEST, OutputFile
+from ebb.common.data.output import OutputStore, new_commit
+from ebb.common.data.storage import STORE_RETRIES, RetryPolicy, StoreError, retrying
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import ShardSpec
 from ebb.worker.modelcache.store import fetch_model
 from ebb.worker.shardio.reader import ShardReadError, read_shard
 
@@ -411,7 +411,7 @@ async def test_a_worker_killed_mid_upload_leaves_nothing_the_manifest_lists(
 async def test_a_url_column_is_fetched_with_retries_and_per_item_errors(
     proxy: FaultyProxy, bucket: str
 ) -> None:
-    from ebb.common.spec import StageSpec
+    from ebb.common.job import StageSpec
     from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
     fs = s3(proxy.url)

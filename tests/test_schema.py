@@ -7,7 +7,7 @@ import pytest
 
 from ebb.common import schema
 from ebb.common.errors import SchemaError
-from ebb.common.messages import LeaseReply, LeaseRequest, ShardSpec, StatusReply
+from ebb.common.messaging.messages import LeaseReply, LeaseRequest, ShardSpec, StatusReply
 
 
 def test_round_trip_keeps_every_field() -> None:

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from ebb.common.accumulators import MetricSpec
 from ebb.common.errors import SpecError
-from ebb.common.spec import JobSpec, TrackingSpec, check_roots, load_job_file, parse_job
+from ebb.common.job import JobSpec, TrackingSpec, check_roots, load_job_file, parse_job
+from ebb.common.job.accumulators import MetricSpec
 
 
 def minimal(**overrides: Any) -> dict[str, Any]:

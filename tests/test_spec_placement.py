@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from ebb.common.errors import SpecError
-from ebb.common.placement import asked_pool
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.job.placement import asked_pool
 
 
 def minimal(**overrides: Any) -> dict[str, Any]:

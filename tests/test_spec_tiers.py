@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ebb.common.errors import SpecError
-from ebb.common.spec import JobSpec, PipelineSpec, ResourceSpec, TierSpec, parse_job
+from ebb.common.job import JobSpec, PipelineSpec, ResourceSpec, TierSpec, parse_job
 
 DOCS = Path(__file__).parent.parent / "docs"
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from ebb.common.layout import OutputFile, attempt_dir
-from ebb.common.messages import LeaseReply, ShardSpec
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec
+from ebb.common.data.layout import OutputFile, attempt_dir
+from ebb.common.data.output import OutputStore, new_commit
+from ebb.common.job import JobSpec
+from ebb.common.messaging.messages import LeaseReply, ShardSpec
 from ebb.shard_master.errors import StateUnsure
 from ebb.shard_master.table.finish import in_input_order
 from ebb.shard_master.table.jobs import Job

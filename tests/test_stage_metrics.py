@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ebb.common.accumulators import MetricSpec
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
+from ebb.common.job.accumulators import MetricSpec
 from ebb.worker.chunks.columns import VALUE
 
 from .test_branches import run

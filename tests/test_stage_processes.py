@@ -8,8 +8,8 @@ from collections import deque
 import numpy as np
 import pytest
 
+from ebb.common.job import StageSpec
 from ebb.common.lifecycle import IllegalTransition
-from ebb.common.spec import StageSpec
 from ebb.worker.chunks import frames
 from ebb.worker.chunks.segments import SegmentLedger
 from ebb.worker.chunks.shm import Arena

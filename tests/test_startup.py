@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ebb.common import metrics
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.shard_master.service import MasterConfig, ShardMaster
 
 from .helpers import wait_until

@@ -7,9 +7,9 @@ import asyncio
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig
 
-from ebb.common import provision
-from ebb.common.messages import ShardSpec
-from ebb.common.subjects import Subjects
+from ebb.common.messaging import provision
+from ebb.common.messaging.messages import ShardSpec
+from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.kv import Store, _snapshot
 from ebb.shard_master.table.records import JobRecord, ShardRecord
 

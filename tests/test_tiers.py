@@ -19,11 +19,11 @@ from ebb.client import EbbClient
 from ebb.client.sdk import SubmitError
 from ebb.client.stack import LocalStack
 from ebb.common import envvars, failpoints, schema
-from ebb.common.bus import connect
-from ebb.common.layout import TIERS_DIR
-from ebb.common.messages import JobStatus
-from ebb.common.spec import parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.data.layout import TIERS_DIR
+from ebb.common.job import parse_job
+from ebb.common.messaging.bus import connect
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.table.records import ShardRecord
 
 from .helpers import embedded_stack, job_spec, read_output, wait_until, write_dataset, write_model

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ebb.common.messages import ShardSpec, ShardState
+from ebb.common.messaging.messages import ShardSpec, ShardState
 from ebb.shard_master.errors import IllegalTransition
 from ebb.shard_master.table.records import LeaseRecord, ShardRecord
 from ebb.shard_master.table.transitions import (

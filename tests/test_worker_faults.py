@@ -17,10 +17,10 @@ import pytest
 
 from ebb.client.sdk import EbbClient
 from ebb.common import envvars, schema
-from ebb.common.natsconfig import NatsConfig, nats_environment
+from ebb.common.job import JobSpec, parse_job
+from ebb.common.messaging.natsconfig import NatsConfig, nats_environment
+from ebb.common.messaging.subjects import Subjects
 from ebb.common.runner import EXIT_OK, EXIT_SETUP
-from ebb.common.spec import JobSpec, parse_job
-from ebb.common.subjects import Subjects
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.table.records import ShardRecord, shard_key
 
@@ -214,7 +214,7 @@ async def test_a_worker_tells_the_master_its_pipeline_is_ready_at_once(
 
 _HUNG_PIPELINE = """
 import asyncio, sys
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
 async def main():

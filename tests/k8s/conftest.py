@@ -15,7 +15,7 @@ from kubernetes_asyncio.client import ApiClient
 from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.shard_master.service import MasterConfig
 from tests.helpers import ASSETS
 from tests.k8s.fake_apiserver import FakeKubeAPI

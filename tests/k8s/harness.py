@@ -12,11 +12,11 @@ from kubernetes_asyncio.client import ApiClient
 from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
-from ebb.common.identity import WorkerSigner
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.identity import WorkerSigner
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import APP_LABEL, JOB_LABEL, KubeConfig, KubernetesBackend
 from ebb.controller.policy.tidal import LABEL as TIDAL
 from ebb.controller.reconcile import Reconciler, ReconcilerConfig

@@ -26,8 +26,8 @@ import pytest
 from prometheus_client import start_http_server
 
 from ebb.client.sdk import EbbClient
-from ebb.common.natsconfig import NatsConfig, nats_environment
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.natsconfig import NatsConfig, nats_environment
 from ebb.controller.kube.backend import KubeConfig, KubernetesBackend
 from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.service import Controller, ControllerConfig

@@ -17,10 +17,11 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
-from ebb.common import envvars, identity
-from ebb.common.api import MasterClient
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
+from ebb.common import envvars
+from ebb.common.job import parse_job
+from ebb.common.messaging import identity
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.__main__ import worker_signer
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube.backend import (

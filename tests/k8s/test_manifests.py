@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from ebb.common import auth, bus, identity, schema
-from ebb.common.embedded import EmbeddedNats, find_nats_server
+from ebb.common import schema
 from ebb.common.errors import BusError
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging import auth, bus, identity
+from ebb.common.messaging.embedded import EmbeddedNats, find_nats_server
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import KubeConfig
 
 from .manifests import K8S, Obj, find, kustomization, objects

@@ -18,9 +18,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from ebb.client.sdk import EbbClient
-from ebb.common.messages import JobStatus, TierStatus
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import JobStatus, TierStatus
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import KubeConfig
 from ebb.controller.kube.podspec import TIER_LABEL, pod_placement
 from ebb.controller.policy.pools import PoolPolicy

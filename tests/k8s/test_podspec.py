@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ebb.common import schema
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import KubeConfig
 from ebb.controller.kube.podspec import credentials_secret_name, pod_name, worker_pod
 from ebb.controller.kube.views import NodeView, PodView

@@ -20,10 +20,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ebb.common import auth, bus, identity, provision
-from ebb.common.embedded import find_nats_server
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.subjects import Subjects
+from ebb.common.messaging import auth, bus, identity, provision
+from ebb.common.messaging.embedded import find_nats_server
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 from tests.helpers import free_port, wait_until
 
 from .manifests import PROD, Obj, find, objects

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ebb.client.sdk import EbbClient
-from ebb.common import identity
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging import identity
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube.backend import JOB_LABEL, KubeConfig, KubernetesBackend, from_cluster
 from ebb.controller.kube.podspec import credentials_secret_name

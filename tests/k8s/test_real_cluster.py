@@ -21,8 +21,8 @@ from kubernetes_asyncio import config as kube_config
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ebb.common.messages import JobStatus
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube.backend import KubeConfig, KubernetesBackend, pod_name
 from tests.helpers import wait_until

@@ -17,9 +17,9 @@ from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
 from ebb.common import envvars
-from ebb.common.messages import JobStatus, TierStatus
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import parse_job
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import JobStatus, TierStatus
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import KubeConfig
 from ebb.controller.kube.placement import Placement, tolerated
 from ebb.controller.kube.podspec import TIER_LABEL, pod_placement, worker_pod

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ebb.common import identity
+from ebb.common.messaging import identity
 from ebb.controller.kube.podspec import credentials_secret
 
 from .manifests import BASE, K8S, OVERLAYS, render

@@ -10,8 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ebb.common.messages import JobStatus, TierStatus
-from ebb.common.spec import JobSpec
+from ebb.common.job import JobSpec
+from ebb.common.messaging.messages import JobStatus, TierStatus
 
 # Piped output (scripts, CI logs) gets wide lines rather than tables wrapped at 80 columns.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)

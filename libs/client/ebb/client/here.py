@@ -13,11 +13,11 @@ from pathlib import Path
 
 from ebb.common import envvars, host
 from ebb.common.aio import until
+from ebb.common.data.output import OutputStore
 from ebb.common.errors import EbbError, ErrorCode, RemoteError, SpecError
-from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
-from ebb.common.output import OutputStore
+from ebb.common.job import JobSpec, check_roots, load_job_file
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
-from ebb.common.spec import JobSpec, check_roots, load_job_file
 
 from .display import ProgressView, console, out, summarize
 from .runs import RUNS_KEPT, RunFolder, runs_home

@@ -13,10 +13,10 @@ from rich.table import Table
 
 from ebb.common import envvars
 from ebb.common.errors import EbbError
-from ebb.common.messages import JobStatus
-from ebb.common.natsconfig import NatsConfig, nats_config_from_env
+from ebb.common.job import load_job_file
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig, nats_config_from_env
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
-from ebb.common.spec import load_job_file
 
 from .display import ProgressView, lost_workers, metric_text, out, summarize, tier_text
 from .sdk import EbbClient, SubmitPending

@@ -17,12 +17,14 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from ebb.common import bus, schema
+from ebb.common import schema
 from ebb.common.aio import wait_any
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SchemaError
-from ebb.common.messages import (
+from ebb.common.job import JobSpec
+from ebb.common.messaging import bus
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import (
     TERMINAL_JOB_STATES,
     CancelReply,
     JobEvent,
@@ -30,9 +32,8 @@ from ebb.common.messages import (
     ResumeReply,
     StatusReply,
 )
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.spec import JobSpec
-from ebb.common.subjects import Subjects
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 
 
 class SubmitError(EbbError):

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ebb.common import auth, envvars, host, identity
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff, connect
-from ebb.common.embedded import EmbeddedNats
+from ebb.common import envvars, host
 from ebb.common.errors import BusError, EbbError, RemoteError
-from ebb.common.natsconfig import NatsConfig, nats_environment
+from ebb.common.messaging import auth, identity
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff, connect
+from ebb.common.messaging.embedded import EmbeddedNats
+from ebb.common.messaging.natsconfig import NatsConfig, nats_environment
 from ebb.common.runner import GRACE_S
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,8 @@ class StackConfig:
     prefix: str = "ebb"
     auth: bool = True
     """Each service and client connects with a NATS identity of its own, with only the
-    permissions its role needs (ebb.common.auth), and each worker with one minted for it
-    alone (ebb.common.identity); keys are new at every start."""
+    permissions its role needs (ebb.common.messaging.auth), and each worker with one minted for it
+    alone (ebb.common.messaging.identity); keys are new at every start."""
     log_level: str = "INFO"
     worker_grace_s: float = GRACE_S
     start_timeout_s: float = 60.0

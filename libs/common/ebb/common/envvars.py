@@ -27,7 +27,7 @@ WORKER_NATS_USER = "EBB_WORKER_NATS_USER"
 WORKER_NATS_PASSWORD = "EBB_WORKER_NATS_PASSWORD"  # noqa: S105 - a name, not a secret
 WORKER_NATS_SIGNING_KEY = "EBB_WORKER_NATS_SIGNING_KEY"
 """The seed of the account's scoped signing key with which a controller mints one credential
-per worker it starts (ebb.common.identity)."""
+per worker it starts (ebb.common.messaging.identity)."""
 WORKER_NATS_ACCOUNT = "EBB_WORKER_NATS_ACCOUNT"
 """The public key of the account those workers belong to."""
 WORKER_NATS_NAME_PREFIX = "EBB_WORKER_NATS_"
@@ -107,5 +107,5 @@ RUNS_DIR = "EBB_RUNS_DIR"
 
 
 def role_password(role: str) -> str:
-    """The variable that holds the NATS password of a role (`ebb.common.auth`)."""
+    """The variable that holds the NATS password of a role (`ebb.common.messaging.auth`)."""
     return f"EBB_{role.upper()}_PASSWORD"

@@ -20,8 +20,8 @@ import yaml
 from ebb.common import envvars, schema
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common.identity import Key, WorkerSigner
-from ebb.common.natsconfig import add_nats_arguments, nats_config_from_args
+from ebb.common.messaging.identity import Key, WorkerSigner
+from ebb.common.messaging.natsconfig import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, GRACE_S, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
@@ -99,7 +99,7 @@ async def kubernetes_backend(args: argparse.Namespace) -> tuple[ClusterBackend, 
 
 
 def worker_signer() -> WorkerSigner | None:
-    """The key that mints each worker a NATS credential of its own (ebb.common.identity),
+    """The key that mints each worker a NATS credential of its own (ebb.common.messaging.identity),
     if this controller was given one."""
     seed = os.environ.get(envvars.WORKER_NATS_SIGNING_KEY)
     if not seed:
@@ -134,7 +134,7 @@ async def amain(args: argparse.Namespace) -> int:
             )
         signer = worker_signer()
         if signer is not None:
-            # Better still: a credential of its own for each worker (ebb.common.identity).
+            # Better still: a credential of its own for each worker (ebb.common.messaging.identity).
             worker_nats = dataclasses.replace(
                 nats, user=None, password=None, token=None, creds=None, creds_file=None
             )

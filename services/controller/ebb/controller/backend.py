@@ -9,8 +9,8 @@ from typing import Any, Literal, Protocol
 
 from ebb.common import envvars
 from ebb.common.errors import SpecError
-from ebb.common.messages import JobStatus
-from ebb.common.spec import RUNTIME_MODULES, parse_job
+from ebb.common.job import RUNTIME_MODULES, parse_job
+from ebb.common.messaging.messages import JobStatus
 
 from .policy.capacity import Bin, Resources, no_preference
 from .policy.failures import Kind

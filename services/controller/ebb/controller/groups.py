@@ -21,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ebb.common.errors import SpecError
-from ebb.common.messages import JobStatus, TierStatus
-from ebb.common.spec import JobSpec, ResourceSpec, TierSpec, parse_job
+from ebb.common.job import JobSpec, ResourceSpec, TierSpec, parse_job
+from ebb.common.messaging.messages import JobStatus, TierStatus
 
 from .backend import Capacity, WorkerInfo
 from .policy.capacity import Demand, allocate

@@ -23,10 +23,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, ErrorCode, RemoteError
-from ebb.common.messages import TERMINAL_JOB_STATES, JobStatus
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.runner import GRACE_S
 
 from . import metrics

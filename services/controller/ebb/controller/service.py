@@ -17,15 +17,15 @@ from typing import Any
 
 import nats.errors
 
-from ebb.common import bus
 from ebb.common import metrics as metrics_server
 from ebb.common.aio import until, wait_any
-from ebb.common.api import MasterClient
-from ebb.common.bus import Backoff
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging import bus
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.bus import Backoff
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 from ebb.common.runner import GRACE_S
-from ebb.common.subjects import Subjects
 from ebb.common.supervisor import Supervisor
 
 from . import metrics

@@ -10,7 +10,7 @@ import socket
 from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common.natsconfig import add_nats_arguments, nats_config_from_args
+from ebb.common.messaging.natsconfig import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 

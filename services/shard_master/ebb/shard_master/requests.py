@@ -19,10 +19,11 @@ from typing import TypeVar
 
 import nats.errors
 
-from ebb.common import bus, schema
-from ebb.common.bus import RequestServer
+from ebb.common import schema
 from ebb.common.errors import ErrorCode, SchemaError
-from ebb.common.messages import (
+from ebb.common.messaging import bus
+from ebb.common.messaging.bus import RequestServer
+from ebb.common.messaging.messages import (
     CancelRequest,
     CommitRequest,
     FailRequest,
@@ -35,8 +36,8 @@ from ebb.common.messages import (
     StatusRequest,
     WorkerEndedRequest,
 )
+from ebb.common.messaging.subjects import WORKER_ID_RE, WORKER_OPS, Subjects
 from ebb.common.schema import Message
-from ebb.common.subjects import WORKER_ID_RE, WORKER_OPS, Subjects
 
 from . import metrics
 from .errors import BadRequest, Deposed, MasterError

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from ebb.common import bus, provision, schema
 from ebb.common import metrics as metrics_server
+from ebb.common import schema
 from ebb.common.aio import sleep_or_stop, until
-from ebb.common.bus import RequestServer
-from ebb.common.messages import JobEvent
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.subjects import Subjects
+from ebb.common.messaging import bus, provision
+from ebb.common.messaging.bus import RequestServer
+from ebb.common.messaging.messages import JobEvent
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 from ebb.common.supervisor import AgentExited, Supervisor
 
 from . import metrics

@@ -24,8 +24,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from ebb.common import mlflow_export, schema
 from ebb.common.aio import sleep_or_stop
 from ebb.common.errors import SchemaError, SpecError
-from ebb.common.spec import JOB_ID_RE, JobSpec, check_roots, parse_job
-from ebb.common.subjects import Subjects
+from ebb.common.job import JOB_ID_RE, JobSpec, check_roots, parse_job
+from ebb.common.messaging.subjects import Subjects
 
 from . import metrics
 from .errors import Deposed, PlanningError

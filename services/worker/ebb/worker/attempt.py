@@ -22,11 +22,11 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from ebb.common import accumulators, failpoints
-from ebb.common.layout import CommitRecord, OutputFile
-from ebb.common.messages import ShardSpec
-from ebb.common.output import OutputStore, new_commit
-from ebb.common.spec import JobSpec
+from ebb.common import failpoints
+from ebb.common.data.layout import CommitRecord, OutputFile
+from ebb.common.data.output import OutputStore, new_commit
+from ebb.common.job import JobSpec, accumulators
+from ebb.common.messaging.messages import ShardSpec
 
 from . import metrics
 from .chunks.columns import scatter, take_rows

@@ -12,9 +12,9 @@ import os
 from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
-from ebb.common.natsconfig import add_nats_arguments, nats_config_from_args
+from ebb.common.messaging.natsconfig import add_nats_arguments, nats_config_from_args
+from ebb.common.messaging.subjects import check_worker_id
 from ebb.common.runner import EXIT_FAILED, GRACE_S, run
-from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .service import Worker, WorkerConfig, default_worker_id

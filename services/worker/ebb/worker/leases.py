@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from ebb.common import lifecycle
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.messages import LeaseReply, RenewReply, ShardSpec
+from ebb.common.messaging.messages import LeaseReply, RenewReply, ShardSpec
 
 from . import metrics
 from .progress import AttemptProgress
@@ -115,7 +115,7 @@ class ActiveLease:
 
 
 class Renews(Protocol):
-    """Whoever renews a lease: the master, through `ebb.common.api.MasterClient`."""
+    """Whoever renews a lease: the master, through `ebb.common.messaging.api.MasterClient`."""
 
     async def renew(
         self,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ebb.common.api import MasterClient
+from ebb.common.data.layout import CommitRecord
 from ebb.common.errors import BusError, RemoteError
-from ebb.common.layout import CommitRecord
+from ebb.common.messaging.api import MasterClient
 
 from .leases import ActiveLease
 

@@ -37,17 +37,17 @@ from dataclasses import dataclass, field
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from ebb.common import auth, bus
 from ebb.common import metrics as metrics_server
 from ebb.common.aio import sleep_or_stop, until
-from ebb.common.api import MasterClient
+from ebb.common.data.output import OutputStore
 from ebb.common.errors import BusError, ErrorCode, RemoteError, SpecError
-from ebb.common.messages import TERMINAL_JOB_STATES, LeaseReply
-from ebb.common.natsconfig import NatsConfig
-from ebb.common.output import OutputStore
+from ebb.common.job import parse_job
+from ebb.common.messaging import auth, bus
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, LeaseReply
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import check_worker_id
 from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP, GRACE_S
-from ebb.common.spec import parse_job
-from ebb.common.subjects import check_worker_id
 from ebb.common.supervisor import Supervisor
 
 from . import metrics
@@ -120,7 +120,7 @@ class Worker:
     async def run(self) -> int:
         try:
             # Replies come to an inbox of this worker's own: with a credential of its own
-            # (ebb.common.auth), no other worker may listen there.
+            # (ebb.common.messaging.auth), no other worker may listen there.
             own_inbox = auth.worker_inbox(self.config.nats.prefix, self.config.id)
             nc = await bus.connect(
                 dataclasses.replace(self.config.nats, inbox_prefix=own_inbox),

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from ebb.common.accumulators import MetricSpec
 from ebb.common.aio import until
-from ebb.common.api import MasterClient
-from ebb.common.spec import JobSpec
+from ebb.common.job import JobSpec
+from ebb.common.job.accumulators import MetricSpec
+from ebb.common.messaging.api import MasterClient
 
 from . import metrics
 from .leases import LeaseKeeper

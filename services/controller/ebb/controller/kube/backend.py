@@ -26,8 +26,8 @@ from typing import Any
 from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ebb.common.identity import WorkerSigner
-from ebb.common.messages import JobStatus
+from ebb.common.messaging.identity import WorkerSigner
+from ebb.common.messaging.messages import JobStatus
 
 from .. import metrics
 from ..backend import Capacity, Phase, WorkerInfo, job_environment

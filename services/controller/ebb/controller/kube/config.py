@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ebb.common.natsconfig import NatsConfig
+from ebb.common.messaging.natsconfig import NatsConfig
 
 from ..policy.pools import PoolPolicy
 from ..policy.tidal import TidalConfig

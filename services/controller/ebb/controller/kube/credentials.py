@@ -1,8 +1,8 @@
 """Each worker pod's NATS credential, issued in a Secret of its own.
 
 With a `WorkerSigner`, every worker pod mounts a Secret holding a credential minted for that
-worker alone (ebb.common.identity). The pod is created first, then its Secret, owned by the
-pod (the uid is only known once the pod exists), so that Kubernetes deletes it with the pod;
+worker alone (ebb.common.messaging.identity). The pod is created first, then its Secret, owned by
+the pod (the uid is only known once the pod exists), so that Kubernetes deletes it with the pod;
 the kubelet keeps the container waiting until the Secret is there. A controller that dies
 between the two steps, or a create that failed, is repaired on a later pass: a pending pod
 of ours whose Secret we have not created gets one (a 409 means it exists). The controller
@@ -16,7 +16,7 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ebb.common.identity import WorkerSigner
+from ebb.common.messaging.identity import WorkerSigner
 
 from .informer import Obj
 from .podspec import credentials_secret, mounted_credentials

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ebb.common.bus import Backoff
+from ebb.common.messaging.bus import Backoff
 
 from .. import metrics
 

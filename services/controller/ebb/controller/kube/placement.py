@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ebb.common.placement import PoolMode
+from ebb.common.job.placement import PoolMode
 
 from ..policy.capacity import Resources, fits
 from ..policy.pools import allows

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 
-from ebb.common.messages import JobStatus
-from ebb.common.placement import PoolMode
+from ebb.common.job.placement import PoolMode
+from ebb.common.messaging.messages import JobStatus
 
 from ..groups import groups_of, job_spec, tier_resources
 from ..policy.capacity import Bin, Resources

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ebb.common import envvars
-from ebb.common.placement import PoolMode
-from ebb.common.spec import JobSpec
+from ebb.common.job import JobSpec
+from ebb.common.job.placement import PoolMode
 
 from ..policy.capacity import Resources
 from ..policy.pools import MIXED, OFFLINE, preferred

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ebb.common import envvars, host
-from ebb.common.identity import WorkerSigner
-from ebb.common.messages import JobStatus
-from ebb.common.natsconfig import NatsConfig, nats_environment
+from ebb.common.messaging.identity import WorkerSigner
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig, nats_environment
 from ebb.common.runner import GRACE_S
 
 from ..backend import THIS_MACHINE, Capacity, Phase, WorkerInfo, job_environment
@@ -71,8 +71,8 @@ class LocalConfig:
     worker_nats: NatsConfig | None = None
     """How workers connect, with their own credentials; None: as the controller does."""
     worker_signer: WorkerSigner | None = None
-    """Mints each worker a credential of its own (ebb.common.identity), used instead of any
-    in `worker_nats`: no worker can then act in another's name."""
+    """Mints each worker a credential of its own (ebb.common.messaging.identity), used instead of
+    any in `worker_nats`: no worker can then act in another's name."""
     worker_grace_s: float = GRACE_S
     """Between a worker's SIGTERM and its SIGKILL (the reconciler's and the controller's
     grace). A worker is told 5 s less as its own (`EBB_SHUTDOWN_GRACE_S`, unless set), as a

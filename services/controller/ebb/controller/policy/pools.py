@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ebb.common.placement import PoolMode, asked_pool
+from ebb.common.job.placement import PoolMode, asked_pool
 
 from .capacity import Bin
 

@@ -37,10 +37,10 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from ebb.common.csvrows import row_ends
-from ebb.common.messages import ShardSpec
-from ebb.common.spec import FORMAT_SUFFIXES, InputFormat, InputSpec
-from ebb.common.storage import StoreError, retrying
+from ebb.common.data.csvrows import row_ends
+from ebb.common.data.storage import StoreError, retrying
+from ebb.common.job import FORMAT_SUFFIXES, InputFormat, InputSpec
+from ebb.common.messaging.messages import ShardSpec
 
 from ..errors import PlanningError
 from .sizing import fleet_shard_rows, pack

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ebb.common.messages import ShardSpec
+from ebb.common.messaging.messages import ShardSpec
 
 AUTO_MIN_ROWS = 1_000
 """Fewest rows of a shard sized for the fleet: below, a shard costs the master more than its

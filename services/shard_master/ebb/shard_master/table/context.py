@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ebb.common.messages import JobEvent
-from ebb.common.output import OutputStore
+from ebb.common.data.output import OutputStore
+from ebb.common.messaging.messages import JobEvent
 
 from .. import metrics
 from ..errors import JobNotFound

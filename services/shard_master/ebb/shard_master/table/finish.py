@@ -6,8 +6,8 @@ import asyncio
 import logging
 
 from ebb.common import schema
-from ebb.common.layout import MANIFEST, TIERS_DIR, Manifest, ManifestFile, QuarantinedShard
-from ebb.common.output import OutputStore
+from ebb.common.data.layout import MANIFEST, TIERS_DIR, Manifest, ManifestFile, QuarantinedShard
+from ebb.common.data.output import OutputStore
 
 from ..errors import TableCorrupt
 from . import jobmetrics

@@ -15,10 +15,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
-from ebb.common.layout import OutputOwner
-from ebb.common.messages import JobEvent
-from ebb.common.output import OutputStore
-from ebb.common.spec import JobSpec
+from ebb.common.data.layout import OutputOwner
+from ebb.common.data.output import OutputStore
+from ebb.common.job import JobSpec
+from ebb.common.messaging.messages import JobEvent
 
 from ..errors import BadRequest, OutputTaken
 from ..planning.planner import plan_input

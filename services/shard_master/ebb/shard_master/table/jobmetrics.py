@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ebb.common import accumulators
+from ebb.common.job import accumulators
 
 from .jobs import Job
 

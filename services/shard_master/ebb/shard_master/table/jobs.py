@@ -14,9 +14,8 @@ import statistics
 from collections import Counter, deque
 from dataclasses import replace
 
-from ebb.common import accumulators
-from ebb.common.messages import TERMINAL_JOB_STATES, JobState, ShardState
-from ebb.common.spec import JobSpec
+from ebb.common.job import JobSpec, accumulators
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobState, ShardState
 
 from .. import metrics
 from ..errors import BadRequest

@@ -32,7 +32,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ebb.common import failpoints
-from ebb.common.messages import (
+from ebb.common.data.output import OutputStore
+from ebb.common.job import parse_job
+from ebb.common.messaging.messages import (
     CommitReply,
     LeaseReply,
     ReleaseReply,
@@ -41,8 +43,6 @@ from ebb.common.messages import (
     StatusReply,
     StatusRequest,
 )
-from ebb.common.output import OutputStore
-from ebb.common.spec import parse_job
 
 from .. import metrics
 from ..errors import (

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from dataclasses import replace
 
-from ebb.common.messages import TERMINAL_JOB_STATES, CancelReply, JobState, ResumeReply
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, CancelReply, JobState, ResumeReply
 
 from ..errors import Deposed, JobNotFound, NotResumable
 from . import jobmetrics

@@ -19,8 +19,8 @@ import logging
 from dataclasses import replace
 
 from ebb.common import failpoints
-from ebb.common.layout import CommitRecord, attempt_dir, tier_root
-from ebb.common.messages import ShardState
+from ebb.common.data.layout import CommitRecord, attempt_dir, tier_root
+from ebb.common.messaging.messages import ShardState
 
 from .. import metrics
 from ..errors import Deposed, ForeignCommit, IllegalTransition, StateUnsure

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ebb.common.layout import OutputOwner
-from ebb.common.spec import JobSpec, differing_fields
+from ebb.common.data.layout import OutputOwner
+from ebb.common.job import JobSpec, differing_fields
 
 FIELDS_NAMED = 6
 """Differing fields a refusal names at most (and how many more there are): a refusal's reason

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ebb.common.messages import WorkerEndedReply
+from ebb.common.messaging.messages import WorkerEndedReply
 
 from .. import metrics
 from .context import TableContext

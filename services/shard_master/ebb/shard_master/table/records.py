@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from ebb.common import schema
-from ebb.common.layout import OutputFile
-from ebb.common.messages import JobState, ShardSpec, ShardState
-from ebb.common.placement import as_meant_before_pools
+from ebb.common.data.layout import OutputFile
+from ebb.common.job.placement import as_meant_before_pools
+from ebb.common.messaging.messages import JobState, ShardSpec, ShardState
 
 from ..errors import Deposed
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from ebb.common.messages import (
+from ebb.common.messaging.messages import (
     JobEvent,
     JobStatus,
     LeaseInfo,

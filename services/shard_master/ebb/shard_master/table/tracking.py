@@ -15,7 +15,7 @@ import logging
 from dataclasses import replace
 
 from ebb.common import mlflow_export
-from ebb.common.bus import Backoff
+from ebb.common.messaging.bus import Backoff
 
 from ..errors import Deposed
 from .context import TableContext

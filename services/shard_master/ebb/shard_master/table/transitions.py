@@ -32,8 +32,8 @@ from dataclasses import replace
 from typing import get_args
 
 from ebb.common import lifecycle
-from ebb.common.layout import attempt_dir
-from ebb.common.messages import HandoffPart, JobState, ShardSpec, ShardState, rest_of
+from ebb.common.data.layout import attempt_dir
+from ebb.common.messaging.messages import HandoffPart, JobState, ShardSpec, ShardState, rest_of
 
 from ..errors import IllegalTransition, TableCorrupt
 from .records import ShardRecord

@@ -29,7 +29,7 @@ from typing import Any
 
 import fsspec
 
-from ebb.common.storage import retrying
+from ebb.common.data.storage import retrying
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Built-in modelets for the common ends of a pipeline: name them as `ebb.worker.modelets:<Name>`."""
+"""Built-in modelets for the common ends of a pipeline: name them as
+`ebb.worker.modelets:<Name>`."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from ebb.common.storage import RetryPolicy, retrying
+from ebb.common.data.storage import RetryPolicy, retrying
 
 from ..chunks.columns import Columns
 from .api import Modelet

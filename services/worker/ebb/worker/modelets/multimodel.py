@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ebb.common.spec import ModelSpec, StageSpec
+from ebb.common.job import ModelSpec, StageSpec
 
 from ..chunks.columns import Columns, from_rows, to_rows
 from .api import Modelet

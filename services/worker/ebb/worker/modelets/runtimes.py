@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ebb.common import envvars
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 from ..chunks.columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
 from ..modelcache.client import local_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 from .elastic import ElasticSettings
 

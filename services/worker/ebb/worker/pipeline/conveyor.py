@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ebb.common.spec import PipelineSpec, StageSpec
+from ebb.common.job import PipelineSpec, StageSpec
 
 from .. import metrics
 from ..chunks import frames

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 from ..chunks.columns import METRIC, VALUE, Columns, concat, is_plain, split_metrics, take
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ebb.common import lifecycle
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 from ..chunks import frames
 from ..stage.board import BatchBoard

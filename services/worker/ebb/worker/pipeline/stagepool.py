@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 from ..chunks import frames
 from ..chunks.segments import SegmentLedger

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ebb.common import envvars, host
 from ebb.common.host import CGROUP
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 BLAS_THREADS = (
     "OMP_NUM_THREADS",

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from ebb.common import envvars
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 DEVICE_ENV = envvars.DEVICE
 

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ebb.common.accumulators import MetricSpec
+from ebb.common.data.layout import tier_root
 from ebb.common.errors import SpecError
-from ebb.common.layout import tier_root
-from ebb.common.spec import JobSpec, OutputSpec
+from ebb.common.job import JobSpec, OutputSpec
+from ebb.common.job.accumulators import MetricSpec
 
 from ..chunks.columns import Columns, num_rows, to_arrow
 from .reader import ShardData

@@ -26,9 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from ebb.common.csvrows import first_row_end
-from ebb.common.messages import ShardSpec
-from ebb.common.storage import StoreError, retrying
+from ebb.common.data.csvrows import first_row_end
+from ebb.common.data.storage import StoreError, retrying
+from ebb.common.messaging.messages import ShardSpec
 
 from .textrows import parse_csv, parse_jsonl
 

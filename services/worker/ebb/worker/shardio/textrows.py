@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 
-from ebb.common.spec import arrow_type
+from ebb.common.job import arrow_type
 
 
 def _with_nulls(good: pa.Table, total: int, bad: dict[int, str]) -> pa.Table:

@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from ebb.common.layout import OutputFile, attempt_dir
-from ebb.common.output import OutputStore
-from ebb.common.spec import OutputSpec
+from ebb.common.data.layout import OutputFile, attempt_dir
+from ebb.common.data.output import OutputStore
+from ebb.common.job import OutputSpec
 
 from ..chunks.columns import VALUE, Columns, is_plain, num_rows, to_arrow
 

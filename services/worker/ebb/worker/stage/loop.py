@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ebb.common.spec import StageSpec
+from ebb.common.job import StageSpec
 
 from ..chunks import frames
 from ..chunks.columns import (

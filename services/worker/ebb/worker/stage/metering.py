@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ebb.common import accumulators
+from ebb.common.job import accumulators
 
 from ..chunks.columns import HIDDEN, METRIC, VALUE, Columns, is_plain
 

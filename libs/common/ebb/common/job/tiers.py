@@ -1,7 +1,8 @@
 """How a job's tiers may cut its pipeline, and the Kubernetes placement a tier names (its
 node selector and tolerations), checked when the job is submitted rather than when its first
-pod is made. The job spec (ebb.common.spec) calls these; its fields' docstrings are the reference.
-The checks read the spec through protocols: this module imports nothing of ebb.common.spec."""
+pod is made. The job spec (ebb.common.job.spec) calls these; its fields' docstrings are the
+reference. The checks read the spec through protocols: this module imports nothing of
+ebb.common.job.spec."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .errors import SpecError
+from ..errors import SpecError
 
 
 class Stage(Protocol):

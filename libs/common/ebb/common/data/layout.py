@@ -1,6 +1,6 @@
 """What an output root holds, and where: the records (`_job.json`, commit records, the
 manifest) and the paths of data files, commit records and claims. The protocol that writes
-them is in ebb.common.output."""
+them is in ebb.common.data.output."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ class CommitRecord:
     """0: the attempt computed the whole shard. Otherwise it stopped (its worker had to go, or
     the master asked for the rest to run elsewhere) after the shard's first `split_at` rows,
     and these files are those rows: a part of the shard. The master makes the rest a shard of
-    its own (`ebb.common.messages.rest_of`)."""
+    its own (`ebb.common.messaging.messages.rest_of`)."""
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The partials of the job's metrics (`ebb.common.accumulators`) over exactly the rows of
+    """The partials of the job's metrics (`ebb.common.job.accumulators`) over exactly the rows of
     these files, by metric: the master merges those of the attempts that won their shards."""
 
     @property

@@ -18,14 +18,14 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.client import RawCredentials
 
-from . import schema
-from .aio import until
+from .. import schema
+from ..aio import until
+from ..errors import BusError, ErrorCode, RemoteError, SchemaError
+from ..schema import Message
 from .auth import inbox_for_user
-from .errors import BusError, ErrorCode, RemoteError, SchemaError
 from .identity import credentials_name
 from .messages import ErrorReply
 from .natsconfig import NatsConfig
-from .schema import Message
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
     if config.user is not None:
         options["user"] = config.user
         options["password"] = config.password
-    # Ebb's roles may subscribe only to their own inboxes (see ebb.common.auth).
+    # Ebb's roles may subscribe only to their own inboxes (see ebb.common.messaging.auth).
     user = config.user or _credentials_user(config)
     inbox = inbox_for_user(config.prefix, user) if user else None
     if inbox is not None:

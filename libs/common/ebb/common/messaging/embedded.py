@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 from types import TracebackType
 
-from .errors import EbbError
+from ..errors import EbbError
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ class EmbeddedNats:
         self.config_file = config_file
         self.authorization = authorization
         """Who may connect, and to do what: an `authorization { ... }` block (see
-        ebb.common.auth), or an operator with its accounts (ebb.common.identity). Also keeps
-        out strays, e.g. a process left over from an earlier run that reconnects to
-        whichever new server took its old port."""
+        ebb.common.messaging.auth), or an operator with its accounts
+        (ebb.common.messaging.identity). Also keeps out strays, e.g. a process left over from an
+        earlier run that reconnects to whichever new server took its old port."""
         self.binary = binary or find_nats_server()
         self._proc: subprocess.Popen[str] | None = None
         self._drain: threading.Thread | None = None
@@ -82,7 +82,7 @@ class EmbeddedNats:
         self._output: deque[str] = deque(maxlen=200)
         self.violations: list[str] = []
         """Every permissions violation the server reported: a client that tried to publish or
-        subscribe beyond its role (see ebb.common.auth)."""
+        subscribe beyond its role (see ebb.common.messaging.auth)."""
 
     @property
     def url(self) -> str:

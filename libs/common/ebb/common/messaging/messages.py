@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
-from .schema import Message
+from ..schema import Message
 
 # -- shards ----------------------------------------------------------------------------------
 

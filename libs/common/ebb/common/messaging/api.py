@@ -7,8 +7,9 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 
+from ..errors import ErrorCode, RemoteError
+from ..schema import Message
 from .bus import Backoff, request
-from .errors import ErrorCode, RemoteError
 from .messages import (
     CancelReply,
     CancelRequest,
@@ -32,7 +33,6 @@ from .messages import (
     WorkerEndedRequest,
 )
 from .natsconfig import NatsConfig
-from .schema import Message
 from .subjects import Subjects
 
 M = TypeVar("M", bound=Message)

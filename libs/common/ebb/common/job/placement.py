@@ -1,7 +1,8 @@
 """Where a job asks its workers to run: the pools a spec may name, and the checks of a job's
 GPU type, node selector and tolerations (of the job, or of one of its tiers), made when the
-job is submitted rather than when its first pod is made. The job spec (ebb.common.spec) calls these;
-its fields' docstrings are the reference. Imports nothing of ebb.common.spec (it imports this)."""
+job is submitted rather than when its first pod is made. The job spec (ebb.common.job.spec) calls
+these; its fields' docstrings are the reference. Imports nothing of ebb.common.job.spec (it imports
+this)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from .errors import SpecError
+from ..errors import SpecError
 from .tiers import check_toleration, label_key_problem, label_value_problem
 
 PoolMode = Literal["offline", "any", "mixed"]

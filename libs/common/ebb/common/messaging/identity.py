@@ -7,7 +7,7 @@ gets a credential of its own, minted by the controller that launches it:
 - An operator (its key made here, at each start of the stack) vouches for two accounts: the
   system account nats-server requires, and Ebb's account, which holds every user and JetStream.
 - Ebb's roles (master, controller, client) are users of that account, each with the subject
-  permissions `ebb.common.auth` gives its role, signed by the account's own key.
+  permissions `ebb.common.messaging.auth` gives its role, signed by the account's own key.
 - Workers are users signed by a *scoped* signing key of the account. nats-server ignores any
   permissions such a user's JWT claims and applies the key's template instead, where
   `{{name()}}` is the user's name: the worker id. So a worker may publish only on
@@ -18,7 +18,7 @@ Everything is checked by nats-server itself (its memory resolver, preloaded with
 and account JWTs); the master checks in addition that a lease token is used by its holder.
 JWTs follow nats-io/jwt v2 (header `ed25519-nkey`, claims under `nats`); keys are NATS nkeys.
 
-On Kubernetes the keys are made once, by `python -m ebb.common.identity k8s` (see
+On Kubernetes the keys are made once, by `python -m ebb.common.messaging.identity k8s` (see
 `kubernetes_secrets`), and kept in Secrets; in the embedded stack, at each start.
 """
 
@@ -308,7 +308,7 @@ def kubernetes_secrets(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m ebb.common.identity",
+        prog="python -m ebb.common.messaging.identity",
         description="Make the NATS keys of a new Ebb installation (an operator, its accounts, "
         "each role's credentials and the key that signs workers' credentials) and print them.",
     )

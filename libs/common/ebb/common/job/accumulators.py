@@ -12,8 +12,8 @@ three steps, each a pure function of plain values, so that it can be cut where t
 
 Merging is exact, not merely close: counts are ints, a histogram's or AUC's bins hold ints,
 and a sum is kept as its exact value (as a few floats whose exact sum it is, see
-`ebb.common.exactsum`), so the partials of any split of the rows merge into the very partial of all
-of them, bit for bit: a shard split, retried or speculated gives the same numbers. A sum's
+`ebb.common.job.exactsum`), so the partials of any split of the rows merge into the very partial of
+all of them, bit for bit: a shard split, retried or speculated gives the same numbers. A sum's
 result is the correctly rounded sum of every row (`math.fsum`'s), a mean the correctly
 rounded quotient of that exact sum by the count.
 
@@ -36,8 +36,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import SpecError
 from . import exactsum
-from .errors import SpecError
 
 MetricKind = Literal["sum", "count", "mean", "min", "max", "histogram", "auc", "logloss"]
 Partial = dict[str, Any]

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import envvars
+from .. import envvars
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,10 +23,11 @@ class NatsConfig:
     creds_file: str | None = None
     """A NATS .creds file (JWT + nkey seed)."""
     creds: str | None = field(default=None, repr=False)
-    """The text of a .creds file: a credential minted for this process (ebb.common.identity)."""
+    """The text of a .creds file: a credential minted for this process
+    (ebb.common.messaging.identity)."""
     inbox_prefix: str | None = None
-    """Where replies to this connection's requests come; None: its role's (ebb.common.auth)
-    for a role user, else NATS's default."""
+    """Where replies to this connection's requests come; None: its role's
+    (ebb.common.messaging.auth) for a role user, else NATS's default."""
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None

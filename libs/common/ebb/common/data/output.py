@@ -43,7 +43,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from . import schema
+from .. import schema
+from ..job import fields_digest
 from .durable import FULL_DISK_WAIT_S, fsync_dir, unlink_quietly, write_new
 from .layout import (
     COMMITS_DIR,
@@ -59,7 +60,6 @@ from .layout import (
     claim_path,
     commit_path,
 )
-from .spec import fields_digest
 from .storage import retrying
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ another (a worker cannot see the master's KV reads, nor a client's job listings)
 connection as `<prefix>-<role>` uses its role's prefix without being told.
 
 The same rules render to the `authorization` block of a nats-server configuration with
-password users (`python -m ebb.common.auth`), and to the JWT claims of decentralised
-authentication (ebb.common.identity), which the embedded stack and `k8s/` use.
+password users (`python -m ebb.common.messaging.auth`), and to the JWT claims of decentralised
+authentication (ebb.common.messaging.identity), which the embedded stack and `k8s/` use.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from . import envvars
+from .. import envvars
 from .subjects import WORKER_OPS, Subjects
 
 Role = Literal["master", "controller", "worker", "client"]
@@ -115,7 +115,7 @@ def permissions(prefix: str, role: Role) -> Permissions:
 
 
 WORKER_NAME = "{{name()}}"
-"""In a scoped signing key's template (ebb.common.identity), nats-server puts the user's
+"""In a scoped signing key's template (ebb.common.messaging.identity), nats-server puts the user's
 name there: the worker id its JWT names."""
 
 
@@ -169,7 +169,7 @@ def _allow(what: str, subjects: tuple[str, ...]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m ebb.common.auth",
+        prog="python -m ebb.common.messaging.auth",
         description="Print the nats-server authorization block for Ebb's roles; passwords are "
         "read from environment variables EBB_<ROLE>_PASSWORD.",
     )
