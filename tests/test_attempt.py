@@ -16,6 +16,7 @@ from ebb.common.messaging.messages import ShardSpec, rest_of
 from ebb.worker.attempt import AttemptStopped, run_attempt
 from ebb.worker.pipeline.front import Pipeline, PipelineBroken, PipelineConfig, RowsBack, RunResult
 from ebb.worker.progress import AttemptProgress
+from ebb.worker.shardio.handoff import TierEnds
 
 from .helpers import job_spec, reference_predictions, wait_until, write_dataset, write_model
 
@@ -250,3 +251,29 @@ async def test_progress_tells_the_rows_back_of_a_chunk_before_it_is_written(
         await pipeline.stop()
     assert midway and record.rows == ROWS
     assert progress.written == progress.rows_done() == ROWS
+
+
+@pytest.mark.parametrize("reads_handoff", [True, False])
+async def test_a_shard_the_worker_s_tier_does_not_read_is_refused_before_any_work(
+    tmp_path: Path, reads_handoff: bool
+) -> None:
+    """A tier reads hand-offs or the input, chosen once per job session: a shard of the other
+    kind (a worker started for the wrong tier) is refused, nothing read, written or run."""
+    spec, shard = _job(tmp_path)
+    if not reads_handoff:
+        shard = ShardSpec(index=0, path=str(tmp_path / "handoff"), format="arrow", rows=ROWS)
+    broken = Broken()
+    store = OutputStore(spec.output.uri)
+    with pytest.raises(ValueError, match="hand-off"):
+        await run_attempt(
+            spec,
+            shard,
+            1,
+            pipeline=broken,
+            store=store,
+            worker_id="w1",
+            ends=TierEnds(reads_handoff=reads_handoff),
+        )
+    assert broken.runs == 0
+    assert store.read_commit(0) is None
+    assert not Path(spec.output.uri, attempt_dir(0, 1)).exists()

@@ -14,14 +14,14 @@ from ebb.worker.chunks.shm import Arena
 
 def roundtrip(payload: Any, arena: Arena | None = None) -> Any:
     n = len(next(iter(payload.values())))
-    buf = frames.pack(frames.ITEMS, np.arange(n), payload, arena=arena)
+    buf = frames.pack(frames.Kind.ITEMS, np.arange(n), payload, arena=arena)
     assert frames.header(buf).uids.tolist() == list(range(n))
     return frames.payload(buf, arena=arena, copy=True)
 
 
 def test_a_chunk_travels_as_a_few_buffers_whatever_its_rows() -> None:
     chunk = {"x": np.arange(300 * 16, dtype=np.float32).reshape(300, 16), "id": np.arange(300)}
-    packed = frames.pack(frames.ITEMS, np.arange(300), chunk)
+    packed = frames.pack(frames.Kind.ITEMS, np.arange(300), chunk)
     # No pickle record per row: the frame is the arrays' bytes and a small header.
     assert len(packed) < 300 * 16 * 4 + 300 * 8 + 8 * 300 + 1024
     back = roundtrip(chunk)
@@ -47,7 +47,7 @@ def test_columns_of_any_kind_travel_as_they_are(column: np.ndarray) -> None:
 def test_a_large_batch_of_rows_goes_through_shared_memory() -> None:
     arena = Arena(min_bytes=1024)
     rows = {"x": np.repeat(np.arange(64, dtype=np.float32), 64).reshape(64, 8, 8)}  # 16 KiB
-    buf = frames.pack(frames.ITEMS, list(range(64)), rows, arena=arena)
+    buf = frames.pack(frames.Kind.ITEMS, list(range(64)), rows, arena=arena)
     segment = frames.header(buf).segment
     assert segment  # the tensor column is out of band
     back = frames.payload(buf, arena=arena, copy=True)
@@ -68,12 +68,12 @@ def test_a_large_batch_of_rows_goes_through_shared_memory() -> None:
     ],
 )
 def test_uids_survive_the_header_and_a_splice(uids: np.ndarray) -> None:
-    buf = frames.pack(frames.ITEMS, uids, {"v": np.arange(len(uids))}, flags=frames.SOLO)
+    buf = frames.pack(frames.Kind.ITEMS, uids, {"v": np.arange(len(uids))}, flags=frames.SOLO)
     h = frames.header(buf)
     assert h.uids.tolist() == uids.tolist() and h.flags == frames.SOLO
     assert frames.payload(buf)["v"].tolist() == list(range(len(uids)))
-    other = frames.splice(buf, frames.FANOUT, np.arange(100, 100 + len(uids)))
+    other = frames.splice(buf, frames.Kind.FANOUT, np.arange(100, 100 + len(uids)))
     assert frames.header(other).uids.tolist() == list(range(100, 100 + len(uids)))
     assert frames.payload(other)["v"].tolist() == list(range(len(uids)))
     if len(uids) > 100:
-        assert len(frames.pack(frames.ITEMS, uids)) < 100  # a run, not 8 bytes a row
+        assert len(frames.pack(frames.Kind.ITEMS, uids)) < 100  # a run, not 8 bytes a row

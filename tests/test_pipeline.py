@@ -269,8 +269,8 @@ def test_a_stopping_stage_over_its_memory_limit_does_not_ask_to_be_recycled() ->
     )
     config = StageConfig(spec=spec, code_paths=[], memory_limit_bytes=1)  # always over
     uids = np.arange(4, dtype=np.int64)
-    inbox_w.send_bytes(frames.pack(frames.ITEMS, uids, {VALUE: uids}))
-    inbox_w.send_bytes(frames.pack(frames.STOP))
+    inbox_w.send_bytes(frames.pack(frames.Kind.ITEMS, uids, {VALUE: uids}))
+    inbox_w.send_bytes(frames.pack(frames.Kind.STOP))
 
     def identity(batch: Any) -> Any:
         return batch
@@ -287,8 +287,8 @@ def test_a_stopping_stage_over_its_memory_limit_does_not_ask_to_be_recycled() ->
     finally:
         for conn in (inbox_r, inbox_w, outbox_r, outbox_w):
             conn.close()
-    assert frames.ITEMS in kinds  # it did run the batch it held
-    assert frames.RECYCLE not in kinds
+    assert frames.Kind.ITEMS in kinds  # it did run the batch it held
+    assert frames.Kind.RECYCLE not in kinds
 
 
 async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_replaced(

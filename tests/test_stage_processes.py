@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from multiprocessing.connection import Connection
+from typing import cast
 
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ def _process(slot: int, state: ProcState, load: int = 0, *, broken: bool = False
     """The router's view of a process, without the process (none of it is touched here)."""
     p = StageProcess.__new__(StageProcess)
     p.stage, p.slot, p.name = 0, slot, "s"
-    p.inbox = Inbox(broken=broken)
+    p.inbox = cast(Connection, Inbox(broken=broken))
     p.state, p.drain_reason, p.flushed = state, None, False
     p.holding = Holding()
     if load:
@@ -86,7 +88,7 @@ def test_a_drained_process_is_told_to_stop_and_one_that_cannot_be_told_is_gone()
     p = _process(0, READY)
     p.drain("recycle")
     assert (p.state, p.drain_reason) == (DRAINING, "recycle")
-    assert p.inbox.sent == [frames.STOP]
+    assert cast(Inbox, p.inbox).sent == [frames.Kind.STOP]
     assert not p.needs_successor  # it has one already
     gone = _process(1, READY, broken=True)
     gone.drain("stop")
@@ -110,7 +112,7 @@ def test_frames_go_out_while_a_process_has_room_a_broken_pipe_means_it_is_gone()
     first, second = _process(0, READY), _process(1, READY, broken=True)
     pool = _pool(first, second)
     uids = [np.arange(i * 4, i * 4 + 4, dtype=np.int64) for i in range(4)]
-    backlog = deque(frames.Frame(frames.pack(frames.ITEMS, u, {}), u, 0, "") for u in uids)
+    backlog = deque(frames.Frame(frames.pack(frames.Kind.ITEMS, u, {}), u, 0, "") for u in uids)
     pool.feed(backlog, segments)
     # The first frame went to the first; the second failed on the broken pipe and waits.
     assert first.load == 4 and second.state is DEAD and len(backlog) == 3

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--id", default=env(envvars.CONTROLLER_ID, socket.gethostname()))
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="outside a cluster")
     p.add_argument("--worker-grace", type=float, default=GRACE_S)
-    p.add_argument("--resync", type=float, default=2.0)
+    p.add_argument("--resync", type=float, default=ControllerConfig.resync_s)
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)

@@ -31,20 +31,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[r for r in env(envvars.DATA_ROOTS, "").split(",") if r],
         help="a root under which job inputs, outputs and models may lie (repeatable)",
     )
-    p.add_argument("--leader-ttl", type=float, default=float(env(envvars.LEADER_TTL_S, "10")))
+    p.add_argument(
+        "--leader-ttl",
+        type=float,
+        default=float(env(envvars.LEADER_TTL_S, str(MasterConfig.leader_ttl_s))),
+    )
     p.add_argument(
         "--job-retention",
         type=float,
-        default=float(env(envvars.JOB_RETENTION_S, str(7 * 86400))),
+        default=float(env(envvars.JOB_RETENTION_S, str(MasterConfig.job_retention_s))),
         help="seconds a finished job is kept (its output stays): default 7 days",
     )
     p.add_argument(
         "--js-replicas",
         type=int,
-        default=int(env(envvars.JS_REPLICAS, "1")),
+        default=int(env(envvars.JS_REPLICAS, str(MasterConfig.js_replicas))),
         help="copies of the jobs stream and KV buckets (3 on a three-node NATS cluster)",
     )
-    p.add_argument("--speculate-after", type=float, default=5.0)
+    p.add_argument("--speculate-after", type=float, default=MasterConfig.speculate_after_s)
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)

@@ -33,6 +33,7 @@ from .chunks.columns import scatter, take_rows
 from .pipeline.front import RowsBack, RunResult
 from .progress import AttemptProgress
 from .shardio import handoff
+from .shardio.handoff import WHOLE_JOB, TierEnds
 from .shardio.reader import CHUNK_ROWS, ShardData, ShardReader
 from .shardio.writer import build_output, write_attempt
 
@@ -70,8 +71,7 @@ async def run_attempt(
     chunk_rows: int = CHUNK_ROWS,
     stop: asyncio.Event | None = None,
     progress: AttemptProgress | None = None,
-    hands_on: bool = False,
-    carried_metrics: dict[str, accumulators.MetricSpec] | None = None,
+    ends: TierEnds = WHOLE_JOB,
 ) -> CommitRecord:
     """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
     attempt of this job committed first (an earlier one found before anything ran, or one
@@ -79,11 +79,16 @@ async def run_attempt(
 
     `stop`: once set, the attempt commits the rows done so far as a part of the shard (or
     raises AttemptStopped if there are none). `progress`: how far it has got, kept up to date
-    for the renewals to tell. `hands_on`: a tier before the last of a job in tiers: `store`
-    is the tier's root, and what is committed there is the hand-off to the next tier
-    (ebb.worker.shardio.handoff). A shard of format "arrow" is a hand-off from the tier before, and
-    `carried_metrics` the metrics of the tiers before, whose values it carries: only the last
-    tier reduces metrics, over the rows it writes, so that they count the job's output."""
+    for the renewals to tell. `ends`: where the rows of the worker's tier come from and go
+    (ebb.worker.shardio.handoff): a tier before the last hands its rows on (`store` is the
+    tier's root, and what is committed there is the next tier's input); a tier after the first
+    reads the hand-off of the tier before, whose metric values it carries. Only the last tier
+    reduces metrics, over the rows it writes, so that they count the job's output."""
+    if shard.is_handoff != ends.reads_handoff:
+        raise ValueError(
+            f"shard {shard.index} is {'a hand-off' if shard.is_handoff else 'input'}, "
+            f"and this worker's tier reads {'hand-offs' if ends.reads_handoff else 'input'}"
+        )
     existing = await asyncio.to_thread(store.read_commit, shard.index)
     if existing is not None and existing.job == spec.id:
         log.info(
@@ -91,7 +96,7 @@ async def run_attempt(
         )
         return existing
     columns = None
-    if spec.input.columns is not None and shard.format != "arrow":
+    if spec.input.columns is not None and not ends.reads_handoff:
         columns = list(dict.fromkeys([*spec.input.columns, *spec.output.carryover]))
     reader = ShardReader(
         shard,
@@ -104,19 +109,18 @@ async def run_attempt(
     files: list[OutputFile] = []
     rows = error_rows = rows_in = 0
     own_metrics = spec.pipeline.all_metrics()
-    carried = carried_metrics or {}
+    carried = ends.carried_metrics
     every_metric = {**carried, **own_metrics}
     partials: dict[str, accumulators.Partial] = {}
     try:
         # Closed on the way out whatever happens here, not when it is collected: its
         # runs still under way must end with this attempt.
         async with contextlib.aclosing(
-            _computed(reader, pipeline, spec, stop, progress)
+            _computed(reader, pipeline, spec, ends, stop=stop, progress=progress)
         ) as computed:
             async for data, good, result in computed:
-                handed = shard.format == "arrow"
-                values = _metric_values(own_metrics, carried, data, good, result, handed=handed)
-                if every_metric and not hands_on:
+                values = _metric_values(own_metrics, ends, data, good, result)
+                if every_metric and ends.reduces_metrics:
                     partials = accumulators.merge_named(
                         every_metric, partials, _partials(every_metric, values, good, result)
                     )
@@ -126,9 +130,8 @@ async def run_attempt(
                     good,
                     result,
                     spec,
-                    handed=handed,
-                    hands_on=hands_on,
-                    metric_values=values if hands_on else None,
+                    ends,
+                    metric_values=values,
                 )
                 files += await asyncio.to_thread(
                     write_attempt,
@@ -137,7 +140,7 @@ async def run_attempt(
                     shard=shard.index,
                     attempt=attempt,
                     error_rows=errors,
-                    fmt="arrow" if hands_on else spec.output.format,
+                    fmt="arrow" if ends.hands_on else spec.output.format,
                     max_rows_per_file=spec.output.max_rows_per_file,
                     first_part=len(files),
                 )
@@ -182,6 +185,8 @@ async def _computed(
     reader: ShardReader,
     pipeline: Runner,
     spec: JobSpec,
+    ends: TierEnds,
+    *,
     stop: asyncio.Event | None = None,
     progress: AttemptProgress | None = None,
 ) -> AsyncGenerator[tuple[ShardData, np.ndarray, RunResult], None]:
@@ -197,9 +202,9 @@ async def _computed(
             data = await asyncio.to_thread(reader.next)
             if data is None:
                 break
-            if reader.shard.format == "arrow":
+            if ends.reads_handoff:
                 data = handoff.read_handoff(data.table)
-            inputs, good = _inputs(data, spec, handed=reader.shard.format == "arrow")
+            inputs, good = _inputs(data, spec, ends)
             # The rows travel as Arrow and become columns in the first stage's processes.
             rows_back = RowsBack()
             if progress is not None:
@@ -253,12 +258,12 @@ def _done_part(
     return ShardData(data.table.slice(0, upto), bad), good[: result.rows], result
 
 
-def _inputs(data: ShardData, spec: JobSpec, *, handed: bool) -> tuple[pa.Table, np.ndarray]:
+def _inputs(data: ShardData, spec: JobSpec, ends: TierEnds) -> tuple[pa.Table, np.ndarray]:
     """A chunk's rows as the pipeline takes them (its input columns, or a hand-off's
     results; the rows that could be read, or did not fail in a tier before), and the
     positions of those rows in the chunk."""
     inputs = data.table
-    if handed:
+    if ends.reads_handoff:
         inputs = handoff.pipeline_inputs(inputs)
     elif spec.input.columns is not None:
         inputs = inputs.select(spec.input.columns)
@@ -271,18 +276,17 @@ def _inputs(data: ShardData, spec: JobSpec, *, handed: bool) -> tuple[pa.Table, 
 
 def _metric_values(
     own: dict[str, accumulators.MetricSpec],
-    carried: dict[str, accumulators.MetricSpec],
+    ends: TierEnds,
     data: ShardData,
     good: np.ndarray,
     result: RunResult,
-    *,
-    handed: bool,
 ) -> dict[str, np.ndarray]:
     """Every metric's values for each row of the chunk (NaN where a row did not go in): this
     tier's from the run, the tiers' before from the hand-off read."""
     n = data.table.num_rows
     went_in = good[: result.rows]
-    values = handoff.metric_values(data.table, list(carried)) if handed and carried else {}
+    carried = list(ends.carried_metrics)
+    values = handoff.metric_values(data.table, carried) if ends.reads_handoff and carried else {}
     for name in own:
         got = np.asarray(result.metrics[name], dtype=np.float64)[: result.rows]
         full = np.full((n, *got.shape[1:]), np.nan)
@@ -313,23 +317,21 @@ def _output(
     good: np.ndarray,
     result: RunResult,
     spec: JobSpec,
+    ends: TierEnds,
     *,
-    handed: bool = False,
-    hands_on: bool = False,
-    metric_values: dict[str, np.ndarray] | None = None,
+    metric_values: dict[str, np.ndarray],
 ) -> tuple[pa.Table, int]:
     """The shard's output table: the pipeline's results (for the rows that went in, `good`)
-    put back among the shard's rows, and the rows that could not be read as errors.
-    `handed`: the rows are a hand-off from the tier before; `hands_on`: the table is one
-    for the next tier, which carries the rows' `metric_values` on."""
+    put back among the shard's rows, and the rows that could not be read as errors. A tier
+    that hands its rows on carries their `metric_values` to the next."""
     n = data.table.num_rows
     results, errors = result.columns, dict(result.errors)
     if len(good) != n:
         errors = {int(good[i]): why for i, why in errors.items()}
         errors.update(data.bad_rows)
         results, _ = scatter([(good, results)], n) if results else ({}, None)
-    rows = handoff.carried(data.table) if handed else data.table
-    if hands_on:
-        metrics = handoff.metric_columns(metric_values or {})
+    rows = handoff.carried(data.table) if ends.reads_handoff else data.table
+    if ends.hands_on:
+        metrics = handoff.metric_columns(metric_values)
         return handoff.handoff_table(rows, results, errors, spec.output, metrics=metrics)
     return build_output(rows, results, errors, spec.output)

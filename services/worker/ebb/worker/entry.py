@@ -14,11 +14,10 @@ from ebb.common import log as logsetup
 from ebb.common import metrics as metricsserver
 from ebb.common.messaging.natsconfig import add_nats_arguments, nats_config_from_args
 from ebb.common.messaging.subjects import check_worker_id
-from ebb.common.runner import EXIT_FAILED, GRACE_S, run
+from ebb.common.runner import EXIT_FAILED, run
 from ebb.common.supervisor import AgentExited, install_stop_signals
 
 from .service import Worker, WorkerConfig, default_worker_id
-from .shardio.reader import CHUNK_ROWS
 
 log = logging.getLogger("ebb.worker")
 
@@ -44,25 +43,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--shards-in-flight",
         type=int,
-        default=int(env(envvars.SHARDS_IN_FLIGHT, "2")),
+        default=int(env(envvars.SHARDS_IN_FLIGHT, str(WorkerConfig.shards_in_flight))),
         help="shards held at once: 2 reads the next while one computes (prefetch); 1 does not",
     )
     p.add_argument(
         "--chunk-rows",
         type=int,
-        default=int(env(envvars.CHUNK_ROWS, str(CHUNK_ROWS))),
+        default=int(env(envvars.CHUNK_ROWS, str(WorkerConfig.chunk_rows))),
         help="rows of a shard read and in the pipeline at once (a shard of any size goes "
         "through in chunks: its memory bounded)",
     )
     p.add_argument(
         "--start-jitter",
         type=float,
-        default=float(env(envvars.START_JITTER_S, "0")),
+        default=float(env(envvars.START_JITTER_S, str(WorkerConfig.start_jitter_s))),
         help="wait a random 0..this many seconds before the first lease (a fleet starting "
         "at once spreads its first reads of the store)",
     )
     p.add_argument(
-        "--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, f"{GRACE_S:g}"))
+        "--grace",
+        type=float,
+        default=float(env(envvars.SHUTDOWN_GRACE_S, str(WorkerConfig.shutdown_grace_s))),
     )
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))

@@ -157,6 +157,14 @@ class LeaseKeeper:
         self.leases[active.token] = active
         return active
 
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def split_all(self, cause: StopCause) -> None:
+        """Ask every attempt under way to commit the rows it has done and hand back the rest."""
+        for active in list(self.leases.values()):
+            active.split(cause)
+
     def drop(self, active: ActiveLease) -> None:
         """Its attempt is over: stop renewing it."""
         self.leases.pop(active.token, None)

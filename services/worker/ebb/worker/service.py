@@ -57,7 +57,7 @@ from .pipeline.front import Pipeline, PipelineError, PipelineSetupError
 from .reports import Reports
 from .resources import cpus, devices
 from .session import JobSession, pipeline_config
-from .shardio.handoff import carried_metrics, tier_view
+from .shardio.handoff import tier_view
 from .shardio.reader import CHUNK_ROWS
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class Worker:
             return EXIT_OK
         try:
             job = parse_job(status.spec)
-            spec, hands_on = tier_view(job, self.config.tier)
+            spec, ends = tier_view(job, self.config.tier)
         except SpecError as e:
             log.error("job %s: %s", self.config.job, e)
             self.fatal_reason = str(e)
@@ -179,8 +179,7 @@ class Worker:
             gpus=gpus,
             on_failed_start=self._give_up,
             tier=self.config.tier,
-            hands_on=hands_on,
-            carried_metrics=carried_metrics(job, self.config.tier),
+            ends=ends,
         )
         log.info("worker %s on job %s", self.config.id, spec.id)
         try:
@@ -295,8 +294,7 @@ class Worker:
             reserve = min(self.config.split_reserve_s, grace / 2)
             _, pending = await asyncio.wait(self._tasks, timeout=grace - reserve)
             if pending:
-                for active in list(session.leases.leases.values()):
-                    active.split(StopCause.DRAIN)
+                session.leases.split_all(StopCause.DRAIN)
                 log.info("grace period ending: committing the rows done of %d shards", len(pending))
                 _, pending = await asyncio.wait(pending, timeout=reserve)
             for task in pending:
@@ -320,8 +318,7 @@ class Worker:
                 chunk_rows=self.config.chunk_rows,
                 stop=active.stop,
                 progress=active.progress,
-                hands_on=session.hands_on,
-                carried_metrics=session.carried_metrics,
+                ends=session.ends,
             )
             await self.reports.commit(session.master, active, record)
             if record.split_at:

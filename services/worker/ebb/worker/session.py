@@ -18,7 +18,6 @@ import pyarrow as pa
 
 from ebb.common.aio import until
 from ebb.common.job import JobSpec
-from ebb.common.job.accumulators import MetricSpec
 from ebb.common.messaging.api import MasterClient
 
 from . import metrics
@@ -26,6 +25,7 @@ from .leases import LeaseKeeper
 from .pipeline.elastic import DeviceMonitor
 from .pipeline.front import Pipeline, PipelineConfig, RowsBack, RunResult
 from .resources import devices
+from .shardio.handoff import WHOLE_JOB, TierEnds
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,13 @@ class JobSession:
         gpus: tuple[str, ...] | None,
         on_failed_start: Callable[[BaseException], None],
         tier: str = "",
-        hands_on: bool = False,
-        carried_metrics: dict[str, MetricSpec] | None = None,
+        ends: TierEnds = WHOLE_JOB,
     ) -> None:
         self.spec = spec
         """The job as this worker's tier runs it (`handoff.tier_view`)."""
         self.tier = tier
-        self.hands_on = hands_on
-        """A tier before the last: what it commits is the next tier's input."""
-        self.carried_metrics = carried_metrics or {}
-        """The metrics of the tiers before, whose values the hand-offs it reads carry."""
+        self.ends = ends
+        """Where the rows of this worker's tier come from and go, the same for every shard."""
         self.pipeline = pipeline
         self.master = master
         self.cores = cores
@@ -136,7 +133,7 @@ class JobSession:
         while True:
             for name, depth in zip(names, self.pipeline.depths(), strict=False):
                 metrics.QUEUE_DEPTH.labels(name).set(depth)
-            metrics.LEASES_HELD.set(len(self.leases.leases))
+            metrics.LEASES_HELD.set(len(self.leases))
             monitor.sample(time.monotonic())
             for device in used:
                 metrics.DEVICE_UTILIZATION.labels(device).set(monitor.busy(device))

@@ -43,6 +43,11 @@ class ShardSpec(Message):
     parts: list[HandoffPart] = field(default_factory=list)
     """arrow: the files of the hand-off, in order (`path` is the first's folder)."""
 
+    @property
+    def is_handoff(self) -> bool:
+        """The rows are a hand-off from the tier before, not the job's input."""
+        return self.format == "arrow"
+
 
 @dataclass(frozen=True, kw_only=True)
 class HandoffPart(Message):

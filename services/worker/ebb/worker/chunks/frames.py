@@ -22,6 +22,7 @@ import io
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from pickle import PickleBuffer, Pickler, dumps, loads
 from typing import Any
 
@@ -35,32 +36,39 @@ RELEASED_LEN = struct.Struct("<H")
 _MIN_OUT_OF_BAND = 2048
 """Smaller buffers stay inline in the pickle."""
 
-ITEMS = 1
-"""Rows, in either direction: a chunk (see ebb.worker.chunks.columns) with one row per uid, in
-order."""
-ERRORS = 2
-"""Stage -> router: items that failed, one message per uid."""
-FLUSH = 3
-"""Router -> stage: nothing more is coming for now; run partial batches without waiting."""
-STOP = 4
-"""Router -> stage: finish what you hold, then exit."""
-READY = 5
-"""Stage -> router: set up and taking items."""
-SETUP_FAILED = 6
-"""Stage -> router: the modelet could not be built; the body says why."""
-RECYCLE = 7
-"""Stage -> router: over my memory limit; send me nothing more, then STOP me."""
-RECLAIM = 8
-"""Router -> stage: shared-memory segments of yours that nobody reads any more (payload)."""
-UNMAPPED = 10
-"""Stage -> router: segments (payload) whose rows this stage has all consumed."""
-THREADS = 11
-"""Router -> stage: run the model with this many intra-op threads from now on (payload): its
-share of the worker's cores changed."""
-FANOUT = 9
-"""Fan-out stage -> router: the uids field holds the items' uids then their part counts;
-the payload is a chunk of every item's parts, flattened. The router renames the parts (new uids) and
-forwards the same bytes: the parts are never unpickled on the way."""
+
+class Kind(IntEnum):
+    """What a frame is: the first byte of its header. Each side dispatches on it with `match`,
+    naming every kind (those it never receives among them), so a kind added is a decision
+    each side must make."""
+
+    ITEMS = 1
+    """Rows, in either direction: a chunk (see ebb.worker.chunks.columns) with one row per uid, in
+    order."""
+    ERRORS = 2
+    """Stage -> router: items that failed, one message per uid."""
+    FLUSH = 3
+    """Router -> stage: nothing more is coming for now; run partial batches without waiting."""
+    STOP = 4
+    """Router -> stage: finish what you hold, then exit."""
+    READY = 5
+    """Stage -> router: set up and taking items."""
+    SETUP_FAILED = 6
+    """Stage -> router: the modelet could not be built; the body says why."""
+    RECYCLE = 7
+    """Stage -> router: over my memory limit; send me nothing more, then STOP me."""
+    RECLAIM = 8
+    """Router -> stage: shared-memory segments of yours that nobody reads any more (payload)."""
+    UNMAPPED = 10
+    """Stage -> router: segments (payload) whose rows this stage has all consumed."""
+    THREADS = 11
+    """Router -> stage: run the model with this many intra-op threads from now on (payload): its
+    share of the worker's cores changed."""
+    FANOUT = 9
+    """Fan-out stage -> router: the uids field holds the items' uids then their part counts;
+    the payload is a chunk of every item's parts, flattened. The router renames the parts (new uids)
+    and forwards the same bytes: the parts are never unpickled on the way."""
+
 
 SOLO = 0x01
 """Flag: run these items one per batch (they were in a batch whose process died)."""
@@ -89,7 +97,7 @@ class Frame:
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    kind: int
+    kind: Kind
     flags: int
     uids: np.ndarray
     """int64, a view of the frame's bytes."""
@@ -115,7 +123,7 @@ def _pickle(payload: Any, out_of_band: list[PickleBuffer] | None) -> bytes:
 
 
 def pack(
-    kind: int,
+    kind: Kind,
     uids: Sequence[int] | np.ndarray = (),
     payload: Any = None,
     *,
@@ -211,12 +219,12 @@ def header(buf: bytes) -> Header:
     else:
         uids = np.frombuffer(buf, dtype="<i8", count=layout.count, offset=HEADER.size)
     return Header(
-        layout.kind, layout.flags & ~(RUN | RELEASED), uids, layout.segment, layout.released
+        Kind(layout.kind), layout.flags & ~(RUN | RELEASED), uids, layout.segment, layout.released
     )
 
 
 def splice(
-    buf: bytes, kind: int, uids: Sequence[int] | np.ndarray, *, released: Sequence[str] = ()
+    buf: bytes, kind: Kind, uids: Sequence[int] | np.ndarray, *, released: Sequence[str] = ()
 ) -> bytes:
     """The same frame (segment, buffers, body) under another kind, other uids and other
     released segments (none unless given)."""

@@ -457,7 +457,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a store URI under which models lie, the only objects served (repeatable; "
         "default: EBB_MODEL_ROOTS)",
     )
-    p.add_argument("--port", type=int, default=int(env(envvars.MODEL_CACHE_PORT, "8080")))
+    p.add_argument(
+        "--port", type=int, default=int(env(envvars.MODEL_CACHE_PORT, str(CacheServerConfig.port)))
+    )
     p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "10")))
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))

@@ -29,6 +29,7 @@ from ebb.common.job import PipelineSpec, StageSpec
 from .. import metrics
 from ..chunks import frames
 from ..chunks.columns import Columns, from_rows, take, to_rows
+from ..chunks.frames import Kind
 from ..chunks.segments import SegmentLedger
 from .families import Families
 from .joins import Graph, Join, Settled
@@ -116,11 +117,11 @@ class Conveyor:
         """What a process of `stage` sent back (ITEMS, ERRORS or FANOUT), sent on; the uids
         of the rows it no longer holds."""
         uids = h.uids
-        if h.kind == frames.ERRORS:
+        if h.kind == Kind.ERRORS:
             self.fail(uids, frames.payload(buf))
             return uids
         name = self.names[stage]
-        if h.kind == frames.FANOUT:
+        if h.kind == Kind.FANOUT:
             parents, counts = uids[: len(uids) // 2], uids[len(uids) // 2 :]
             metrics.BATCH_SIZE.labels(name).observe(len(parents))
             self._fan_out(stage, buf, parents, counts, h)
@@ -231,7 +232,7 @@ class Conveyor:
                 children += self.families.split(parent, count, h.flags)
         if children:
             ids = np.asarray(children, dtype=np.int64)
-            forwarded = frames.splice(buf, frames.ITEMS, ids)
+            forwarded = frames.splice(buf, Kind.ITEMS, ids)
             self.backlog[stage + 1].append(frames.Frame(forwarded, ids, h.flags, h.segment))
         elif h.segment:
             self.segments.done(h.segment)
@@ -309,13 +310,13 @@ class Conveyor:
         payload = (data.schema, data.serialize())
         for stage in self.graph.sources:
             buf = frames.pack(
-                frames.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena
+                Kind.ITEMS, uids, payload, flags=flags | frames.ARROW, arena=self.arena
             )
             self.backlog[stage].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
 
     def _enqueue(self, stage: int, uids: np.ndarray, chunk: Columns, flags: int = 0) -> None:
         """Pack rows for `stage` (large buffers into shared memory) and queue them."""
-        buf = frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
+        buf = frames.pack(Kind.ITEMS, uids, chunk, flags=flags, arena=self.arena)
         self.backlog[stage].append(frames.Frame(buf, uids, flags, frames.header(buf).segment))
 
     def _read(self, buf: bytes, segment: str) -> Any:

@@ -10,13 +10,51 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.context import BaseContext
+
+import pyarrow as pa
+
+from ..chunks.columns import Columns
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Rows for the first stage(s), under uids start..start+rows-1."""
+
+    start: int
+    data: pa.RecordBatch | Columns
+    rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    """The input has run dry for now: stages need not wait for full batches."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Nobody waits for uids start..start+rows-1 any more."""
+
+    start: int
+    rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
+
+    grace_s: float
+
+
+Request = Submit | Flush | Cancel | Stop
+"""What another thread may ask of the router."""
 
 
 class Mailbox:
-    def __init__(self, ctx: Any) -> None:
-        self._requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+    def __init__(self, ctx: BaseContext) -> None:
+        self._requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
         self._lock = threading.Lock()
         self._closed = False
@@ -27,8 +65,8 @@ class Mailbox:
         conn: Connection = self._wake_r
         return conn
 
-    def post(self, *request: Any) -> None:
-        """From any thread: a request for the router (its kind first, then its arguments)."""
+    def post(self, request: Request) -> None:
+        """From any thread: a request for the router."""
         self._requests.put(request)
         with self._lock:
             if not self._closed:  # stopped: a request now has nobody to wake
@@ -39,7 +77,7 @@ class Mailbox:
         while self._wake_r.poll():
             self._wake_r.recv_bytes()
 
-    def take(self) -> Iterator[tuple[Any, ...]]:
+    def take(self) -> Iterator[Request]:
         """The requests that wait, oldest first."""
         while True:
             try:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import enum
 import os
 import time
-from typing import Any, Literal
+from multiprocessing.context import ForkServerContext
+from typing import Literal
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from ebb.common import lifecycle
 from ebb.common.job import StageSpec
 
 from ..chunks import frames
+from ..chunks.frames import Kind
 from ..stage.board import BatchBoard
 from ..stage.loop import StageConfig, stage_main
 from .config import PipelineConfig
@@ -121,7 +123,7 @@ class StageProcess:
 
     def __init__(
         self,
-        ctx: Any,
+        ctx: ForkServerContext,
         stage: int,
         slot: int,
         spec: StageSpec,
@@ -175,7 +177,8 @@ class StageProcess:
 
     @property
     def pid(self) -> int:
-        pid: int = self.process.pid
+        pid = self.process.pid
+        assert pid is not None  # started in __init__
         return pid
 
     @property
@@ -205,7 +208,7 @@ class StageProcess:
         """Tell it to stop: it finishes what it holds first. If it cannot be told, it is gone."""
         self._move(ProcState.DRAINING)
         self.drain_reason = reason
-        if not self.send(frames.pack(frames.STOP)):
+        if not self.send(frames.pack(Kind.STOP)):
             self.mark_dead()
 
     def mark_dead(self) -> None:

@@ -34,12 +34,14 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import assert_never
 
 import pyarrow as pa
 
 from .. import metrics
 from ..chunks import frames
 from ..chunks.columns import Columns
+from ..chunks.frames import Kind
 from ..chunks.segments import SegmentLedger
 from ..chunks.shm import Arena, sweep_orphans
 from ..resources import cpus
@@ -47,7 +49,7 @@ from ..stage.lifeline import name_this_thread
 from .config import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .conveyor import Conveyor, ErrorsCallback, ResultsCallback
 from .ledger import RowLedger
-from .mailbox import Mailbox
+from .mailbox import Cancel, Flush, Mailbox, Stop, Submit
 from .processes import ProcState, StageProcess, describe_exit
 from .scaling import Scaler
 from .stagepool import StagePools
@@ -127,21 +129,21 @@ class Router:
         """Rows for the first stage, under uids start..start+rows-1: the rows of an Arrow
         record batch (which travels as Arrow and becomes columns inside the stage process),
         or a chunk of columns."""
-        self.mailbox.post("submit", start, data, rows)
+        self.mailbox.post(Submit(start, data, rows))
 
     def flush(self) -> None:
-        self.mailbox.post("flush")
+        self.mailbox.post(Flush())
 
     def cancel(self, start: int, rows: int) -> None:
         """Nobody waits for uids start..start+rows-1 any more: drop what of them has not
         reached a process yet (reported through `on_errors`)."""
-        self.mailbox.post("cancel", start, rows)
+        self.mailbox.post(Cancel(start, rows))
 
     def stop(self, grace_s: float) -> None:
         """Stop every process (each finishes what it holds, for up to grace_s) and the thread."""
         if self.thread.is_alive():
             self.watchdog.kill_all_after(time.monotonic() + grace_s + 1.0)
-            self.mailbox.post("stop", grace_s)
+            self.mailbox.post(Stop(grace_s))
             self.thread.join()
         self.watchdog.stop()
 
@@ -183,17 +185,18 @@ class Router:
 
     def _take_requests(self) -> float | None:
         for request in self.mailbox.take():
-            if request[0] == "submit":
-                _, start, data, rows = request
-                self.draining = False
-                self.conveyor.submit(start, data, rows)
-            elif request[0] == "flush":
-                self.draining = True
-            elif request[0] == "cancel":
-                _, start, rows = request
-                self.conveyor.cancel(start, rows)
-            elif request[0] == "stop":
-                return float(request[1])
+            match request:
+                case Submit(start, data, rows):
+                    self.draining = False
+                    self.conveyor.submit(start, data, rows)
+                case Flush():
+                    self.draining = True
+                case Cancel(start, rows):
+                    self.conveyor.cancel(start, rows)
+                case Stop(grace_s):
+                    return grace_s
+                case _:
+                    assert_never(request)
         return None
 
     def _dispatch(self) -> None:
@@ -259,33 +262,38 @@ class Router:
 
     def _handle(self, p: StageProcess, buf: bytes) -> None:
         h = frames.header(buf)
-        kind = h.kind
         for segment in h.released:
             self.segments.unmapped(p.pid, segment)
-        if kind in (frames.ITEMS, frames.ERRORS, frames.FANOUT):
-            p.holding.remove(self.conveyor.take_output(p.stage, buf, h))
-        elif kind == frames.UNMAPPED:
-            for segment in frames.payload(buf):
-                self.segments.unmapped(p.pid, segment)
-        elif kind == frames.READY:
-            self._started(p)
-        elif kind == frames.SETUP_FAILED:
-            message = str(frames.payload(buf))
-            if not self.announced_ready:
-                self._fail(PipelineSetupError(message))  # it cannot start here: fail fast
-            else:
-                # A replacement that cannot start (the GPU still holds the old process's
-                # memory, say): its exit counts as a failed start, retried a few times.
-                log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
-        elif kind == frames.RECYCLE:
-            if p.accepts_work:
-                log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
-                metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
-                self.pools.recycle(p)
-            else:  # told to stop already (the pipeline stops): it goes, nothing replaces it
-                log.debug(
-                    "stage %s process %d is over its memory limit, and stopping", p.name, p.slot
-                )
+        match h.kind:
+            case Kind.ITEMS | Kind.ERRORS | Kind.FANOUT:
+                p.holding.remove(self.conveyor.take_output(p.stage, buf, h))
+            case Kind.UNMAPPED:
+                for segment in frames.payload(buf):
+                    self.segments.unmapped(p.pid, segment)
+            case Kind.READY:
+                self._started(p)
+            case Kind.SETUP_FAILED:
+                message = str(frames.payload(buf))
+                if not self.announced_ready:
+                    self._fail(PipelineSetupError(message))  # it cannot start here: fail fast
+                else:
+                    # A replacement that cannot start (the GPU still holds the old process's
+                    # memory, say): its exit counts as a failed start, retried a few times.
+                    log.warning("stage %s process %d could not start: %s", p.name, p.slot, message)
+            case Kind.RECYCLE:
+                self._recycle(p)
+            case Kind.FLUSH | Kind.STOP | Kind.RECLAIM | Kind.THREADS:
+                raise PipelineBroken(f"stage {p.name} process {p.slot} sent {h.kind.name}")
+            case _:
+                assert_never(h.kind)
+
+    def _recycle(self, p: StageProcess) -> None:
+        if p.accepts_work:
+            log.info("stage %s process %d is over its memory limit: recycling", p.name, p.slot)
+            metrics.STAGE_RESTARTS.labels(p.name, "memory").inc()
+            self.pools.recycle(p)
+        else:  # told to stop already (the pipeline stops): it goes, nothing replaces it
+            log.debug("stage %s process %d is over its memory limit, and stopping", p.name, p.slot)
 
     def _started(self, p: StageProcess) -> None:
         if p.state is not ProcState.STARTING:
@@ -294,7 +302,7 @@ class Router:
         log.debug(
             "stage %s process %d ready in %.2fs", p.name, p.slot, time.monotonic() - p.started
         )
-        self.pools[p.stage].failed_starts = 0
+        self.pools[p.stage].one_started()
         if not self.announced_ready and self.pools.all_started():
             self.announced_ready = True
             self.on_ready()
@@ -336,9 +344,7 @@ class Router:
     def _gives_up_starting(self, p: StageProcess) -> bool:
         """`p` died while starting: whether its stage has failed to start too often (then
         the pipeline fails)."""
-        pool = self.pools[p.stage]
-        pool.failed_starts += 1
-        if pool.failed_starts < _STARTUP_FAILURES_FATAL:
+        if self.pools[p.stage].one_failed_to_start() < _STARTUP_FAILURES_FATAL:
             return False
         message = (
             f"stage {p.name!r} died {_STARTUP_FAILURES_FATAL} times while starting "

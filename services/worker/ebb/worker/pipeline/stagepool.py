@@ -17,11 +17,12 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from multiprocessing.context import ForkServerContext
 
 from ebb.common.job import StageSpec
 
 from ..chunks import frames
+from ..chunks.frames import Kind
 from ..chunks.segments import SegmentLedger
 from ..resources import cpus, devices
 from .config import PipelineConfig
@@ -41,6 +42,15 @@ class StagePool:
         self._procs: list[StageProcess] = []
         self.failed_starts = 0
         """Its processes that died while starting since one last started."""
+
+    def one_started(self) -> None:
+        """A process of it started: the count of failed starts begins again."""
+        self.failed_starts = 0
+
+    def one_failed_to_start(self) -> int:
+        """A process of it died while starting: how many have since one last started."""
+        self.failed_starts += 1
+        return self.failed_starts
 
     def __len__(self) -> int:
         return len(self._procs)
@@ -92,7 +102,7 @@ class StagePool:
         sent more)."""
         for p in self._procs:
             if p.load and not p.flushed and p.state is not ProcState.DEAD:
-                p.flushed = p.send(frames.pack(frames.FLUSH))
+                p.flushed = p.send(frames.pack(Kind.FLUSH))
 
     def retire_one(self) -> StageProcess | None:
         """Stop the least-loaded process that takes work, for good (None: none does)."""
@@ -141,7 +151,7 @@ class StagePools:
         self,
         config: PipelineConfig,
         *,
-        ctx: Any,
+        ctx: ForkServerContext,
         selector: selectors.BaseSelector,
         cores: float,
         gpus: tuple[str, ...] | None,
@@ -183,7 +193,7 @@ class StagePools:
         return (
             maker is not None
             and maker.state is not ProcState.DEAD
-            and maker.send(frames.pack(frames.RECLAIM, payload=segments))
+            and maker.send(frames.pack(Kind.RECLAIM, payload=segments))
         )
 
     def all_started(self) -> bool:
@@ -305,5 +315,5 @@ class StagePools:
                         threads[k],
                         p.threads,
                     )
-                    if p.send(frames.pack(frames.THREADS, payload=threads[k])):
+                    if p.send(frames.pack(Kind.THREADS, payload=threads[k])):
                         p.threads = threads[k]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 
 from ebb.common import envvars
 
@@ -32,7 +32,7 @@ def preload() -> list[str]:
     return BASE + sorted({m.strip() for m in asked.split(",")} & RUNTIMES)
 
 
-def stage_context() -> BaseContext:
+def stage_context() -> ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(preload())
     return ctx

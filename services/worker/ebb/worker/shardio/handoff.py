@@ -20,7 +20,7 @@ carried over the rows it writes without error, beside its own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,18 +39,46 @@ CARRY = "__carry__:"
 METRIC = "__metric__:"
 
 
-def tier_view(spec: JobSpec, tier: str) -> tuple[JobSpec, bool]:
-    """The job as a worker of `tier` runs it, and whether that tier hands its rows on (a
-    tier before the last): the tier's stages and resources, and its root for an output.
-    SpecError for a tier the job has not."""
+@dataclass(frozen=True, kw_only=True)
+class TierEnds:
+    """Where the rows of a worker's tier come from and where they go: chosen once per job
+    session (`tier_view`), the same for every shard the worker runs."""
+
+    reads_handoff: bool = False
+    """The rows are the hand-off of the tier before (every tier but the first): its result
+    columns go into the pipeline, its carried columns and metric values travel on."""
+    hands_on: bool = False
+    """The rows go to the next tier as a hand-off (every tier but the last), not to the
+    output: written as Arrow under the tier's root, metric values carried, not reduced."""
+    carried_metrics: dict[str, MetricSpec] = field(default_factory=dict)
+    """The metrics of the tiers before, whose values the hand-offs it reads carry."""
+
+    @property
+    def reduces_metrics(self) -> bool:
+        """Only the last tier reduces metrics, over the rows it writes: the job's output."""
+        return not self.hands_on
+
+
+WHOLE_JOB = TierEnds()
+"""A job without tiers: the input in, the output out."""
+
+
+def tier_view(spec: JobSpec, tier: str) -> tuple[JobSpec, TierEnds]:
+    """The job as a worker of `tier` runs it, and where its rows come from and go: the tier's
+    stages and resources, and its root for an output. SpecError for a tier the job has not."""
     names = spec.tier_names()
     if tier not in names:
         raise SpecError("tier", f"job {spec.id} has no tier {tier!r}; its tiers: {names}")
     if not spec.tiers:
-        return spec, False
-    hands_on = tier != spec.last_tier()
+        return spec, WHOLE_JOB
+    k = names.index(tier)
+    ends = TierEnds(
+        reads_handoff=k > 0,
+        hands_on=tier != spec.last_tier(),
+        carried_metrics=_carried_metrics(spec, names[:k]),
+    )
     output = spec.output
-    if hands_on:
+    if ends.hands_on:
         output = replace(output, uri=tier_root(output.uri, tier), max_rows_per_file=None)
     view = replace(
         spec,
@@ -59,16 +87,12 @@ def tier_view(spec: JobSpec, tier: str) -> tuple[JobSpec, bool]:
         output=output,
         tiers=[],
     )
-    return view, hands_on
+    return view, ends
 
 
-def carried_metrics(spec: JobSpec, tier: str) -> dict[str, MetricSpec]:
-    """The metrics of the stages of the tiers before `tier`: a shard of `tier` finds their
-    values in the hand-off it reads."""
-    names = spec.tier_names()
-    if not spec.tiers or tier not in names:
-        return {}
-    before = names[: names.index(tier)]
+def _carried_metrics(spec: JobSpec, before: list[str]) -> dict[str, MetricSpec]:
+    """The metrics of the stages of the tiers `before`: a shard of the tier after them finds
+    their values in the hand-off it reads."""
     return {
         name: metric
         for earlier in before

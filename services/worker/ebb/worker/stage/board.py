@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from multiprocessing.context import BaseContext
 
 import numpy as np
 
@@ -13,7 +13,7 @@ class BatchBoard:
     and which uids are in it. The router reads it to kill an overdue batch, and to know,
     when a process dies, which of the items it held were in the batch that killed it."""
 
-    def __init__(self, ctx: Any, capacity: int) -> None:
+    def __init__(self, ctx: BaseContext, capacity: int) -> None:
         self._started = ctx.Value("d", 0.0, lock=False)
         self._count = ctx.Value("i", 0, lock=False)
         self._uids = ctx.Array("q", capacity, lock=False)

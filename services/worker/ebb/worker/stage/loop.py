@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, assert_never
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +39,7 @@ from ..chunks.columns import (
     take,
     to_rows,
 )
+from ..chunks.frames import Kind
 from ..chunks.shm import Arena
 from ..modelets.api import StageError, columns_callable, resolve_class, rows_callable
 from ..modelets.multimodel import MultiModelStage
@@ -113,11 +114,11 @@ def stage_main(
     except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         with contextlib.suppress(OSError):  # the worker may be gone already
-            outbox.send_bytes(frames.pack(frames.SETUP_FAILED, payload=f"stage {name!r}: {detail}"))
+            outbox.send_bytes(frames.pack(Kind.SETUP_FAILED, payload=f"stage {name!r}: {detail}"))
             outbox.close()
         sys.exit(EXIT_SETUP_FAILED)
     try:
-        outbox.send_bytes(frames.pack(frames.READY, payload=os.getpid()))
+        outbox.send_bytes(frames.pack(Kind.READY, payload=os.getpid()))
         StageLoop(
             config, run, inbox, outbox, board, run_rows=run_rows, set_threads=set_threads
         ).run()
@@ -141,7 +142,7 @@ class StageLoop:
     ) -> None:
         spec = config.spec
         self.set_threads = set_threads
-        """The model's thread count, changed between batches (frames.THREADS)."""
+        """The model's thread count, changed between batches (Kind.THREADS)."""
         self.name = spec.name
         self.run_batch = run
         self.run_rows = run_rows
@@ -207,7 +208,7 @@ class StageLoop:
                     if messages:
                         messages[0] = frames.with_released(messages[0], unmapped)
                     else:
-                        messages.append(frames.pack(frames.UNMAPPED, payload=unmapped))
+                        messages.append(frames.pack(Kind.UNMAPPED, payload=unmapped))
                 for message in messages:
                     self._send(message)
                 self._check_memory()
@@ -221,36 +222,52 @@ class StageLoop:
 
     def _handle(self, message: bytes) -> None:
         h = frames.header(message)
-        if h.kind == frames.ITEMS:
-            # A copy of the uids: the view would keep the whole message alive.
-            uids = h.uids.copy()
-            try:
-                payload = frames.payload(message, arena=self.arena)
-                if h.flags & frames.ARROW:
-                    schema, data = payload
-                    payload = from_arrow(pa.ipc.read_record_batch(pa.py_buffer(data), schema))
-                self.batcher.add(
-                    uids,
-                    payload,
-                    time.monotonic(),
-                    solo=bool(h.flags & frames.SOLO),
-                    segment=h.segment,
-                )
-            except Exception as e:  # noqa: BLE001 - rows we cannot read or measure fail, not the stage
-                if h.segment and self.arena.done(h.segment, len(uids)):
-                    self._send(frames.pack(frames.UNMAPPED, payload=[h.segment]))
-                problem = f"stage {self.name!r}: {_describe(e)}"
-                self._send(frames.pack(frames.ERRORS, uids, [problem] * len(uids)))
-        elif h.kind == frames.RECLAIM:
-            for name in frames.payload(message):
-                self.arena.reclaim(name)
-        elif h.kind == frames.FLUSH:
-            self.batcher.flush()
-        elif h.kind == frames.THREADS:
-            if self.set_threads is not None:
-                self.set_threads(int(frames.payload(message)))
-        elif h.kind == frames.STOP:
-            self.stopping = True
+        match h.kind:
+            case Kind.ITEMS:
+                self._take(message, h)
+            case Kind.RECLAIM:
+                for name in frames.payload(message):
+                    self.arena.reclaim(name)
+            case Kind.FLUSH:
+                self.batcher.flush()
+            case Kind.THREADS:
+                if self.set_threads is not None:
+                    self.set_threads(int(frames.payload(message)))
+            case Kind.STOP:
+                self.stopping = True
+            case (
+                Kind.ERRORS
+                | Kind.FANOUT
+                | Kind.UNMAPPED
+                | Kind.READY
+                | Kind.SETUP_FAILED
+                | Kind.RECYCLE
+            ):
+                raise RuntimeError(f"stage {self.name!r} was sent {h.kind.name}, a stage's kind")
+            case _:
+                assert_never(h.kind)
+
+    def _take(self, message: bytes, h: frames.Header) -> None:
+        """Rows for this stage's batches; rows it cannot read fail, not the stage."""
+        # A copy of the uids: the view would keep the whole message alive.
+        uids = h.uids.copy()
+        try:
+            payload = frames.payload(message, arena=self.arena)
+            if h.flags & frames.ARROW:
+                schema, data = payload
+                payload = from_arrow(pa.ipc.read_record_batch(pa.py_buffer(data), schema))
+            self.batcher.add(
+                uids,
+                payload,
+                time.monotonic(),
+                solo=bool(h.flags & frames.SOLO),
+                segment=h.segment,
+            )
+        except Exception as e:  # noqa: BLE001 - rows we cannot read or measure fail, not the stage
+            if h.segment and self.arena.done(h.segment, len(uids)):
+                self._send(frames.pack(Kind.UNMAPPED, payload=[h.segment]))
+            problem = f"stage {self.name!r}: {_describe(e)}"
+            self._send(frames.pack(Kind.ERRORS, uids, [problem] * len(uids)))
 
     def _run(self, batch: Batch) -> list[bytes]:
         """Run a batch; the messages that tell its outcome."""
@@ -291,14 +308,14 @@ class StageLoop:
                 messages.append(message)
         if failed:
             failed_uids = [u for u, _ in failed]
-            messages.append(frames.pack(frames.ERRORS, failed_uids, [m for _, m in failed]))
+            messages.append(frames.pack(Kind.ERRORS, failed_uids, [m for _, m in failed]))
         return messages
 
     def _items_message(
         self, uids: np.ndarray, chunk: Columns, failed: list[tuple[int, str]], flags: int
     ) -> bytes:
         try:
-            return frames.pack(frames.ITEMS, uids, chunk, flags=flags, arena=self.arena)
+            return frames.pack(Kind.ITEMS, uids, chunk, flags=flags, arena=self.arena)
         except Exception:  # noqa: BLE001 - some output cannot be pickled: find which
             bad = self._unsendable_rows(chunk)
             failed += [(int(uids[i]), why) for i, why in bad.items()]
@@ -306,7 +323,7 @@ class StageLoop:
             if not keep.any():
                 return b""
             return frames.pack(
-                frames.ITEMS, uids[keep], take(chunk, keep), flags=flags, arena=self.arena
+                Kind.ITEMS, uids[keep], take(chunk, keep), flags=flags, arena=self.arena
             )
 
     def _fan_out_message(
@@ -336,8 +353,8 @@ class StageLoop:
         if not kept:
             return b""
         chunk = from_rows(parts) if parts else {VALUE: np.empty(0, dtype=object)}
-        message = frames.pack(frames.ITEMS, [], chunk, flags=flags, arena=self.arena)
-        return frames.splice(message, frames.FANOUT, kept + counts)
+        message = frames.pack(Kind.ITEMS, [], chunk, flags=flags, arena=self.arena)
+        return frames.splice(message, Kind.FANOUT, kept + counts)
 
     def _unsendable_rows(self, chunk: Columns) -> dict[int, str]:
         """The rows (by index) whose values cannot be pickled, and why."""
@@ -383,4 +400,4 @@ class StageLoop:
             # Between batches, nothing half done: ask the router to stop feeding us, finish
             # what we hold, and exit; the router starts a fresh process in our place.
             self.recycling = True
-            self._send(frames.pack(frames.RECYCLE))
+            self._send(frames.pack(Kind.RECYCLE))
