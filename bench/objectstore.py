@@ -186,7 +186,7 @@ def run(ctx: Context) -> Section:
                         fs.pipe_file(f"{bucket}/docs/{i}.bin", os.urandom(4096))
                     # -- prefetch
                     rates: dict[str, list[float]] = {"with prefetch": [], "without": []}
-                    # --smoke: the jobs' harness is the other sections' (and tests/test_s3.py's).
+                    # --smoke: the jobs' harness is the other sections' (and test_s3.py's).
                     for r in range(0 if ctx.smoke else ctx.repeats):
                         for name, in_flight in (("with prefetch", 2), ("without", 1)):
                             rate = asyncio.run(_job(ctx, bucket, rows=rows, in_flight=in_flight))

@@ -22,7 +22,7 @@ from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, Harness
 from tests.k8s.manifests import access, allowed
 from tests.scripted_master import ScriptedMaster
-from tests.test_master import Master
+from tests.shard_master.test_master import Master
 
 
 def pytest_configure(config: pytest.Config) -> None:

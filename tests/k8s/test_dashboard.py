@@ -55,7 +55,7 @@ MAY_BE_EMPTY = {
     "Idle GPUs, by pool",
     "Lease renewals and expiries per second",  # no renewal is due in a short run
     "Shards split, and rows their parts kept",  # no worker drained, no straggler
-    # Jobs in tiers only (this job has none: tests/test_tiers.py runs them).
+    # Jobs in tiers only (this job has none: tests/integration/test_tiers.py runs them).
     "Rows per second, by tier",
     "Backlog, by tier",
     "Workers, by tier",

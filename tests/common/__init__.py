@@ -1,0 +1,2 @@
+"""ebb.common: the job spec and its checks, schemas and fuzzed decoders, the output protocol,
+metrics, roles, supervision."""
