@@ -25,9 +25,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ebb.common import envvars
 from ebb.worker.modelcache.client import SHA256_HEADER, NodeCacheError, fetch_through, local_model
+from ebb.worker.modelcache.command import byte_size
 from ebb.worker.modelcache.index import BlobIndex, evictions
 from ebb.worker.modelcache.protocol import refusal
-from ebb.worker.modelcache.server import CacheServerConfig, ModelCacheServer, byte_size
+from ebb.worker.modelcache.server import CacheServerConfig, ModelCacheServer
 
 from ..helpers import free_port, wait_until
 

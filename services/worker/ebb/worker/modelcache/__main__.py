@@ -1,5 +1,5 @@
 """`python -m ebb.worker.modelcache`: the node's model cache server."""
 
-from .server import main
+from .command import main
 
 raise SystemExit(main())

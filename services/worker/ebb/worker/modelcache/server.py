@@ -1,9 +1,9 @@
 """The node's model cache: one server per node (a DaemonSet), models for the node's workers.
 
-`python -m ebb.worker.modelcache`. A cache that the pods of a node share would want a
-hostPath, which Kubernetes' "restricted" Pod Security level refuses; this server keeps the
-cache in its own pod's emptyDir, which lives as long as that pod, and a DaemonSet's pod stays
-on its node while workers come and go. Workers reach the one on their node through a Service
+`python -m ebb.worker.modelcache` (ebb.worker.modelcache.command). A cache that the pods of a node
+share would want a hostPath, which Kubernetes' "restricted" Pod Security level refuses; this server
+keeps the cache in its own pod's emptyDir, which lives as long as that pod, and a DaemonSet's pod
+stays on its node while workers come and go. Workers reach the one on their node through a Service
 whose internalTrafficPolicy is Local (docs/deployment.md); ebb.worker.modelcache.client is their
 side.
 
@@ -29,13 +29,13 @@ The server has no authentication of its own: who may reach it is the NetworkPoli
 (k8s/base/model-cache.yaml), and a worker checks what it gets against the store's own size
 and checksum (ebb.worker.modelcache.client), not only against what the cache announces.
 
-Over 400 lines for now: the server with its command line; the layout's plan moves the cache
-to a package of its own (server, protocol, index, store, client), where this splits.
+The server's state (the downloads in flight, the room reserved for them, the blobs pinned by
+responses, eviction) is one state machine, kept in one module; its command line is
+ebb.worker.modelcache.command, its metrics ebb.worker.modelcache.metrics.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -44,16 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from prometheus_client import Counter, Gauge
-
-from ebb.common import envvars
-from ebb.common import log as logsetup
-from ebb.common import metrics as metricsserver
-from ebb.common.runner import EXIT_OK, run
-from ebb.common.supervisor import install_stop_signals
-
 from .client import CACHE_HEADER, SHA256_HEADER
 from .index import BlobIndex, scan
+from .metrics import EVICTIONS, REQUESTS, SERVED_BYTES, STORED_BYTES
 from .protocol import Request, RequestError, read_request, refusal, reply, response_head
 from .store import (
     CachedModel,
@@ -65,17 +58,6 @@ from .store import (
 )
 
 log = logging.getLogger(__name__)
-
-REQUESTS = Counter(
-    "ebb_model_cache_requests_total",
-    "Model requests to the node cache by outcome: hit, miss (fetched from the store), "
-    "too_large (over the cache's bound), no_room (the cache full of models being sent), "
-    "refused (other 4xx), failed (other 5xx)",
-    ["outcome"],
-)
-SERVED_BYTES = Counter("ebb_model_cache_served_bytes_total", "Model bytes sent to workers")
-STORED_BYTES = Gauge("ebb_model_cache_stored_bytes", "Bytes of the models the node cache holds")
-EVICTIONS = Counter("ebb_model_cache_evictions_total", "Models removed to keep within the bound")
 
 _FETCH_TRIES = 3
 
@@ -419,78 +401,3 @@ class ModelCacheServer:
             await writer.drain()
         finally:
             f.close()
-
-
-_UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-
-
-def byte_size(text: str) -> int:
-    """`50Gi`, `512Mi`, `1073741824`: bytes (Kubernetes' binary suffixes)."""
-    digits = text.rstrip("KMGTi")
-    unit = text[len(digits) :]
-    if not digits.isdigit() or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or n Ki/Mi/Gi/Ti)")
-    return int(digits) * _UNITS[unit]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m ebb.worker.modelcache", description=__doc__)
-    p.add_argument(
-        "--cache-dir",
-        default=env(envvars.MODEL_CACHE_DIR),
-        required=env(envvars.MODEL_CACHE_DIR) is None,
-    )
-    p.add_argument(
-        "--max-bytes",
-        type=byte_size,
-        default=env(envvars.MODEL_CACHE_MAX_BYTES),
-        required=env(envvars.MODEL_CACHE_MAX_BYTES) is None,
-        help="the cache's bound (50Gi, say): least recently used models go beyond it",
-    )
-    roots = [r for r in env(envvars.MODEL_ROOTS, "").split(",") if r]
-    p.add_argument(
-        "--model-root",
-        action="append",
-        default=roots,
-        required=not roots,
-        help="a store URI under which models lie, the only objects served (repeatable; "
-        "default: EBB_MODEL_ROOTS)",
-    )
-    p.add_argument(
-        "--port", type=int, default=int(env(envvars.MODEL_CACHE_PORT, str(CacheServerConfig.port)))
-    )
-    p.add_argument("--grace", type=float, default=float(env(envvars.SHUTDOWN_GRACE_S, "10")))
-    metricsserver.add_metrics_argument(p)
-    p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
-    return p.parse_args(argv)
-
-
-async def amain(args: argparse.Namespace) -> int:
-    server = ModelCacheServer(
-        CacheServerConfig(
-            cache_dir=args.cache_dir,
-            max_bytes=args.max_bytes,
-            model_roots=args.model_root,
-            port=args.port,
-        )
-    )
-    await server.start()
-    stop = asyncio.Event()
-    install_stop_signals(stop.set)
-    metricsserver.set_readiness(lambda: (True, "serving"))
-    await stop.wait()
-    log.info("stopping: %d connections open", server.connections)
-    await server.close(grace_s=args.grace)
-    return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logsetup.setup(args.log_level, service="model-cache")
-    metricsserver.serve(args.metrics_port)
-    return run(amain(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
