@@ -23,7 +23,8 @@ from typing import Any
 
 JOB = Path(__file__).resolve().parent.parent / "libs" / "common" / "ebb" / "common" / "job"
 SOURCES = [
-    JOB / f"{module}.py" for module in ("spec", "sections", "pipeline", "fields", "accumulators")
+    JOB / f"{module}.py"
+    for module in ("spec", "sections", "pipeline", "llm", "fields", "accumulators")
 ]
 """The modules whose dataclasses make up the spec."""
 MARKER = "<!-- spec-reference -->"

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from ebb.common.job import accumulators, fields, pipeline, sections, spec
+from ebb.common.job import accumulators, fields, llm, pipeline, sections, spec
 
 ROOT = Path(__file__).parent.parent
 
@@ -32,7 +32,7 @@ def _load_generator() -> ModuleType:
 
 
 GEN = _load_generator()
-SPEC_MODULES = (spec, sections, pipeline, fields, accumulators)
+SPEC_MODULES = (spec, sections, pipeline, llm, fields, accumulators)
 """The modules whose dataclasses make up the job spec, in the generator's order."""
 
 

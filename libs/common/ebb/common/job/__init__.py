@@ -22,6 +22,7 @@ from .fields import (
     Runtime,
     arrow_type,
 )
+from .llm import LLMSpec, SamplingSpec
 from .paths import check_roots, load_job_file, resolve_paths
 from .pipeline import ModelSpec, PipelineSpec, StageSpec, tier_pipeline
 from .sections import (
@@ -43,6 +44,7 @@ __all__ = [
     "InputFormat",
     "InputSpec",
     "JobSpec",
+    "LLMSpec",
     "MetricSpec",
     "ModelDtype",
     "ModelSpec",
@@ -51,6 +53,7 @@ __all__ = [
     "Pool",
     "ResourceSpec",
     "Runtime",
+    "SamplingSpec",
     "StageSpec",
     "TierSpec",
     "TrackingSpec",

@@ -29,7 +29,7 @@ STAGE_PERFORMANCE_FIELDS = frozenset(
 (a name is a label). Every other field of a stage, one added later included, counts."""
 
 
-LATER_STAGE_FIELDS = frozenset({"models", "after", "metrics"})
+LATER_STAGE_FIELDS = frozenset({"models", "after", "metrics", "llm"})
 
 
 """Stage fields added after output roots began to keep the fields that decide their rows:

@@ -21,6 +21,7 @@ from .fields import (
     bad,
     positive,
 )
+from .llm import LLMSpec
 
 
 def _runtime(model: str, runtime: Runtime | None) -> Runtime:
@@ -78,6 +79,10 @@ class StageSpec:
     it as it came in (no model sees another's output); the batch comes out less the columns
     the models read as `input`, plus each model's `output` column. `threads`, `device` and
     `finite_inputs` apply to each model; a model that raises fails the batch."""
+    llm: LLMSpec | None = None
+    """A generative model over a column of prompts (instead of `modelet` or `model`): see the
+    `llm` section. Rows are fed to its engine continuously, not in batches: `batch_size` is
+    how many rows the stage takes from the pipeline at once."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the modelet's constructor."""
     input: str | None = None
@@ -140,9 +145,13 @@ class StageSpec:
     ends (and MLflow: see `tracking`)."""
 
     def __post_init__(self) -> None:
-        named = [self.modelet, self.model, self.models]
+        named = [self.modelet, self.model, self.models, self.llm]
         if sum(n is not None for n in named) != 1:
-            raise bad("modelet", "a stage names exactly one of `modelet`, `model` or `models`")
+            raise bad(
+                "modelet", "a stage names exactly one of `modelet`, `model`, `models` or `llm`"
+            )
+        if self.llm is not None and (self.fanout or self.fanin):
+            raise bad("llm", "an llm stage writes one row per row: no fanout or fanin")
         if self.modelet is not None and not MODELET_RE.match(self.modelet):
             raise bad("modelet", f"expected `module:Class`, got {self.modelet!r}")
         if self.models is not None:
@@ -194,6 +203,12 @@ class StageSpec:
     def serves_models(self) -> bool:
         """A runtime serves the stage (`model` or `models`), not a user modelet."""
         return self.modelet is None
+
+    def runtime_modules(self) -> set[str]:
+        """The modules that serve the stage: its runtimes', or an llm engine's."""
+        if self.llm is not None:
+            return {"torch"}
+        return {RUNTIME_MODULES[r] for r in self.runtimes()}
 
     def runtimes(self) -> set[Runtime]:
         """The runtimes that serve the stage's models (none for a user modelet)."""
@@ -287,7 +302,7 @@ class PipelineSpec:
     def runtime_modules(self) -> list[str]:
         """The model runtimes' modules the stages import (not user modelets': their imports
         may do anything, a GPU's set-up included)."""
-        return sorted({RUNTIME_MODULES[r] for s in self.stages for r in s.runtimes()})
+        return sorted({m for s in self.stages for m in s.runtime_modules()})
 
 
 def tier_pipeline(pipeline: PipelineSpec, stages: list[str], *, handed: str | None) -> PipelineSpec:

@@ -35,6 +35,10 @@ the rows to the worker's front, which sums them up for the rows it writes; no mo
 it, nor does the output."""
 
 
+ROW_ERROR = "__row_error__"
+"""A column a modelet may return beside its output: per row, None, or why that row failed (a
+prompt too long for the model, say). Those rows become error rows with that reason and the
+others go on, without the bisection a raised exception costs."""
 HIDDEN = "__hidden__:"
 """The prefix of a column a modelet returns for its stage's metrics alone
 (`modelet_api.hidden_column`): dropped once they have read it."""

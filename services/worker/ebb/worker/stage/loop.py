@@ -31,6 +31,7 @@ from ebb.common.job import StageSpec
 
 from ..chunks import frames
 from ..chunks.columns import (
+    ROW_ERROR,
     VALUE,
     Columns,
     concat,
@@ -42,6 +43,7 @@ from ..chunks.columns import (
 )
 from ..chunks.frames import Kind
 from ..chunks.shm import Arena
+from ..llm.stage import LLMStage
 from ..modelets.api import StageError, columns_callable, resolve_class, rows_callable
 from ..modelets.multimodel import MultiModelStage
 from ..modelets.runtimes import load_runtime
@@ -72,6 +74,23 @@ def _describe(e: BaseException) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
 
 
+def _row_errors(
+    uids: np.ndarray, out: Any, stage: str
+) -> tuple[list[tuple[np.ndarray, Any]], list[tuple[int, str]]]:
+    """A batch's output less the rows its modelet said failed (its ROW_ERROR column), and
+    those rows with their reasons."""
+    if not isinstance(out, dict) or ROW_ERROR not in out:
+        return [(uids, out)], []
+    reasons = out.pop(ROW_ERROR)
+    bad = np.array([r is not None for r in reasons], dtype=bool)
+    failed = [
+        (int(u), f"stage {stage!r}: {r}") for u, r in zip(uids[bad], reasons[bad], strict=True)
+    ]
+    if bad.all():
+        return [], failed
+    return [(uids[~bad], take(out, ~bad))], failed
+
+
 def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:
     """Instantiate a stage's modelet (user class or model runtime). Not yet set up."""
     for path in reversed(code_paths):
@@ -81,6 +100,8 @@ def build_stage(spec: StageSpec, *, code_paths: list[str]) -> Any:
         return load_runtime(spec)
     if spec.models is not None:
         return MultiModelStage(spec)
+    if spec.llm is not None:
+        return LLMStage(spec)
     assert spec.modelet is not None
     cls = resolve_class(spec.modelet)
     try:
@@ -384,7 +405,7 @@ class StageLoop:
             if len(uids) == 1:
                 return [], [(int(uids[0]), f"stage {self.name!r}: {_describe(e)}")]
         else:
-            return [(uids, out)], []
+            return _row_errors(uids, out, self.name)
         mid = len(uids) // 2
         left = self._isolate(uids[:mid], take(batch, slice(0, mid)))
         right = self._isolate(uids[mid:], take(batch, slice(mid, None)))

@@ -1,0 +1,97 @@
+"""The `llm` section of a stage: a generative model run over a column of prompts.
+
+A stage with `llm` reads a prompt per row (plain text, or a chat: a list of `{role, content}`
+messages, rendered with the model's chat template) and writes the generated text with its
+finish reason and token counts. Sampling is set for the stage and may be overridden per row
+from columns. Each dataclass keeps its fields' docstrings (the job spec reference) beside the
+checks of their values."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .fields import ModelDtype, bad, positive
+
+LLMEngine = Literal["transformers"]
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+"""The sampling fields a row may override from a column of its own (`per_row`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """How tokens are chosen: the stage's defaults, each overridable per row (`per_row`)."""
+
+    max_tokens: int = 256
+    """Most tokens generated for a row. A prompt whose tokens and `max_tokens` exceed the
+    model's context is an error row, before any engine sees it."""
+    temperature: float = 0.0
+    """0: greedy (the most likely token each step); above 0, sampled at that temperature."""
+    top_p: float = 1.0
+    """Sampling keeps the most likely tokens whose probabilities sum to this (nucleus)."""
+    top_k: int = 0
+    """Sampling keeps the k most likely tokens; 0: no limit."""
+    stop: list[str] = field(default_factory=list)
+    """Text that ends a row's generation where it first appears (not included)."""
+    seed: int = 0
+    """The stage's seed. Each row's own seed is derived from it and the row's prompt, so a
+    row retried, speculated or resumed generates the same text, sampled or not."""
+
+    def __post_init__(self) -> None:
+        positive("max_tokens", self.max_tokens)
+        if not 0 <= self.temperature < math.inf:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise bad("stop", "a stop string must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMSpec:
+    """A generative model over a column of prompts, fed continuously: rows enter the engine
+    as others finish, never waiting for the longest answer of a batch."""
+
+    model: str
+    """A folder in Hugging Face format (config, weights, tokenizer): a path or store URL."""
+    engine: LLMEngine = "transformers"
+    """What runs the model: `transformers`, in the stage's own process, on its `device`."""
+    prompt: str = "prompt"
+    """The column of prompts: text, or a chat (a list of `{role, content}` messages, rendered
+    with the model's chat template)."""
+    output: str = "text"
+    """The column the generated text goes under. Beside it: `finish_reason` (`stop`: the
+    model ended or a stop string came; `length`: `max_tokens` reached), `prompt_tokens` and
+    `output_tokens`."""
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    """The stage's sampling."""
+    per_row: dict[str, str] = field(default_factory=dict)
+    """Sampling fields overridden per row, each from a column: `{max_tokens: budget}` reads
+    a row's `max_tokens` from its `budget` column (max_tokens, temperature, top_p, top_k,
+    seed). A null value keeps the stage's."""
+    max_in_flight: int = 32
+    """Rows generating at once: as one finishes, the next waiting row takes its place."""
+    kv_tokens: int | None = None
+    """Most tokens (prompt plus `max_tokens`) of the rows in flight together: what the
+    engine's KV cache may hold. None: no bound beyond `max_in_flight`."""
+    dtype: ModelDtype | None = None
+    """The precision to run the model in; None: the model's own."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise bad("model", "must name a model folder")
+        if not self.prompt:
+            raise bad("prompt", "must name a column")
+        if not self.output:
+            raise bad("output", "must name a column")
+        for key in self.per_row:
+            if key not in SAMPLING_FIELDS:
+                raise bad(
+                    f"per_row.{key}", f"not a sampling field a row may set: {SAMPLING_FIELDS}"
+                )
+        positive("max_in_flight", self.max_in_flight)
+        if self.kv_tokens is not None:
+            positive("kv_tokens", self.kv_tokens)

@@ -1,0 +1,53 @@
+"""What every engine offers the `llm` stage: requests in, each one's generation out as soon as
+it finishes (not when the slowest of a batch does)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """One row's sampling, resolved: the stage's defaults with the row's own values over them."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    """The row's own seed (derived from the stage's and the prompt): its sampling's source."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    key: int
+    """The caller's name for it (its row): the generation comes back under it."""
+    prompt_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass(kw_only=True)
+class Generation:
+    key: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason = "length"
+    prompt_tokens: int = 0
+
+
+class Engine(Protocol):
+    max_context: int
+    """Prompt tokens plus generated tokens that one sequence may hold."""
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Generation]:
+        """Every request's generation, each as soon as it finishes (in no set order)."""
+        ...
+
+
+class EngineError(Exception):
+    """The engine could not run (the model could not load, the device failed)."""

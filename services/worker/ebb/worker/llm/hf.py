@@ -1,0 +1,224 @@
+"""The Hugging Face `transformers` engine: a model in the stage's own process, on its CPU or
+GPU, fed continuously by a step loop of its own.
+
+Each turn of the loop admits waiting requests while there is room (`max_in_flight` sequences,
+and `kv_tokens`: prompt plus `max_tokens` of those in flight), prefills them together, joins
+their KV cache to the batch's (`batch.BatchCache`), decodes one token for every sequence in
+flight, and retires those that finished: a finished sequence frees its place for the next
+turn, so no request waits for the longest answer of a batch. Waiting requests are taken in
+the order of their token ids, so that prompts sharing a prefix run side by side.
+
+transformers' own continuous batching (`generate_batch`, paged attention) is not used: on a
+CPU its paged path is several times slower than plain decoding (docs/benchmarks.md); this
+loop decodes with the model's ordinary forward pass and a left-padded cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .batch import BatchCache
+from .engine import EngineError, FinishReason, Generation, GenerationRequest
+from .sampling import RowSampler
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineStats:
+    """What the loop did, for metrics and for tests that check it admits as places free."""
+
+    steps: int = 0
+    """Decoding steps (one token for every sequence in flight)."""
+    admitted: list[tuple[int, int]] = field(default_factory=list)
+    """(step, key): when each request joined the sequences in flight."""
+    retired: list[tuple[int, int]] = field(default_factory=list)
+    """(step, key): when each finished."""
+    in_flight: list[int] = field(default_factory=list)
+    """Per decoding step: the sequences it decoded."""
+    waiting: list[int] = field(default_factory=list)
+    """Per decoding step: the requests still waiting for a place."""
+    held_tokens: list[int] = field(default_factory=list)
+    """Per decoding step: prompt plus `max_tokens` of the sequences in flight."""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    sampler: RowSampler
+    tokens: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+    @property
+    def position(self) -> int:
+        """The position of its last token, the one the next step feeds."""
+        return len(self.request.prompt_ids) + len(self.tokens) - 1
+
+    @property
+    def need(self) -> int:
+        return len(self.request.prompt_ids) + self.request.sampling.max_tokens
+
+
+class TransformersEngine:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_in_flight: int = 32,
+        kv_tokens: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device)
+        model: Any
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=_DTYPES[dtype] if dtype else "auto"
+            )
+        except (OSError, ValueError) as e:
+            raise EngineError(f"cannot load the model in {model_dir}: {e}") from e
+        self.model = model.to(self.device).eval()
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos: set[int] = (
+            set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+        )
+        self.max_in_flight = max_in_flight
+        self.kv_tokens = kv_tokens
+        self.stats = EngineStats()
+
+    def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """A prompt's token ids: text as the tokenizer makes them (its special tokens
+        included), a chat rendered with the model's chat template, ready for the answer."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not self.tokenizer.chat_template:
+            raise ValueError("the model's tokenizer has no chat template: give text prompts")
+        ids = self.tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    @torch.inference_mode()
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Generation]:
+        waiting = deque(sorted(requests, key=lambda r: r.prompt_ids))
+        flight: list[_Sequence] = []
+        batch: BatchCache | None = None
+        while waiting or flight:
+            joining = self._admit(waiting, flight)
+            if joining:
+                new = self._prefill(joining)
+                if batch is None:
+                    batch = new
+                else:
+                    batch.join(new)
+                flight += joining
+            else:
+                assert batch is not None
+                self.stats.in_flight.append(len(flight))
+                self.stats.waiting.append(len(waiting))
+                self.stats.held_tokens.append(sum(s.need for s in flight))
+                self._decode(flight, batch)
+            done = [k for k, s in enumerate(flight) if s.finish is not None]
+            if done:
+                for k in done:
+                    yield self._generation(flight[k])
+                kept = [k for k, s in enumerate(flight) if s.finish is None]
+                flight = [flight[k] for k in kept]
+                if flight:
+                    assert batch is not None
+                    batch.keep(kept)
+                else:
+                    batch = None
+
+    def _admit(self, waiting: deque[GenerationRequest], flight: list[_Sequence]) -> list[_Sequence]:
+        joining: list[_Sequence] = []
+        held = sum(s.need for s in flight)
+        while waiting and len(flight) + len(joining) < self.max_in_flight:
+            request = waiting[0]
+            need = len(request.prompt_ids) + request.sampling.max_tokens
+            room = self.kv_tokens is None or held + need <= self.kv_tokens
+            if not room and (flight or joining):
+                break
+            waiting.popleft()
+            held += need
+            joining.append(_Sequence(request, RowSampler(request.sampling, self.device)))
+            self.stats.admitted.append((self.stats.steps, request.key))
+        return joining
+
+    def _prefill(self, joining: list[_Sequence]) -> BatchCache:
+        """The joining sequences' prompts through the model together (left-padded): their
+        cache, and each one's first token."""
+        longest = max(len(s.request.prompt_ids) for s in joining)
+        ids = torch.zeros((len(joining), longest), dtype=torch.long)
+        mask = torch.zeros((len(joining), longest), dtype=torch.long)
+        for i, s in enumerate(joining):
+            prompt = s.request.prompt_ids
+            ids[i, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[i, longest - len(prompt) :] = 1
+            self.stats.prompt_tokens += len(prompt)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        self._take(joining, out.logits[:, -1])
+        return BatchCache(out.cache, mask)
+
+    def _decode(self, flight: list[_Sequence], batch: BatchCache) -> None:
+        """One token for every sequence in flight."""
+        ids = torch.tensor([[s.tokens[-1]] for s in flight], device=self.device)
+        positions = torch.tensor([[s.position] for s in flight], device=self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=batch.step_mask(),
+            position_ids=positions,
+            cache=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.cache
+        self.stats.steps += 1
+        self._take(flight, out.logits[:, -1])
+
+    def _take(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        for s, row in zip(sequences, logits, strict=True):
+            token = s.sampler.pick(row)
+            if token in self.eos:
+                s.finish = "stop"
+                continue
+            s.tokens.append(token)
+            self.stats.output_tokens += 1
+            stop = s.request.sampling.stop
+            if stop and any(t in self._text(s.tokens) for t in stop):
+                s.finish = "stop"
+            elif len(s.tokens) >= s.request.sampling.max_tokens:
+                s.finish = "length"
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def _generation(self, s: _Sequence) -> Generation:
+        self.stats.retired.append((self.stats.steps, s.request.key))
+        text = self._text(s.tokens)
+        for stop in s.request.sampling.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        assert s.finish is not None
+        return Generation(
+            key=s.request.key,
+            token_ids=s.tokens,
+            text=text,
+            finish_reason=s.finish,
+            prompt_tokens=len(s.request.prompt_ids),
+        )

@@ -1,0 +1,176 @@
+"""The `llm` stage: a column of prompts in, the generated text out, each row on its own.
+
+A batch's rows become requests (the prompt's token ids, the row's sampling: the stage's with
+the row's own columns over it) that the engine runs continuously; a row the engine cannot take
+(a prompt that with its `max_tokens` exceeds the model's context, a chat for a model without a
+chat template, a sampling value out of range) is an error row with the reason, before any
+engine sees it, and the others go on.
+
+Each row's seed is derived from the stage's seed and the row's prompt: a row retried,
+speculated or resumed generates the same text, at temperature 0 or sampled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from ebb.common.job import LLMSpec, StageSpec
+
+from ..chunks.columns import ROW_ERROR, Columns, num_rows
+from .engine import Engine, GenerationRequest, Sampling
+
+
+def row_seed(stage_seed: int, prompt: Any) -> int:
+    """A row's seed: the same for the same prompt under the same stage seed, anywhere."""
+    text = prompt if isinstance(prompt, str) else json.dumps(_plain(prompt), sort_keys=True)
+    digest = hashlib.blake2b(f"{stage_seed}\x00{text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _plain(value: Any) -> Any:
+    """A chat as plain lists and maps (numpy arrays of dicts, as columns hold them, too)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class LLMStage:
+    """The modelet an `llm` stage runs (columnar: `process_columns`)."""
+
+    def __init__(self, spec: StageSpec) -> None:
+        assert spec.llm is not None
+        self.stage = spec
+        self.llm: LLMSpec = spec.llm
+        self.engine: Any = None
+
+    def setup(self) -> None:
+        self.engine = self._engine()
+
+    def _engine(self) -> Engine:
+        import torch
+
+        from .hf import TransformersEngine
+
+        if self.stage.threads:
+            torch.set_num_threads(self.stage.threads)
+        return TransformersEngine(
+            self.llm.model,
+            device=self.stage.device,
+            dtype=self.llm.dtype,
+            max_in_flight=self.llm.max_in_flight,
+            kv_tokens=self.llm.kv_tokens,
+        )
+
+    def set_threads(self, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+    def process_columns(self, batch: Columns) -> Columns:
+        n = num_rows(batch)
+        if self.llm.prompt not in batch:
+            raise KeyError(
+                f"no prompt column {self.llm.prompt!r} among the rows' columns {sorted(batch)}"
+            )
+        prompts = batch[self.llm.prompt]
+        errors: list[str | None] = [None] * n
+        requests: list[GenerationRequest] = []
+        for i in range(n):
+            try:
+                requests.append(self._request(i, prompts[i], batch))
+            except (ValueError, TypeError) as e:
+                errors[i] = str(e)
+        text = np.full(n, None, dtype=object)
+        finish = np.full(n, None, dtype=object)
+        prompt_tokens = np.zeros(n, dtype=np.int64)
+        output_tokens = np.zeros(n, dtype=np.int64)
+        for g in self.engine.generate(requests):
+            text[g.key], finish[g.key] = g.text, g.finish_reason
+            prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, len(g.token_ids)
+        out = dict(batch)
+        out[self.llm.output] = text
+        out["finish_reason"] = finish
+        out["prompt_tokens"] = prompt_tokens
+        out["output_tokens"] = output_tokens
+        if any(e is not None for e in errors):
+            out[ROW_ERROR] = np.array(errors, dtype=object)
+        return out
+
+    def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
+        sampling = self._sampling(i, prompt, batch)
+        if isinstance(prompt, str):
+            ids = self.engine.encode(prompt)
+        elif isinstance(prompt, list | tuple | np.ndarray):
+            ids = self.engine.encode(_plain(prompt))
+        else:
+            raise TypeError(
+                f"prompt {self.llm.prompt!r} is {type(prompt).__name__}: text or a list of "
+                "{role, content} messages"
+            )
+        context = self.engine.max_context
+        if len(ids) + sampling.max_tokens > context:
+            raise ValueError(
+                f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed "
+                f"the model's context of {context} tokens"
+            )
+        kv = self.llm.kv_tokens
+        if kv is not None and len(ids) + sampling.max_tokens > kv:
+            raise ValueError(
+                f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed "
+                f"kv_tokens {kv}"
+            )
+        return GenerationRequest(key=i, prompt_ids=ids, sampling=sampling)
+
+    def _sampling(self, i: int, prompt: Any, batch: Columns) -> Sampling:
+        s = self.llm.sampling
+        values: dict[str, Any] = {
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": None,
+        }
+        for key, column in self.llm.per_row.items():
+            if column not in batch:
+                raise ValueError(f"per_row.{key}: no column {column!r} among the rows")
+            value = batch[column][i]
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                continue
+            values[key] = value.item() if isinstance(value, np.generic) else value
+        seed = values.pop("seed")
+        sampling = Sampling(
+            max_tokens=_int(values["max_tokens"], "max_tokens", low=1),
+            temperature=_float(values["temperature"], "temperature", low=0.0),
+            top_p=_float(values["top_p"], "top_p", low=0.0, high=1.0),
+            top_k=_int(values["top_k"], "top_k", low=0),
+            stop=tuple(s.stop),
+            seed=row_seed(s.seed, prompt) if seed is None else _int(seed, "seed", low=0),
+        )
+        if sampling.top_p == 0:
+            raise ValueError("top_p must lie in (0, 1], got 0")
+        return sampling
+
+
+def _int(value: Any, name: str, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _float(value: Any, name: str, *, low: float, high: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
+    return float(value)

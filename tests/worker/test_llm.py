@@ -1,0 +1,193 @@
+"""The `llm` stage and its transformers engine on a tiny model built here (a Llama-shaped model
+from a config, a tokenizer trained in the test, saved in Hugging Face format and loaded by the
+real loading path): greedy text as `model.generate` makes it, per-row sampling, chats, rows
+the model cannot take as error rows, and sequences admitted as others finish."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ebb.common.errors import SpecError
+from ebb.common.job import LLMSpec, SamplingSpec, StageSpec
+from ebb.worker.llm.engine import GenerationRequest, Sampling
+from ebb.worker.llm.hf import TransformersEngine
+from ebb.worker.pipeline.front import Pipeline, PipelineConfig
+
+from ..llm_model import build_tiny_llm, corpus
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llm(tmp_path_factory.mktemp("llm") / "tiny")
+
+
+def _prompts(n: int, seed: int = 1) -> list[str]:
+    return corpus(n, seed=seed)
+
+
+def _greedy(engine: TransformersEngine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """What `model.generate` makes of the prompt alone: the reference."""
+    out = engine.model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones((1, len(prompt_ids)), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=sorted(engine.eos),
+        pad_token_id=engine.tokenizer.pad_token_id,
+    )[0, len(prompt_ids) :].tolist()
+    return [t for t in out if t not in engine.eos]
+
+
+def test_greedy_text_is_what_generate_makes_of_each_prompt_alone(tiny_llm: Path) -> None:
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=4)
+    prompts = _prompts(24)
+    lengths = [1 + (7 * i) % 23 for i in range(len(prompts))]
+    requests = [
+        GenerationRequest(
+            key=i, prompt_ids=engine.encode(p), sampling=Sampling(max_tokens=lengths[i])
+        )
+        for i, p in enumerate(prompts)
+    ]
+    got = {g.key: g for g in engine.generate(requests)}
+    assert sorted(got) == list(range(len(prompts)))
+    for r in requests:
+        assert got[r.key].token_ids == _greedy(engine, r.prompt_ids, lengths[r.key]), r.key
+        assert got[r.key].text == engine.tokenizer.decode(
+            got[r.key].token_ids, skip_special_tokens=True
+        )
+        expected = "length" if len(got[r.key].token_ids) == lengths[r.key] else "stop"
+        assert got[r.key].finish_reason == expected
+
+
+def test_a_finished_sequence_s_place_is_taken_before_the_next_step(tiny_llm: Path) -> None:
+    """Output lengths from 1 to 30: while requests wait, every decoding step runs with every
+    place taken. A static batch would run its longest answer's steps with the others idle."""
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=4)
+    prompts = _prompts(20, seed=2)
+    requests = [
+        GenerationRequest(
+            key=i, prompt_ids=engine.encode(p), sampling=Sampling(max_tokens=1 + (11 * i) % 30)
+        )
+        for i, p in enumerate(prompts)
+    ]
+    assert len(list(engine.generate(requests))) == len(requests)
+    stats = engine.stats
+    assert stats.steps > 0
+    waited = [s for s in range(stats.steps) if stats.waiting[s] > 0]
+    assert waited, "no step ran while requests waited: the test shows nothing"
+    assert [stats.in_flight[s] for s in waited] == [4] * len(waited)
+    # Each admission came at the step of a retirement (or at the start), never later.
+    retire_steps = {step for step, _ in stats.retired} | {0}
+    assert {step for step, _ in stats.admitted} <= retire_steps
+
+
+def test_kv_tokens_bound_what_is_in_flight_together(tiny_llm: Path) -> None:
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=8, kv_tokens=60)
+    requests = [
+        GenerationRequest(key=i, prompt_ids=engine.encode(p), sampling=Sampling(max_tokens=20))
+        for i, p in enumerate(_prompts(12, seed=3))
+    ]
+    needs = {r.key: len(r.prompt_ids) + 20 for r in requests}
+    assert len(list(engine.generate(requests))) == len(requests)
+    stats = engine.stats
+    assert max(stats.in_flight) < 8  # the token budget, not the places, bounded it
+    assert all(held <= 60 for held in stats.held_tokens)
+    assert sum(needs.values()) > 60
+
+
+def test_sampled_text_depends_on_the_row_s_seed_alone(tiny_llm: Path) -> None:
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=3)
+    prompts = _prompts(6, seed=4)
+
+    def run(seeds: list[int], order: list[int]) -> dict[int, list[int]]:
+        requests = [
+            GenerationRequest(
+                key=i,
+                prompt_ids=engine.encode(prompts[i]),
+                sampling=Sampling(max_tokens=12, temperature=1.5, top_p=0.9, seed=seeds[i]),
+            )
+            for i in order
+        ]
+        return {g.key: g.token_ids for g in engine.generate(requests)}
+
+    first = run([10, 11, 12, 13, 14, 15], [0, 1, 2, 3, 4, 5])
+    again = run([10, 11, 12, 13, 14, 15], [5, 3, 1, 0, 2, 4])
+    assert again == first  # beside other rows, in another order: the same text
+    other = run([20, 21, 22, 23, 24, 25], [0, 1, 2, 3, 4, 5])
+    assert other != first
+
+
+def _llm_stage(model: Path, **llm: Any) -> StageSpec:
+    return StageSpec(name="gen", llm=LLMSpec(model=str(model), **llm), batch_size=16)
+
+
+async def test_the_stage_in_its_process_writes_text_and_refuses_rows_it_cannot_take(
+    tiny_llm: Path,
+) -> None:
+    prompts = _prompts(10, seed=5)
+    rows: list[dict[str, Any]] = [
+        {"id": i, "prompt": p, "budget": 3 + i} for i, p in enumerate(prompts)
+    ]
+    rows.append({"id": 10, "prompt": " ".join(["river"] * 400), "budget": 4})  # too long
+    rows.append({"id": 11, "prompt": [{"role": "user", "content": prompts[0]}], "budget": 5})
+    rows.append({"id": 12, "prompt": 42, "budget": 4})  # neither text nor a chat
+    rows.append({"id": 13, "prompt": prompts[1], "budget": 0})  # max_tokens out of range
+    stage = _llm_stage(
+        tiny_llm, per_row={"max_tokens": "budget"}, sampling=SamplingSpec(max_tokens=8)
+    )
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
+    try:
+        await pipeline.start()
+        outcomes = await pipeline.run(rows)
+    finally:
+        await pipeline.stop()
+    engine = TransformersEngine(str(tiny_llm))
+    for row, (ok, value) in zip(rows, outcomes, strict=True):
+        if row["id"] in (10, 12, 13):
+            assert not ok
+            continue
+        assert ok, value
+        prompt = row["prompt"]
+        ids = engine.encode(prompt if isinstance(prompt, str) else list(prompt))
+        expected = _greedy(engine, ids, row["budget"])
+        assert value["output_tokens"] == len(expected)
+        assert value["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)
+        assert value["prompt_tokens"] == len(ids)
+        assert value["finish_reason"] in ("stop", "length")
+        assert value["id"] == row["id"]
+    reasons = {row["id"]: value for row, (ok, value) in zip(rows, outcomes, strict=True) if not ok}
+    assert "exceed the model's context of 256 tokens" in str(reasons[10])
+    assert "text or a list of" in str(reasons[12])
+    assert "max_tokens must be >= 1" in str(reasons[13])
+
+
+def test_an_llm_stage_is_checked_when_the_job_is_submitted(tiny_llm: Path) -> None:
+    with pytest.raises(SpecError, match="exactly one of"):
+        StageSpec(name="x", modelet="m:C", llm=LLMSpec(model=str(tiny_llm)))
+    with pytest.raises(SpecError, match=r"per_row\.colour"):
+        LLMSpec(model=str(tiny_llm), per_row={"colour": "c"})
+    with pytest.raises(SpecError, match="top_p"):
+        SamplingSpec(top_p=0)
+    spec = _llm_stage(tiny_llm)
+    assert spec.runtime_modules() == {"torch"}
+    assert np.isfinite(spec.llm.sampling.temperature) if spec.llm else False
+
+
+def test_importing_the_worker_imports_no_llm_library() -> None:
+    """transformers and torch load when an llm stage is built, not with the worker."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ebb.worker.stage.loop, ebb.worker.llm.stage, ebb.worker.service\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stderr
