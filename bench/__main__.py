@@ -19,6 +19,7 @@ from . import (
     cores,
     embedding,
     fanout,
+    llm,
     master_scale,
     minilm,
     mlp,
@@ -51,6 +52,7 @@ ORDER = [
     "oneread",
     "tiers",
     "tierssim",
+    "llm",
 ]
 
 
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 section = tiers.run(ctx)
             elif name == "tierssim":
                 section = tiers_sim.run(ctx)
+            elif name == "llm":
+                section = llm.run(ctx)
             else:
                 section = minilm.run(ctx)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)

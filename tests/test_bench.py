@@ -43,6 +43,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 13. N models on one read against N separate jobs",
         "## 14. What the hand-off between tiers costs",
         "## 15. Tiers in the cluster simulation",
+        "## 16. LLM generation",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report

@@ -96,11 +96,14 @@ class LLMStage:
         for g in self.engine.generate(requests):
             text[g.key], finish[g.key] = g.text, g.finish_reason
             prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, len(g.token_ids)
-        out = dict(batch)
-        out[self.llm.output] = text
-        out["finish_reason"] = finish
-        out["prompt_tokens"] = prompt_tokens
-        out["output_tokens"] = output_tokens
+        # The generation's columns alone, as a model stage's output: the input's columns reach
+        # the output as `carryover` says.
+        out: Columns = {
+            self.llm.output: text,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+        }
         if any(e is not None for e in errors):
             out[ROW_ERROR] = np.array(errors, dtype=object)
         return out

@@ -1,0 +1,209 @@
+"""Benchmark: LLM generation, the `llm` stage's transformers engine against a static-batch loop
+and transformers' own continuous batching, output tokens per second.
+
+Workload: 128 prompts to a 4-layer Llama-shaped model (hidden 256, built from a config with a
+tokenizer trained here; tests/llm_model.py), greedy. Two shapes: **spread**, as evaluations
+and synthetic data look (most prompts short and most answers short, a long tail of both:
+prompts of 8 to 32 tokens and answers of 4 to 32 for four rows in five, prompts to 200 and
+answers to 160 for the rest), and **equal** (every prompt 24 tokens, every answer 48), the
+bound. A row's answer is as long as its own `max_tokens` (a random model seldom ends sooner).
+Output tokens counted are the tokens rows asked for, nothing more.
+
+- static batches: batches of 32 prompts in order, left-padded, one `model.generate` each to
+  the batch's longest `max_tokens`, every row cut to its own: what a plain loop does.
+- transformers continuous batching: the model's own manager (`init_continuous_batching`,
+  paged attention), every request with its own `max_new_tokens`, in one process.
+- Ebb engine: the `llm` stage's engine (ebb.worker.llm.hf) in one process, 32 in flight.
+- Ebb llm stage: the same through a pipeline: the stage in a process of its own, rows in and
+  out as columns.
+
+Each variant runs the same prompts, interleaved with the others, `repeats` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import Context, Section, interleaved, median, spread, table
+
+PROMPTS = 128
+BATCH = 32
+
+
+def _workload(tokenizer: Any, shape: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) per row."""
+    rng = random.Random(seed)
+    vocab = [t for t in range(len(tokenizer)) if t not in tokenizer.all_special_ids]
+    rows = []
+    for _ in range(n):
+        if shape == "equal":
+            length, answer = 24, 48
+        elif rng.random() < 0.8:
+            length, answer = rng.randint(8, 32), rng.randint(4, 32)
+        else:
+            length, answer = rng.randint(33, 200), rng.randint(33, 160)
+        rows.append(([rng.choice(vocab) for _ in range(length)], answer))
+    return rows
+
+
+def _static(model: Any, rows: list[tuple[list[int], int]], pad: int, eos: set[int]) -> int:
+    useful = 0
+    for start in range(0, len(rows), BATCH):
+        batch = rows[start : start + BATCH]
+        longest = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, (p, _) in enumerate(batch):
+            ids[i, longest - len(p) :] = torch.tensor(p)
+            mask[i, longest - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(m for _, m in batch),
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=sorted(eos),
+            )
+        for i, (_, m) in enumerate(batch):
+            tokens = out[i, longest : longest + m].tolist()
+            useful += next((k for k, t in enumerate(tokens) if t in eos), len(tokens))
+    return useful
+
+
+def _transformers_cb(model: Any, rows: list[tuple[list[int], int]], eos: set[int]) -> int:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(  # type: ignore[no-untyped-call]  # untyped upstream
+        do_sample=False, max_new_tokens=max(m for _, m in rows), eos_token_id=sorted(eos)
+    )
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        for k, (p, m) in enumerate(rows):
+            manager.add_request(p, request_id=str(k), max_new_tokens=m, eos_token_id=sorted(eos))
+        useful = finished = 0
+        while finished < len(rows):
+            result = manager.get_result(timeout=10)
+            if result is not None and result.is_finished():
+                finished += 1
+                useful += len([t for t in result.generated_tokens if t not in eos])
+    finally:
+        manager.stop(block=True)
+    return useful
+
+
+def _engine(engine: Any, rows: list[tuple[list[int], int]]) -> int:
+    from ebb.worker.llm.engine import GenerationRequest, Sampling
+
+    requests = [
+        GenerationRequest(key=k, prompt_ids=p, sampling=Sampling(max_tokens=m))
+        for k, (p, m) in enumerate(rows)
+    ]
+    return sum(len(g.token_ids) for g in engine.generate(requests))
+
+
+async def _stage(
+    model_dir: Path, tokenizer: Any, rows: list[tuple[list[int], int]]
+) -> tuple[int, float]:
+    """Tokens made and the seconds they took, the stage's start-up and a first warm batch
+    left out (the other variants run in a process that is warm)."""
+    from ebb.common.job import LLMSpec, StageSpec
+    from ebb.worker.pipeline.front import Pipeline, PipelineConfig
+
+    stage = StageSpec(
+        name="gen",
+        llm=LLMSpec(model=str(model_dir), per_row={"max_tokens": "m"}, max_in_flight=BATCH),
+        batch_size=len(rows),
+        batch_wait_s=0.5,
+    )
+    items = [{"prompt": tokenizer.decode(p), "m": m} for p, m in rows]
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
+    await pipeline.start()
+    try:
+        await pipeline.run(items[:BATCH])  # the stage's process started and warm
+        started = time.perf_counter()
+        outcomes = await pipeline.run(items)
+        seconds = time.perf_counter() - started
+    finally:
+        await pipeline.stop()
+    return sum(int(v["output_tokens"]) for ok, v in outcomes if ok), seconds
+
+
+def run(ctx: Context) -> Section:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ebb.worker.llm.hf import TransformersEngine
+    from tests.llm_model import build_tiny_llm
+
+    hidden, layers = (64, 2) if ctx.smoke else (256, 4)
+    model_dir = build_tiny_llm(
+        ctx.dir("llm") / "model", layers=layers, hidden=hidden, vocab=2000, context=512
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    engine = TransformersEngine(str(model_dir), max_in_flight=BATCH)
+    eos = engine.eos
+    n = ctx.size(PROMPTS, 64)
+    tables, summary = [], {}
+    for shape in ("spread", "equal"):
+        rows = _workload(tokenizer, shape, n)
+
+        def rate(count: Any) -> Any:
+            def measure() -> float:
+                started = time.perf_counter()
+                tokens: int = count()
+                return tokens / (time.perf_counter() - started)
+
+            return measure
+
+        def stage_rate(rows: list[tuple[list[int], int]] = rows) -> float:
+            tokens, seconds = asyncio.run(_stage(model_dir, tokenizer, rows))
+            return tokens / seconds
+
+        variants = {
+            "static batches (generate)": rate(
+                lambda rows=rows: _static(model, rows, tokenizer.pad_token_id, eos)
+            ),
+            "transformers continuous batching": rate(
+                lambda rows=rows: _transformers_cb(model, rows, eos)
+            ),
+            "Ebb engine": rate(lambda rows=rows: _engine(engine, rows)),
+            "Ebb llm stage": stage_rate,
+        }
+        # One untimed run of each first: torch's first calls at new shapes are slow.
+        for name, warm_up in variants.items():
+            if name != "Ebb llm stage":
+                warm_up()
+        ctx.log(f"  {shape}: {n} prompts")
+        results = interleaved(variants, ctx.repeats, ctx.log)
+        base = median(results["static batches (generate)"])
+        tables.append(
+            f"**{shape}**\n\n"
+            + table(
+                ["variant", "output tokens/s", "vs static batches"],
+                [[k, spread(v), f"{median(v) / base:.2f}x"] for k, v in results.items()],
+            )
+        )
+        for k, v in results.items():
+            summary[f"{shape}: {k}"] = median(v)
+    return Section(
+        title="16. LLM generation: continuous feeding against static batches",
+        intro=__doc__ or "",
+        tables=tables,
+        slug="llm",
+        summary=summary,
+        notes=[
+            f"{n} prompts, a {layers}-layer model of hidden size {hidden}, on the CPU, "
+            "torch's default threads; the stage's process gets the cores its worker has."
+        ],
+    )

@@ -1,0 +1,71 @@
+"""A generation job as a user runs it: `ebb run` on the embedded stack, prompts in JSONL, an
+`llm` stage on a tiny model built here, two workers: every row once in the output, its text
+what the model makes of its prompt alone, the row the model cannot take an error row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from ..client.test_cli import ebb, runs, said
+from ..llm_model import build_tiny_llm, corpus
+from ..worker.test_llm import _greedy
+
+__all__ = ["runs"]  # the CLI tests' fixture: where `ebb run` keeps its state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_a_generation_job_writes_every_row_once(tmp_path: Path) -> None:
+    from ebb.worker.llm.hf import TransformersEngine
+
+    model = build_tiny_llm(tmp_path / "model")
+    prompts = corpus(40, seed=9)
+    rows: list[dict[str, Any]] = [
+        {"id": i, "prompt": p, "budget": 2 + i % 9} for i, p in enumerate(prompts)
+    ]
+    rows.append({"id": 40, "prompt": " ".join(["stone"] * 300), "budget": 4})
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = {
+        "name": "generate",
+        "input": {"uri": "prompts.jsonl", "rows_per_shard": 10},
+        "pipeline": {
+            "stages": [
+                {
+                    "name": "gen",
+                    "llm": {
+                        "model": "model",
+                        "per_row": {"max_tokens": "budget"},
+                        "max_in_flight": 4,
+                    },
+                    "batch_size": 16,
+                }
+            ]
+        },
+        "output": {"uri": "out", "carryover": ["id"]},
+        "resources": {"max_workers": 2},
+        "fault": {"max_error_fraction": 0.05},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = ebb(
+        "run", "job.yaml", "--max-workers", "2", "--data-root", str(tmp_path), cwd=tmp_path
+    )
+    assert result.returncode == 0, said(result)
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    table = pq.ParquetDataset([str(tmp_path / "out" / f["path"]) for f in manifest["files"]])
+    out = table.read().to_pylist()
+    assert sorted(r["id"] for r in out) == list(range(41))
+    engine = TransformersEngine(str(model))
+    by_id = {r["id"]: r for r in out}
+    assert by_id[40]["_error"] and "context" in by_id[40]["_error"]
+    for row in rows[:40]:
+        got = by_id[row["id"]]
+        assert got["_error"] is None, got["_error"]
+        expected = _greedy(engine, engine.encode(row["prompt"]), row["budget"])
+        assert got["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)
+        assert got["output_tokens"] == len(expected)
