@@ -191,3 +191,44 @@ def test_importing_the_worker_imports_no_llm_library() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_an_engine_that_dies_mid_batch_is_made_again_and_finishes_every_row(
+    tiny_llm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine fails at its fifth step (as CUDA out of memory would): the stage makes it
+    again and gives it the rows it had not finished; every row once, each as it would be."""
+    from ebb.common import envvars, failpoints
+    from ebb.worker.llm.stage import LLMStage
+
+    monkeypatch.setenv(envvars.FAILPOINT_DIR, str(tmp_path))
+    failpoints.arm(tmp_path, failpoints.WORKER_LLM_ENGINE_FAILS, when="step 5")
+    stage = LLMStage(_llm_stage(tiny_llm, max_in_flight=3, sampling=SamplingSpec(max_tokens=6)))
+    stage.setup()
+    prompts = _prompts(8, seed=6)
+    out = stage.process_columns({"prompt": np.array(prompts, dtype=object)})
+    assert failpoints.fired(tmp_path, failpoints.WORKER_LLM_ENGINE_FAILS) is not None
+    assert stage.engine_restarts == 1
+    engine = TransformersEngine(str(tiny_llm))
+    for i, p in enumerate(prompts):
+        expected = _greedy(engine, engine.encode(p), 6)
+        assert out["text"][i] == engine.tokenizer.decode(expected, skip_special_tokens=True)
+        assert out["output_tokens"][i] == len(expected)
+
+
+def test_an_engine_that_dies_every_time_fails_the_batch(
+    tiny_llm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ebb.worker.llm import hf
+    from ebb.worker.llm.engine import EngineError
+    from ebb.worker.llm.stage import ENGINE_RESTARTS, LLMStage
+
+    def dies(self: Any, flight: Any, batch: Any) -> None:
+        raise EngineError("CUDA out of memory")
+
+    monkeypatch.setattr(hf.TransformersEngine, "_decode", dies)
+    stage = LLMStage(_llm_stage(tiny_llm, sampling=SamplingSpec(max_tokens=4)))
+    stage.setup()
+    with pytest.raises(EngineError, match="out of memory"):
+        stage.process_columns({"prompt": np.array(_prompts(3), dtype=object)})
+    assert stage.engine_restarts == ENGINE_RESTARTS

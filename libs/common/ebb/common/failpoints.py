@@ -37,12 +37,16 @@ tier: its detail says which) and not yet that shard's own record."""
 MASTER_KV_ANSWER_LOST = "master.kv_answer_lost"
 """The master's write to KV landed, and its answer is lost (taken, not hit: nothing dies)."""
 
+WORKER_LLM_ENGINE_FAILS = "worker.llm_engine_fails"
+"""An `llm` stage's engine fails mid-generation as a dead engine does (CUDA out of memory, an
+engine process gone): taken, the engine raises; the stage restarts it."""
 POINTS = (
     WORKER_BEFORE_COMMIT_RECORD,
     WORKER_AFTER_COMMIT_RECORD,
     MASTER_AFTER_RECORDING_DONE,
     MASTER_BEFORE_SUCCESSOR,
     MASTER_KV_ANSWER_LOST,
+    WORKER_LLM_ENGINE_FAILS,
 )
 
 

@@ -50,4 +50,5 @@ class Engine(Protocol):
 
 
 class EngineError(Exception):
-    """The engine could not run (the model could not load, the device failed)."""
+    """The engine could not run or stopped running (the model could not load, the device
+    failed, it ran out of memory): the stage restarts it."""

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ebb.common import failpoints
+
 from .batch import BatchCache
 from .engine import EngineError, FinishReason, Generation, GenerationRequest
 from .sampling import RowSampler
@@ -177,6 +179,8 @@ class TransformersEngine:
 
     def _decode(self, flight: list[_Sequence], batch: BatchCache) -> None:
         """One token for every sequence in flight."""
+        if failpoints.take(failpoints.WORKER_LLM_ENGINE_FAILS, f"step {self.stats.steps}"):
+            raise EngineError("the engine failed (failpoint worker.llm_engine_fails)")
         ids = torch.tensor([[s.tokens[-1]] for s in flight], device=self.device)
         positions = torch.tensor([[s.position] for s in flight], device=self.device)
         out = self.model(

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,12 @@ import numpy as np
 from ebb.common.job import LLMSpec, StageSpec
 
 from ..chunks.columns import ROW_ERROR, Columns, num_rows
-from .engine import Engine, GenerationRequest, Sampling
+from .engine import Engine, EngineError, Generation, GenerationRequest, Sampling
+
+log = logging.getLogger(__name__)
+
+ENGINE_RESTARTS = 2
+"""Engines made again for one batch before it fails."""
 
 
 def row_seed(stage_seed: int, prompt: Any) -> int:
@@ -51,6 +58,8 @@ class LLMStage:
         self.stage = spec
         self.llm: LLMSpec = spec.llm
         self.engine: Any = None
+        self.engine_restarts = 0
+        """Times the engine was made again after it failed."""
 
     def setup(self) -> None:
         self.engine = self._engine()
@@ -93,7 +102,7 @@ class LLMStage:
         finish = np.full(n, None, dtype=object)
         prompt_tokens = np.zeros(n, dtype=np.int64)
         output_tokens = np.zeros(n, dtype=np.int64)
-        for g in self.engine.generate(requests):
+        for g in self._generate(requests):
             text[g.key], finish[g.key] = g.text, g.finish_reason
             prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, len(g.token_ids)
         # The generation's columns alone, as a model stage's output: the input's columns reach
@@ -107,6 +116,32 @@ class LLMStage:
         if any(e is not None for e in errors):
             out[ROW_ERROR] = np.array(errors, dtype=object)
         return out
+
+    def _generate(self, requests: list[GenerationRequest]) -> Iterator[Generation]:
+        """Every request's generation. An engine that dies (out of memory, its device lost)
+        is made again in place and given the requests it had not finished, up to
+        `ENGINE_RESTARTS` times a batch; then the batch fails, and the pipeline's bisection
+        finds the rows that kill every engine."""
+        left = {r.key: r for r in requests}
+        for restart in range(ENGINE_RESTARTS + 1):
+            try:
+                for g in self.engine.generate(list(left.values())):
+                    del left[g.key]
+                    yield g
+                return
+            except (EngineError, RuntimeError) as e:
+                if restart == ENGINE_RESTARTS:
+                    raise
+                self.engine_restarts += 1
+                log.warning(
+                    "stage %r: the engine failed (%s: %s): restarting it, %d rows again",
+                    self.stage.name,
+                    type(e).__name__,
+                    e,
+                    len(left),
+                )
+                self.engine = None
+                self.engine = self._engine()
 
     def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
         sampling = self._sampling(i, prompt, batch)
