@@ -1,5 +1,7 @@
-"""Benchmark: LLM generation, the `llm` stage's transformers engine against a static-batch loop
-and transformers' own continuous batching, output tokens per second.
+"""Benchmark 16: LLM generation, output tokens per second.
+
+The `llm` stage's transformers engine against a static-batch loop and transformers' own
+continuous batching.
 
 Workload: 128 prompts to a 4-layer Llama-shaped model (hidden 256, built from a config with a
 tokenizer trained here; tests/llm_model.py), greedy. Two shapes: **spread**, as evaluations

@@ -178,7 +178,13 @@ class TransformersEngine:
             self.stats.prompt_tokens += len(prompt)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,  # the next token's alone, not every prompt position's
+        )
         self._take(joining, out.logits[:, -1])
         return BatchCache(out.cache, mask)
 
@@ -200,8 +206,10 @@ class TransformersEngine:
         self._take(flight, out.logits[:, -1])
 
     def _take(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
-        for s, row in zip(sequences, logits, strict=True):
-            token = s.sampler.pick(row)
+        # Greedy rows' tokens in one call for the whole step; sampled rows' each by its own.
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        for s, row, best in zip(sequences, logits, greedy, strict=True):
+            token = best if s.sampler.generator is None else s.sampler.pick(row)
             if token in self.eos:
                 s.finish = "stop"
                 continue
