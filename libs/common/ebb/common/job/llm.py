@@ -14,7 +14,7 @@ from typing import Literal
 
 from .fields import ModelDtype, bad, positive
 
-LLMEngine = Literal["transformers"]
+LLMEngine = Literal["transformers", "endpoint"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 """The sampling fields a row may override from a column of its own (`per_row`)."""
 
@@ -56,9 +56,18 @@ class LLMSpec:
     as others finish, never waiting for the longest answer of a batch."""
 
     model: str
-    """A folder in Hugging Face format (config, weights, tokenizer): a path or store URL."""
+    """A folder in Hugging Face format (config, weights, tokenizer). With `engine: endpoint`
+    the stage reads only its tokenizer and config (to count tokens, check the context and
+    render chats); the server runs the same model."""
     engine: LLMEngine = "transformers"
-    """What runs the model: `transformers`, in the stage's own process, on its `device`."""
+    """What runs the model: `transformers`, in the stage's own process, on its `device`; or
+    `endpoint`, an OpenAI-compatible server already running (vLLM, SGLang, `transformers
+    serve`, llm-d), fed over HTTP."""
+    endpoint: str | None = None
+    """`engine: endpoint`: the server's base URL, up to and with `/v1`
+    (`http://vllm.llm.svc:8000/v1`)."""
+    served_model: str | None = None
+    """`engine: endpoint`: the model's name at the server (its `/v1/models` id). None: `model`."""
     prompt: str = "prompt"
     """The column of prompts: text, or a chat (a list of `{role, content}` messages, rendered
     with the model's chat template)."""
@@ -92,6 +101,11 @@ class LLMSpec:
                 raise bad(
                     f"per_row.{key}", f"not a sampling field a row may set: {SAMPLING_FIELDS}"
                 )
+        if self.engine == "endpoint":
+            if not self.endpoint or not self.endpoint.startswith(("http://", "https://")):
+                raise bad("endpoint", "engine endpoint needs the server's http(s):// base URL")
+        elif self.endpoint is not None or self.served_model is not None:
+            raise bad("endpoint", f"only engine endpoint has an endpoint, not {self.engine}")
         positive("max_in_flight", self.max_in_flight)
         if self.kv_tokens is not None:
             positive("kv_tokens", self.kv_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
 
@@ -29,20 +29,34 @@ class GenerationRequest:
     """The caller's name for it (its row): the generation comes back under it."""
     prompt_ids: list[int]
     sampling: Sampling
+    prompt_text: str = ""
+    """The prompt as text (a chat rendered): what a server that takes text is sent."""
 
 
 @dataclass(kw_only=True)
 class Generation:
     key: int
     token_ids: list[int] = field(default_factory=list)
+    """The tokens made, where the engine tells them (a server tells only their count)."""
     text: str = ""
     finish_reason: FinishReason = "length"
     prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+    """Why this request alone was refused (a server's 4xx for it): its row is an error row."""
 
 
 class Engine(Protocol):
     max_context: int
     """Prompt tokens plus generated tokens that one sequence may hold."""
+
+    def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """A prompt's token ids (a chat rendered with the model's template)."""
+        ...
+
+    def render(self, prompt: str | list[dict[str, Any]]) -> str:
+        """A prompt as text (a chat rendered with the model's template)."""
+        ...
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Generation]:
         """Every request's generation, each as soon as it finishes (in no set order)."""

@@ -29,6 +29,7 @@ from ebb.common import failpoints
 
 from .batch import BatchCache
 from .engine import EngineError, FinishReason, Generation, GenerationRequest
+from .prompts import Prompt, PromptCodec
 from .sampling import RowSampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -81,19 +82,20 @@ class TransformersEngine:
         max_in_flight: int = 32,
         kv_tokens: int | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         model: Any
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.codec = PromptCodec(model_dir)
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=_DTYPES[dtype] if dtype else "auto"
             )
         except (OSError, ValueError) as e:
             raise EngineError(f"cannot load the model in {model_dir}: {e}") from e
         self.model = model.to(self.device).eval()
-        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.tokenizer = self.codec.tokenizer
+        self.max_context = self.codec.max_context
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -104,17 +106,11 @@ class TransformersEngine:
         self.kv_tokens = kv_tokens
         self.stats = EngineStats()
 
-    def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
-        """A prompt's token ids: text as the tokenizer makes them (its special tokens
-        included), a chat rendered with the model's chat template, ready for the answer."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        if not self.tokenizer.chat_template:
-            raise ValueError("the model's tokenizer has no chat template: give text prompts")
-        ids = self.tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.codec.encode(prompt)
+
+    def render(self, prompt: Prompt) -> str:
+        return self.codec.render(prompt)
 
     @torch.inference_mode()
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Generation]:
@@ -222,7 +218,7 @@ class TransformersEngine:
                 s.finish = "length"
 
     def _text(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return self.codec.decode(tokens)
 
     def _generation(self, s: _Sequence) -> Generation:
         self.stats.retired.append((self.stats.steps, s.request.key))
@@ -238,4 +234,5 @@ class TransformersEngine:
             text=text,
             finish_reason=s.finish,
             prompt_tokens=len(s.request.prompt_ids),
+            output_tokens=len(s.tokens),
         )

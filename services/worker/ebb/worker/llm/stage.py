@@ -65,6 +65,16 @@ class LLMStage:
         self.engine = self._engine()
 
     def _engine(self) -> Engine:
+        if self.llm.engine == "endpoint":
+            from .remote import RemoteEngine
+
+            assert self.llm.endpoint is not None
+            return RemoteEngine(
+                self.llm.model,
+                endpoint=self.llm.endpoint,
+                served_model=self.llm.served_model or self.llm.model,
+                max_in_flight=self.llm.max_in_flight,
+            )
         import torch
 
         from .hf import TransformersEngine
@@ -103,8 +113,11 @@ class LLMStage:
         prompt_tokens = np.zeros(n, dtype=np.int64)
         output_tokens = np.zeros(n, dtype=np.int64)
         for g in self._generate(requests):
+            if g.error is not None:
+                errors[g.key] = g.error
+                continue
             text[g.key], finish[g.key] = g.text, g.finish_reason
-            prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, len(g.token_ids)
+            prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, g.output_tokens
         # The generation's columns alone, as a model stage's output: the input's columns reach
         # the output as `carryover` says.
         out: Columns = {
@@ -145,10 +158,10 @@ class LLMStage:
 
     def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
         sampling = self._sampling(i, prompt, batch)
-        if isinstance(prompt, str):
+        if isinstance(prompt, list | tuple | np.ndarray):
+            prompt = _plain(prompt)
+        if isinstance(prompt, str | list):
             ids = self.engine.encode(prompt)
-        elif isinstance(prompt, list | tuple | np.ndarray):
-            ids = self.engine.encode(_plain(prompt))
         else:
             raise TypeError(
                 f"prompt {self.llm.prompt!r} is {type(prompt).__name__}: text or a list of "
@@ -166,7 +179,9 @@ class LLMStage:
                 f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed "
                 f"kv_tokens {kv}"
             )
-        return GenerationRequest(key=i, prompt_ids=ids, sampling=sampling)
+        return GenerationRequest(
+            key=i, prompt_ids=ids, sampling=sampling, prompt_text=self.engine.render(prompt)
+        )
 
     def _sampling(self, i: int, prompt: Any, batch: Columns) -> Sampling:
         s = self.llm.sampling

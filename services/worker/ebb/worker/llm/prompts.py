@@ -1,0 +1,46 @@
+"""A model's prompts as its tokenizer sees them: text, or a chat rendered with the model's chat
+template; their token ids; and the context a sequence may fill. Shared by every engine: the
+stage counts tokens and checks the context before any engine sees a row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Prompt = str | list[dict[str, Any]]
+
+
+class PromptCodec:
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        """Prompt tokens plus generated tokens that one sequence may hold."""
+
+    def _chat_template(self) -> None:
+        if not self.tokenizer.chat_template:
+            raise ValueError("the model's tokenizer has no chat template: give text prompts")
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text as the tokenizer makes them (its special tokens
+        included), a chat rendered with the model's chat template, ready for the answer."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        self._chat_template()
+        ids = self.tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def render(self, prompt: Prompt) -> str:
+        """A prompt as text: a chat rendered with the template, ready for the answer."""
+        if isinstance(prompt, str):
+            return prompt
+        self._chat_template()
+        return str(
+            self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        )
+
+    def decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
