@@ -14,7 +14,7 @@ from typing import Literal
 
 from .fields import ModelDtype, bad, positive
 
-LLMEngine = Literal["transformers", "endpoint"]
+LLMEngine = Literal["transformers", "endpoint", "server"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 """The sampling fields a row may override from a column of its own (`per_row`)."""
 
@@ -60,9 +60,15 @@ class LLMSpec:
     the stage reads only its tokenizer and config (to count tokens, check the context and
     render chats); the server runs the same model."""
     engine: LLMEngine = "transformers"
-    """What runs the model: `transformers`, in the stage's own process, on its `device`; or
-    `endpoint`, an OpenAI-compatible server already running (vLLM, SGLang, `transformers
-    serve`, llm-d), fed over HTTP."""
+    """What runs the model: `transformers`, in the stage's own process, on its `device`;
+    `server`, an OpenAI-compatible server (`vllm serve`, SGLang's, `transformers serve`) the
+    stage starts beside it on its devices (`command`), restarts when it dies and stops with
+    it; or `endpoint`, such a server already running, fed over HTTP."""
+    command: list[str] | None = None
+    """`engine: server`: the server's command line, `{model}`, `{port}` and `{served_model}`
+    filled in: `[vllm, serve, "{model}", --port, "{port}"]`."""
+    startup_s: float = 600.0
+    """`engine: server`: how long the server may take to answer its health check."""
     endpoint: str | None = None
     """`engine: endpoint`: the server's base URL, up to and with `/v1`
     (`http://vllm.llm.svc:8000/v1`)."""
@@ -104,8 +110,16 @@ class LLMSpec:
         if self.engine == "endpoint":
             if not self.endpoint or not self.endpoint.startswith(("http://", "https://")):
                 raise bad("endpoint", "engine endpoint needs the server's http(s):// base URL")
-        elif self.endpoint is not None or self.served_model is not None:
+        elif self.endpoint is not None:
             raise bad("endpoint", f"only engine endpoint has an endpoint, not {self.engine}")
+        if self.engine == "server":
+            if not self.command or "{port}" not in " ".join(self.command):
+                raise bad("command", "engine server needs a command line that names {port}")
+        elif self.command is not None:
+            raise bad("command", f"only engine server has a command, not {self.engine}")
+        if self.engine == "transformers" and self.served_model is not None:
+            raise bad("served_model", "only a server's model has a served name")
+        positive("startup_s", self.startup_s)
         positive("max_in_flight", self.max_in_flight)
         if self.kv_tokens is not None:
             positive("kv_tokens", self.kv_tokens)

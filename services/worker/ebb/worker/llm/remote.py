@@ -17,7 +17,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -38,7 +38,13 @@ class RowRefused(Exception):
 
 class RemoteEngine:
     def __init__(
-        self, model_dir: str, *, endpoint: str, served_model: str, max_in_flight: int = 32
+        self,
+        model_dir: str,
+        *,
+        endpoint: str,
+        served_model: str,
+        max_in_flight: int = 32,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self.codec = PromptCodec(model_dir)
         self.max_context = self.codec.max_context
@@ -47,6 +53,9 @@ class RemoteEngine:
         self.max_in_flight = max_in_flight
         self.requests_sent = 0
         """Completions asked of the server, tries included."""
+        self.alive = alive
+        """For a server the stage runs: whether its process lives. One that died is not
+        waited for: the engine has failed at once, and the stage starts the server again."""
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -124,6 +133,8 @@ class RemoteEngine:
                 problem = f"HTTP {e.code}: {detail}"
             except (OSError, ValueError) as e:  # refused, reset, timed out, not JSON
                 problem = f"{type(e).__name__}: {e}"
+            if self.alive is not None and not self.alive():
+                raise EngineError(f"the model server died: {problem}")
             if time.monotonic() + pause > deadline:
                 raise EngineError(f"{self.url} did not answer for {UNREACHABLE_S:.0f} s: {problem}")
             log.info("%s: %s; asking again in %.1f s", self.url, problem, pause)

@@ -12,12 +12,13 @@ speculated or resumed generates the same text, at temperature 0 or sampled.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from ebb.common.job import LLMSpec, StageSpec
 
 from ..chunks.columns import ROW_ERROR, Columns, num_rows
 from .engine import Engine, EngineError, Generation, GenerationRequest, Sampling
+
+if TYPE_CHECKING:
+    from .managed import ManagedServer
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +64,16 @@ class LLMStage:
         self.engine: Any = None
         self.engine_restarts = 0
         """Times the engine was made again after it failed."""
+        self.server: ManagedServer | None = None
+        """`engine: server`: the server this stage runs."""
+        self.server_starts = 0
 
     def setup(self) -> None:
         self.engine = self._engine()
 
     def _engine(self) -> Engine:
+        if self.llm.engine == "server":
+            return self._served()
         if self.llm.engine == "endpoint":
             from .remote import RemoteEngine
 
@@ -87,6 +96,34 @@ class LLMStage:
             dtype=self.llm.dtype,
             max_in_flight=self.llm.max_in_flight,
             kv_tokens=self.llm.kv_tokens,
+        )
+
+    def _served(self) -> Engine:
+        """The stage's own server, started (again, if it died) and fed over loopback."""
+        from .managed import ManagedServer
+        from .remote import RemoteEngine
+
+        assert self.llm.command is not None
+        if self.server is None:
+            self.server = ManagedServer(
+                self.llm.command,
+                model=self.llm.model,
+                served_model=self.llm.served_model or self.llm.model,
+                startup_s=self.llm.startup_s,
+            )
+            # A stage that ends stops its server; one killed takes it along (managed.py).
+            atexit.register(self.server.close)
+        if not self.server.alive:
+            self.server.stop()
+            self.server.start()
+            self.server_starts += 1
+        server = self.server
+        return RemoteEngine(
+            self.llm.model,
+            endpoint=server.url,
+            served_model=server.served_model,
+            max_in_flight=self.llm.max_in_flight,
+            alive=lambda: server.alive,
         )
 
     def set_threads(self, threads: int) -> None:
