@@ -44,6 +44,10 @@ def test_a_generation_job_writes_every_row_once(tmp_path: Path) -> None:
                         "max_in_flight": 4,
                     },
                     "batch_size": 16,
+                    "metrics": {
+                        "tokens": {"kind": "sum", "column": "output_tokens"},
+                        "rows": {"kind": "count"},
+                    },
                 }
             ]
         },
@@ -69,3 +73,9 @@ def test_a_generation_job_writes_every_row_once(tmp_path: Path) -> None:
         expected = _greedy(engine, engine.encode(row["prompt"]), row["budget"])
         assert got["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)
         assert got["output_tokens"] == len(expected)
+    # The tokens made, counted once per row written whatever ran twice: the output's own sum.
+    metrics = json.loads((tmp_path / "out" / "_metrics.json").read_text())
+    assert metrics["metrics"]["tokens"] == sum(
+        r["output_tokens"] for r in out if r["_error"] is None
+    )
+    assert metrics["metrics"]["rows"] == 40
