@@ -39,8 +39,10 @@ PROMPTS = 128
 BATCH = 32
 
 
-def _workload(tokenizer: Any, shape: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt ids, max_tokens) per row."""
+def _workload(
+    tokenizer: Any, shape: str, n: int, seed: int = 0, *, cap: int = 1 << 30
+) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) per row; `cap` bounds both (a smoke run's)."""
     rng = random.Random(seed)
     vocab = [t for t in range(len(tokenizer)) if t not in tokenizer.all_special_ids]
     rows = []
@@ -51,6 +53,7 @@ def _workload(tokenizer: Any, shape: str, n: int, seed: int = 0) -> list[tuple[l
             length, answer = rng.randint(8, 32), rng.randint(4, 32)
         else:
             length, answer = rng.randint(33, 200), rng.randint(33, 160)
+        length, answer = min(length, cap), min(answer, cap)
         rows.append(([rng.choice(vocab) for _ in range(length)], answer))
     return rows
 
@@ -158,7 +161,7 @@ def run(ctx: Context) -> Section:
     n = ctx.size(PROMPTS, 64)
     tables, summary = [], {}
     for shape in ("spread", "equal"):
-        rows = _workload(tokenizer, shape, n)
+        rows = _workload(tokenizer, shape, n, cap=8 if ctx.smoke else 1 << 30)
 
         def rate(count: Any) -> Any:
             def measure() -> float:
@@ -184,7 +187,7 @@ def run(ctx: Context) -> Section:
         }
         # One untimed run of each first: torch's first calls at new shapes are slow.
         for name, warm_up in variants.items():
-            if name != "Ebb llm stage":
+            if name != "Ebb llm stage" and not ctx.smoke:
                 warm_up()
         ctx.log(f"  {shape}: {n} prompts")
         results = interleaved(variants, ctx.repeats, ctx.log)

@@ -18,7 +18,14 @@ from ebb.worker.pipeline.front import Pipeline, PipelineBroken, PipelineConfig, 
 from ebb.worker.progress import AttemptProgress
 from ebb.worker.shardio.handoff import TierEnds
 
-from ..helpers import job_spec, reference_predictions, wait_until, write_dataset, write_model
+from ..helpers import (
+    ASSETS,
+    job_spec,
+    reference_predictions,
+    wait_until,
+    write_dataset,
+    write_model,
+)
 
 ROWS = 1_500
 
@@ -277,3 +284,47 @@ async def test_a_shard_the_worker_s_tier_does_not_read_is_refused_before_any_wor
     assert broken.runs == 0
     assert store.read_commit(0) is None
     assert not Path(spec.output.uri, attempt_dir(0, 1)).exists()
+
+
+async def test_a_chunk_whose_every_row_fails_counts_no_metric_value_and_commits(
+    tmp_path: Path,
+) -> None:
+    """Every row of every chunk an error row: the stage's metrics have no value for any of
+    them (none came through), and the attempt commits the error rows, not a KeyError."""
+    write_dataset(tmp_path / "data", rows=ROWS, row_group_size=500)
+    stages = [
+        {
+            "name": "score",
+            "modelet": "ebbtest_modelets:FailOn",
+            "params": {"ids": list(range(ROWS))},
+            "metrics": {
+                "scored": {"kind": "count"},
+                "auc": {"kind": "auc", "label": "id", "score": "id"},
+            },
+        }
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=ROWS, stages=stages)).with_id()
+    shard = ShardSpec(
+        index=0,
+        path=str(tmp_path / "data" / "part-000.parquet"),
+        format="parquet",
+        rows=ROWS,
+        row_groups=[0, 1, 2],
+    )
+    pipeline = Pipeline(PipelineConfig(stages=spec.pipeline.stages, code_paths=[str(ASSETS)]))
+    await pipeline.start()
+    try:
+        record = await run_attempt(
+            spec,
+            shard,
+            1,
+            pipeline=pipeline,
+            store=OutputStore(spec.output.uri),
+            worker_id="w1",
+            chunk_rows=400,
+        )
+    finally:
+        await pipeline.stop()
+    assert (record.rows, record.error_rows) == (ROWS, ROWS)
+    assert record.metrics["scored"] == {"n": 0}
+    assert record.metrics["auc"]["pos"] == record.metrics["auc"]["neg"] == []

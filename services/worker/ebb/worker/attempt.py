@@ -287,7 +287,11 @@ def _metric_values(
     went_in = good[: result.rows]
     carried = list(ends.carried_metrics)
     values = handoff.metric_values(data.table, carried) if ends.reads_handoff and carried else {}
-    for name in own:
+    for name, spec in own.items():
+        if name not in result.metrics:
+            # No row of the chunk came through (every one an error row): no values at all.
+            values[name] = np.full((n, 2) if spec.labelled else n, np.nan)
+            continue
         got = np.asarray(result.metrics[name], dtype=np.float64)[: result.rows]
         full = np.full((n, *got.shape[1:]), np.nan)
         full[went_in] = got

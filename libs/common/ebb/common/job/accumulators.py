@@ -120,6 +120,11 @@ class MetricSpec:
             if self.range is not None:
                 raise _bad("range", "only a histogram or auc has a range")
 
+    @property
+    def labelled(self) -> bool:
+        """A row's value is a pair, [label, score] (auc, logloss)."""
+        return self.kind in _LABELLED
+
     def columns(self) -> list[str]:
         """The columns a row's value is read from."""
         if self.kind in _LABELLED:
