@@ -5,6 +5,7 @@ the model cannot take as error rows, and sequences admitted as others finish."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +233,43 @@ def test_an_engine_that_dies_every_time_fails_the_batch(
     with pytest.raises(EngineError, match="out of memory"):
         stage.process_columns({"prompt": np.array(_prompts(3), dtype=object)})
     assert stage.engine_restarts == ENGINE_RESTARTS
+
+
+async def test_a_long_batch_that_keeps_generating_is_not_taken_for_a_hung_one(
+    tiny_llm: Path,
+) -> None:
+    """`batch_timeout_s` counts from an llm stage's last token, not from its batch's start: a
+    batch that runs for several timeouts while it generates comes through whole."""
+    timeout_s = 0.5
+    rows = [{"prompt": p} for p in _prompts(12, seed=13)]
+    stage = _llm_stage(tiny_llm, max_in_flight=1, sampling=SamplingSpec(max_tokens=120))
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[], batch_timeout_s=timeout_s))
+    await pipeline.start()
+    try:
+        started = time.monotonic()
+        outcomes = await pipeline.run(rows)
+        took = time.monotonic() - started
+    finally:
+        await pipeline.stop()
+    assert took > 3 * timeout_s, "the batch ran within its timeout: this test shows nothing"
+    assert all(ok for ok, _ in outcomes), [v for ok, v in outcomes if not ok][:2]
+    assert all(v["output_tokens"] == 120 or v["finish_reason"] == "stop" for _, v in outcomes)
+
+
+def test_the_board_counts_a_batch_s_time_from_its_last_progress() -> None:
+    import multiprocessing as mp
+
+    from ebb.worker.stage.board import BatchBoard
+
+    board = BatchBoard(mp.get_context("spawn"), 4)
+    assert board.last_progress == 0.0
+    board.post(np.array([1, 2], dtype=np.int64))
+    posted = board.last_progress
+    assert posted == board.started
+    while time.monotonic() == posted:
+        pass
+    board.touch()
+    assert board.last_progress > posted
+    assert board.started == posted  # the batch's start stands (its busy time counts from it)
+    board.clear()
+    assert board.last_progress == 0.0

@@ -196,7 +196,9 @@ class FaultPolicy:
     max_error_fraction: float = 0.01
     """Fraction of rows allowed to fail (error rows and quarantined shards) before the job fails."""
     batch_timeout_s: float = 300.0
-    """A batch running longer kills and restarts its stage process; retried once, then errors."""
+    """A batch running longer kills and restarts its stage process; retried once, then errors.
+    An `llm` stage's batch counts from its last progress (a decoding step, a row a server
+    answered): a long batch that keeps generating runs on, one that stalls is killed."""
     worker_memory_gb: float | None = None
     """Stage processes above this RSS are recycled between batches."""
     speculative: bool = True

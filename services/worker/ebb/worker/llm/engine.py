@@ -3,7 +3,7 @@ it finishes (not when the slowest of a batch does)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -49,6 +49,8 @@ class Generation:
 class Engine(Protocol):
     max_context: int
     """Prompt tokens plus generated tokens that one sequence may hold."""
+    on_progress: Callable[[], None] | None
+    """Called as it makes progress: each decoding step, or each completion a server returns."""
 
     def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """A prompt's token ids (a chat rendered with the model's template)."""

@@ -19,7 +19,7 @@ loop decodes with the model's ordinary forward pass and a left-padded cache.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,7 @@ class TransformersEngine:
         self.max_in_flight = max_in_flight
         self.kv_tokens = kv_tokens
         self.stats = EngineStats()
+        self.on_progress: Callable[[], None] | None = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -199,6 +200,8 @@ class TransformersEngine:
         )
         batch.cache = out.cache
         self.stats.steps += 1
+        if self.on_progress is not None:
+            self.on_progress()
         self._take(flight, out.logits[:, -1])
 
     def _take(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:

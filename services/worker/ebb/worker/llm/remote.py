@@ -53,6 +53,7 @@ class RemoteEngine:
         self.max_in_flight = max_in_flight
         self.requests_sent = 0
         """Completions asked of the server, tries included."""
+        self.on_progress: Callable[[], None] | None = None
         self.alive = alive
         """For a server the stage runs: whether its process lives. One that died is not
         waited for: the engine has failed at once, and the stage starts the server again."""
@@ -74,6 +75,8 @@ class RemoteEngine:
                         request = waiting.pop()
                         running[pool.submit(self._complete, request)] = request
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    if self.on_progress is not None:
+                        self.on_progress()
                     for future in done:
                         request = running.pop(future)
                         try:

@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,9 +67,11 @@ class LLMStage:
         self.server: ManagedServer | None = None
         """`engine: server`: the server this stage runs."""
         self.server_starts = 0
+        self.progress: Callable[[], None] | None = None
 
     def setup(self) -> None:
         self.engine = self._engine()
+        self.engine.on_progress = self.progress
 
     def _engine(self) -> Engine:
         if self.llm.engine == "server":
@@ -125,6 +127,13 @@ class LLMStage:
             max_in_flight=self.llm.max_in_flight,
             alive=lambda: server.alive,
         )
+
+    def set_progress(self, progress: Callable[[], None]) -> None:
+        """Called as the engine makes progress (a decoding step, a finished row): the batch's
+        timeout (`fault.batch_timeout_s`) counts from the last, not from its start."""
+        self.progress = progress
+        if self.engine is not None:
+            self.engine.on_progress = progress
 
     def set_threads(self, threads: int) -> None:
         import torch
@@ -192,6 +201,7 @@ class LLMStage:
                 )
                 self.engine = None
                 self.engine = self._engine()
+                self.engine.on_progress = self.progress
 
     def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
         sampling = self._sampling(i, prompt, batch)

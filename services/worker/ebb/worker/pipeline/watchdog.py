@@ -58,10 +58,12 @@ class Watchdog:
                 for p in pool:
                     if p.state is ProcState.DEAD or p in self._verdicts:
                         continue
-                    started = p.board.started
+                    # Counted from the batch's last progress: its start, or (an llm stage) its
+                    # last token. A batch that makes none for the timeout is hung.
+                    progressed = p.board.last_progress
                     if self._kill_all_after and now > self._kill_all_after:
                         self._verdicts[p] = "was killed at shutdown"
-                    elif started and now - started > self._timeout:
+                    elif progressed and now - progressed > self._timeout:
                         self._verdicts[p] = f"was killed after a batch ran over {self._timeout:g}s"
                         log.warning(
                             "stage %s process %d: batch over %gs, killing it",

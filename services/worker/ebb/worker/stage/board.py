@@ -18,12 +18,15 @@ class BatchBoard:
         self._count = ctx.Value("i", 0, lock=False)
         self._uids = ctx.Array("q", capacity, lock=False)
         self._busy = ctx.Value("d", 0.0, lock=False)
+        self._progress = ctx.Value("d", 0.0, lock=False)
 
     def post(self, uids: np.ndarray) -> None:
         n = min(len(uids), len(self._uids))
         np.frombuffer(self._uids, dtype=np.int64)[:n] = uids[:n]
         self._count.value = n
-        self._started.value = time.monotonic()  # last: a reader seeing it sees the uids
+        now = time.monotonic()
+        self._progress.value = now
+        self._started.value = now  # last: a reader seeing it sees the uids
 
     def clear(self) -> None:
         started = self._started.value
@@ -35,6 +38,18 @@ class BatchBoard:
         """Seconds spent running batches since the process started (the running one too)."""
         started = self._started.value
         return float(self._busy.value) + (now - started if started else 0.0)
+
+    def touch(self) -> None:
+        """The running batch made progress (an `llm` stage: a token, a finished row): its
+        timeout counts from now, so a long batch that keeps generating is not taken for a
+        hung one."""
+        self._progress.value = time.monotonic()
+
+    @property
+    def last_progress(self) -> float:
+        """When the running batch started or last made progress; 0.0 when idle."""
+        started = float(self._started.value)
+        return max(started, float(self._progress.value)) if started else 0.0
 
     @property
     def started(self) -> float:

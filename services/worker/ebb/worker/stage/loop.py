@@ -133,6 +133,9 @@ def stage_main(
         run_rows = rows_callable(modelet, label) if config.spec.fanout else None
         run = None if config.spec.fanout else columns_callable(modelet, label)
         set_threads = getattr(modelet, "set_threads", None)
+        set_progress = getattr(modelet, "set_progress", None)
+        if callable(set_progress):
+            set_progress(board.touch)  # an llm stage: its batch's timeout runs from its last token
     except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         with contextlib.suppress(OSError):  # the worker may be gone already
