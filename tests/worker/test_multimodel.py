@@ -95,7 +95,7 @@ def test_each_models_path_is_resolved_and_must_lie_under_a_data_root(tmp_path: P
 @pytest.mark.parametrize(
     ("stage", "path", "problem"),
     [
-        ({"name": "s"}, "modelet", "exactly one of `modelet`, `model` or `models`"),
+        ({"name": "s"}, "modelet", "exactly one of `modelet`, `model`, `models` or `llm`"),
         (
             {"model": "/m.onnx", "models": [{"model": "/n.onnx", "output": "y"}]},
             "modelet",

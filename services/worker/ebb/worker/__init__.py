@@ -15,6 +15,8 @@ The folders are its execution contexts and layers, each importing only those bel
   `stagepool`, `processes`, `watchdog`, `scaling`, `elastic`, `stageserver` (the fork server);
 - `stage/`, what runs inside a stage process: `loop` (its loop), `batcher`, `metering`,
   `board`, `lifeline`;
+- `llm/`, the `llm` stage and its engines (transformers in the stage's process, an
+  OpenAI-compatible endpoint, a server the stage runs);
 - `modelets/`, what users import and name in a job spec: the API, the built-ins, `Fetch`, the
   model runtimes, `multimodel`;
 - `modelcache/`, the node's model cache: its own deployable (`python -m ebb.worker.modelcache`,

@@ -113,7 +113,8 @@ class LLMStage:
                 served_model=self.llm.served_model or self.llm.model,
                 startup_s=self.llm.startup_s,
             )
-            # A stage that ends stops its server; one killed takes it along (managed.py).
+            # A stage that ends stops its server; one killed takes it along
+            # (ebb.worker.llm.managed).
             atexit.register(self.server.close)
         if not self.server.alive:
             self.server.stop()
