@@ -270,3 +270,28 @@ def interleaved_rates(
                 f"{rate.steady:,.0f} steady"
             )
     return whole, steady
+
+
+class GpuSampler(PeriodicSampler):
+    """The GPU's busy share, sampled every 100 ms by pynvml while in use."""
+
+    def __init__(self) -> None:
+        super().__init__(every_s=0.1)
+        self.samples: list[float] = []
+        self._handle: Any = None
+
+    def begin(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def sample(self) -> None:
+        import pynvml
+
+        self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0)
+
+    def end(self) -> None:
+        import pynvml
+
+        pynvml.nvmlShutdown()

@@ -31,7 +31,7 @@ from ebb.common.job import parse_job
 from .common import (
     BENCH_DIR,
     Context,
-    PeriodicSampler,
+    GpuSampler,
     Rate,
     Section,
     interleaved_rates,
@@ -205,31 +205,6 @@ def job(
         "output": {"uri": str(out), "carryover": ["id"]},
         "resources": {"min_workers": 1, "max_workers": 1},
     }
-
-
-class GpuSampler(PeriodicSampler):
-    """The GPU's busy share, sampled every 100 ms by pynvml while in use."""
-
-    def __init__(self) -> None:
-        super().__init__(every_s=0.1)
-        self.samples: list[float] = []
-        self._handle: Any = None
-
-    def begin(self) -> None:
-        import pynvml
-
-        pynvml.nvmlInit()
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-
-    def sample(self) -> None:
-        import pynvml
-
-        self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0)
-
-    def end(self) -> None:
-        import pynvml
-
-        pynvml.nvmlShutdown()
 
 
 def _ebb(

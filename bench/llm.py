@@ -58,26 +58,29 @@ def _workload(
     return rows
 
 
-def _static(model: Any, rows: list[tuple[list[int], int]], pad: int, eos: set[int]) -> int:
+def _static(
+    model: Any, rows: list[tuple[list[int], int]], pad: int, eos: set[int], *, batch: int = BATCH
+) -> int:
     useful = 0
-    for start in range(0, len(rows), BATCH):
-        batch = rows[start : start + BATCH]
-        longest = max(len(p) for p, _ in batch)
-        ids = torch.full((len(batch), longest), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for i, (p, _) in enumerate(batch):
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
+        longest = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
+        for i, (p, _) in enumerate(chunk):
             ids[i, longest - len(p) :] = torch.tensor(p)
             mask[i, longest - len(p) :] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         with torch.inference_mode():
             out = model.generate(
                 ids,
                 attention_mask=mask,
-                max_new_tokens=max(m for _, m in batch),
+                max_new_tokens=max(m for _, m in chunk),
                 do_sample=False,
                 pad_token_id=pad,
                 eos_token_id=sorted(eos),
             )
-        for i, (_, m) in enumerate(batch):
+        for i, (_, m) in enumerate(chunk):
             tokens = out[i, longest : longest + m].tolist()
             useful += next((k for k, t in enumerate(tokens) if t in eos), len(tokens))
     return useful
