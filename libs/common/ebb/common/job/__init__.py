@@ -22,7 +22,7 @@ from .fields import (
     Runtime,
     arrow_type,
 )
-from .llm import LLMSpec, SamplingSpec
+from .llm import LLMSpec, SamplingSpec, StructuredSpec
 from .paths import check_roots, load_job_file, resolve_paths
 from .pipeline import ModelSpec, PipelineSpec, StageSpec, tier_pipeline
 from .sections import (
@@ -55,6 +55,7 @@ __all__ = [
     "Runtime",
     "SamplingSpec",
     "StageSpec",
+    "StructuredSpec",
     "TierSpec",
     "TrackingSpec",
     "arrow_type",

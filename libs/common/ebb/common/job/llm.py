@@ -9,8 +9,9 @@ checks of their values."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .fields import ModelDtype, bad, positive
 
@@ -48,6 +49,37 @@ class SamplingSpec:
             raise bad("top_k", f"must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise bad("stop", "a stop string must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredSpec:
+    """A shape every row's text must have, exactly one of `json`, `choice` and `regex`. The
+    transformers engine enforces it token by token (outlines-core, the library vLLM uses);
+    a server is asked to (vLLM's `structured_outputs`, SGLang's `json_schema` and `regex`);
+    either way the stage checks each row's text, and a row whose text does not parse (its
+    `max_tokens` ran out first, or a server ignored the request) is an error row saying so."""
+
+    json: dict[str, Any] | None = None
+    """A JSON Schema the text is a JSON document of: `{type: object, properties: {label:
+    {enum: [spam, ham]}}, required: [label]}`."""
+    choice: list[str] | None = None
+    """The text is one of these strings."""
+    regex: str | None = None
+    """The text matches this regular expression, whole."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "choice", "regex") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise bad("structured", f"needs exactly one of json, choice, regex; got {given}")
+        if self.json is not None and not self.json:
+            raise bad("structured.json", "an empty schema constrains nothing: leave it out")
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise bad("structured.choice", "needs at least one choice, none of them empty")
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise bad("structured.regex", f"not a regular expression: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +126,8 @@ class LLMSpec:
     engine's KV cache may hold. None: no bound beyond `max_in_flight`."""
     dtype: ModelDtype | None = None
     """The precision to run the model in; None: the model's own."""
+    structured: StructuredSpec | None = None
+    """A shape each row's text must have (a JSON Schema, a choice list or a regex)."""
 
     def __post_init__(self) -> None:
         if not self.model:

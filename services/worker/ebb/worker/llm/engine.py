@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from .structured import Structure
 
 FinishReason = Literal["stop", "length"]
 
@@ -31,6 +34,9 @@ class GenerationRequest:
     sampling: Sampling
     prompt_text: str = ""
     """The prompt as text (a chat rendered): what a server that takes text is sent."""
+    structure: Structure | None = None
+    """A shape the text must have (the stage's `structured`): the engine enforces it where
+    it can; the stage checks it."""
 
 
 @dataclass(kw_only=True)

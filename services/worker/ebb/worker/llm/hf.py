@@ -31,6 +31,7 @@ from .batch import BatchCache
 from .engine import EngineError, FinishReason, Generation, GenerationRequest
 from .prompts import Prompt, PromptCodec
 from .sampling import RowSampler
+from .structured import Guides
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,6 +62,8 @@ class _Sequence:
     sampler: RowSampler
     tokens: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
+    guide: Any = None
+    """Its structured output's walk (outlines-core's `Guide`): the tokens it may take next."""
 
     @property
     def position(self) -> int:
@@ -106,6 +109,7 @@ class TransformersEngine:
         self.kv_tokens = kv_tokens
         self.stats = EngineStats()
         self.on_progress: Callable[[], None] | None = None
+        self.guides = Guides(self.tokenizer, self.eos)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -158,7 +162,10 @@ class TransformersEngine:
                 break
             waiting.popleft()
             held += need
-            joining.append(_Sequence(request, RowSampler(request.sampling, self.device)))
+            sequence = _Sequence(request, RowSampler(request.sampling, self.device))
+            if request.structure is not None:
+                sequence.guide = self.guides.guide(request.structure)
+            joining.append(sequence)
             self.stats.admitted.append((self.stats.steps, request.key))
         return joining
 
@@ -205,6 +212,12 @@ class TransformersEngine:
         self._take(flight, out.logits[:, -1])
 
     def _take(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        for i, s in enumerate(sequences):
+            if s.guide is not None:  # only the tokens its structure allows next
+                allowed = torch.tensor(s.guide.get_tokens(), device=logits.device)
+                kept = logits[i, allowed]
+                logits[i] = float("-inf")
+                logits[i, allowed] = kept
         # Greedy rows' tokens in one call for the whole step; sampled rows' each by its own.
         greedy = torch.argmax(logits, dim=-1).tolist()
         for s, row, best in zip(sequences, logits, greedy, strict=True):
@@ -214,6 +227,11 @@ class TransformersEngine:
                 continue
             s.tokens.append(token)
             self.stats.output_tokens += 1
+            if s.guide is not None:
+                s.guide.advance(token, return_tokens=False)
+                if s.guide.get_tokens() == [self.guides.eos]:  # a whole match, and no longer
+                    s.finish = "stop"
+                    continue
             stop = s.request.sampling.stop
             if stop and any(t in self._text(s.tokens) for t in stop):
                 s.finish = "stop"

@@ -101,6 +101,8 @@ class RemoteEngine:
             body["top_k"] = s.top_k  # vLLM's and SGLang's extension of the API
         if s.stop:
             body["stop"] = list(s.stop)
+        if request.structure is not None:
+            body.update(request.structure.request_fields())
         reply = self._post(body)
         try:
             choice = reply["choices"][0]

@@ -26,6 +26,7 @@ from ebb.common.job import LLMSpec, StageSpec
 
 from ..chunks.columns import ROW_ERROR, Columns, num_rows
 from .engine import Engine, EngineError, Generation, GenerationRequest, Sampling
+from .structured import Structure
 
 if TYPE_CHECKING:
     from .managed import ManagedServer
@@ -68,10 +69,14 @@ class LLMStage:
         """`engine: server`: the server this stage runs."""
         self.server_starts = 0
         self.progress: Callable[[], None] | None = None
+        self.structure = Structure.of(self.llm.structured) if self.llm.structured else None
 
     def setup(self) -> None:
         self.engine = self._engine()
         self.engine.on_progress = self.progress
+        guides = getattr(self.engine, "guides", None)
+        if self.structure is not None and guides is not None:
+            guides.guide(self.structure)  # a shape its tokens cannot write fails the set-up
 
     def _engine(self) -> Engine:
         if self.llm.engine == "server":
@@ -163,6 +168,13 @@ class LLMStage:
             if g.error is not None:
                 errors[g.key] = g.error
                 continue
+            if self.structure is not None:
+                wrong = self.structure.check(g.text)
+                if wrong is not None:
+                    errors[g.key] = (
+                        f"the text has not the stage's structured {self.structure.kind} "
+                        f"(finish_reason {g.finish_reason}): {wrong}"
+                    )
             text[g.key], finish[g.key] = g.text, g.finish_reason
             prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, g.output_tokens
         # The generation's columns alone, as a model stage's output: the input's columns reach
@@ -228,7 +240,11 @@ class LLMStage:
                 f"kv_tokens {kv}"
             )
         return GenerationRequest(
-            key=i, prompt_ids=ids, sampling=sampling, prompt_text=self.engine.render(prompt)
+            key=i,
+            prompt_ids=ids,
+            sampling=sampling,
+            prompt_text=self.engine.render(prompt),
+            structure=self.structure,
         )
 
     def _sampling(self, i: int, prompt: Any, batch: Columns) -> Sampling:

@@ -1,0 +1,167 @@
+"""Structured output: a shape every row's text must have (a JSON Schema, a choice list, a
+regex), enforced token by token in the transformers engine and checked for every engine.
+
+The shape becomes one regular expression (outlines-core turns a JSON Schema into one, as vLLM's
+outlines backend does); outlines-core's `Index` maps it onto the tokenizer's vocabulary once
+per engine and shape, and each sequence walks it with a `Guide`: at every step only the tokens
+that keep the text a prefix of a match may be chosen, the end-of-text token only where the text
+is a whole match. A server is sent the shape in the fields vLLM and SGLang read. Whatever the
+engine, the stage checks each row's finished text against the shape: a row cut by its
+`max_tokens`, or from a server that ignored the request, is an error row, never a wrong value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from ebb.common.job import StructuredSpec
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~ ")
+
+
+def _escape(text: str) -> str:
+    """`text` as a regex matching it alone, escaping only what is special (Rust's regex
+    dialect, which outlines-core reads, refuses Python's escapes of plain letters)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """One stage's shape: its regex (outlines-core's dialect) and how a text is checked."""
+
+    kind: str
+    """`json`, `choice` or `regex`."""
+    value: Any
+    """The schema, the choices or the regex, as the spec gives it."""
+    regex: str
+
+    @classmethod
+    def of(cls, spec: StructuredSpec) -> Structure:
+        if spec.json is not None:
+            from outlines_core.json_schema import build_regex_from_schema
+
+            try:
+                regex = build_regex_from_schema(json.dumps(spec.json))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"structured.json: not a JSON Schema it can enforce: {e}") from e
+            return cls("json", spec.json, regex)
+        if spec.choice is not None:
+            either = "|".join(map(_escape, spec.choice))
+            return cls("choice", tuple(spec.choice), f"({either})")
+        assert spec.regex is not None
+        return cls("regex", spec.regex, spec.regex)
+
+    def check(self, text: str) -> str | None:
+        """Why `text` does not have this shape; None when it does."""
+        if self.kind == "choice":
+            return None if text in self.value else f"{text!r} is none of {list(self.value)}"
+        if self.kind == "json":
+            try:
+                json.loads(text)
+            except ValueError as e:
+                return f"not JSON ({e}): {text[:200]!r}"
+            pattern = _python(self.regex)
+            if pattern is None or pattern.fullmatch(text):
+                return None
+            return f"JSON, but not of the schema: {text[:200]!r}"
+        return None if re.fullmatch(self.value, text) else f"{text[:200]!r} does not match"
+
+    def request_fields(self) -> dict[str, Any]:
+        """What a server is sent to enforce it: vLLM's `structured_outputs` and SGLang's
+        own fields (each server ignores the other's)."""
+        if self.kind == "json":
+            return {
+                "structured_outputs": {"json": self.value},
+                "json_schema": json.dumps(self.value),
+            }
+        if self.kind == "choice":
+            return {"structured_outputs": {"choice": list(self.value)}, "regex": self.regex}
+        return {"structured_outputs": {"regex": self.value}, "regex": self.value}
+
+
+@cache
+def _python(regex: str) -> re.Pattern[str] | None:
+    """The schema's regex in Python's dialect; None where only Rust's reads it (the text is
+    then checked as JSON alone)."""
+    try:
+        return re.compile(regex)
+    except re.error:
+        return None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def vocabulary_bytes(tokenizer: Any, skip: set[int]) -> dict[bytes, list[int]]:
+    """Each token's bytes as it adds them to a text (the ids that write them), the ids in
+    `skip` (special tokens) left out: what outlines-core's `Vocabulary` is built from."""
+    decoder = ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+    byte_level = '"ByteLevel"' in decoder
+    to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    out: defaultdict[bytes, list[int]] = defaultdict(list)
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id in skip:
+            continue
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)
+        if byte_level and all(c in to_byte for c in token):
+            data = bytes(to_byte[c] for c in token)
+        elif fallback:
+            data = bytes([int(fallback[1], 16)])
+        else:
+            data = token.replace("▁", " ").encode()  # SentencePiece's word marker
+        if data:
+            out[data].append(token_id)
+    return dict(out)
+
+
+class Guides:
+    """An engine's token guides: the vocabulary once, an index per shape, a guide per row."""
+
+    def __init__(self, tokenizer: Any, eos: set[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos = min(eos) if eos else tokenizer.eos_token_id
+        self._vocabulary: Any = None
+        self._indexes: dict[str, Any] = {}
+
+    def guide(self, structure: Structure) -> Any:
+        from outlines_core import Guide, Index, Vocabulary
+
+        if self._vocabulary is None:
+            skip = set(self._tokenizer.all_special_ids)
+            self._vocabulary = Vocabulary(
+                self._eos, vocabulary_bytes(self._tokenizer, skip | {self._eos})
+            )
+        index = self._indexes.get(structure.regex)
+        if index is None:
+            try:
+                index = Index(structure.regex, self._vocabulary)
+            except ValueError as e:
+                raise ValueError(
+                    f"structured output: the model's tokens cannot write it: {e}"
+                ) from e
+            self._indexes[structure.regex] = index
+        return Guide(index)
+
+    @property
+    def eos(self) -> int:
+        return int(self._eos)
