@@ -12,6 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from ebb.common.data.layout import COMMITS_DIR
+from ebb.worker.llm.provenance import model_digest
+
 from ..client.test_cli import ebb, runs, said
 from ..llm_model import build_tiny_llm, corpus
 from ..worker.test_llm import _greedy
@@ -79,3 +82,11 @@ def test_a_generation_job_writes_every_row_once(tmp_path: Path) -> None:
         r["output_tokens"] for r in out if r["_error"] is None
     )
     assert metrics["metrics"]["rows"] == 40
+    # Every shard's commit record names what generated it: the same model bytes, engine, sampling.
+    records = [json.loads(p.read_text()) for p in (tmp_path / "out" / COMMITS_DIR).glob("*.json")]
+    assert {r["shard"] for r in records} >= {f["shard"] for f in manifest["files"]}
+    for record in records:
+        gen = record["generation"]["gen"]
+        assert gen["model_sha256"] == model_digest(str(model)), gen
+        assert gen["engine"] == "transformers" and gen["per_row"] == {"max_tokens": "budget"}
+        assert gen["sampling"]["temperature"] == 0.0

@@ -30,6 +30,7 @@ from ebb.common.messaging.messages import ShardSpec
 
 from . import metrics
 from .chunks.columns import scatter, take_rows
+from .llm.provenance import generation_records
 from .pipeline.front import RowsBack, RunResult
 from .progress import AttemptProgress
 from .shardio import handoff
@@ -154,6 +155,7 @@ async def run_attempt(
         reader.close()
     if not whole and not rows_in:
         raise AttemptStopped(f"shard {shard.index}: stopped before any row was done")
+    generation = await asyncio.to_thread(generation_records, spec.pipeline.stages)
     record = new_commit(
         job=spec.id,
         shard=shard.index,
@@ -162,6 +164,7 @@ async def run_attempt(
         worker=worker_id,
         split_at=0 if whole else rows_in,
         metrics=partials,
+        generation=generation,
     )
     failpoints.hit(failpoints.WORKER_BEFORE_COMMIT_RECORD, detail=str(shard.index))
     won, record = await asyncio.to_thread(store.create_commit, record)

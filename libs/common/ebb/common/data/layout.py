@@ -80,6 +80,10 @@ class CommitRecord:
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The partials of the job's metrics (`ebb.common.job.accumulators`) over exactly the rows of
     these files, by metric: the master merges those of the attempts that won their shards."""
+    generation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """By `llm` stage: what generated these files' text (the model's path and the SHA-256 of
+    its files, the engine and its version, the sampling, the structured output;
+    `ebb.worker.llm.provenance`). Empty for a job without one."""
 
     @property
     def rows(self) -> int:

@@ -405,9 +405,11 @@ def new_commit(
     worker: str,
     split_at: int = 0,
     metrics: dict[str, dict[str, Any]] | None = None,
+    generation: dict[str, dict[str, Any]] | None = None,
 ) -> CommitRecord:
     """A commit record of now. `split_at`: the rows of a part (0: the whole shard);
-    `metrics`: the partials of the job's metrics over its rows."""
+    `metrics`: the partials of the job's metrics over its rows; `generation`: what its `llm`
+    stages generated with."""
     return CommitRecord(
         job=job,
         shard=shard,
@@ -417,4 +419,5 @@ def new_commit(
         committed_at=time.time(),
         split_at=split_at,
         metrics=metrics or {},
+        generation=generation or {},
     )
