@@ -59,6 +59,10 @@ MAY_BE_EMPTY = {
     "Rows per second, by tier",
     "Backlog, by tier",
     "Workers, by tier",
+    # Jobs with an llm stage only (tests/worker/test_llm_metrics.py checks these metrics).
+    "Tokens per second, by llm stage",
+    "Rows in flight and the KV tokens they hold, by llm stage",
+    "Engines restarted, by llm stage",
 }
 
 

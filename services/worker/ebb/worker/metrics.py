@@ -38,3 +38,20 @@ DEVICE_UTILIZATION = Gauge(
     "Busy fraction of a device the pipeline uses (cpu: the machine's; cuda:N: NVML's)",
     ["device"],
 )
+LLM_PROMPT_TOKENS = Counter(
+    "ebb_llm_prompt_tokens_total", "Prompt tokens of the rows an llm stage generated", ["stage"]
+)
+LLM_OUTPUT_TOKENS = Counter(
+    "ebb_llm_output_tokens_total", "Tokens an llm stage generated", ["stage"]
+)
+LLM_IN_FLIGHT = Gauge(
+    "ebb_llm_requests_in_flight", "Rows an llm stage's engines run now", ["stage"]
+)
+LLM_HELD_TOKENS = Gauge(
+    "ebb_llm_held_tokens",
+    "Prompt tokens plus max_tokens of the rows in flight: what their KV cache may grow to",
+    ["stage"],
+)
+LLM_ENGINE_RESTARTS = Counter(
+    "ebb_llm_engine_restarts_total", "Engines made again in place after they failed", ["stage"]
+)

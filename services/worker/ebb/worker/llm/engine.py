@@ -57,6 +57,11 @@ class Engine(Protocol):
     """Prompt tokens plus generated tokens that one sequence may hold."""
     on_progress: Callable[[], None] | None
     """Called as it makes progress: each decoding step, or each completion a server returns."""
+    in_flight: int
+    """Requests it runs now."""
+    held_tokens: int
+    """Prompt tokens plus `max_tokens` of the requests it runs now: what their KV cache may
+    grow to."""
 
     def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """A prompt's token ids (a chat rendered with the model's template)."""

@@ -110,6 +110,8 @@ class TransformersEngine:
         self.stats = EngineStats()
         self.on_progress: Callable[[], None] | None = None
         self.guides = Guides(self.tokenizer, self.eos)
+        self.in_flight = 0
+        self.held_tokens = 0
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -135,9 +137,10 @@ class TransformersEngine:
                 flight += joining
             else:
                 assert batch is not None
-                self.stats.in_flight.append(len(flight))
+                self.in_flight, self.held_tokens = len(flight), sum(s.need for s in flight)
+                self.stats.in_flight.append(self.in_flight)
                 self.stats.waiting.append(len(waiting))
-                self.stats.held_tokens.append(sum(s.need for s in flight))
+                self.stats.held_tokens.append(self.held_tokens)
                 self._decode(flight, batch)
             done = [k for k, s in enumerate(flight) if s.finish is not None]
             if done:

@@ -54,6 +54,8 @@ class RemoteEngine:
         self.requests_sent = 0
         """Completions asked of the server, tries included."""
         self.on_progress: Callable[[], None] | None = None
+        self.in_flight = 0
+        self.held_tokens = 0
         self.alive = alive
         """For a server the stage runs: whether its process lives. One that died is not
         waited for: the engine has failed at once, and the stage starts the server again."""
@@ -74,6 +76,10 @@ class RemoteEngine:
                     while waiting and len(running) < self.max_in_flight:
                         request = waiting.pop()
                         running[pool.submit(self._complete, request)] = request
+                    self.in_flight = len(running)
+                    self.held_tokens = sum(
+                        len(r.prompt_ids) + r.sampling.max_tokens for r in running.values()
+                    )
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
                     if self.on_progress is not None:
                         self.on_progress()

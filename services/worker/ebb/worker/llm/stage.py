@@ -65,15 +65,19 @@ class LLMStage:
         self.engine: Any = None
         self.engine_restarts = 0
         """Times the engine was made again after it failed."""
+        self.prompt_tokens = self.output_tokens = 0
+        """Tokens of the rows generated since the stage's process started."""
         self.server: ManagedServer | None = None
         """`engine: server`: the server this stage runs."""
         self.server_starts = 0
         self.progress: Callable[[], None] | None = None
+        self.report: Callable[..., None] | None = None
+        """Posts the engine's gauges where the worker reads them (the stage's batch board)."""
         self.structure = Structure.of(self.llm.structured) if self.llm.structured else None
 
     def setup(self) -> None:
         self.engine = self._engine()
-        self.engine.on_progress = self.progress
+        self.engine.on_progress = self._progressed
         guides = getattr(self.engine, "guides", None)
         if self.structure is not None and guides is not None:
             guides.guide(self.structure)  # a shape its tokens cannot write fails the set-up
@@ -138,8 +142,17 @@ class LLMStage:
         """Called as the engine makes progress (a decoding step, a finished row): the batch's
         timeout (`fault.batch_timeout_s`) counts from the last, not from its start."""
         self.progress = progress
-        if self.engine is not None:
-            self.engine.on_progress = progress
+
+    def set_engine_report(self, report: Callable[..., None]) -> None:
+        """Called with the engine's gauges and counts (ebb.worker.stage.board.ENGINE_FIELDS)
+        as it makes progress."""
+        self.report = report
+
+    def _progressed(self) -> None:
+        if self.progress is not None:
+            self.progress()
+        if self.report is not None and self.engine is not None:
+            self.report(in_flight=self.engine.in_flight, held_tokens=self.engine.held_tokens)
 
     def set_threads(self, threads: int) -> None:
         import torch
@@ -177,6 +190,12 @@ class LLMStage:
                     )
             text[g.key], finish[g.key] = g.text, g.finish_reason
             prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, g.output_tokens
+            self.prompt_tokens += g.prompt_tokens
+            self.output_tokens += g.output_tokens
+            if self.report is not None:
+                self.report(prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens)
+        if self.report is not None:  # the batch is done: nothing in flight until the next
+            self.report(in_flight=0, held_tokens=0, restarts=self.engine_restarts)
         # The generation's columns alone, as a model stage's output: the input's columns reach
         # the output as `carryover` says.
         out: Columns = {
@@ -205,6 +224,8 @@ class LLMStage:
                 if restart == ENGINE_RESTARTS:
                     raise
                 self.engine_restarts += 1
+                if self.report is not None:
+                    self.report(restarts=self.engine_restarts)
                 log.warning(
                     "stage %r: the engine failed (%s: %s): restarting it, %d rows again",
                     self.stage.name,
@@ -214,7 +235,7 @@ class LLMStage:
                 )
                 self.engine = None
                 self.engine = self._engine()
-                self.engine.on_progress = self.progress
+                self.engine.on_progress = self._progressed
 
     def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
         sampling = self._sampling(i, prompt, batch)

@@ -48,6 +48,7 @@ from ..resources import cpus
 from ..stage.lifeline import name_this_thread
 from .config import PipelineBroken, PipelineConfig, PipelineError, PipelineSetupError
 from .conveyor import Conveyor, ErrorsCallback, ResultsCallback
+from .enginemeter import EngineMeter
 from .ledger import RowLedger
 from .mailbox import Cancel, Flush, Mailbox, Stop, Submit
 from .processes import ProcState, StageProcess, describe_exit
@@ -118,6 +119,7 @@ class Router:
         self._depths_due = 0.0
         self.thread = threading.Thread(target=self._main, name="ebb-pipeline-router", daemon=True)
         self.watchdog = Watchdog(self.pools, batch_timeout_s=config.batch_timeout_s)
+        self.engine_meter = EngineMeter()
 
     # -- called from other threads ---------------------------------------------------------
 
@@ -240,6 +242,7 @@ class Router:
         self._depths = tuple(
             self.conveyor.waiting(k) + pool.load() for k, pool in enumerate(self.pools)
         )
+        self.engine_meter.read(self.pools)  # as often: the llm stages' engines' metrics
 
     def _receive(self, p: StageProcess) -> bool:
         """Read every message a process has sent. False once its outbox reports EOF."""

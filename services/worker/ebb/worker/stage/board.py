@@ -7,6 +7,11 @@ from multiprocessing.context import BaseContext
 
 import numpy as np
 
+ENGINE_FIELDS = ("in_flight", "held_tokens", "restarts", "prompt_tokens", "output_tokens")
+"""What an llm stage posts of its engine: requests in flight now and the tokens (prompt plus
+`max_tokens`) they hold; since the process started, the times the engine was made again and
+the prompt and output tokens of the rows it generated."""
+
 
 class BatchBoard:
     """Shared memory where a stage process posts the batch it is running: when it started,
@@ -19,6 +24,8 @@ class BatchBoard:
         self._uids = ctx.Array("q", capacity, lock=False)
         self._busy = ctx.Value("d", 0.0, lock=False)
         self._progress = ctx.Value("d", 0.0, lock=False)
+        self._engine = ctx.Array("q", len(ENGINE_FIELDS), lock=False)
+        """An llm stage's engine (ENGINE_FIELDS)."""
 
     def post(self, uids: np.ndarray) -> None:
         n = min(len(uids), len(self._uids))
@@ -44,6 +51,16 @@ class BatchBoard:
         timeout counts from now, so a long batch that keeps generating is not taken for a
         hung one."""
         self._progress.value = time.monotonic()
+
+    def report_engine(self, **values: int) -> None:
+        """An llm stage's engine, some of ENGINE_FIELDS."""
+        for name, value in values.items():
+            self._engine[ENGINE_FIELDS.index(name)] = value
+
+    @property
+    def engine(self) -> dict[str, int]:
+        """ENGINE_FIELDS as the stage last reported them."""
+        return {name: int(self._engine[k]) for k, name in enumerate(ENGINE_FIELDS)}
 
     @property
     def last_progress(self) -> float:

@@ -136,6 +136,9 @@ def stage_main(
         set_progress = getattr(modelet, "set_progress", None)
         if callable(set_progress):
             set_progress(board.touch)  # an llm stage: its batch's timeout runs from its last token
+        set_engine_report = getattr(modelet, "set_engine_report", None)
+        if callable(set_engine_report):
+            set_engine_report(board.report_engine)  # an llm stage: its engine's gauges
     except BaseException as e:  # noqa: BLE001 - whatever user code raises, even SystemExit
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         with contextlib.suppress(OSError):  # the worker may be gone already
