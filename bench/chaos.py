@@ -49,7 +49,10 @@ hide a healthy shard quarantined by faults not its own.
 
 Each run's job is of one of two shapes, by the seed: one tier, or two (the features in a tier
 `cpu`, the model and the top class in a tier `infer`, each with a worker), and computes metrics
-(a count on the first stage; a count, a mean and a histogram on the last).
+(a count on the first stage; a count, a mean and a histogram on the last). With --llm it also
+generates text: an `llm` stage on a branch from the input (a tiny model built for the run,
+4 to 16 tokens a row) whose tokens are a metric, so that a worker or stage process killed
+mid-generation is checked as any other (in one tier: the branch reads the input's prompts).
 
 disk_full needs root (to mount the tmpfs), slow_disk /dev/fuse, libfuse 2 and fusepy; a run
 without them does not choose those faults, and the report says so.
@@ -227,14 +230,19 @@ def write_job(
     lease_s: float | None = None,
     max_attempts: int | None = None,
     tiered: bool = False,
+    generating: bool = False,
 ) -> dict[str, Any]:
     """A dataset (two Parquet files), an ONNX MLP, and the job over them, at the default
-    fault settings but for those given (None: the default); in two tiers if `tiered`."""
+    fault settings but for those given (None: the default); in two tiers if `tiered`; with
+    an `llm` stage beside the others if `generating` (a branch from the input: text from each
+    row's prompt by a tiny model built here, its tokens a metric)."""
     data = folder / "data"
     data.mkdir(parents=True)
     half = rows // 2
     for i, (start, n) in enumerate(((0, half), (half, rows - half))):
         table = feature_table(n, features=8, seed=seed + i, start_id=start)
+        if generating:
+            table = _with_prompts(table, seed=seed + i)
         pq.write_table(table, data / f"part-{i}.parquet", row_group_size=rows_per_shard)
     model = mlp_onnx(folder / "model.onnx", inputs=8, hidden=16, outputs=4, seed=3)
     (folder / "hang").mkdir()
@@ -277,6 +285,23 @@ def write_job(
         "resources": {"min_workers": 2, "max_workers": 2},
         "fault": fault,
     }
+    if generating:
+        from tests.llm_model import build_tiny_llm
+
+        job["input"]["columns"] += ["prompt", "budget"]
+        job["pipeline"]["stages"].append(
+            {
+                "name": "gen",
+                "after": [],
+                "llm": {
+                    "model": str(build_tiny_llm(folder / "llm")),
+                    "per_row": {"max_tokens": "budget"},
+                    "max_in_flight": 8,
+                },
+                "batch_size": 64,
+                "metrics": {"output_tokens": {"kind": "sum", "column": "output_tokens"}},
+            }
+        )
     if tiered:
         each = {"min_workers": 1, "max_workers": 1}
         job["tiers"] = [
@@ -284,6 +309,16 @@ def write_job(
             {"name": "infer", "stages": ["model", "top"], "resources": each},
         ]
     return job
+
+
+def _with_prompts(table: pa.Table, *, seed: int) -> pa.Table:
+    """The table with a prompt per row and the tokens it may generate (4 to 16)."""
+    from tests.llm_model import corpus
+
+    n = table.num_rows
+    rng = random.Random(seed)
+    table = table.append_column("prompt", pa.array(corpus(n, seed=seed), pa.string()))
+    return table.append_column("budget", pa.array([rng.randint(4, 16) for _ in range(n)]))
 
 
 METRICS: dict[str, Any] = {
@@ -862,10 +897,11 @@ async def run_one(
     kinds: tuple[str, ...] = FAULTS,
     lease_s: float | None = None,
     max_attempts: int | None = None,
+    generating: bool = False,
 ) -> RunResult:
     rng = random.Random(seed)
     # Its own draw, so that a seed's faults are those it chose before there were shapes.
-    tiered = random.Random(f"shape-{seed}").random() < TIERED_P
+    tiered = random.Random(f"shape-{seed}").random() < TIERED_P and not generating
     folder = workdir / f"seed-{seed}"
     shutil.rmtree(folder, ignore_errors=True)
     spec = parse_job(
@@ -877,6 +913,7 @@ async def run_one(
             lease_s=lease_s,
             max_attempts=max_attempts,
             tiered=tiered,
+            generating=generating,
         )
     )
     result = RunResult(
@@ -1042,7 +1079,8 @@ def _verify_metrics(
     )
     if "_error" in table.column_names:
         table = table.filter(pc.is_null(table.column("_error")))
-    columns = {name: table.column(name).to_numpy() for name in ("score", "id")}
+    read = ("score", "id", "output_tokens")
+    columns = {n: table.column(n).to_numpy() for n in read if n in table.column_names}
     values = accumulators.row_values_named(specs, columns)
     expected = accumulators.results_named(specs, accumulators.reduce_named(specs, values))
     written = json.loads((out / METRICS_FILE).read_text())["metrics"]
@@ -1102,9 +1140,10 @@ async def campaign(
     kinds: tuple[str, ...] = FAULTS,
     lease_s: float | None = None,
     max_attempts: int | None = None,
+    generating: bool = False,
 ) -> list[RunResult]:
     """Run each seed in turn; `on_result` sees the results so far after each run. The job's
-    lease_s and max_attempts: None, the defaults."""
+    lease_s and max_attempts: None, the defaults; `generating`: each job with an llm stage."""
     results = []
     for seed in seeds:
         # The masters read their leader TTL, and every process its failpoints, from the
@@ -1126,6 +1165,7 @@ async def campaign(
                 kinds=kinds,
                 lease_s=lease_s,
                 max_attempts=max_attempts,
+                generating=generating,
             )
         except Exception as e:  # the campaign's own fault: recorded, and the next seed runs
             log(traceback.format_exc())
@@ -1285,6 +1325,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the job's max_attempts (default: the default)",
     )
+    p.add_argument(
+        "--llm",
+        action="store_true",
+        help="each job also generates text (an llm stage on a branch, a tiny model)",
+    )
     p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
@@ -1320,6 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
             kinds=kinds,
             lease_s=args.lease_s,
             max_attempts=args.max_attempts,
+            generating=args.llm,
         )
     )
     print(f"report written to {args.out}")

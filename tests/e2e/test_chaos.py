@@ -42,6 +42,30 @@ async def test_two_seeded_chaos_runs_lose_and_duplicate_nothing(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+async def test_workers_and_stages_killed_mid_generation_lose_and_double_no_row(
+    tmp_path: Path,
+) -> None:
+    """The job with an llm stage beside the model (bench/chaos.py --llm), its workers and
+    stage processes SIGKILLed: every id once, and the tokens metric equal to the output's."""
+    lines: list[str] = []
+    results = await chaos.campaign(
+        [4, 5],
+        tmp_path,
+        rows=6_000,
+        rows_per_shard=500,
+        faults=3,
+        log=lines.append,
+        kinds=("worker_kill", "stage_kill"),
+        generating=True,
+    )
+    _check(results, lines)
+    # Each kill came while the llm stage's processes were generating: it runs on a branch
+    # from the input, beside the others, from the first row to the last.
+    assert {i.kind for r in results for i in r.injections} <= {"worker_kill", "stage_kill"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["churn", "flaky_node", "worker_storm"])
 async def test_faults_of_the_cluster_do_not_fail_the_job(tmp_path: Path, kind: str) -> None:
     """Workers lost one after another, a node pool lost, a node whose pipeline cannot start:
