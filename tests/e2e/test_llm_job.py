@@ -90,3 +90,52 @@ def test_a_generation_job_writes_every_row_once(tmp_path: Path) -> None:
         assert gen["model_sha256"] == model_digest(str(model)), gen
         assert gen["engine"] == "transformers" and gen["per_row"] == {"max_tokens": "budget"}
         assert gen["sampling"]["temperature"] == 0.0
+
+
+def test_prompts_tokenized_on_one_tier_are_generated_from_on_the_next(tmp_path: Path) -> None:
+    """Tokenizing on a CPU tier, generating on another (a GPU's, on a cluster): every row
+    once, each one's text what the model makes of its prompt alone."""
+    from ebb.worker.llm.hf import TransformersEngine
+
+    model = build_tiny_llm(tmp_path / "model")
+    rows = [{"id": i, "prompt": p, "budget": 2 + i % 5} for i, p in enumerate(corpus(24, seed=3))]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = {
+        "name": "tiered-generate",
+        "input": {"uri": "prompts.jsonl", "rows_per_shard": 8},
+        "pipeline": {
+            "stages": [
+                {"name": "tok", "llm": {"model": "model", "tokenize_only": True}},
+                {
+                    "name": "gen",
+                    "llm": {
+                        "model": "model",
+                        "prompt": "prompt_ids",
+                        "per_row": {"max_tokens": "budget"},
+                    },
+                },
+            ]
+        },
+        "tiers": [
+            {"name": "cpu", "stages": ["tok"], "resources": {"max_workers": 1}},
+            {"name": "gpu", "stages": ["gen"], "resources": {"max_workers": 1}},
+        ],
+        "output": {"uri": "out", "carryover": ["id"]},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = ebb(
+        "run", "job.yaml", "--max-workers", "2", "--data-root", str(tmp_path), cwd=tmp_path
+    )
+    assert result.returncode == 0, said(result)
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    out = (
+        pq.ParquetDataset([str(tmp_path / "out" / f["path"]) for f in manifest["files"]])
+        .read()
+        .to_pylist()
+    )
+    assert sorted(r["id"] for r in out) == list(range(24))
+    engine = TransformersEngine(str(model))
+    for got in out:
+        row = rows[got["id"]]
+        expected = _greedy(engine, engine.encode(row["prompt"]), row["budget"])
+        assert got["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)

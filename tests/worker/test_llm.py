@@ -165,7 +165,7 @@ async def test_the_stage_in_its_process_writes_text_and_refuses_rows_it_cannot_t
         assert set(value) == {"text", "finish_reason", "prompt_tokens", "output_tokens"}
     reasons = {row["id"]: value for row, (ok, value) in zip(rows, outcomes, strict=True) if not ok}
     assert "exceed the model's context of 256 tokens" in str(reasons[10])
-    assert "text or a list of" in str(reasons[12])
+    assert "text, a list of {role, content} messages, or token ids" in str(reasons[12])
     assert "max_tokens must be >= 1" in str(reasons[13])
 
 

@@ -107,8 +107,14 @@ class LLMSpec:
     served_model: str | None = None
     """`engine: endpoint`: the model's name at the server (its `/v1/models` id). None: `model`."""
     prompt: str = "prompt"
-    """The column of prompts: text, or a chat (a list of `{role, content}` messages, rendered
-    with the model's chat template)."""
+    """The column of prompts: text, a chat (a list of `{role, content}` messages, rendered
+    with the model's chat template), or token ids (as a `tokenize_only` stage writes them)."""
+    tokenize_only: bool = False
+    """The stage only renders and tokenizes the prompts, with the model's tokenizer: it passes
+    its rows on with `prompt_ids` (the token ids, ready for the answer) and `prompt_tokens`,
+    for a later llm stage whose `prompt` is `prompt_ids`. With tiers, this is the CPU tier's
+    work, and the GPU tier's generates; a prompt it cannot tokenize is an error row there.
+    Engine and sampling are not used."""
     output: str = "text"
     """The column the generated text goes under. Beside it: `finish_reason` (`stop`: the
     model ended or a stop string came; `length`: `max_tokens` reached), `prompt_tokens` and

@@ -71,6 +71,12 @@ def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
         else s
         for s in stages
     ]
+    stages = [
+        replace(s, llm=replace(s.llm, model=_resolve(s.llm.model, base)))
+        if s.llm is not None
+        else s
+        for s in stages
+    ]
     return replace(
         spec,
         input=replace(spec.input, uri=_resolve(spec.input.uri, base)),

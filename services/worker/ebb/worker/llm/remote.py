@@ -67,8 +67,9 @@ class RemoteEngine:
         return self.codec.render(prompt)
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Generation]:
-        waiting = list(requests)
-        waiting.reverse()  # popped from the end: sent in the order given
+        # Rows that share a prompt's beginning sent together, so that the server's prefix
+        # cache (vLLM's, SGLang's) holds it while they run; popped from the end.
+        waiting = sorted(requests, key=lambda r: r.prompt_ids, reverse=True)
         with ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="ebb-llm") as pool:
             running: dict[Future[Generation], GenerationRequest] = {}
             try:
@@ -97,7 +98,8 @@ class RemoteEngine:
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.served_model,
-            "prompt": request.prompt_text,
+            # Token ids (a tokenize_only stage's) as they are: the API takes either.
+            "prompt": request.prompt_text or request.prompt_ids,
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,

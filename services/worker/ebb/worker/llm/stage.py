@@ -26,6 +26,7 @@ from ebb.common.job import LLMSpec, StageSpec
 
 from ..chunks.columns import ROW_ERROR, Columns, num_rows
 from .engine import Engine, EngineError, Generation, GenerationRequest, Sampling
+from .prompts import Prompt
 from .structured import Structure
 
 if TYPE_CHECKING:
@@ -76,6 +77,11 @@ class LLMStage:
         self.structure = Structure.of(self.llm.structured) if self.llm.structured else None
 
     def setup(self) -> None:
+        if self.llm.tokenize_only:
+            from .prompts import PromptCodec
+
+            self.codec = PromptCodec(self.llm.model)  # the tokenizer alone: no engine
+            return
         self.engine = self._engine()
         self.engine.on_progress = self._progressed
         guides = getattr(self.engine, "guides", None)
@@ -166,6 +172,8 @@ class LLMStage:
                 f"no prompt column {self.llm.prompt!r} among the rows' columns {sorted(batch)}"
             )
         prompts = batch[self.llm.prompt]
+        if self.llm.tokenize_only:
+            return self._tokenized(batch, prompts)
         errors: list[str | None] = [None] * n
         requests: list[GenerationRequest] = []
         for i in range(n):
@@ -237,17 +245,52 @@ class LLMStage:
                 self.engine = self._engine()
                 self.engine.on_progress = self._progressed
 
-    def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
-        sampling = self._sampling(i, prompt, batch)
+    def _tokenized(self, batch: Columns, prompts: np.ndarray) -> Columns:
+        """`tokenize_only`: the rows, with their prompts' token ids and counts."""
+        n = num_rows(batch)
+        ids = np.empty(n, dtype=object)
+        counts = np.zeros(n, dtype=np.int64)
+        errors: list[str | None] = [None] * n
+        for i in range(n):
+            try:
+                given, encoded = self._prompt(prompts[i])
+                if given is not None:
+                    encoded = self.codec.encode(given)
+                assert encoded is not None
+            except (ValueError, TypeError) as e:
+                errors[i] = str(e)
+                ids[i] = np.empty(0, dtype=np.int32)
+                continue
+            ids[i], counts[i] = np.asarray(encoded, dtype=np.int32), len(encoded)
+        out = dict(batch)
+        out["prompt_ids"], out["prompt_tokens"] = ids, counts
+        if any(e is not None for e in errors):
+            out[ROW_ERROR] = np.array(errors, dtype=object)
+        return out
+
+    def _prompt(self, prompt: Any) -> tuple[Prompt | None, list[int] | None]:
+        """(text or chat, None), or (None, token ids) for ids a `tokenize_only` stage wrote."""
         if isinstance(prompt, list | tuple | np.ndarray):
             prompt = _plain(prompt)
-        if isinstance(prompt, str | list):
-            ids = self.engine.encode(prompt)
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return None, prompt
+            return prompt, None
+        if isinstance(prompt, str):
+            return prompt, None
+        raise TypeError(
+            f"prompt {self.llm.prompt!r} is {type(prompt).__name__}: text, a list of "
+            "{role, content} messages, or token ids"
+        )
+
+    def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
+        sampling = self._sampling(i, prompt, batch)
+        given, ids = self._prompt(prompt)
+        if given is not None:
+            ids, text = self.engine.encode(given), self.engine.render(given)
         else:
-            raise TypeError(
-                f"prompt {self.llm.prompt!r} is {type(prompt).__name__}: text or a list of "
-                "{role, content} messages"
-            )
+            assert ids is not None
+            text = ""  # token ids: a server is sent them as they are
         context = self.engine.max_context
         if len(ids) + sampling.max_tokens > context:
             raise ValueError(
@@ -264,7 +307,7 @@ class LLMStage:
             key=i,
             prompt_ids=ids,
             sampling=sampling,
-            prompt_text=self.engine.render(prompt),
+            prompt_text=text,
             structure=self.structure,
         )
 
