@@ -156,6 +156,15 @@ def test_paths_must_stay_under_the_data_roots(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as e:
         check_roots(_rooted(tmp_path, model="/etc/m.onnx"), [str(root)])
     assert e.value.path == "pipeline.stages[0].model"
+    # An llm stage's model folder too, local or in a store.
+    for model in ("/etc/llm", "s3://elsewhere/llm"):
+        spec = _rooted(tmp_path)
+        spec = parse_job(
+            {**spec.to_dict(), "pipeline": {"stages": [{"name": "g", "llm": {"model": model}}]}}
+        )
+        with pytest.raises(SpecError, match="outside the allowed data roots") as e:
+            check_roots(spec, [str(root)])
+        assert e.value.path == "pipeline.stages[0].llm.model"
 
 
 def test_a_symlink_cannot_escape_a_root(tmp_path: Path) -> None:

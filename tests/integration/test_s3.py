@@ -213,6 +213,47 @@ def test_a_model_is_fetched_once_into_the_cache_by_concurrent_workers(
     assert again.fetched and Path(again.path).read_bytes() == blob[::-1]
 
 
+def test_an_llm_model_folder_comes_from_the_store_once_and_generates_as_the_local_one(
+    proxy: FaultyProxy, bucket: str, tmp_path: Path
+) -> None:
+    """A Hugging Face model folder in the store (config, weights, tokenizer files): the llm
+    stage copies each file once into the worker's model cache and loads the folder they make,
+    whose text is the local folder's."""
+    import numpy as np
+
+    from ebb.common.job import LLMSpec, SamplingSpec, StageSpec
+    from ebb.worker.llm.stage import LLMStage
+
+    from ..llm_model import build_tiny_llm, corpus
+
+    local = build_tiny_llm(tmp_path / "tiny")
+    store = s3(proxy.url)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            store.pipe_file(f"{bucket}/models/tiny/{path.relative_to(local)}", path.read_bytes())
+    prompts = {"prompt": np.array(corpus(5, seed=4), dtype=object)}
+    texts = []
+    with environment({envvars.MODEL_CACHE_DIR: str(tmp_path / "model-cache")}):
+        for model in (str(local), f"s3://{bucket}/models/tiny", f"s3://{bucket}/models/tiny"):
+            stage = LLMStage(
+                StageSpec(name="gen", llm=LLMSpec(model=model, sampling=SamplingSpec(max_tokens=6)))
+            )
+            stage.setup()
+            texts.append(list(stage.process_columns(dict(prompts))["text"]))
+            if model.startswith("s3://"):
+                assert stage.model_dir.startswith(str(tmp_path / "model-cache"))
+    assert texts[0] == texts[1] == texts[2]
+    from ebb.worker.llm.provenance import generation_record
+
+    record = generation_record(
+        StageSpec(name="gen", llm=LLMSpec(model=f"s3://{bucket}/models/tiny"))
+    )
+    assert record["model_sha256"] is None and len(record["model_version"]) == 64
+    # Each file once, though two stages loaded the folder.
+    assert proxy.count("GET", r"models/tiny/config\.json") == 1
+    assert proxy.count("GET", r"models/tiny/model\.safetensors") == 1
+
+
 # -- jobs end to end ---------------------------------------------------------------------------
 
 

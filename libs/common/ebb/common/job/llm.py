@@ -88,7 +88,10 @@ class LLMSpec:
     as others finish, never waiting for the longest answer of a batch."""
 
     model: str
-    """A folder in Hugging Face format (config, weights, tokenizer). With `engine: endpoint`
+    """A folder in Hugging Face format (config, weights, tokenizer), local or in an object
+    store (`s3://bucket/models/labeller`): a store's folder is copied file by file into the
+    worker's model cache, through the node's model cache where there is one, once per node
+    and version, and must lie under the data roots as every path of a job. With `engine: endpoint`
     the stage reads only its tokenizer and config (to count tokens, check the context and
     render chats); the server runs the same model."""
     engine: LLMEngine = "transformers"

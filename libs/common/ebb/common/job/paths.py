@@ -119,6 +119,11 @@ def check_roots(spec: JobSpec, roots: list[str]) -> None:
         for i, s in enumerate(spec.pipeline.stages)
         for j, m in enumerate(s.models or [])
     ]
+    named += [
+        (f"pipeline.stages[{i}].llm.model", s.llm.model)
+        for i, s in enumerate(spec.pipeline.stages)
+        if s.llm is not None
+    ]
     named += [(f"pipeline.code_paths[{i}]", c) for i, c in enumerate(spec.pipeline.code_paths)]
     if spec.tracking.mlflow_uri is not None:
         local = _tracking_path(spec.tracking.mlflow_uri)

@@ -1,5 +1,6 @@
 """What generated a shard's text, for its commit record: per `llm` stage, the model (its path
-and a SHA-256 of its files' bytes), the engine and its version, the sampling and the shape.
+and a SHA-256 of its files' bytes; for a folder in an object store, a digest of its files'
+store versions), the engine and its version, the sampling and the shape.
 
 Text sampled at a temperature is not a function of the rows alone: a reader of the output must
 be able to tell which model, engine and parameters made it, and that every shard of the job
@@ -54,6 +55,23 @@ def model_digest(root: str) -> str:
     return _digests[key]
 
 
+def store_version(uri: str) -> str:
+    """A model folder in an object store, named by its files' paths, sizes and versions as
+    the store lists them (ETags; mtimes where a store has none): the bytes are not read here,
+    and the stage's copy of each is checked against its store's word when fetched."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(uri)
+    root = root.rstrip("/")
+    listed = fs.find(root, detail=True)
+    whole = hashlib.sha256()
+    for path in sorted(listed):
+        info = listed[path]
+        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or ""
+        whole.update(f"{path[len(root) :]}\0{info.get('size')}\0{tag}\n".encode())
+    return whole.hexdigest()
+
+
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -68,6 +86,7 @@ def generation_record(stage: StageSpec) -> dict[str, Any]:
     record: dict[str, Any] = {
         "model": llm.model,
         "model_sha256": model_digest(llm.model) if os.path.isdir(llm.model) else None,
+        "model_version": store_version(llm.model) if "://" in llm.model else None,
         "engine": llm.engine,
         "sampling": dataclasses.asdict(llm.sampling),
         "per_row": dict(llm.per_row),

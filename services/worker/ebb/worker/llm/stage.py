@@ -38,6 +38,21 @@ ENGINE_RESTARTS = 2
 """Engines made again for one batch before it fails."""
 
 
+def local_model_folder(model: str) -> str:
+    """A local folder of the model: itself, or (a folder in an object store) its copy in the
+    worker's model cache, each file through the node's cache when there is one."""
+    if "://" not in model or model.startswith("file://"):
+        return model.removeprefix("file://")
+    from ..modelcache.client import local_folder, worker_cache
+    from ..modelcache.store import ModelFetchError
+
+    cache_dir, cache_url = worker_cache()
+    try:
+        return local_folder(model, cache_dir, cache_url=cache_url)
+    except (ModelFetchError, OSError) as e:
+        raise EngineError(f"cannot fetch the model folder {model}: {e}") from e
+
+
 def row_seed(stage_seed: int, prompt: Any) -> int:
     """A row's seed: the same for the same prompt under the same stage seed, anywhere."""
     text = prompt if isinstance(prompt, str) else json.dumps(_plain(prompt), sort_keys=True)
@@ -75,12 +90,15 @@ class LLMStage:
         self.report: Callable[..., None] | None = None
         """Posts the engine's gauges where the worker reads them (the stage's batch board)."""
         self.structure = Structure.of(self.llm.structured) if self.llm.structured else None
+        self.model_dir = self.llm.model
+        """The model's folder here: `model` itself, or its copy from an object store."""
 
     def setup(self) -> None:
+        self.model_dir = local_model_folder(self.llm.model)
         if self.llm.tokenize_only:
             from .prompts import PromptCodec
 
-            self.codec = PromptCodec(self.llm.model)  # the tokenizer alone: no engine
+            self.codec = PromptCodec(self.model_dir)  # the tokenizer alone: no engine
             return
         self.engine = self._engine()
         self.engine.on_progress = self._progressed
@@ -96,7 +114,7 @@ class LLMStage:
 
             assert self.llm.endpoint is not None
             return RemoteEngine(
-                self.llm.model,
+                self.model_dir,
                 endpoint=self.llm.endpoint,
                 served_model=self.llm.served_model or self.llm.model,
                 max_in_flight=self.llm.max_in_flight,
@@ -108,7 +126,7 @@ class LLMStage:
         if self.stage.threads:
             torch.set_num_threads(self.stage.threads)
         return TransformersEngine(
-            self.llm.model,
+            self.model_dir,
             device=self.stage.device,
             dtype=self.llm.dtype,
             max_in_flight=self.llm.max_in_flight,
@@ -124,7 +142,7 @@ class LLMStage:
         if self.server is None:
             self.server = ManagedServer(
                 self.llm.command,
-                model=self.llm.model,
+                model=self.model_dir,
                 served_model=self.llm.served_model or self.llm.model,
                 startup_s=self.llm.startup_s,
             )
@@ -137,7 +155,7 @@ class LLMStage:
             self.server_starts += 1
         server = self.server
         return RemoteEngine(
-            self.llm.model,
+            self.model_dir,
             endpoint=server.url,
             served_model=server.served_model,
             max_in_flight=self.llm.max_in_flight,

@@ -23,9 +23,14 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 from urllib.parse import urlencode, urlsplit
 
-from .store import CachedModel, fetch_model, locked, stat_model, store_md5
+import fsspec
+
+from ebb.common import envvars
+
+from .store import CachedModel, ModelFetchError, fetch_model, locked, stat_model, store_md5
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +162,46 @@ def _receive(
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+
+
+def worker_cache() -> tuple[str, str | None]:
+    """This process's model cache folder and its node cache's URL (None: none), as the worker
+    passes them down in the environment."""
+    cache_dir = os.environ.get(envvars.MODEL_CACHE_DIR) or os.path.join(
+        tempfile.gettempdir(), "ebb-model-cache"
+    )
+    return cache_dir, os.environ.get(envvars.MODEL_CACHE_URL)
+
+
+def local_folder(uri: str, cache_dir: str, *, cache_url: str | None) -> str:
+    """A local folder holding the model folder at `uri` (a Hugging Face model: config, weights,
+    tokenizer files): each file as `local_model` brings it (through the node cache, checked,
+    or from the store), linked under its own path in a folder named by the files' digests, as
+    the Hugging Face hub's cache links its snapshots to its blobs."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    root = root.rstrip("/")
+    files = sorted(p for p in fs.find(root) if not p.rstrip("/").endswith("/"))
+    if not files:
+        raise ModelFetchError(f"{uri} holds no file")
+    protocol = uri.split("://", 1)[0]
+    blobs = {}
+    for path in files:
+        relative = path[len(root) :].lstrip("/")
+        blobs[relative] = local_model(f"{protocol}://{path}", cache_dir, cache_url=cache_url)
+    digest = hashlib.sha256(
+        "".join(f"{name}\0{model.sha256}\n" for name, model in blobs.items()).encode()
+    ).hexdigest()
+    folder = os.path.join(cache_dir, "folders", digest[:32])
+    if os.path.isdir(folder):
+        return folder
+    staging = f"{folder}.{secrets.token_hex(6)}"
+    for name, model in blobs.items():
+        link = os.path.join(staging, name)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(model.path, link)
+    try:
+        os.rename(staging, folder)  # whole, or another process's whole one is there
+    except OSError:
+        if not os.path.isdir(folder):
+            raise
+    return folder

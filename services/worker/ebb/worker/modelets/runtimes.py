@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ebb.common import envvars
 from ebb.common.job import StageSpec
 
 from ..chunks.columns import VALUE, Columns, from_rows, is_plain, num_rows, to_rows
-from ..modelcache.client import local_model
+from ..modelcache.client import local_model, worker_cache
 from ..modelcache.store import ModelFetchError
 from ..resources.devices import NO_GPU
 from .api import Modelet, StageError
@@ -51,11 +48,9 @@ def _local_copy(uri: str) -> str:
     if "://" not in uri or uri.startswith("file://"):
         return uri.removeprefix("file://")
     # Read here, in the stage process, as the worker's environment passes it down.
-    cache_dir = os.environ.get(envvars.MODEL_CACHE_DIR) or os.path.join(
-        tempfile.gettempdir(), "ebb-model-cache"
-    )
+    cache_dir, cache_url = worker_cache()
     try:
-        return local_model(uri, cache_dir, cache_url=os.environ.get(envvars.MODEL_CACHE_URL)).path
+        return local_model(uri, cache_dir, cache_url=cache_url).path
     except (ModelFetchError, OSError) as e:
         raise StageError(f"cannot fetch model {uri}: {e}") from e
 
