@@ -18,6 +18,13 @@ Output tokens counted are the tokens rows asked for, nothing more.
 - Ebb engine: the `llm` stage's engine (ebb.worker.llm.hf) in one process, 32 in flight.
 - Ebb llm stage: the same through a pipeline: the stage in a process of its own, rows in and
   out as columns.
+- Ebb llm stage, transformers serve: the stage with `engine: server`, a `transformers serve
+  --continuous-batching` it starts and feeds over loopback (how vLLM and SGLang run under Ebb).
+- Ray Data: `map_batches` over the static loop's `model.generate` in batches of 32, one actor
+  (bench/llm_peers.py, in a venv of its own; its actor's start and model load are counted).
+
+A third table runs the spread prompts as whole jobs (`ebb run`'s embedded stack, prompts in
+JSONL, 16 shards) with 1 worker and with 2 on the same two cores.
 
 Each variant runs the same prompts, interleaved with the others, `repeats` times.
 """
@@ -25,15 +32,23 @@ Each variant runs the same prompts, interleaved with the others, `repeats` times
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import Context, Section, interleaved, median, spread, table
+from .common import REPO, Context, Section, ebb_stack, interleaved, median, run_job, spread, table
+
+RAY_PYTHON = Path(os.environ.get("EBB_BENCH_RAY_PYTHON", REPO / ".venv-ray" / "bin" / "python"))
+SERVE = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
 
 PROMPTS = 128
 BATCH = 32
@@ -119,16 +134,22 @@ def _engine(engine: Any, rows: list[tuple[list[int], int]]) -> int:
 
 
 async def _stage(
-    model_dir: Path, tokenizer: Any, rows: list[tuple[list[int], int]]
+    model_dir: Path, tokenizer: Any, rows: list[tuple[list[int], int]], *, served: bool = False
 ) -> tuple[int, float]:
     """Tokens made and the seconds they took, the stage's start-up and a first warm batch
     left out (the other variants run in a process that is warm)."""
     from ebb.common.job import LLMSpec, StageSpec
     from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
+    server: dict[str, Any] = {}
+    if served:
+        command = [SERVE, "serve", "{model}", "--port", "{port}", "--continuous-batching"]
+        server = {"engine": "server", "command": command}
     stage = StageSpec(
         name="gen",
-        llm=LLMSpec(model=str(model_dir), per_row={"max_tokens": "m"}, max_in_flight=BATCH),
+        llm=LLMSpec(
+            model=str(model_dir), per_row={"max_tokens": "m"}, max_in_flight=BATCH, **server
+        ),
         batch_size=len(rows),
         batch_wait_s=0.5,
     )
@@ -143,6 +164,62 @@ async def _stage(
     finally:
         await pipeline.stop()
     return sum(int(v["output_tokens"]) for ok, v in outcomes if ok), seconds
+
+
+def _ray(ctx: Context, model_dir: Path, rows: list[tuple[list[int], int]]) -> float:
+    """Ray Data's output tokens/s (bench/llm_peers.py in Ray's venv)."""
+    listed = ctx.dir("llm") / f"rows-{time.monotonic_ns()}.json"
+    listed.write_text(json.dumps(rows))
+    peers = str(Path(__file__).with_name("llm_peers.py"))
+    done = subprocess.run(
+        [str(RAY_PYTHON), peers, str(model_dir), str(listed)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return float(result["tokens"]) / float(result["seconds"])
+
+
+async def _job(
+    ctx: Context, model_dir: Path, tokenizer: Any, rows: list[tuple[list[int], int]], workers: int
+) -> float:
+    """Output tokens/s of the prompts as a whole job on the embedded stack, submit to end."""
+    from ebb.common.job import parse_job
+
+    folder = ctx.dir("llm") / f"job-{time.monotonic_ns()}"
+    folder.mkdir()
+    (folder / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": tokenizer.decode(p), "m": m}) + "\n" for p, m in rows)
+    )
+    spec = parse_job(
+        {
+            "name": "llm-bench",
+            "input": {"uri": str(folder / "prompts.jsonl"), "rows_per_shard": len(rows) // 16},
+            "pipeline": {
+                "stages": [
+                    {
+                        "name": "gen",
+                        "llm": {
+                            "model": str(model_dir),
+                            "per_row": {"max_tokens": "m"},
+                            "max_in_flight": BATCH,
+                        },
+                        "batch_size": 4 * BATCH,
+                        "metrics": {"tokens": {"kind": "sum", "column": "output_tokens"}},
+                    }
+                ]
+            },
+            "output": {"uri": str(folder / "out")},
+            "resources": {"max_workers": workers},
+        }
+    )
+    async with ebb_stack(ctx, "llm", max_workers=workers) as (_, client):
+        final, seconds = await run_job(client, spec)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"benchmark job failed: {final.reason}")
+    shutil.rmtree(folder, ignore_errors=True)
+    return float(final.metrics["tokens"]) / seconds
 
 
 def run(ctx: Context) -> Section:
@@ -174,8 +251,8 @@ def run(ctx: Context) -> Section:
 
             return measure
 
-        def stage_rate(rows: list[tuple[list[int], int]] = rows) -> float:
-            tokens, seconds = asyncio.run(_stage(model_dir, tokenizer, rows))
+        def stage_rate(rows: list[tuple[list[int], int]] = rows, served: bool = False) -> float:
+            tokens, seconds = asyncio.run(_stage(model_dir, tokenizer, rows, served=served))
             return tokens / seconds
 
         variants = {
@@ -188,9 +265,15 @@ def run(ctx: Context) -> Section:
             "Ebb engine": rate(lambda rows=rows: _engine(engine, rows)),
             "Ebb llm stage": stage_rate,
         }
+        if not ctx.smoke:  # a server's start and Ray's take longer than a smoke run has
+            variants["Ebb llm stage, transformers serve"] = lambda rows=rows: stage_rate(
+                rows, served=True
+            )
+            if RAY_PYTHON.exists():
+                variants["Ray Data map_batches"] = lambda rows=rows: _ray(ctx, model_dir, rows)
         # One untimed run of each first: torch's first calls at new shapes are slow.
         for name, warm_up in variants.items():
-            if name != "Ebb llm stage" and not ctx.smoke:
+            if not name.startswith(("Ebb llm stage", "Ray")) and not ctx.smoke:
                 warm_up()
         ctx.log(f"  {shape}: {n} prompts")
         results = interleaved(variants, ctx.repeats, ctx.log)
@@ -204,14 +287,36 @@ def run(ctx: Context) -> Section:
         )
         for k, v in results.items():
             summary[f"{shape}: {k}"] = median(v)
+    notes = [
+        f"{n} prompts, a {layers}-layer model of hidden size {hidden}, on the CPU, "
+        "torch's default threads; the stage's process gets the cores its worker has."
+    ]
+    if not RAY_PYTHON.exists():
+        notes.append(f"Ray Data not measured: no {RAY_PYTHON} (the `bench` extra in a venv).")
+    if not ctx.smoke:
+        spread_rows = _workload(tokenizer, "spread", n)
+
+        def job_rate(workers: int) -> Callable[[], float]:
+            return lambda: asyncio.run(_job(ctx, model_dir, tokenizer, spread_rows, workers))
+
+        jobs = interleaved(
+            {"1 worker": job_rate(1), "2 workers": job_rate(2)}, ctx.repeats, ctx.log
+        )
+        one = median(jobs["1 worker"])
+        tables.append(
+            "**spread, whole jobs** (submit to end)\n\n"
+            + table(
+                ["workers", "output tokens/s", "vs 1 worker"],
+                [[k, spread(v), f"{median(v) / one:.2f}x"] for k, v in jobs.items()],
+            )
+        )
+        for k, v in jobs.items():
+            summary[f"job: {k}"] = median(v)
     return Section(
         title="16. LLM generation: continuous feeding against static batches",
         intro=__doc__ or "",
         tables=tables,
         slug="llm",
         summary=summary,
-        notes=[
-            f"{n} prompts, a {layers}-layer model of hidden size {hidden}, on the CPU, "
-            "torch's default threads; the stage's process gets the cores its worker has."
-        ],
+        notes=notes,
     )

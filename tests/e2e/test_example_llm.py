@@ -50,3 +50,5 @@ def test_the_llm_example_runs_as_its_readme_says(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "out" / "_metrics.json").read_text())["metrics"]
     assert metrics["output_tokens"] == sum(r["output_tokens"] for r in rows)
     assert metrics["answered"] == len(rows)
+    # The run's summary counts them too, with their rate (the metric over output_tokens).
+    assert f"tokens {int(metrics['output_tokens']):,} output tokens (" in said(result)

@@ -37,6 +37,7 @@ class ProgressView:
             transient=True,
         )
         self.task = self.progress.add_task(job.name, total=None, rate="-", errors=0)
+        self.job = job
 
     def __enter__(self) -> ProgressView:
         if self.live:
@@ -63,9 +64,11 @@ class ProgressView:
         if self.enabled and not self.live and now - self._last_line >= 5.0:
             self._last_line = now
             done = status.shards.get("DONE", 0)
+            tokens = tokens_text(self.job, status, elapsed)
             console.print(
                 f"{status.state.lower()}: {status.rows_done:,}/{status.rows_total:,} rows, "
                 f"{done}/{status.shards_total} shards, {status.error_rows:,} errors, {rate} rows/s"
+                + (f", {tokens}" if tokens else "")
             )
 
 
@@ -98,11 +101,39 @@ def metric_text(value: Any) -> str:
     return str(value)
 
 
-def summarize(status: JobStatus, seconds: float, logs: Path | None) -> None:
+def token_metrics(spec: JobSpec) -> list[str]:
+    """The job's metrics that count the tokens its llm stages made: `sum` metrics over an
+    llm stage's `output_tokens` (docs/llm.md), each row's once."""
+    return [
+        name
+        for stage in spec.pipeline.stages
+        if stage.llm is not None and not stage.llm.tokenize_only
+        for name, metric in stage.metrics.items()
+        if metric.kind == "sum" and metric.column == "output_tokens"
+    ]
+
+
+def tokens_text(spec: JobSpec | None, status: JobStatus, seconds: float) -> str:
+    """The output tokens of the job's rows done so far and their rate; "" for a job that
+    counts none."""
+    names = token_metrics(spec) if spec is not None else []
+    values = [status.metrics.get(name) for name in names]
+    tokens = sum(int(v) for v in values if isinstance(v, int | float))
+    if not names:
+        return ""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"{tokens:,} output tokens ({rate:,.0f} tokens/s)"
+
+
+def summarize(
+    status: JobStatus, seconds: float, logs: Path | None, spec: JobSpec | None = None
+) -> None:
     colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(status.state, "")
     rate = status.rows_done / seconds if seconds > 0 else 0.0
     out.print(f"job [bold]{status.id}[/] [{colour}]{status.state}[/] in {seconds:.1f}s")
     out.print(f"  rows     {status.rows_done:,} ({rate:,.0f} rows/s), {status.error_rows:,} errors")
+    if tokens := tokens_text(spec, status, seconds):
+        out.print(f"  tokens   {tokens}")
     out.print(
         f"  shards   {status.shards.get('DONE', 0)} done, "
         f"{status.shards.get('QUARANTINED', 0)} quarantined, of {status.shards_total}"

@@ -87,11 +87,11 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
                     console.print("interrupted: cancelling the job")
                     await client.cancel(job_id, f"interrupted ({how})")
                     final = await client.job(job_id)
-                    summarize(final, time.monotonic() - started, stack.logs)
+                    summarize(final, time.monotonic() - started, stack.logs, spec)
                     keep = args.keep_state  # the user stopped it: nothing went wrong
                     return EXIT_SIGNALLED + signals[0]
                 final = await logged_to_mlflow(client, waited)
-        summarize(final, time.monotonic() - started, stack.logs)
+        summarize(final, time.monotonic() - started, stack.logs, spec)
         if final.state != "SUCCEEDED":
             return EXIT_FAILED
         keep = args.keep_state

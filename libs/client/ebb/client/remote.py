@@ -13,12 +13,20 @@ from rich.table import Table
 
 from ebb.common import envvars
 from ebb.common.errors import EbbError
-from ebb.common.job import load_job_file
+from ebb.common.job import load_job_file, parse_job
 from ebb.common.messaging.messages import JobStatus
 from ebb.common.messaging.natsconfig import NatsConfig, nats_config_from_env
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 
-from .display import ProgressView, lost_workers, metric_text, out, summarize, tier_text
+from .display import (
+    ProgressView,
+    lost_workers,
+    metric_text,
+    out,
+    summarize,
+    tier_text,
+    tokens_text,
+)
 from .sdk import EbbClient, SubmitPending
 
 DEFAULT_NATS = NatsConfig().url
@@ -92,14 +100,16 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         started = time.monotonic()
         with ProgressView(spec, enabled=True) as view:
             final = await client.wait(job_id, on_update=view.update)
-        summarize(final, time.monotonic() - started, None)
+        summarize(final, time.monotonic() - started, None, spec)
         return EXIT_OK if final.state == "SUCCEEDED" else EXIT_FAILED
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async with await _connect(args) as client:
         if args.job:
-            status = await client.job(args.job)
+            status = await client.job(args.job, include_spec=True)
+            spec = parse_job(status.spec) if status.spec else None
+            end = status.finished_at or time.time()
             table = Table(show_header=False, box=None)
             for key, value in (
                 ("id", status.id),
@@ -110,6 +120,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("waiting", "" if status.tiers else status.waiting),
                 ("rows", f"{status.rows_done:,} of {status.rows_total:,}"),
                 ("error rows", f"{status.error_rows:,}"),
+                ("tokens", tokens_text(spec, status, end - status.submitted_at)),
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
                 ("workers", f"{status.min_workers}..{status.max_workers}"),
                 ("workers lost", lost_workers(status) if status.workers_lost else ""),

@@ -147,8 +147,9 @@ class EbbClient:
     async def status(self, job: str = "") -> StatusReply:
         return await self.master.status(job)
 
-    async def job(self, job: str) -> JobStatus:
-        return await self.master.job(job)
+    async def job(self, job: str, *, include_spec: bool = False) -> JobStatus:
+        """One job's status; with its spec as submitted if `include_spec`."""
+        return await self.master.job(job, include_spec=include_spec)
 
     async def cancel(self, job: str, reason: str = "cancelled by user") -> CancelReply:
         return await self.master.cancel(job, reason)
