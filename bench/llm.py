@@ -134,10 +134,19 @@ def _engine(engine: Any, rows: list[tuple[list[int], int]]) -> int:
 
 
 async def _stage(
-    model_dir: Path, tokenizer: Any, rows: list[tuple[list[int], int]], *, served: bool = False
+    model_dir: Path,
+    rows: list[tuple[list[int], int]],
+    *,
+    served: Any = None,
+    device: str = "cpu",
+    in_flight: int = BATCH,
 ) -> tuple[int, float]:
-    """Tokens made and the seconds they took, the stage's start-up and a first warm batch
-    left out (the other variants run in a process that is warm)."""
+    """Tokens made and the seconds they took, the stage's start-up and a first run of the same
+    rows left out (the other variants are timed after an untimed run too: torch's first calls
+    at each new shape are slow, on a CPU and more so on a GPU). The prompts go in as their
+    token ids, as a `tokenize_only` stage hands them on: the same prompts as the others'.
+    `served`: the tokenizer, to run the stage with a `transformers serve`, which takes text
+    prompts only (vLLM and SGLang take ids too)."""
     from ebb.common.job import LLMSpec, StageSpec
     from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
@@ -148,21 +157,25 @@ async def _stage(
     stage = StageSpec(
         name="gen",
         llm=LLMSpec(
-            model=str(model_dir), per_row={"max_tokens": "m"}, max_in_flight=BATCH, **server
+            model=str(model_dir), per_row={"max_tokens": "m"}, max_in_flight=in_flight, **server
         ),
         batch_size=len(rows),
         batch_wait_s=0.5,
+        device=device,
     )
-    items = [{"prompt": tokenizer.decode(p), "m": m} for p, m in rows]
+    items = [{"prompt": served.decode(p) if served else p, "m": m} for p, m in rows]
     pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
     await pipeline.start()
     try:
-        await pipeline.run(items[:BATCH])  # the stage's process started and warm
+        await pipeline.run(items)  # the stage's process started, and warm at these shapes
         started = time.perf_counter()
         outcomes = await pipeline.run(items)
         seconds = time.perf_counter() - started
     finally:
         await pipeline.stop()
+    failed = [v for ok, v in outcomes if not ok]
+    if failed:  # counted as making nothing, and said: a rate is no place to hide errors
+        print(f"  {len(failed)} rows failed, the first: {failed[0]}", file=sys.stderr)
     return sum(int(v["output_tokens"]) for ok, v in outcomes if ok), seconds
 
 
@@ -251,8 +264,8 @@ def run(ctx: Context) -> Section:
 
             return measure
 
-        def stage_rate(rows: list[tuple[list[int], int]] = rows, served: bool = False) -> float:
-            tokens, seconds = asyncio.run(_stage(model_dir, tokenizer, rows, served=served))
+        def stage_rate(rows: list[tuple[list[int], int]] = rows, served: Any = None) -> float:
+            tokens, seconds = asyncio.run(_stage(model_dir, rows, served=served))
             return tokens / seconds
 
         variants = {
@@ -267,7 +280,7 @@ def run(ctx: Context) -> Section:
         }
         if not ctx.smoke:  # a server's start and Ray's take longer than a smoke run has
             variants["Ebb llm stage, transformers serve"] = lambda rows=rows: stage_rate(
-                rows, served=True
+                rows, served=tokenizer
             )
             if RAY_PYTHON.exists():
                 variants["Ray Data map_batches"] = lambda rows=rows: _ray(ctx, model_dir, rows)

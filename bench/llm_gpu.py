@@ -2,7 +2,8 @@
 
 The `llm` stage's transformers engine (ebb.worker.llm.hf) on the GPU against transformers'
 own continuous batching (`init_continuous_batching`, paged attention) in one process on the
-same prompts, and the static-batch loop of section 16 as the floor.
+same prompts, and the static-batch loop of section 16 as the floor; the engine also through
+the stage (its own process, handed the GPU as a worker hands it; its busy share not sampled).
 
 Model: a Llama-shaped model of TinyLlama-1.1B's shape (22 layers of width 2048, 32 heads, 4
 key-value heads, a vocabulary of 32,000), random weights in bfloat16, built from a config and
@@ -16,7 +17,9 @@ figures.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from .common import Context, GpuSampler, Section, interleaved, median, spread, table
-from .llm import _engine, _static, _transformers_cb, _workload
+from .llm import _engine, _stage, _static, _transformers_cb, _workload
 
 PROMPTS = 512
 IN_FLIGHT = 128
@@ -74,6 +77,10 @@ def _model(path: Path, device: str, *, small: bool) -> Path:
     return path
 
 
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0%}"
+
+
 def run(ctx: Context) -> Section | None:
     if not torch.cuda.is_available():
         ctx.log("  no GPU that torch can use: section 17 keeps its last figures")
@@ -119,6 +126,14 @@ def measure(ctx: Context, device: str) -> Section:
 
             return once
 
+        def stage_rate(rows: list[tuple[list[int], int]] = rows, shape: str = shape) -> float:
+            """The stage in a process of its own, handed the GPU as a worker hands it."""
+            tokens, seconds = asyncio.run(
+                _stage(model_dir, rows, device=device, in_flight=IN_FLIGHT)
+            )
+            busy.setdefault(f"{shape}: Ebb llm stage", []).append(float("nan"))
+            return tokens / seconds
+
         variants = {
             "static batches (generate)": rate(
                 "static batches (generate)",
@@ -131,12 +146,14 @@ def measure(ctx: Context, device: str) -> Section:
                 lambda rows=rows: _transformers_cb(model, rows, eos),
             ),
             "Ebb engine": rate("Ebb engine", lambda rows=rows: _engine(engine, rows)),
+            "Ebb llm stage": stage_rate,
             f"Ebb engine, {2 * IN_FLIGHT} in flight": rate(
                 f"Ebb engine, {2 * IN_FLIGHT} in flight", lambda rows=rows: _engine(wide, rows)
             ),
         }
-        for warm_up in variants.values():  # torch's first calls at new shapes are slow
-            warm_up()
+        for name, warm_up in variants.items():  # torch's first calls at new shapes are slow
+            if name != "Ebb llm stage":  # it warms itself up in its own process
+                warm_up()
         busy.clear()
         ctx.log(f"  {shape}: {n} prompts")
         results = interleaved(variants, ctx.repeats, ctx.log)
@@ -150,7 +167,7 @@ def measure(ctx: Context, device: str) -> Section:
                         k,
                         spread(v),
                         f"{median(v) / base:.2f}x",
-                        f"{median(busy[f'{shape}: {k}']):.0%}",
+                        _share(median(busy[f"{shape}: {k}"])),
                     ]
                     for k, v in results.items()
                 ],
