@@ -4,6 +4,7 @@
 #   ebb-nats-master         creds: the shard master's credentials
 #   ebb-nats-controller     creds: the controller's credentials
 #   ebb-nats-client         creds: for clients (`ebb submit`, the SDK: EBB_NATS_CREDS)
+#   ebb-nats-gateway        creds: the Batch API gateway's credentials
 #   ebb-nats-worker-signer  signing_key, account: with these the controller mints each worker
 #                           pod a credential of its own (only the controller reads this one)
 # Create them once, before the first `kubectl apply -k k8s/base` (or k8s/overlays/prod):

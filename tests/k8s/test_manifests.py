@@ -127,7 +127,7 @@ def test_every_secret_a_pod_reads_is_one_make_secrets_writes_or_optional() -> No
 
 def test_make_secrets_makes_fresh_keys_and_gives_each_role_its_credentials() -> None:
     first, second = secret_data(secrets_made()), secret_data(secrets_made())
-    roles: tuple[auth.Role, ...] = ("master", "controller", "client")
+    roles: tuple[auth.Role, ...] = ("master", "controller", "client", "gateway")
     assert set(first) == {
         "ebb-nats-auth",
         "ebb-nats-worker-signer",

@@ -9,8 +9,9 @@ from nats.js.api import KeyValueConfig
 
 from ebb.common.messaging import provision
 from ebb.common.messaging.messages import ShardSpec
+from ebb.common.messaging.snapshot import kv_snapshot
 from ebb.common.messaging.subjects import Subjects
-from ebb.shard_master.kv import Store, _snapshot
+from ebb.shard_master.kv import Store
 from ebb.shard_master.table.records import JobRecord, ShardRecord
 
 
@@ -27,13 +28,14 @@ async def test_snapshots_taken_under_load_hold_every_live_key_and_only_those(nc:
 
     # Many snapshots at once keep the event loop busy while messages arrive, which is when a
     # snapshot that trusts counters taken with messages in flight ends early.
-    snapshots = await asyncio.gather(*(_snapshot(js, "snap", "job.*") for _ in range(40)))
+    snapshots = await asyncio.gather(*(kv_snapshot(js, "snap", "job.*") for _ in range(40)))
     for entries in snapshots:
-        assert {value for value, _ in entries} == want
+        assert {e.value for e in entries} == want
         assert len(entries) == len(want)
-    revisions = dict(snapshots[0])
+        assert {e.key for e in entries} == {f"job.{i:04d}" for i in range(300)} - {"job.0007"}
+    revisions = {e.value: e.revision for e in snapshots[0]}
     assert revisions[b"w0"] == (await kv.get("job.0000")).revision
-    assert await _snapshot(js, "snap", "nothing.*") == []
+    assert await kv_snapshot(js, "snap", "nothing.*") == []
     # Every consumer a snapshot made is gone.
     assert (await js.stream_info("KV_snap")).state.consumer_count == 0
 

@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pin-cpus", action="store_true", help="pin each worker to cores of its own")
     c.add_argument("--prefix", default=env(envvars.PREFIX, "ebb"), help="subject prefix")
     c.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
+    c.add_argument(
+        "--gateway",
+        default=None,
+        metavar="CONFIG",
+        help="serve the OpenAI Batch API too, with this catalogue and keys (docs/batch-api.md)",
+    )
+    c.add_argument("--gateway-port", type=int, default=8080)
     c.set_defaults(handler=cmd_up)
 
     c = sub.add_parser("submit", help="submit a job to a running stack")

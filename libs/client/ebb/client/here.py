@@ -226,7 +226,15 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 async def cmd_up(args: argparse.Namespace) -> int:
     roots = [os.getcwd(), *args.data_root]
-    stack = _stack(args, Path(args.state_dir or ".ebb").resolve(), roots, port=args.port)
+    gateway = Path(args.gateway).resolve() if args.gateway else None
+    stack = _stack(
+        args,
+        Path(args.state_dir or ".ebb").resolve(),
+        roots,
+        port=args.port,
+        gateway=gateway,
+        gateway_port=args.gateway_port,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -236,6 +244,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
             credentials = write_credentials(stack.config.state_dir / "client.env", stack)
             out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
             out.print(f"  ebb submit job.yaml --credentials {credentials}")
+            if stack.gateway_url is not None:
+                out.print(f"  the OpenAI Batch API at {stack.gateway_url} (OpenAI(base_url=...))")
             out.print("Ctrl-C stops it (unfinished jobs resume at the next `ebb up`).")
             await stop.wait()
         return EXIT_OK
@@ -245,7 +255,13 @@ async def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _stack(
-    args: argparse.Namespace, state_dir: Path, roots: list[str], *, port: int = 0
+    args: argparse.Namespace,
+    state_dir: Path,
+    roots: list[str],
+    *,
+    port: int = 0,
+    gateway: Path | None = None,
+    gateway_port: int = 0,
 ) -> LocalStack:
     return LocalStack(
         StackConfig(
@@ -256,6 +272,8 @@ def _stack(
             pin_cpus=args.pin_cpus,
             prefix=args.prefix,
             log_level=args.log_level,
+            gateway=gateway,
+            gateway_port=gateway_port,
         )
     )
 

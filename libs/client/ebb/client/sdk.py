@@ -15,11 +15,8 @@ from types import TracebackType
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
 
-from ebb.common import schema
 from ebb.common.aio import wait_any
-from ebb.common.errors import BusError, EbbError, ErrorCode, RemoteError, SchemaError
 from ebb.common.job import JobSpec
 from ebb.common.messaging import bus
 from ebb.common.messaging.api import MasterClient
@@ -27,26 +24,15 @@ from ebb.common.messaging.bus import Backoff
 from ebb.common.messaging.messages import (
     TERMINAL_JOB_STATES,
     CancelReply,
-    JobEvent,
     JobStatus,
     ResumeReply,
     StatusReply,
 )
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.common.messaging.subjects import Subjects
+from ebb.common.messaging.submission import SubmitError, SubmitPending, submit_job
 
-
-class SubmitError(EbbError):
-    """The job was not accepted: refused by the master (the message says why) or no master."""
-
-
-class SubmitPending(SubmitError):
-    """The job is queued (JetStream holds it) but no master accepted it in the time given.
-    It is not lost: it runs once a master takes it. Submitting it again would not help."""
-
-    def __init__(self, job_id: str, message: str) -> None:
-        super().__init__(message)
-        self.job_id = job_id
+__all__ = ["EbbClient", "SubmitError", "SubmitPending"]
 
 
 class EbbClient:
@@ -55,8 +41,6 @@ class EbbClient:
         self.config = config
         self.subjects = Subjects(config.prefix)
         self.master = MasterClient(nc, config, backoff=Backoff(first_s=0.2, max_s=2.0, attempts=8))
-        self._probe = MasterClient(nc, config, backoff=Backoff(attempts=1))
-        """For questions asked again and again anyway: one try each."""
 
     @classmethod
     async def connect(cls, config: NatsConfig) -> EbbClient:
@@ -85,64 +69,7 @@ class EbbClient:
         if no master accepted it within `accept_timeout_s`: it is queued, and runs once one
         does (a master that restarts takes it up at once).
         """
-        spec = spec.with_id()
-        events = await self.nc.subscribe(self.subjects.events(spec.id))
-        try:
-            try:
-                ack = await self.nc.jetstream().publish(
-                    self.subjects.submit,
-                    schema.pack(spec),
-                    headers={"Nats-Msg-Id": spec.id},
-                    stream=self.subjects.jobs_stream,
-                )
-            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-                # JetStream (or the server, without it) says no stream takes the subject.
-                raise SubmitError(
-                    f"no Ebb stack answers at {self.config.url}: it has no stream "
-                    f"{self.subjects.jobs_stream} (is a shard master running there, with "
-                    f"prefix {self.config.prefix!r}?)"
-                ) from None
-            if ack.duplicate:
-                # Submitted before: no new event is coming, but the status answers at once.
-                with contextlib.suppress(RemoteError):
-                    if (await self.master.job(spec.id)).state != "SUBMITTED":
-                        return spec.id
-            return await self._await_acceptance(spec.id, events, accept_timeout_s)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await events.unsubscribe()
-
-    async def _await_acceptance(self, job_id: str, events: Subscription, timeout_s: float) -> str:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            try:
-                msg = await events.next_msg(timeout=1.0)
-                event = schema.decode(JobEvent, msg.data)
-                if event.kind == "rejected":
-                    raise SubmitError(f"job {job_id} rejected: {event.reason}")
-                if event.kind in ("accepted", "progress", "state"):
-                    return job_id
-            except (nats.errors.TimeoutError, SchemaError):
-                pass
-            # Events are hints: the status is the truth (and covers a resubmitted job). A job
-            # still SUBMITTED is being planned: not accepted yet. No answer at all: no master
-            # right now (one restarting, say); the job waits in the stream meanwhile.
-            try:
-                if (await self._probe.job(job_id)).state != "SUBMITTED":
-                    return job_id
-            except BusError:
-                pass
-            except RemoteError as e:
-                if e.code == ErrorCode.REJECTED:
-                    raise SubmitError(f"job {job_id} rejected: {e.message}") from None
-                if e.code != ErrorCode.NOT_FOUND:
-                    raise
-        raise SubmitPending(
-            job_id,
-            f"job {job_id} is queued, but no shard master accepted it within {timeout_s:g}s; "
-            f"it runs once one does (`ebb status {job_id}` tells when)",
-        )
+        return await submit_job(self.nc, self.config, spec, accept_timeout_s=accept_timeout_s)
 
     async def status(self, job: str = "") -> StatusReply:
         return await self.master.status(job)

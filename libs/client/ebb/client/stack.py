@@ -14,7 +14,9 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,10 @@ class StackConfig:
     """Start a controller (with local workers). Without one, workers are someone else's."""
     standby_masters: int = 0
     """More shard masters (`master-2`, ...) beside the first, standing by to take over."""
+    gateway: Path | None = None
+    """Serve the OpenAI Batch API (ebb.gateway) with this configuration (catalogue, keys)."""
+    gateway_port: int = 0
+    """The gateway's port on 127.0.0.1 (0: any free port)."""
 
 
 class LocalStack:
@@ -86,6 +92,8 @@ class LocalStack:
         self._log_files: list[IO[bytes]] = []
         self._stopping = False
         self._reaper: asyncio.subprocess.Process | None = None
+        self.gateway_port = (config.gateway_port or _free_port()) if config.gateway else None
+        """Where the Batch API is served (`http://127.0.0.1:<port>/v1`), if it is."""
 
     @property
     def nats_config(self) -> NatsConfig:
@@ -120,8 +128,26 @@ class LocalStack:
         """The names of the master processes: `master`, then each standby's."""
         return ["master", *(f"master-{i + 2}" for i in range(self.config.standby_masters))]
 
+    @property
+    def gateway_url(self) -> str | None:
+        """The Batch API's base URL (an OpenAI client's `base_url`), if the stack serves it."""
+        return None if self.gateway_port is None else f"http://127.0.0.1:{self.gateway_port}/v1"
+
     def _command(self, name: str) -> list[str]:
         common = ["--log-level", self.config.log_level]
+        if name == "gateway":
+            assert self.config.gateway is not None
+            return [
+                "-m",
+                "ebb.gateway",
+                *common,
+                "--config",
+                str(self.config.gateway),
+                "--port",
+                str(self.gateway_port),
+                "--poll",
+                "0.5",
+            ]
         if name in self.masters:
             roots: list[str] = []
             for root in self.config.data_roots:
@@ -148,6 +174,9 @@ class LocalStack:
         for name in [*self.masters, *(["controller"] if self.config.controller else [])]:
             await self._spawn(name)
         await self._wait_for_master()
+        if self.config.gateway is not None:
+            await self._spawn("gateway")
+            await self._wait_for_gateway()
 
     async def _start_reaper(self) -> None:
         """The process that ends the stack if this one dies without stopping it. Its own
@@ -196,6 +225,8 @@ class LocalStack:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
         if name in self.masters:
             return {**env, **nats_environment(self.nats_config_for("master"))}
+        if name == "gateway":
+            return {**env, **nats_environment(self.nats_config_for("gateway"))}
         env.update(nats_environment(self.nats_config_for("controller")))
         if self.trust is not None:
             # For the workers the controller launches: a credential for each, minted with a
@@ -275,9 +306,21 @@ class LocalStack:
             with contextlib.suppress(Exception):
                 await nc.drain()
 
+    async def _wait_for_gateway(self) -> None:
+        url = f"http://127.0.0.1:{self.gateway_port}/healthz"
+        deadline = asyncio.get_running_loop().time() + self.config.start_timeout_s
+        while not await asyncio.to_thread(_answers, url):
+            process = self.processes["gateway"]
+            if process.returncode is not None or asyncio.get_running_loop().time() > deadline:
+                raise StackError(
+                    f"the Batch API gateway did not start; see {self.logs / 'gateway.log'}"
+                )
+            await asyncio.sleep(0.2)
+
     async def stop(self) -> None:
-        """In order: controller (it drains the workers), master, then NATS."""
+        """In order: the gateway, the controller (it drains the workers), master, then NATS."""
         self._stopping = True
+        await _terminate(self.processes.get("gateway"), 15)
         await _terminate(self.processes.get("controller"), self.config.worker_grace_s + 15)
         for name in self.masters:
             await _terminate(self.processes.get(name), 15)
@@ -308,6 +351,20 @@ class LocalStack:
 _NOT_INHERITED = (envvars.NATS_NAME_PREFIX, envvars.WORKER_NATS_NAME_PREFIX, envvars.METRICS_PORT)
 """Credentials of whoever started the stack are never handed down to its services (nor one
 metrics port to several processes)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - our own loopback URL
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 async def _terminate(process: asyncio.subprocess.Process | None, grace_s: float) -> None:

@@ -99,6 +99,12 @@ CONTROLLER_ID = "EBB_CONTROLLER_ID"
 NAMESPACE = "EBB_NAMESPACE"
 POD_NAME = "EBB_POD_NAME"
 
+# The Batch API gateway.
+GATEWAY_CONFIG = "EBB_GATEWAY_CONFIG"
+"""Its configuration file: the model catalogue, the keys, the limits (ebb.gateway.config)."""
+GATEWAY_HOST = "EBB_GATEWAY_HOST"
+GATEWAY_PORT = "EBB_GATEWAY_PORT"
+
 # The CLI.
 CREDENTIALS = "EBB_CREDENTIALS"
 CLI_LOG_LEVEL = "EBB_CLI_LOG_LEVEL"

@@ -9,17 +9,16 @@ longer knows what KV holds, and loads it again rather than carry on from memory.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
+from nats.js.kv import KeyValue
 
 from ebb.common import failpoints, schema
+from ebb.common.messaging.snapshot import kv_snapshot
 
 from .errors import Deposed, StateUnsure, StoreUnavailable
 from .table.records import JobRecord, ShardRecord, describe, read_job, shard_key
@@ -80,14 +79,14 @@ class Store:
             raise Deposed(f"shard {key} was written by someone else") from e
 
     async def load_jobs(self) -> list[tuple[JobRecord, int]]:
-        entries = await _read("the jobs", _snapshot(self._js, self._jobs_bucket, ">"))
-        return [(read_job(v), rev) for v, rev in entries]
+        entries = await _read("the jobs", kv_snapshot(self._js, self._jobs_bucket, ">"))
+        return [(read_job(e.value), e.revision) for e in entries]
 
     async def load_shards(self, job: str) -> list[tuple[ShardRecord, int]]:
         entries = await _read(
-            f"the shards of job {job}", _snapshot(self._js, self._shards_bucket, f"{job}.*")
+            f"the shards of job {job}", kv_snapshot(self._js, self._shards_bucket, f"{job}.*")
         )
-        return [(schema.decode(ShardRecord, v), rev) for v, rev in entries]
+        return [(schema.decode(ShardRecord, e.value), e.revision) for e in entries]
 
     async def forget_job(self, job: str) -> None:
         """Remove a job's record and its shards' records for good (no delete markers left:
@@ -135,43 +134,3 @@ async def _read(what: str, read: Awaitable[T]) -> T:
         raise
     except (nats.errors.Error, TimeoutError) as e:
         raise StoreUnavailable(f"could not read {what} ({e!r})") from e
-
-
-async def _snapshot(
-    js: JetStreamContext, bucket: str, pattern: str, *, timeout_s: float = 30.0
-) -> list[tuple[bytes, int]]:
-    """(value, revision) of every live key of `bucket` matching `pattern`.
-
-    Read through an ephemeral pull consumer that delivers the last message of each key. A pull
-    consumer sends nothing until asked, so the count of messages it reports when created is
-    exact, and we read exactly that many. (nats-py's KV watcher instead decides that the
-    initial values are over from counters that race with messages already in flight, and can
-    end a snapshot early: nats-io/nats.py#842. A job would then lose shards.)
-    """
-    stream = f"KV_{bucket}"
-    info = await js.add_consumer(
-        stream,
-        ConsumerConfig(
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            ack_policy=AckPolicy.NONE,
-            filter_subject=f"$KV.{bucket}.{pattern}",
-            inactive_threshold=timeout_s,  # the server removes it if we vanish mid-read
-            mem_storage=True,
-            num_replicas=1,
-        ),
-    )
-    subscription = await js.pull_subscribe_bind(consumer=info.name, stream=stream)
-    out: list[tuple[bytes, int]] = []
-    remaining = info.num_pending or 0
-    try:
-        while remaining > 0:
-            for msg in await subscription.fetch(min(remaining, 1_000), timeout=timeout_s):
-                remaining -= 1
-                if msg.headers and msg.headers.get(KV_OP) in (KV_DEL, KV_PURGE):
-                    continue  # a deleted key
-                out.append((msg.data, msg.metadata.sequence.stream))
-    finally:
-        await subscription.unsubscribe()
-        with contextlib.suppress(nats.errors.Error):
-            await js.delete_consumer(stream, info.name)
-    return out

@@ -312,6 +312,19 @@ class OutputStore:
             return None
         return schema.load(CommitRecord, json.loads(raw), strict=False)
 
+    def commits(self) -> list[CommitRecord]:
+        """The root's commit records (its tiers' not), by shard: the output's every file, each
+        row in exactly one of them."""
+        try:
+            names = sorted(self._ls(self.full(COMMITS_DIR)))
+        except FileNotFoundError:
+            return []
+        return [
+            schema.load(CommitRecord, json.loads(self._cat(name)), strict=False)
+            for name in names
+            if name.endswith(".json")
+        ]
+
     def first_commit(self) -> CommitRecord | None:
         """Any one commit record under this root, a tier's included (to tell whose work the
         root holds)."""

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from .fields import ModelDtype, bad, positive
 
 LLMEngine = Literal["transformers", "endpoint", "server"]
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """The sampling fields a row may override from a column of its own (`per_row`)."""
 
 
@@ -127,7 +127,7 @@ class LLMSpec:
     per_row: dict[str, str] = field(default_factory=dict)
     """Sampling fields overridden per row, each from a column: `{max_tokens: budget}` reads
     a row's `max_tokens` from its `budget` column (max_tokens, temperature, top_p, top_k,
-    seed). A null value keeps the stage's."""
+    seed; stop, a string or a list of them). A null value keeps the stage's."""
     max_in_flight: int = 32
     """Rows generating at once: as one finishes, the next waiting row takes its place."""
     kv_tokens: int | None = None

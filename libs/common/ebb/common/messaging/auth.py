@@ -7,6 +7,8 @@
 - worker: the lease protocol only (lease, renew, commit, release, status). Workers run user
   code, so they get the least: no job submission, no JetStream API, no KV.
 - client: submits jobs, reads their status, cancels and resumes them; hears job events.
+- gateway: the Batch API gateway, a client (submits, reads status, cancels) that also keeps
+  its files' and batches' records in two KV buckets of its own, and nothing else of JetStream.
 
 Each role also gets its own inbox prefix, so that one role cannot read the replies meant for
 another (a worker cannot see the master's KV reads, nor a client's job listings); a
@@ -29,7 +31,7 @@ from typing import Literal, get_args
 from .. import envvars
 from .subjects import WORKER_OPS, Subjects
 
-Role = Literal["master", "controller", "worker", "client"]
+Role = Literal["master", "controller", "worker", "client", "gateway"]
 ROLES: tuple[Role, ...] = get_args(Role)
 
 
@@ -108,6 +110,13 @@ def permissions(prefix: str, role: Role) -> Permissions:
         # holder. Per-worker credentials narrow these to the worker's own id (see below).
         ops = tuple(s.worker_op(op, "*") for op in WORKER_OPS)
         return Permissions(publish=(*ops, s.master("status")), subscribe=(inbox,))
+    if role == "gateway":
+        buckets = (s.gateway_files_bucket, s.gateway_batches_bucket)
+        publish = [s.submit, s.master("status"), s.master("cancel"), "$JS.API.INFO"]
+        for bucket in buckets:
+            publish += _jetstream_api(f"KV_{bucket}")
+        publish += [f"$KV.{b}.>" for b in buckets]
+        return Permissions(publish=tuple(publish), subscribe=(s.all_events, inbox))
     return Permissions(
         publish=(s.submit, s.master("status"), s.master("cancel"), s.master("resume")),
         subscribe=(s.all_events, inbox),

@@ -265,7 +265,7 @@ SIGNER_SECRET = "nats-worker-signer"  # noqa: S105 - a Secret's name
 controller reads it."""
 CREDS_KEY = "creds"
 """The key of a role's Secret (`<prefix>-nats-<role>`) that holds its .creds text."""
-_SECRET_ROLES: tuple[Role, ...] = ("master", "controller", "client")
+_SECRET_ROLES: tuple[Role, ...] = ("master", "controller", "client", "gateway")
 
 
 def kubernetes_secrets(
@@ -275,7 +275,8 @@ def kubernetes_secrets(
 
     - `<name_prefix>-nats-auth`: `auth.conf`, which nats-server's configuration includes
       (operator, system account, Ebb's account with the workers' scoped signing key);
-    - `<name_prefix>-nats-{master,controller,client}`: `creds`, each role's credentials;
+    - `<name_prefix>-nats-{master,controller,client,gateway}`: `creds`, each role's
+      credentials;
     - `<name_prefix>-nats-worker-signer`: `signing_key` (a seed) and `account` (a public key),
       with which the controller mints each worker pod a credential of its own.
     """

@@ -33,6 +33,10 @@ class Subjects:
         self.jobs_bucket = f"{prefix}-jobs"
         self.shards_bucket = f"{prefix}-shards"
         self.leader_bucket = f"{prefix}-leader"
+        self.gateway_files_bucket = f"{prefix}-gateway-files"
+        """The Batch API gateway's files: who owns each, its name, size and purpose."""
+        self.gateway_batches_bucket = f"{prefix}-gateway-batches"
+        """The Batch API gateway's batches: each one's record as the API shows it, and its job."""
 
     def master(self, op: str) -> str:
         return f"{self.prefix}.master.{op}"

@@ -337,6 +337,7 @@ class LLMStage:
             "top_p": s.top_p,
             "top_k": s.top_k,
             "seed": None,
+            "stop": tuple(s.stop),
         }
         for key, column in self.llm.per_row.items():
             if column not in batch:
@@ -346,17 +347,28 @@ class LLMStage:
                 continue
             values[key] = value.item() if isinstance(value, np.generic) else value
         seed = values.pop("seed")
+        stop = _stop(values.pop("stop"))
         sampling = Sampling(
             max_tokens=_int(values["max_tokens"], "max_tokens", low=1),
             temperature=_float(values["temperature"], "temperature", low=0.0),
             top_p=_float(values["top_p"], "top_p", low=0.0, high=1.0),
             top_k=_int(values["top_k"], "top_k", low=0),
-            stop=tuple(s.stop),
+            stop=stop,
             seed=row_seed(s.seed, prompt) if seed is None else _int(seed, "seed", low=0),
         )
         if sampling.top_p == 0:
             raise ValueError("top_p must lie in (0, 1], got 0")
         return sampling
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    """A row's stop strings: one, or a list of them (an Arrow list column's value)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple | np.ndarray) or not all(
+        isinstance(x, str) and x for x in items
+    ):
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got {value!r}")
+    return tuple(items)
 
 
 def _int(value: Any, name: str, *, low: int) -> int:

@@ -1,0 +1,446 @@
+"""The HTTP edge: the Batch API's routes, its keys, its error shapes (aiohttp).
+
+Mounted under `/v1` (a client's `base_url` ends with it) and at the root. Every error is
+the API's envelope, `{"error": {"message", "type", "param", "code"}}`, with the status the
+official client maps to its exceptions; a refusal that asking again cannot change says
+`x-should-retry: false`, so that the client does not ask three times. A key sees only its
+owner's files and batches: another's id is answered as one that does not exist."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
+
+from . import metrics
+from .batches import BatchRunner
+from .config import ApiKey, GatewayConfig
+from .records import ENDED, BatchRecord, Conflict, FileRecord, Records, RecordsUnavailable, new_id
+from .requests import ENDPOINTS
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+KEY: web.RequestKey[ApiKey] = web.RequestKey("key", ApiKey)
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        retry: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+        self.retry = retry
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        headers = {} if self.retry else {"x-should-retry": "false"}
+        return web.json_response(body, status=self.status, headers=headers)
+
+
+def not_found(kind: str, rid: str, param: str = "id") -> ApiError:
+    return ApiError(404, f"No such {kind} object: {rid}", param=param, code=None)
+
+
+class BatchApi:
+    def __init__(self, *, config: GatewayConfig, records: Records, runner: BatchRunner) -> None:
+        self.config = config
+        self.records = records
+        self.runner = runner
+        self.store = runner.store
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1024**2)
+        routes = [
+            web.post("/files", self.upload),
+            web.get("/files", self.list_files),
+            web.get("/files/{id}", self.get_file),
+            web.delete("/files/{id}", self.delete_file),
+            web.get("/files/{id}/content", self.file_content),
+            web.post("/batches", self.create_batch),
+            web.get("/batches", self.list_batches),
+            web.get("/batches/{id}", self.get_batch),
+            web.post("/batches/{id}/cancel", self.cancel_batch),
+        ]
+        for prefix in ("/v1", ""):
+            app.router.add_routes([web.route(r.method, prefix + r.path, r.handler) for r in routes])
+        app.router.add_get("/healthz", self.health)
+        return app
+
+    # -- middlewares ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        name = route.canonical.removeprefix("/v1") if route is not None else "unmatched"
+        started = time.monotonic()
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = e.response()
+        except HTTPRequestEntityTooLarge as e:
+            response = ApiError(413, f"The request body is too large: {e.text}").response()
+        except web.HTTPException as e:
+            response = ApiError(e.status, e.reason, code=None, retry=e.status >= 500).response()
+        except RecordsUnavailable as e:
+            log.warning("%s %s: %s", request.method, request.path, e)
+            response = ApiError(
+                503,
+                "The gateway cannot reach its records; try again.",
+                kind="server_error",
+                retry=True,
+            ).response()
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            response = ApiError(
+                500, "The gateway failed to answer; try again.", kind="server_error", retry=True
+            ).response()
+        metrics.HTTP_REQUESTS.labels(name, str(response.status)).inc()
+        metrics.HTTP_SECONDS.labels(name).observe(time.monotonic() - started)
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/healthz":
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        found = self.config.owner_of(key.strip()) if scheme.lower() == "bearer" else None
+        if found is None:
+            raise ApiError(
+                401,
+                "Incorrect API key provided."
+                if header
+                else "No API key provided: send Authorization: Bearer <key>.",
+                code="invalid_api_key",
+            )
+        request[KEY] = found
+        return await handler(request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def upload(self, request: web.Request) -> web.Response:
+        key = request[KEY]
+        if not request.content_type.startswith("multipart/"):
+            raise ApiError(400, "Upload a file as multipart/form-data (fields purpose, file).")
+        limit = self.config.max_file_bytes
+        if key.max_stored_bytes is not None:
+            stored = sum(f.bytes for f in await self.records.files(key.owner))
+            limit = min(limit, key.max_stored_bytes - stored)
+            if limit <= 0:
+                raise ApiError(
+                    429,
+                    f"Key's quota of {key.max_stored_bytes} stored bytes is used up: delete "
+                    "files first.",
+                    code="quota_exceeded",
+                )
+        file_id = new_id("file")
+        path = f"files/{key.owner}/{file_id}"
+        purpose: str | None = None
+        filename = "upload"
+        size: int | None = None
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise ApiError(400, "A form field holds a nested multipart body.")
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file" and size is None:
+                filename = part.filename or "upload"
+                size = await self._store_part(part, path, limit, request)
+            else:
+                await part.release()
+        if size is None:
+            raise ApiError(
+                400,
+                "Missing required parameter: 'file'.",
+                param="file",
+                code="missing_required_parameter",
+            )
+        if purpose != "batch":
+            await asyncio.to_thread(self.store.delete, path)
+            raise ApiError(
+                400,
+                f"Invalid value for 'purpose': {purpose!r}. This gateway keeps files for "
+                "batches: 'batch'.",
+                param="purpose",
+                code="invalid_value",
+            )
+        now = int(time.time())
+        record = FileRecord(
+            id=file_id,
+            owner=key.owner,
+            bytes=size,
+            created_at=now,
+            filename=filename,
+            purpose="batch",
+            path=path,
+            expires_at=now + int(self.config.file_expiry_s),
+        )
+        await self.records.create_file(record)
+        metrics.UPLOADED_BYTES.inc(size)
+        return web.json_response(record.api())
+
+    async def _store_part(
+        self, part: BodyPartReader, path: str, limit: int, request: web.Request
+    ) -> int:
+        """Stream the file part into the store; 413 (after reading the rest of the
+        request, so that the client hears the answer) if it grows past `limit`."""
+        writer = await asyncio.to_thread(self.store.writer, path)
+        try:
+            while piece := await part.read_chunk(256 * 1024):
+                if writer.bytes + len(piece) > limit:
+                    raise ApiError(  # noqa: TRY301 - the writer is aborted below, as on any error
+                        413,
+                        f"File is too large: the most this key may upload now is {limit} bytes.",
+                        param="file",
+                        code="file_too_large",
+                    )
+                await asyncio.to_thread(writer.write, piece)
+            await asyncio.to_thread(writer.commit)
+        except BaseException:
+            await asyncio.to_thread(writer.abort)
+            while await request.content.readany():
+                pass
+            raise
+        return writer.bytes
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        key = request[KEY]
+        purpose = request.query.get("purpose")
+        files = [
+            f
+            for f in await self.records.files(key.owner)
+            if purpose is None or f.purpose == purpose
+        ]
+        page, more = _page(request, files, default=10_000, most=10_000)
+        return _list([f.api() for f in page], more)
+
+    async def _file(self, request: web.Request) -> FileRecord:
+        file_id = request.match_info["id"]
+        record = await self.records.get_file(request[KEY].owner, file_id)
+        if record is None:
+            raise not_found("File", file_id)
+        return record
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        return web.json_response((await self._file(request)).api())
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        record = await self._file(request)
+        await self.records.delete_file(record)
+        await asyncio.to_thread(self.store.delete, record.path)
+        return web.json_response({"id": record.id, "object": "file", "deleted": True})
+
+    async def file_content(self, request: web.Request) -> web.StreamResponse:
+        record = await self._file(request)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(record.bytes),
+            }
+        )
+        await response.prepare(request)
+        async for piece in self.store.pieces(record.path):
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+    # -- batches ----------------------------------------------------------------------------
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        key = request[KEY]
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            raise ApiError(400, "The request body is not valid JSON.") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        for name in ("input_file_id", "endpoint", "completion_window"):
+            if not isinstance(body.get(name), str):
+                raise ApiError(
+                    400,
+                    f"Missing required parameter: {name!r}.",
+                    param=name,
+                    code="missing_required_parameter",
+                )
+        endpoint, window = body["endpoint"], body["completion_window"]
+        if endpoint not in ENDPOINTS:
+            listed = ", ".join(repr(e) for e in ENDPOINTS)
+            raise ApiError(
+                400,
+                f"Invalid value: {endpoint!r}. Supported values are: {listed}.",
+                param="endpoint",
+                code="invalid_value",
+            )
+        if window not in self.config.windows:
+            listed = ", ".join(repr(w) for w in self.config.windows)
+            raise ApiError(
+                400,
+                f"Invalid value: {window!r}. Supported values are: {listed}.",
+                param="completion_window",
+                code="invalid_value",
+            )
+        metadata = _metadata(body.get("metadata"))
+        source = await self.records.get_file(key.owner, body["input_file_id"])
+        if source is None:
+            raise not_found("File", body["input_file_id"], "input_file_id")
+        if source.purpose != "batch":
+            raise ApiError(
+                400,
+                f"File {source.id} has purpose {source.purpose!r}; a batch reads a file "
+                "uploaded with purpose 'batch'.",
+                param="input_file_id",
+                code="invalid_value",
+            )
+        if key.max_active_batches is not None:
+            active = [b for b, _ in await self.records.batches(key.owner) if b.status not in ENDED]
+            if len(active) >= key.max_active_batches:
+                raise ApiError(
+                    429,
+                    f"Key's quota of {key.max_active_batches} batches at once is reached: "
+                    "wait for one to end.",
+                    code="quota_exceeded",
+                )
+        now = int(time.time())
+        record = BatchRecord(
+            id=new_id("batch"),
+            owner=key.owner,
+            endpoint=endpoint,
+            input_file_id=source.id,
+            completion_window=window,
+            status="validating",
+            created_at=now,
+            expires_at=now + int(self.config.windows[window].seconds),
+            metadata=metadata,
+        )
+        await self.records.create_batch(record)
+        self.runner.wake.set()
+        return web.json_response(record.api())
+
+    async def _batch(self, request: web.Request) -> tuple[BatchRecord, int]:
+        batch_id = request.match_info["id"]
+        found = await self.records.get_batch(request[KEY].owner, batch_id)
+        if found is None:
+            raise not_found("Batch", batch_id)
+        return found
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        return web.json_response((await self._batch(request))[0].api())
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        batches = [b for b, _ in await self.records.batches(request[KEY].owner)]
+        page, more = _page(request, batches, default=20, most=100, order="desc")
+        return _list([b.api() for b in page], more)
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        for _ in range(10):
+            batch, revision = await self._batch(request)
+            if batch.status in ("cancelling", "cancelled"):
+                return web.json_response(batch.api())
+            if batch.status not in ("validating", "in_progress"):
+                raise ApiError(409, f"Cannot cancel a batch with status {batch.status!r}.")
+            changed = batch.moved("cancelling", ending="cancelled")
+            try:
+                await self.records.update_batch(changed, last=revision)
+            except Conflict:
+                continue  # the runner moved it meanwhile: look again
+            self.runner.wake.set()
+            return web.json_response(changed.api())
+        raise ApiError(409, "The batch keeps changing; try again.", retry=True)
+
+
+def _metadata(value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(
+            400,
+            "Invalid type for 'metadata': expected an object.",
+            param="metadata",
+            code="invalid_type",
+        )
+    if len(value) > 16:
+        raise ApiError(
+            400, "'metadata' holds at most 16 pairs.", param="metadata", code="invalid_value"
+        )
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise ApiError(
+                400,
+                f"Invalid type for 'metadata.{k}': expected a string.",
+                param=f"metadata.{k}",
+                code="invalid_type",
+            )
+        if len(k) > 64 or len(v) > 512:
+            raise ApiError(
+                400,
+                f"'metadata.{k}': keys hold at most 64 characters, values 512.",
+                param=f"metadata.{k}",
+                code="invalid_value",
+            )
+    return dict(value)
+
+
+def _page(
+    request: web.Request, items: list[Any], *, default: int, most: int, order: str | None = None
+) -> tuple[list[Any], bool]:
+    """One page of `items` (ids sort by creation): `order` (newest first unless `asc`),
+    after the id `after`, at most `limit`."""
+    try:
+        limit = int(request.query.get("limit", default))
+    except ValueError:
+        raise ApiError(
+            400, "'limit' must be a whole number.", param="limit", code="invalid_type"
+        ) from None
+    if not 1 <= limit <= most:
+        raise ApiError(
+            400, f"'limit' must lie in [1, {most}].", param="limit", code="invalid_value"
+        )
+    order = order or request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "'order' is asc or desc.", param="order", code="invalid_value")
+    ordered = sorted(items, key=lambda i: i.id, reverse=order == "desc")
+    after = request.query.get("after")
+    if after:
+        ordered = [i for i in ordered if (i.id < after if order == "desc" else i.id > after)]
+    return ordered[:limit], len(ordered) > limit
+
+
+def _list(data: list[dict[str, Any]], more: bool) -> web.Response:
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )

@@ -1,0 +1,371 @@
+"""The reconcile loop: each batch carried from `validating` to its end, a step at a time.
+
+Level-triggered over the records in KV, as the controller is over its workers: each pass
+reads every batch not yet ended and takes the one step its record and its job call for,
+written compare-and-set. Any replica may take any step; one that restarts carries on where
+the record says (every step may be taken twice: files are written again whole, byte for
+byte, and a job submitted twice runs once).
+
+    validating --(the file checked, its rows written)--> in_progress --(its job ended)-->
+    finalizing --(output and error files written)--> completed | cancelled | expired | failed
+
+A file that fails validation ends `failed`, naming its lines; `cancel` asks the job to stop
+(`cancelling`) and a batch past its window is stopped the same way (`expired`): either
+ends with what its job committed, the rest as error lines saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import replace
+from typing import IO, Any, cast
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ebb.common.aio import wait_any
+from ebb.common.data.storage import StoreError
+from ebb.common.errors import BusError, ErrorCode, RemoteError
+from ebb.common.messaging.api import MasterClient
+from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.submission import SubmitError, SubmitPending, submit_job
+
+from . import metrics
+from .config import GatewayConfig
+from .jobspec import batch_job, request_schema, rows_per_shard
+from .records import (
+    ENDED,
+    BatchError,
+    BatchRecord,
+    BatchStatus,
+    Conflict,
+    FileRecord,
+    Records,
+    RecordsUnavailable,
+)
+from .requests import validate
+from .results import Tally, job_rows, write_results
+from .store import FileStore
+
+log = logging.getLogger(__name__)
+
+
+def batch_dir(batch: BatchRecord) -> str:
+    return f"batches/{batch.owner}/{batch.id}"
+
+
+def result_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's output (or error) file: the same on every pass."""
+    digest = hashlib.blake2b(f"{batch_id}\0{kind}".encode(), digest_size=12).hexdigest()
+    return f"file-{digest}"
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        records: Records,
+        store: FileStore,
+        master: MasterClient,
+        nc: Any,
+        nats: NatsConfig,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.records = records
+        self.store = store
+        self.master = master
+        self.nc = nc
+        self.nats = nats
+        self.poll_s = poll_s
+        self.wake = asyncio.Event()
+        """Set when a batch is created or cancelled: the next pass starts at once."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pass after pass until `stop` is set."""
+        while not stop.is_set():
+            self.wake.clear()
+            try:
+                await self.reconcile()
+            except RecordsUnavailable as e:
+                log.warning("cannot read the batches: %s; trying again", e)
+            await wait_any([stop, self.wake], timeout_s=self.poll_s)
+
+    async def reconcile(self) -> None:
+        batches = await self.records.batches()
+        metrics.observe_batches(record.status for record, _ in batches)
+        for record, revision in sorted(batches, key=lambda b: b[0].id):
+            if record.status in ENDED:
+                continue
+            try:
+                await self.step(record, revision)
+            except Conflict:
+                pass  # someone else took this step: the next pass reads what they wrote
+            except (RecordsUnavailable, StoreError, BusError) as e:
+                log.warning("batch %s (%s): %s; trying again", record.id, record.status, e)
+
+    async def step(self, batch: BatchRecord, revision: int) -> None:
+        now = time.time()
+        if batch.status == "validating":
+            if batch.ending == "cancelled":
+                await self._end(batch, revision, "cancelled")
+            elif now >= batch.expires_at:
+                await self._end(batch, revision, "expired")
+            else:
+                await self._validate(batch, revision)
+        elif batch.status in ("in_progress", "cancelling"):
+            await self._follow(batch, revision, now)
+        elif batch.status == "finalizing":
+            await self._finalize(batch, revision)
+
+    # -- validating -------------------------------------------------------------------------
+
+    async def _validate(self, batch: BatchRecord, revision: int) -> None:
+        source = await self.records.get_file(batch.owner, batch.input_file_id)
+        if source is None:
+            error = BatchError(
+                code="invalid_request",
+                message=f"Cannot find file {batch.input_file_id}: it was deleted before the "
+                "batch could read it.",
+                param="input_file_id",
+            )
+            await self.records.update_batch(batch.moved("failed", errors=[error]), last=revision)
+            return
+        found = await asyncio.to_thread(self._check_and_write, batch, source)
+        if found.problem_count:
+            errors = list(found.problems)
+            if found.problem_count > len(errors):
+                errors.append(
+                    BatchError(
+                        code="too_many_errors",
+                        message=f"{found.problem_count} lines have problems; the first "
+                        f"{len(found.problems)} are listed.",
+                    )
+                )
+            await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
+            await self.records.update_batch(
+                batch.moved("failed", errors=errors, total=found.total), last=revision
+            )
+            return
+        counted = replace(
+            batch,
+            total=found.total,
+            rejected=found.rejected,
+            failed=found.rejected,
+            model=found.model,
+        )
+        if found.accepted == 0:
+            # Every request refused: nothing to run, the error file says why.
+            await self.records.update_batch(counted.moved("finalizing"), last=revision)
+            return
+        await self.records.update_batch(counted.moved("in_progress", job=batch.id), last=revision)
+        metrics.BATCH_REQUESTS.labels("accepted").inc(found.accepted)
+        self.wake.set()  # submit its job at once
+
+    def _check_and_write(self, batch: BatchRecord, source: FileRecord) -> Any:
+        """Read the input file once: its rows into the job's Parquet input (a row group per
+        shard), its refused requests into the rejected lines. Blocking."""
+        folder = batch_dir(batch)
+        schema = request_schema(batch.endpoint)
+        rows: list[dict[str, Any]] = []
+        with (
+            self.store.writer(f"{folder}/requests.parquet") as requests_file,
+            self.store.writer(f"{folder}/rejected.jsonl") as rejected_file,
+        ):
+            parquet = pq.ParquetWriter(cast(IO[bytes], requests_file), schema)
+
+            def accept(row: dict[str, Any], model: str) -> None:
+                # A row group per shard: a shard is whole row groups of the job's input.
+                rows.append(row)
+                if len(rows) >= rows_per_shard(self.config.models[model]):
+                    parquet.write_table(pa.Table.from_pylist(rows, schema=schema))
+                    rows.clear()
+
+            def reject(line: dict[str, Any]) -> None:
+                rejected_file.write(_jsonl(line))
+
+            found = validate(
+                self.store.read_lines(source.path),
+                batch_id=batch.id,
+                endpoint=batch.endpoint,
+                models=self.config.models,
+                max_requests=self.config.max_requests,
+                max_line_bytes=self.config.max_line_bytes,
+                accept=accept,
+                reject=reject,
+            )
+            if rows:
+                parquet.write_table(pa.Table.from_pylist(rows, schema=schema))
+            parquet.close()
+        return found
+
+    # -- in progress ------------------------------------------------------------------------
+
+    async def _follow(self, batch: BatchRecord, revision: int, now: float) -> None:
+        job = batch.job
+        if job is None:  # cancelled while validating: nothing ran
+            await self._end(batch, revision, "cancelled")
+            return
+        if batch.status == "in_progress" and not batch.ending and now >= batch.expires_at:
+            batch = replace(batch, ending="expired")
+            revision = await self.records.update_batch(batch, last=revision)
+        try:
+            status = await self.master.job(job)
+        except RemoteError as e:
+            if e.code == ErrorCode.NOT_FOUND:
+                await self._submit(batch, revision)
+                return
+            if e.code == ErrorCode.REJECTED:
+                await self._job_refused(batch, revision, e.message)
+                return
+            raise
+        if batch.ending and status.state not in TERMINAL_JOB_STATES:
+            try:
+                await self.master.cancel(job, f"batch {batch.ending}")
+            except RemoteError as e:
+                log.info("batch %s: cancel of job %s: %s", batch.id, job, e)
+        counted = self._counted(batch, status)
+        if status.state in TERMINAL_JOB_STATES:
+            await self.records.update_batch(counted.moved("finalizing"), last=revision)
+            self.wake.set()
+        elif counted != batch:
+            await self.records.update_batch(counted, last=revision)
+
+    def _counted(self, batch: BatchRecord, status: JobStatus) -> BatchRecord:
+        return replace(
+            batch,
+            completed=status.rows_done - status.error_rows,
+            failed=batch.rejected + status.error_rows,
+        )
+
+    async def _submit(self, batch: BatchRecord, revision: int) -> None:
+        assert batch.model is not None and batch.job is not None
+        folder = batch_dir(batch)
+        spec = batch_job(
+            batch_id=batch.job,
+            owner=batch.owner,
+            model=self.config.models[batch.model],
+            window=self.config.windows[batch.completion_window],
+            input_uri=self.store.url(f"{folder}/requests.parquet"),
+            output_uri=self.store.url(f"{folder}/output"),
+        )
+        try:
+            await submit_job(self.nc, self.nats, spec, accept_timeout_s=10.0)
+        except SubmitPending:
+            log.info("batch %s: job %s queued, no master has taken it yet", batch.id, batch.job)
+        except SubmitError as e:
+            await self._job_refused(batch, revision, str(e))
+
+    async def _job_refused(self, batch: BatchRecord, revision: int, why: str) -> None:
+        error = BatchError(code="job_rejected", message=f"Ebb refused the batch's job: {why}")
+        await self.records.update_batch(batch.moved("failed", errors=[error]), last=revision)
+
+    # -- finalizing ---------------------------------------------------------------------------
+
+    async def _finalize(self, batch: BatchRecord, revision: int) -> None:
+        state, reason = "SUCCEEDED", ""
+        if batch.job is not None:
+            try:
+                status = await self.master.job(batch.job)
+                state, reason = status.state, status.reason
+            except RemoteError as e:
+                if e.code != ErrorCode.NOT_FOUND:
+                    raise
+                state, reason = "FAILED", "the shard master no longer knows the job"
+        ending = batch.ending or ("failed" if state == "FAILED" else "")
+        tally, files = await asyncio.to_thread(self._write_results, batch, ending, reason)
+        for record in files.values():
+            try:
+                await self.records.create_file(record)
+            except Exception as e:
+                if "wrong last sequence" not in str(e).lower():
+                    raise
+        final: BatchStatus = (
+            "cancelled"
+            if batch.ending == "cancelled"
+            else "expired"
+            if batch.ending == "expired"
+            else "failed"
+            if state == "FAILED"
+            else "completed"
+        )
+        errors = batch.errors
+        if state == "FAILED" and not batch.ending:
+            errors = [*errors, BatchError(code="job_failed", message=reason or "the job failed")]
+        output, error = (files[k].id if k in files else None for k in ("output", "error"))
+        await self.records.update_batch(
+            batch.moved(
+                final,
+                completed=tally.completed,
+                failed=tally.failed,
+                input_tokens=tally.input_tokens,
+                output_tokens=tally.output_tokens,
+                output_file_id=output,
+                error_file_id=error,
+                errors=errors,
+            ),
+            last=revision,
+        )
+        metrics.BATCH_REQUESTS.labels("completed").inc(tally.completed)
+        metrics.BATCH_REQUESTS.labels("failed").inc(tally.failed)
+
+    def _write_results(
+        self, batch: BatchRecord, ending: str, reason: str
+    ) -> tuple[Tally, dict[str, FileRecord]]:
+        folder = batch_dir(batch)
+        now = int(time.time())
+        made: dict[str, FileRecord] = {}
+        ids = {kind: result_file_id(batch.id, kind) for kind in ("output", "error")}
+        paths = {kind: f"files/{batch.owner}/{ids[kind]}" for kind in ids}
+        has_requests = batch.job is not None and self.store.exists(f"{folder}/requests.parquet")
+        has_rejected = self.store.exists(f"{folder}/rejected.jsonl")
+        with (
+            self.store.writer(paths["output"]) as output,
+            self.store.writer(paths["error"]) as errors,
+        ):
+            tally = write_results(
+                batch_id=batch.id,
+                endpoint=batch.endpoint,
+                model=batch.model or "",
+                job_output=self.store.url(f"{folder}/output"),
+                requests=job_rows(self.store, f"{folder}/requests.parquet")
+                if has_requests
+                else iter(()),
+                rejected=self.store.read_lines(f"{folder}/rejected.jsonl")
+                if has_rejected
+                else iter(()),
+                ending=ending,
+                reason=reason,
+                output=output,
+                errors=errors,
+            )
+        for kind, writer in (("output", output), ("error", errors)):
+            if writer.bytes == 0:
+                self.store.delete(paths[kind])
+                continue
+            made[kind] = FileRecord(
+                id=ids[kind],
+                owner=batch.owner,
+                bytes=writer.bytes,
+                created_at=now,
+                filename=f"{batch.id}_{kind}.jsonl",
+                purpose="batch_output",
+                path=paths[kind],
+                expires_at=None,
+            )
+        return tally, made
+
+    # -- ended short ------------------------------------------------------------------------
+
+    async def _end(self, batch: BatchRecord, revision: int, how: str) -> None:
+        """A batch that ends before its job was submitted: nothing ran, nothing to write."""
+        await self.records.update_batch(batch.moved(how, ending=how), last=revision)  # type: ignore[arg-type]
+
+
+def _jsonl(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

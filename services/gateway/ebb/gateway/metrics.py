@@ -1,0 +1,46 @@
+"""The gateway's Prometheus metrics."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from .records import BatchStatus
+
+HTTP_REQUESTS = Counter(
+    "ebb_gateway_http_requests_total",
+    "Batch API requests answered, by route and HTTP status",
+    ["route", "status"],
+)
+HTTP_SECONDS = Histogram(
+    "ebb_gateway_http_seconds",
+    "Time to answer a Batch API request (an upload: until it is stored)",
+    ["route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+UPLOADED_BYTES = Counter("ebb_gateway_uploaded_bytes_total", "Bytes of files uploaded")
+BATCHES = Gauge("ebb_gateway_batches", "Batches per status, as the last pass read them", ["status"])
+BATCH_REQUESTS = Counter(
+    "ebb_gateway_batch_requests_total",
+    "Requests of batches: accepted at validation, then completed or failed when it ended",
+    ["outcome"],
+)
+
+STATUSES: tuple[BatchStatus, ...] = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+
+
+def observe_batches(statuses: Iterable[str]) -> None:
+    counts = Tally(statuses)
+    for status in STATUSES:
+        BATCHES.labels(status).set(counts.get(status, 0))

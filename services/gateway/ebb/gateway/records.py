@@ -1,0 +1,280 @@
+"""The files' and batches' records, in two NATS KV buckets, keyed `<owner>.<id>`.
+
+A record holds what the API shows of it and what the gateway needs besides (where its bytes
+are, its job). Every change is a compare-and-set on the revision read: two replicas of the
+gateway, or one that restarted halfway, never undo each other's step (`Conflict`: read again).
+Ids sort by creation time, so a list is the keys sorted, read a page at a time."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from ebb.common.errors import EbbError
+from ebb.common.messaging.snapshot import kv_snapshot
+
+BatchStatus = Literal[
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+ENDED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+
+
+class Conflict(EbbError):
+    """Someone else changed the record since it was read."""
+
+
+class RecordsUnavailable(EbbError):
+    """NATS did not answer: nothing changed, ask again."""
+
+
+def new_id(kind: str) -> str:
+    """`file-…` or `batch_…`: milliseconds since the epoch (base 36, fixed width, so ids sort
+    by creation) and randomness."""
+    ms = int(time.time() * 1000)
+    stamp = _base36(ms).rjust(9, "0")
+    sep = "-" if kind == "file" else "_"
+    return f"{kind}{sep}{stamp}{secrets.token_hex(8)}"
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while n:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+    return out or "0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    id: str
+    owner: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    path: str
+    """Under the gateway's root."""
+    expires_at: int | None = None
+
+    def api(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchError:
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchRecord:
+    id: str
+    owner: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str] | None = None
+    errors: list[BatchError] = field(default_factory=list)
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    model: str | None = None
+    """The catalogue model its requests name (None until validated, or if none did)."""
+    rejected: int = 0
+    """Requests refused at validation (lines of the error file before the job ran)."""
+    job: str | None = None
+    """Its Ebb job, once submitted."""
+    ending: Literal["", "cancelled", "expired"] = ""
+    """Why its job was stopped short: the batch ends so once the job has ended."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.owner}.{self.id}"
+
+    def api(self) -> dict[str, Any]:
+        errors = (
+            {"object": "list", "data": [asdict(e) for e in self.errors]} if self.errors else None
+        )
+        usage = {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "errors": errors,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": self.created_at,
+            "in_progress_at": self.in_progress_at,
+            "expires_at": self.expires_at,
+            "finalizing_at": self.finalizing_at,
+            "completed_at": self.completed_at,
+            "failed_at": self.failed_at,
+            "expired_at": self.expired_at,
+            "cancelling_at": self.cancelling_at,
+            "cancelled_at": self.cancelled_at,
+            "request_counts": {
+                "total": self.total,
+                "completed": self.completed,
+                "failed": self.failed,
+            },
+            "usage": usage,
+            "metadata": self.metadata,
+        }
+
+    def moved(self, status: BatchStatus, **changes: Any) -> BatchRecord:
+        """The record in `status`, its `<status>_at` stamped now (and `changes`)."""
+        now = int(time.time())
+        stamp: dict[str, Any] = {f"{status}_at": now} if f"{status}_at" in _STAMPED else {}
+        return replace(self, status=status, **stamp, **changes)
+
+
+_STAMPED = frozenset(
+    f"{s}_at"
+    for s in (
+        "in_progress",
+        "finalizing",
+        "completed",
+        "failed",
+        "expired",
+        "cancelling",
+        "cancelled",
+    )
+)
+
+
+def _dump(record: FileRecord | BatchRecord) -> bytes:
+    return json.dumps(asdict(record), sort_keys=True).encode()
+
+
+def _load_file(raw: bytes) -> FileRecord:
+    return FileRecord(**json.loads(raw))
+
+
+def _load_batch(raw: bytes) -> BatchRecord:
+    body = json.loads(raw)
+    body["errors"] = [BatchError(**e) for e in body.get("errors", [])]
+    return BatchRecord(**body)
+
+
+class Records:
+    """The two buckets, read and written as records."""
+
+    def __init__(self, js: Any, *, files: KeyValue, batches: KeyValue, buckets: tuple[str, str]):
+        self._js = js
+        self._files = files
+        self._batches = batches
+        self._files_bucket, self._batches_bucket = buckets
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def create_file(self, record: FileRecord) -> None:
+        await _call(self._files.create(f"{record.owner}.{record.id}", _dump(record)))
+
+    async def get_file(self, owner: str, file_id: str) -> FileRecord | None:
+        raw = await self._get(self._files, owner, file_id)
+        return None if raw is None else _load_file(raw[0])
+
+    async def delete_file(self, record: FileRecord) -> None:
+        await _call(self._files.delete(f"{record.owner}.{record.id}"))
+
+    async def files(self, owner: str) -> list[FileRecord]:
+        entries = await _call(kv_snapshot(self._js, self._files_bucket, f"{owner}.*"))
+        return [_load_file(e.value) for e in entries]
+
+    # -- batches ----------------------------------------------------------------------------
+
+    async def create_batch(self, record: BatchRecord) -> int:
+        return int(await _call(self._batches.create(record.key, _dump(record))))
+
+    async def get_batch(self, owner: str, batch_id: str) -> tuple[BatchRecord, int] | None:
+        raw = await self._get(self._batches, owner, batch_id)
+        return None if raw is None else (_load_batch(raw[0]), raw[1])
+
+    async def update_batch(self, record: BatchRecord, *, last: int) -> int:
+        try:
+            return int(await _call(self._batches.update(record.key, _dump(record), last=last)))
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise Conflict(f"batch {record.id} was changed by someone else") from e
+
+    async def batches(self, owner: str = "*") -> list[tuple[BatchRecord, int]]:
+        """Every batch of `owner` (`*`: of everyone's), with its revision."""
+        entries = await _call(kv_snapshot(self._js, self._batches_bucket, f"{owner}.*"))
+        return [(_load_batch(e.value), e.revision) for e in entries]
+
+    async def _get(self, kv: KeyValue, owner: str, rid: str) -> tuple[bytes, int] | None:
+        if not _is_token(rid):
+            return None  # not an id of ours: no key could hold it
+        try:
+            entry = await _call(kv.get(f"{owner}.{rid}"))
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        assert entry.value is not None and entry.revision is not None
+        return entry.value, entry.revision
+
+
+def _is_token(rid: str) -> bool:
+    return bool(rid) and len(rid) <= 128 and all(c.isalnum() or c in "-_" for c in rid)
+
+
+async def _call(operation: Any) -> Any:
+    try:
+        return await operation
+    except (
+        nats.js.errors.KeyWrongLastSequenceError,
+        nats.js.errors.KeyNotFoundError,
+        nats.js.errors.KeyDeletedError,
+    ):
+        raise
+    except (nats.errors.Error, TimeoutError) as e:
+        raise RecordsUnavailable(f"NATS KV did not answer ({e!r})") from e

@@ -1,0 +1,475 @@
+"""A batch's input file, line by line: checked, and turned into the rows of its job.
+
+Two kinds of trouble, as the API has them:
+- the file's own (a line that is not a JSON object, a missing `custom_id`, `method`, `url`
+  or `body`, a `url` other than the batch's endpoint, a `custom_id` used twice, too many
+  lines): the batch fails at validation, its `errors` naming every such line (1-based);
+- a request's (its body: no such model in the catalogue, a parameter out of range or not
+  supported, a request too big): a line of the error file, the API's error in its
+  `response.body`; the other requests run.
+
+Streamed: a line is read, judged and written out before the next (the custom_ids are kept
+as digests, to find one used twice). Pure: no NATS, no store; the sinks are the caller's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .records import BatchError
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+"""What a batch may ask for here: the generative endpoints an llm stage answers."""
+
+MAX_REPORTED = 100
+"""Lines named in a failed batch's errors at most (the count says how many there were)."""
+
+UNSUPPORTED = {
+    "tools": "tool calls",
+    "functions": "function calls",
+    "tool_choice": "tool calls",
+    "function_call": "function calls",
+    "logprobs": "log probabilities",
+    "top_logprobs": "log probabilities",
+    "logit_bias": "logit bias",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "suffix": "suffixes",
+    "echo": "echoing the prompt",
+    "best_of": "best_of",
+}
+"""Body parameters that would change the answer in a way the llm stage does not do: a
+request that sets one (to anything but its neutral value) is refused, never answered as if
+it had not."""
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tool_choice": (None, "none"),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+}
+
+
+class RequestRefused(Exception):
+    """A request the gateway will not run: its error line says why."""
+
+    def __init__(
+        self, message: str, *, param: str | None, code: str | None, status: int = 400
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+@dataclass
+class Validation:
+    """What one pass over the file found."""
+
+    total: int = 0
+    """Requests (non-blank lines)."""
+    accepted: int = 0
+    """Rows written for the job."""
+    rejected: int = 0
+    """Error lines written (refused requests)."""
+    model: str | None = None
+    """The catalogue model the batch runs (its first accepted request's)."""
+    problems: list[BatchError] = field(default_factory=list)
+    """The file's own problems, the first MAX_REPORTED."""
+    problem_count: int = 0
+
+    def problem(self, error: BatchError) -> None:
+        self.problem_count += 1
+        if len(self.problems) < MAX_REPORTED:
+            self.problems.append(error)
+
+
+def request_ids(batch_id: str, custom_id: str) -> tuple[str, str]:
+    """The output line's `id` and its response's `request_id`: the same on every pass."""
+    digest = hashlib.blake2b(f"{batch_id}\0{custom_id}".encode(), digest_size=12).hexdigest()
+    return f"batch_req_{digest}", f"req_{digest}"
+
+
+def error_line(
+    batch_id: str, custom_id: str, *, status: int, message: str, param: str | None, code: str | None
+) -> dict[str, Any]:
+    """An error-file line for a request that was answered with an HTTP error, as the API
+    writes it: the error envelope in `response.body`, `error` null."""
+    line_id, request_id = request_ids(batch_id, custom_id)
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": code,
+        }
+    }
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def validate(
+    lines: Iterable[bytes],
+    *,
+    batch_id: str,
+    endpoint: str,
+    models: Mapping[str, object],
+    max_requests: int,
+    max_line_bytes: int,
+    accept: Callable[[dict[str, Any], str], None],
+    reject: Callable[[dict[str, Any]], None],
+) -> Validation:
+    """Judge every line: `accept` gets each job row (and the model it runs), `reject` each
+    error line. The file's
+    own problems are in the result (the batch fails if there are any: the caller then drops
+    what the sinks got)."""
+    v = Validation()
+    seen: dict[bytes, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        v.total += 1
+        if v.total == max_requests + 1:
+            v.problem(
+                BatchError(
+                    code="too_many_requests",
+                    message=f"The file holds more than the {max_requests} requests a batch "
+                    "may have.",
+                    line=number,
+                )
+            )
+        item = _line(raw, number, endpoint, v)
+        if item is None:
+            continue
+        custom_id, body = item
+        key = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
+        first = seen.setdefault(key, number)
+        if first != number:
+            v.problem(
+                BatchError(
+                    code="duplicate_custom_id",
+                    message=f"The custom_id {custom_id!r} is used more than once (first on "
+                    f"line {first}); each request needs its own.",
+                    param="custom_id",
+                    line=number,
+                )
+            )
+            continue
+        if v.problem_count:
+            continue  # the batch fails: only the file's own problems matter now
+        try:
+            if len(raw) > max_line_bytes:
+                raise RequestRefused(  # noqa: TRY301 - an error line, as the body's refusals
+                    f"The request is {len(raw)} bytes; the most a request may have is "
+                    f"{max_line_bytes}.",
+                    param=None,
+                    code="request_too_large",
+                    status=413,
+                )
+            model = _model(body, models, v.model)
+            row = _row(body, endpoint)
+        except RequestRefused as e:
+            reject(
+                error_line(
+                    batch_id,
+                    custom_id,
+                    status=e.status,
+                    message=e.message,
+                    param=e.param,
+                    code=e.code,
+                )
+            )
+            v.rejected += 1
+            continue
+        v.model = model
+        accept({"custom_id": custom_id, "line": number, **row}, model)
+        v.accepted += 1
+    if v.total == 0:
+        v.problem(BatchError(code="empty_file", message="The file holds no requests."))
+    return v
+
+
+def _line(
+    raw: bytes, number: int, endpoint: str, v: Validation
+) -> tuple[str, dict[str, Any]] | None:
+    """The line's custom_id and body, or None (its problem recorded)."""
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        v.problem(
+            BatchError(
+                code="invalid_json_line",
+                message="This line is not parseable as valid JSON.",
+                line=number,
+            )
+        )
+        return None
+    if not isinstance(item, dict):
+        v.problem(
+            BatchError(
+                code="invalid_json_line",
+                message="This line is not a JSON object.",
+                line=number,
+            )
+        )
+        return None
+    for name in ("custom_id", "method", "url", "body"):
+        if name not in item:
+            v.problem(
+                BatchError(
+                    code="missing_required_parameter",
+                    message=f"Missing required parameter: {name!r}.",
+                    param=name,
+                    line=number,
+                )
+            )
+            return None
+    custom_id, method, url, body = item["custom_id"], item["method"], item["url"], item["body"]
+    if not isinstance(custom_id, str) or not custom_id:
+        v.problem(_invalid("custom_id", "a non-empty string", custom_id, number))
+        return None
+    if method != "POST":
+        v.problem(
+            BatchError(
+                code="invalid_value",
+                message=f"Invalid value: {method!r}. Supported values are: 'POST'.",
+                param="method",
+                line=number,
+            )
+        )
+        return None
+    if url != endpoint:
+        v.problem(
+            BatchError(
+                code="invalid_url",
+                message=f"The URL provided for this request ({url!r}) does not match the "
+                f"batch endpoint ({endpoint!r}).",
+                param="url",
+                line=number,
+            )
+        )
+        return None
+    if not isinstance(body, dict):
+        v.problem(_invalid("body", "an object", body, number))
+        return None
+    return custom_id, body
+
+
+def _invalid(param: str, expected: str, value: object, line: int) -> BatchError:
+    return BatchError(
+        code="invalid_type",
+        message=f"Invalid type for {param!r}: expected {expected}, but got "
+        f"{_json_type(value)} instead.",
+        param=param,
+        line=line,
+    )
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _model(body: dict[str, Any], models: Mapping[str, object], batch_model: str | None) -> str:
+    model = body.get("model")
+    if model is None:
+        raise RequestRefused(
+            "Model parameter is required.", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str) or model not in models:
+        served = ", ".join(repr(m) for m in sorted(models))
+        raise RequestRefused(
+            f"The model {model!r} does not exist or is not served here; this gateway serves "
+            f"{served}.",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+    if batch_model is not None and model != batch_model:
+        raise RequestRefused(
+            f"A batch runs one model: this request names {model!r}, the batch's first "
+            f"{batch_model!r}.",
+            param="model",
+            code="mismatched_model",
+        )
+    return model
+
+
+def _row(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """The job's columns for one request: its prompt and its sampling (null: the
+    catalogue model's)."""
+    if body.get("stream"):
+        raise RequestRefused(
+            "Streaming is not supported in the Batch API.",
+            param="stream",
+            code="streaming_unsupported",
+        )
+    n = body.get("n")
+    if n not in (None, 1):
+        raise RequestRefused(
+            f"Only one choice per request is supported here (n={n!r}).",
+            param="n",
+            code="unsupported_value",
+        )
+    for name in (*UNSUPPORTED, "frequency_penalty", "presence_penalty"):
+        if name in body and body[name] not in NEUTRAL.get(name, (None,)):
+            what = UNSUPPORTED.get(name, "penalties")
+            raise RequestRefused(
+                f"{name!r} ({what}) is not supported by this gateway.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestRefused(
+            "'response_format' other than text is not supported per request by this "
+            "gateway (a catalogue model may set a structured output for all its requests).",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    prompt = _messages(body) if endpoint == "/v1/chat/completions" else _prompt(body)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return {
+        "prompt": prompt,
+        "max_tokens": _number(max_tokens, "max_tokens", whole=True, low=1),
+        "temperature": _float(body.get("temperature"), "temperature", low=0.0, high=2.0),
+        "top_p": _float(body.get("top_p"), "top_p", low=0.0, high=1.0, open_low=True),
+        "seed": _number(body.get("seed"), "seed", whole=True, low=0),
+        "stop": _stop(body.get("stop")),
+    }
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestRefused(
+            "Messages parameter is required.", param="messages", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused(
+            "'messages' must be a non-empty array.", param="messages", code="invalid_type"
+        )
+    chat = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestRefused(
+                f"{where} must be an object with a 'role'.", param=where, code="invalid_type"
+            )
+        chat.append({"role": message["role"], "content": _content(message.get("content"), where)})
+    return chat
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestRefused(
+                    f"{where}.content: only text parts are supported here.",
+                    param=f"{where}.content",
+                    code="unsupported_value",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise RequestRefused(
+                    f"{where}.content: a text part needs its 'text'.",
+                    param=f"{where}.content",
+                    code="invalid_type",
+                )
+            texts.append(text)
+        return "".join(texts)
+    raise RequestRefused(
+        f"{where}.content must be a string or an array of text parts.",
+        param=f"{where}.content",
+        code="invalid_type",
+    )
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise RequestRefused(
+            "Prompt parameter is required.", param="prompt", code="missing_required_parameter"
+        )
+    if not isinstance(prompt, str):
+        raise RequestRefused(
+            "'prompt' must be one string here (one completion per request).",
+            param="prompt",
+            code="invalid_type",
+        )
+    return prompt
+
+
+def _number(value: object, name: str, *, whole: bool, low: float) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise RequestRefused(
+            f"{name!r} must be a whole number, got {value!r}.", param=name, code="invalid_type"
+        )
+    if value < low:
+        raise RequestRefused(
+            f"{name!r} must be >= {low:g}, got {value!r}.", param=name, code="invalid_value"
+        )
+    return int(value)
+
+
+def _float(
+    value: object, name: str, *, low: float, high: float, open_low: bool = False
+) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestRefused(
+            f"{name!r} must be a number, got {value!r}.", param=name, code="invalid_type"
+        )
+    if value < low or value > high or (open_low and value == low):
+        bounds = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+        raise RequestRefused(
+            f"{name!r} must lie in {bounds}, got {value!r}.", param=name, code="invalid_value"
+        )
+    return float(value)
+
+
+def _stop(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or not 1 <= len(items) <= 4
+        or not all(isinstance(s, str) and s for s in items)
+    ):
+        raise RequestRefused(
+            "'stop' must be a non-empty string or an array of 1 to 4 of them.",
+            param="stop",
+            code="invalid_value",
+        )
+    return list(items)

@@ -1,0 +1,203 @@
+"""A batch's results: its job's committed rows as the API's output and error files.
+
+Read from the job's commit records (each row in exactly one committed file, whatever was
+retried, split or killed), a file at a time; written as JSONL, a line per request, to new
+files that appear whole. The same job output gives the same files, byte for byte: a gateway
+that dies while writing them writes them again, and nothing is doubled."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from ebb.common.data.layout import CommitRecord
+from ebb.common.data.output import OutputStore
+
+from .requests import error_line, request_ids
+from .store import FileStore, Writer
+
+ENDED_SHORT = {
+    "cancelled": (
+        "batch_cancelled",
+        "This request was not executed before the batch was cancelled.",
+    ),
+    "expired": (
+        "batch_expired",
+        "This request could not be executed before the completion window expired.",
+    ),
+    "failed": ("batch_failed", "This request was not executed: the batch's job failed ({reason})."),
+    "": ("request_failed", "This request was not executed: {reason}."),
+}
+
+READ_COLUMNS = [
+    "custom_id",
+    "line",
+    "text",
+    "finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "_error",
+]
+
+
+@dataclass
+class Tally:
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+def write_results(
+    *,
+    batch_id: str,
+    endpoint: str,
+    model: str,
+    job_output: str,
+    requests: Iterator[tuple[str, int]],
+    rejected: Iterator[bytes],
+    ending: str,
+    reason: str,
+    output: Writer,
+    errors: Writer,
+) -> Tally:
+    """Write the output file (the requests answered) and the error file (the rest: refused
+    at validation, failed in the job, or never run because the batch ended short, as
+    `ending` says). `requests`: every (custom_id, line) the job was given. Blocking."""
+    tally = Tally()
+    done = bytearray()
+    store = OutputStore(job_output)
+    for record in store.commits():
+        for path in _files(record):
+            table = pq.read_table(store.full(path), columns=READ_COLUMNS, filesystem=store.fs)
+            for row in table.to_pylist():
+                line = int(row["line"])
+                if line >= len(done):
+                    done.extend(bytes(line + 1 - len(done)))
+                done[line] = 1
+                if row["_error"] is None:
+                    tally.completed += 1
+                    tally.input_tokens += int(row["prompt_tokens"] or 0)
+                    tally.output_tokens += int(row["output_tokens"] or 0)
+                    body = _answer(batch_id, endpoint, model, row, record)
+                    output.write(_jsonl(body))
+                else:
+                    tally.failed += 1
+                    errors.write(_jsonl(_failed(batch_id, row["custom_id"], row["_error"])))
+    for raw in rejected:
+        if raw.strip():
+            tally.failed += 1
+            errors.write(raw if raw.endswith(b"\n") else raw + b"\n")
+    code, message = ENDED_SHORT[ending]
+    for custom_id, line in requests:
+        if line < len(done) and done[line]:
+            continue
+        tally.failed += 1
+        line_id, _ = request_ids(batch_id, custom_id)
+        missing = {
+            "id": line_id,
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": message.format(reason=reason or "no reason given")},
+        }
+        errors.write(_jsonl(missing))
+    return tally
+
+
+def _files(record: CommitRecord) -> list[str]:
+    return [f.path for f in record.files if f.rows]
+
+
+def _jsonl(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _answer(
+    batch_id: str, endpoint: str, model: str, row: dict[str, Any], record: CommitRecord
+) -> dict[str, Any]:
+    line_id, request_id = request_ids(batch_id, row["custom_id"])
+    digest = request_id.removeprefix("req_")
+    prompt_tokens, output_tokens = int(row["prompt_tokens"]), int(row["output_tokens"])
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": output_tokens,
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+    created = int(record.committed_at)
+    fingerprint = _fingerprint(record)
+    body: dict[str, Any]
+    if endpoint == "/v1/chat/completions":
+        body = {
+            "id": f"chatcmpl-{digest}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": row["text"], "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": row["finish_reason"],
+                }
+            ],
+            "usage": usage,
+            "system_fingerprint": fingerprint,
+        }
+    else:
+        body = {
+            "id": f"cmpl-{digest}",
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "text": row["text"],
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": row["finish_reason"],
+                }
+            ],
+            "usage": usage,
+            "system_fingerprint": fingerprint,
+        }
+    return {
+        "id": line_id,
+        "custom_id": row["custom_id"],
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def _fingerprint(record: CommitRecord) -> str | None:
+    """What generated the text, short: the model's digest (or store version) in the commit
+    record, as `fp_…`."""
+    for generation in record.generation.values():
+        digest = generation.get("model_sha256") or generation.get("model_version")
+        if digest:
+            return f"fp_{str(digest)[:12]}"
+    return None
+
+
+def _failed(batch_id: str, custom_id: str, why: str) -> dict[str, Any]:
+    """A request the job ran and could not answer (its row's `_error`)."""
+    too_long = "exceed the model's context" in why or "exceed kv_tokens" in why
+    return error_line(
+        batch_id,
+        custom_id,
+        status=400,
+        message=why,
+        param="messages" if too_long else None,
+        code="context_length_exceeded" if too_long else "request_failed",
+    )
+
+
+def job_rows(store: FileStore, relpath: str) -> Iterator[tuple[str, int]]:
+    """(custom_id, line) of every row of the job's input, a row group at a time."""
+    with store.fs.open(store.full(relpath), "rb") as f:
+        parquet = pq.ParquetFile(f)
+        for batch in parquet.iter_batches(columns=["custom_id", "line"], batch_size=4096):
+            yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
