@@ -176,7 +176,7 @@ class LocalStack:
         await self._wait_for_master()
         if self.config.gateway is not None:
             await self._spawn("gateway")
-            await self._wait_for_gateway()
+            await self.wait_for_gateway()
 
     async def _start_reaper(self) -> None:
         """The process that ends the stack if this one dies without stopping it. Its own
@@ -306,7 +306,8 @@ class LocalStack:
             with contextlib.suppress(Exception):
                 await nc.drain()
 
-    async def _wait_for_gateway(self) -> None:
+    async def wait_for_gateway(self) -> None:
+        """Until the Batch API answers (after `start`, or a `restart("gateway")`)."""
         url = f"http://127.0.0.1:{self.gateway_port}/healthz"
         deadline = asyncio.get_running_loop().time() + self.config.start_timeout_s
         while not await asyncio.to_thread(_answers, url):

@@ -1,0 +1,152 @@
+"""A batch file's lines judged one by one: the job's rows, the error lines, the file's own
+problems (ebb.gateway.requests, pure)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ebb.gateway.requests import MAX_REPORTED, Validation, validate
+
+CHAT = "/v1/chat/completions"
+MODELS = {"m": object(), "other": object()}
+
+
+def judged(
+    lines: list[Any], *, endpoint: str = CHAT, max_requests: int = 100, max_line_bytes: int = 4096
+) -> tuple[Validation, list[dict[str, Any]], list[dict[str, Any]]]:
+    rows: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    raw = [
+        (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
+    ]
+    found = validate(
+        raw,
+        batch_id="batch_1",
+        endpoint=endpoint,
+        models=MODELS,
+        max_requests=max_requests,
+        max_line_bytes=max_line_bytes,
+        accept=lambda row, model: rows.append({**row, "model": model}),
+        reject=errors.append,
+    )
+    return found, rows, errors
+
+
+def line(custom_id: str, **body: Any) -> dict[str, Any]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body}
+
+
+def test_a_request_becomes_a_row_with_its_sampling() -> None:
+    found, rows, errors = judged(
+        [
+            line("a", max_tokens=5, temperature=0, top_p=0.5, seed=7, stop="\n"),
+            line(
+                "b",
+                max_completion_tokens=3,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
+                    }
+                ],
+            ),
+        ]
+    )
+    assert (found.total, found.accepted, found.rejected, found.problem_count) == (2, 2, 0, 0)
+    assert errors == [] and found.model == "m"
+    assert rows[0] == {
+        "custom_id": "a",
+        "line": 1,
+        "prompt": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "seed": 7,
+        "stop": ["\n"],
+        "model": "m",
+    }
+    assert rows[1]["prompt"] == [{"role": "user", "content": "xy"}] and rows[1]["max_tokens"] == 3
+    assert rows[1]["temperature"] is None and rows[1]["stop"] is None
+
+
+def test_a_request_the_gateway_will_not_run_is_an_error_line_and_the_rest_run() -> None:
+    found, rows, errors = judged(
+        [
+            line("ok"),
+            line("model", model="gpt-9"),
+            line("mixed", model="other"),
+            line("temp", temperature=3),
+            line("tools", tools=[{"type": "function"}]),
+            line("image", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            line("big", messages=[{"role": "user", "content": "x" * 5000}]),
+            line("penalty-zero", presence_penalty=0),
+        ]
+    )
+    assert [r["custom_id"] for r in rows] == ["ok", "penalty-zero"]
+    codes = {
+        e["custom_id"]: (e["response"]["status_code"], e["response"]["body"]["error"]["code"])
+        for e in errors
+    }
+    assert codes == {
+        "model": (404, "model_not_found"),
+        "mixed": (400, "mismatched_model"),
+        "temp": (400, "invalid_value"),
+        "tools": (400, "unsupported_parameter"),
+        "image": (400, "unsupported_value"),
+        "big": (413, "request_too_large"),
+    }
+    assert all(e["error"] is None and e["id"].startswith("batch_req_") for e in errors)
+    assert found.rejected == 6 and found.problem_count == 0
+
+
+def test_the_file_s_own_problems_name_every_line_and_stop_the_rows() -> None:
+    found, _, _ = judged(
+        [
+            line("a"),
+            b"{not json",
+            b"[1, 2]",
+            {**line("b"), "method": "GET"},
+            {**line("c"), "url": "/v1/completions"},
+            line("a"),
+            {"custom_id": "d", "method": "POST", "url": CHAT},
+            {**line("e"), "custom_id": 5},
+            {**line("f"), "body": "text"},
+        ]
+    )
+    assert [(p.line, p.code) for p in found.problems] == [
+        (2, "invalid_json_line"),
+        (3, "invalid_json_line"),
+        (4, "invalid_value"),
+        (5, "invalid_url"),
+        (6, "duplicate_custom_id"),
+        (7, "missing_required_parameter"),
+        (8, "invalid_type"),
+        (9, "invalid_type"),
+    ]
+    assert "first on line 1" in found.problems[4].message
+
+
+def test_too_many_lines_and_problems_are_counted_and_the_first_listed() -> None:
+    found, _, _ = judged([line(f"q{i}") for i in range(12)], max_requests=10)
+    assert [(p.line, p.code) for p in found.problems] == [(11, "too_many_requests")]
+    found, _, _ = judged([b"nope"] * (MAX_REPORTED + 5), max_requests=1000)
+    assert found.problem_count == MAX_REPORTED + 5 and len(found.problems) == MAX_REPORTED
+    found, _, _ = judged([b"", b"  "])
+    assert [p.code for p in found.problems] == ["empty_file"]
+
+
+def test_a_completion_request_is_its_prompt_text() -> None:
+    request = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "m", "prompt": ["once upon"], "max_tokens": 4},
+    }
+    _, rows, errors = judged([request], endpoint="/v1/completions")
+    assert errors == [] and rows[0]["prompt"] == "once upon"
+    _, rows, errors = judged(
+        [{**request, "body": {"model": "m", "prompt": ["a", "b"]}}], endpoint="/v1/completions"
+    )
+    assert rows == [] and errors[0]["response"]["body"]["error"]["param"] == "prompt"
