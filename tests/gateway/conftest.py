@@ -46,6 +46,8 @@ def gateway_config(tmp: Path, model: Path, **limits: Any) -> Path:
             {"owner": "bob", "sha256": _sha256(KEYS["bob"])},
         ],
         "max_file_bytes": MAX_FILE_BYTES,
+        # A window no batch can finish in: its workers take longer to start.
+        "windows": {"24h": {"seconds": 86400}, "1s": {"seconds": 1, "priority": -1}},
         **limits,
     }
     path = tmp / "gateway.yaml"

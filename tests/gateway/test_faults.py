@@ -27,7 +27,7 @@ def requests(n: int, max_tokens: int) -> list[dict[str, Any]]:
     ]
 
 
-async def submitted(stack: LocalStack, lines: list[dict[str, Any]]) -> Any:
+async def submitted(stack: LocalStack, lines: list[dict[str, Any]], window: str = "24h") -> Any:
     oa = client(stack)
     uploaded = await asyncio.to_thread(
         oa.files.create, file=("in.jsonl", jsonl(lines)), purpose="batch"
@@ -36,7 +36,7 @@ async def submitted(stack: LocalStack, lines: list[dict[str, Any]]) -> Any:
         oa.batches.create,
         input_file_id=uploaded.id,
         endpoint="/v1/chat/completions",
-        completion_window="24h",
+        completion_window=window,  # type: ignore[arg-type]
     )
 
 
@@ -78,7 +78,7 @@ async def test_a_batch_cancelled_midway_keeps_what_it_answered(
     gateway_stack: LocalStack, reference: Any
 ) -> None:
     oa = client(gateway_stack)
-    lines = requests(160, max_tokens=48)
+    lines = requests(300, max_tokens=64)
     batch = await submitted(gateway_stack, lines)
     running = await until_some_done(gateway_stack, batch.id)
     cancelling = await asyncio.to_thread(oa.batches.cancel, batch.id)
@@ -112,7 +112,7 @@ async def test_a_batch_outlives_a_killed_worker_and_a_killed_gateway(
     gateway_stack: LocalStack, reference: Any
 ) -> None:
     oa = client(gateway_stack)
-    lines = requests(80, max_tokens=24)
+    lines = requests(400, max_tokens=64)
     batch = await submitted(gateway_stack, lines)
     await until_some_done(gateway_stack, batch.id)
     await gateway_stack.kill("gateway")
@@ -125,3 +125,24 @@ async def test_a_batch_outlives_a_killed_worker_and_a_killed_gateway(
     output, errors = every_request_once(oa, ended, lines)
     assert errors == [] and len(output) == len(lines)
     check_answers(output, lines, reference)
+
+
+async def test_a_batch_past_its_window_expires_with_what_it_answered(
+    gateway_stack: LocalStack, reference: Any
+) -> None:
+    oa = client(gateway_stack)
+    lines = requests(40, max_tokens=16)
+    batch = await submitted(gateway_stack, lines, window="1s")
+    assert batch.expires_at == batch.created_at + 1
+    ended = await wait_for(oa, batch.id)
+    assert ended.status == "expired" and ended.expired_at is not None, ended
+    assert ended.expired_at >= ended.expires_at
+    output, errors = every_request_once(oa, ended, lines)
+    assert errors and {e["error"]["code"] for e in errors} == {"batch_expired"}
+    check_answers(output, lines, reference)
+    # Its job (if it got as far as one) was stopped, not left to run on.
+    from ebb.client.sdk import EbbClient
+
+    async with await EbbClient.connect(gateway_stack.nats_config) as ebb:
+        jobs = {job.id: job.state for job in (await ebb.status()).jobs}
+    assert jobs.get(batch.id, "CANCELLED") == "CANCELLED"

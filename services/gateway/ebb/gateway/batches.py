@@ -112,12 +112,7 @@ class BatchRunner:
     async def step(self, batch: BatchRecord, revision: int) -> None:
         now = time.time()
         if batch.status == "validating":
-            if batch.ending == "cancelled":
-                await self._end(batch, revision, "cancelled")
-            elif now >= batch.expires_at:
-                await self._end(batch, revision, "expired")
-            else:
-                await self._validate(batch, revision)
+            await self._validate(batch, revision, now)
         elif batch.status in ("in_progress", "cancelling"):
             await self._follow(batch, revision, now)
         elif batch.status == "finalizing":
@@ -125,7 +120,7 @@ class BatchRunner:
 
     # -- validating -------------------------------------------------------------------------
 
-    async def _validate(self, batch: BatchRecord, revision: int) -> None:
+    async def _validate(self, batch: BatchRecord, revision: int, now: float) -> None:
         source = await self.records.get_file(batch.owner, batch.input_file_id)
         if source is None:
             error = BatchError(
@@ -159,9 +154,14 @@ class BatchRunner:
             failed=found.rejected,
             model=found.model,
         )
-        if found.accepted == 0:
-            # Every request refused: nothing to run, the error file says why.
-            await self.records.update_batch(counted.moved("finalizing"), last=revision)
+        ending = batch.ending or ("expired" if now >= batch.expires_at else "")
+        if found.accepted == 0 or ending:
+            # Every request refused, or the batch cancelled or expired already: nothing to
+            # run; the error file says why of each request.
+            await self.records.update_batch(
+                counted.moved("finalizing", ending=ending), last=revision
+            )
+            self.wake.set()
             return
         await self.records.update_batch(counted.moved("in_progress", job=batch.id), last=revision)
         metrics.BATCH_REQUESTS.labels("accepted").inc(found.accepted)
@@ -209,7 +209,7 @@ class BatchRunner:
     async def _follow(self, batch: BatchRecord, revision: int, now: float) -> None:
         job = batch.job
         if job is None:  # cancelled while validating: nothing ran
-            await self._end(batch, revision, "cancelled")
+            await self.records.update_batch(batch.moved("finalizing"), last=revision)
             return
         if batch.status == "in_progress" and not batch.ending and now >= batch.expires_at:
             batch = replace(batch, ending="expired")
@@ -322,7 +322,7 @@ class BatchRunner:
         made: dict[str, FileRecord] = {}
         ids = {kind: result_file_id(batch.id, kind) for kind in ("output", "error")}
         paths = {kind: f"files/{batch.owner}/{ids[kind]}" for kind in ids}
-        has_requests = batch.job is not None and self.store.exists(f"{folder}/requests.parquet")
+        has_requests = self.store.exists(f"{folder}/requests.parquet")
         has_rejected = self.store.exists(f"{folder}/rejected.jsonl")
         with (
             self.store.writer(paths["output"]) as output,
@@ -359,12 +359,6 @@ class BatchRunner:
                 expires_at=None,
             )
         return tally, made
-
-    # -- ended short ------------------------------------------------------------------------
-
-    async def _end(self, batch: BatchRecord, revision: int, how: str) -> None:
-        """A batch that ends before its job was submitted: nothing ran, nothing to write."""
-        await self.records.update_batch(batch.moved(how, ending=how), last=revision)  # type: ignore[arg-type]
 
 
 def _jsonl(value: dict[str, Any]) -> bytes:
