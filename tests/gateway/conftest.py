@@ -20,6 +20,7 @@ from ..llm_model import build_tiny_llm
 
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
 MAX_FILE_BYTES = 256 * 1024
+BOB_STORES = 64 * 1024
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
@@ -43,7 +44,12 @@ def gateway_config(tmp: Path, model: Path, **limits: Any) -> Path:
         },
         "keys": [
             {"owner": "alice", "key": KEYS["alice"], "max_active_batches": 4},
-            {"owner": "bob", "sha256": _sha256(KEYS["bob"])},
+            {
+                "owner": "bob",
+                "sha256": _sha256(KEYS["bob"]),
+                "max_active_batches": 1,
+                "max_stored_bytes": BOB_STORES,
+            },
         ],
         "max_file_bytes": MAX_FILE_BYTES,
         # A window no batch can finish in: its workers take longer to start.

@@ -212,3 +212,44 @@ async def test_refusals_have_the_api_s_shapes_and_change_nothing(
     with pytest.raises(openai.NotFoundError):
         await asyncio.to_thread(alice.files.retrieve, mine.id)
     assert list((tmp_path / "gateway" / "files" / "alice").iterdir()) == []
+
+
+async def test_a_key_s_quotas_refuse_what_is_past_them(gateway_stack: LocalStack) -> None:
+    from .conftest import BOB_STORES
+
+    bob = client(gateway_stack, "bob")
+    data = jsonl(requests(30))
+    assert len(data) < BOB_STORES
+    first = await asyncio.to_thread(bob.files.create, file=("a.jsonl", data), purpose="batch")
+    running = await asyncio.to_thread(
+        bob.batches.create,
+        input_file_id=first.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    # One batch at a time for bob: a second waits for the first to end.
+    with pytest.raises(openai.RateLimitError) as refused:
+        await asyncio.to_thread(
+            bob.batches.create,
+            input_file_id=first.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+    assert refused.value.code == "quota_exceeded"
+    assert [b.id for b in await asyncio.to_thread(lambda: list(bob.batches.list()))] == [running.id]
+    # Bytes kept: an upload past what is left is refused as it streams in.
+    left = BOB_STORES - len(data)
+    with pytest.raises(openai.APIStatusError) as big:
+        await asyncio.to_thread(
+            bob.files.create, file=("b.jsonl", b"x" * (left + 1)), purpose="batch"
+        )
+    assert big.value.status_code == 413 and str(left) in big.value.message
+    await asyncio.to_thread(bob.batches.cancel, running.id)
+    await wait_for(bob, running.id)
+    again = await asyncio.to_thread(
+        bob.batches.create,
+        input_file_id=first.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    assert again.status == "validating"

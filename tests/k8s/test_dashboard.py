@@ -31,6 +31,8 @@ from ebb.common.messaging.natsconfig import NatsConfig, nats_environment
 from ebb.controller.kube.backend import KubeConfig, KubernetesBackend
 from ebb.controller.policy.tidal import TidalConfig
 from ebb.controller.service import Controller, ControllerConfig
+from ebb.gateway.config import ApiKey, CatalogueModel, GatewayConfig
+from ebb.gateway.service import Gateway, GatewaySettings
 from ebb.worker.modelcache.server import CacheServerConfig, ModelCacheServer
 from tests.helpers import free_port, job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
@@ -260,6 +262,8 @@ async def test_every_panel_queries_metrics_ebb_exports(
     query = urllib.parse.urlencode({"uri": f"{root}/model.onnx"})
     sent = await asyncio.to_thread(_read, f"http://127.0.0.1:{cache.port}/models?{query}")
     assert sent == b"an onnx model's bytes"
+    # The Batch API gateway (in this process too), sent a batch by the official client.
+    gateway, serving = await batch_api(tmp_path, nats_config)
     try:
         queries = {
             (p["title"], t["refId"]): as_prometheus(t["expr"])
@@ -313,6 +317,40 @@ async def test_every_panel_queries_metrics_ebb_exports(
         await running
         await client.close()
         await cache.close()
+        gateway.request_stop()
+        await serving
+
+
+async def batch_api(tmp: Path, nats_config: NatsConfig) -> tuple[Gateway, asyncio.Task[None]]:
+    """A gateway that has answered a few requests and ended one batch (its one request
+    refused: no job runs)."""
+    import openai
+
+    config = GatewayConfig(
+        root=str(tmp / "gateway"),
+        models={"m": CatalogueModel(stage={"llm": {"model": str(tmp / "no-model")}})},
+        keys=[ApiKey(owner="team", key="sk-team")],
+    )
+    gateway = Gateway(GatewaySettings(nats=nats_config, config=config, port=0, poll_s=0.2))
+    serving = asyncio.create_task(gateway.run())
+    await asyncio.wait_for(gateway.serving.wait(), 30)
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="sk-team")
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "x"}}
+    uploaded = await asyncio.to_thread(
+        oa.files.create, file=("in.jsonl", json.dumps(line).encode()), purpose="batch"
+    )
+    batch = await asyncio.to_thread(
+        oa.batches.create,
+        input_file_id=uploaded.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+
+    async def ended() -> bool:
+        return (await asyncio.to_thread(oa.batches.retrieve, batch.id)).status == "completed"
+
+    await wait_until(ended, timeout=30, what="the batch to end")
+    return gateway, serving
 
 
 def test_the_nats_panels_show_jetstream_storage_and_consumer_lag() -> None:

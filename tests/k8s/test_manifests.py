@@ -62,6 +62,9 @@ def test_every_file_the_kustomization_names_exists_and_parses() -> None:
         ("PriorityClass", "ebb-batch"),
         ("ConfigMap", "ebb-controller-config"),
         ("ConfigMap", "ebb-grafana-dashboard"),
+        ("Deployment", "ebb-gateway"),
+        ("Service", "ebb-gateway"),
+        ("ConfigMap", "ebb-gateway-config"),
     ]:
         find(kind, name)
 
@@ -97,13 +100,14 @@ def test_the_controller_configuration_loads_and_names_what_exists() -> None:
 
 
 def secret_volumes(pod: Obj) -> dict[str, tuple[str, list[str]]]:
-    """Volume name -> (Secret, keys read) of a pod template's Secret volumes and projections."""
+    """Volume name -> (Secret, keys read) of a pod template's Secret volumes and projections,
+    but the optional ones (a Secret the operator may create, or not)."""
     out: dict[str, tuple[str, list[str]]] = {}
     for volume in pod.get("volumes", []):
         sources = [volume, *(volume.get("projected") or {}).get("sources", [])]
         for source in sources:
             secret = source.get("secret")
-            if secret:
+            if secret and not secret.get("optional"):
                 name = secret.get("secretName") or secret.get("name")
                 out[volume["name"]] = (name, [i["key"] for i in secret.get("items", [])])
     return out
@@ -148,7 +152,8 @@ def test_make_secrets_makes_fresh_keys_and_gives_each_role_its_credentials() -> 
 
 
 def test_each_service_connects_with_its_own_credentials() -> None:
-    for name, role in {"ebb-master": "master", "ebb-controller": "controller"}.items():
+    roles = {"ebb-master": "master", "ebb-controller": "controller", "ebb-gateway": "gateway"}
+    for name, role in roles.items():
         pod = find("Deployment", name)["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         env = {e["name"]: e for e in container["env"]}
@@ -245,3 +250,31 @@ def test_the_image_pins_torch_as_the_project_does() -> None:
             assert all(
                 c["image"] == f"{image['newName']}:{image['newTag']}" for c in containers(obj)
             )
+
+
+def test_the_gateway_s_catalogue_loads_with_keys_from_its_secret(tmp_path: Path) -> None:
+    from ebb.gateway.config import load_config
+
+    deployment = find("Deployment", "ebb-gateway")
+    (gateway,) = containers(deployment)
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    config_path = Path(env["EBB_GATEWAY_CONFIG"])
+    assert str(config_path.parent) == mounts["config"]
+    text = find("ConfigMap", "ebb-gateway-config")["data"][config_path.name]
+    # As the pod sees them: the ConfigMap's file, and the Secret's keys where keys_file says.
+    keys_file = Path(yaml.safe_load(text)["keys_file"])
+    assert str(keys_file.parent) == mounts["keys"]
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump([{"owner": "team-a", "key": "sk-a"}]))
+    local = text.replace(str(keys_file), str(tmp_path / "keys.yaml"))
+    (tmp_path / "gateway.yaml").write_text(local)
+    config = load_config(tmp_path / "gateway.yaml")  # strict: a typo is an error
+    assert [k.owner for k in config.keys] == ["team-a"]
+    for model in config.models.values():
+        assert model.stage_spec().llm is not None
+    assert find("Service", "ebb-gateway")["spec"]["ports"][0]["port"] == int(
+        env["EBB_GATEWAY_PORT"]
+    )
+    # Its keys are a Secret of the operator's: optional for the pod (it says what is missing).
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["keys"]["secret"] == {"secretName": "ebb-gateway-keys", "optional": True}

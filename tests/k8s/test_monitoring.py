@@ -66,7 +66,13 @@ def test_ebbs_podmonitor_scrapes_the_master_the_controller_and_every_worker() ->
     monitor = find("PodMonitor", "ebb", PROD)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     scraped = scraped_by(monitor)
-    assert set(scraped) == {"ebb-master", "ebb-controller", "ebb-model-cache", "a worker"}
+    assert set(scraped) == {
+        "ebb-master",
+        "ebb-controller",
+        "ebb-gateway",
+        "ebb-model-cache",
+        "a worker",
+    }
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert endpoint["path"] == "/metrics"
         for name, pod in scraped.items():

@@ -121,10 +121,11 @@ def test_a_drain_takes_one_server_at_a_time() -> None:
     assert nats_container()["startupProbe"]["httpGet"]["path"] == "/healthz"
 
 
-def test_the_master_keeps_three_copies_of_its_state() -> None:
-    (container,) = find("Deployment", "ebb-master", PROD)["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["EBB_JS_REPLICAS"] == "3"
+def test_the_master_and_the_gateway_keep_three_copies_of_their_state() -> None:
+    for name in ("ebb-master", "ebb-gateway"):
+        (container,) = find("Deployment", name, PROD)["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["EBB_JS_REPLICAS"] == "3", name
 
 
 def test_the_servers_route_to_each_other_and_nothing_else_reaches_the_route_port() -> None:

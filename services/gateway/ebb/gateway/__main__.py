@@ -8,6 +8,7 @@ import os
 
 from ebb.common import envvars
 from ebb.common import log as logsetup
+from ebb.common import metrics as metricsserver
 from ebb.common.errors import SpecError
 from ebb.common.messaging.natsconfig import add_nats_arguments, nats_config_from_args
 from ebb.common.runner import EXIT_CONFIG, EXIT_OK, run
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=int(env(envvars.JS_REPLICAS, "1")),
         help="copies of the gateway's KV buckets (3 on a three-node NATS cluster)",
     )
+    metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)
 
@@ -66,6 +68,7 @@ async def amain(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logsetup.setup(args.log_level, service="gateway")
+    metricsserver.serve(args.metrics_port)
     return run(amain(args))
 
 

@@ -147,7 +147,11 @@ class GatewayConfig:
     """Where uploaded files, results and batches' jobs lie: a folder or object-store URL
     under the shard master's data roots (jobs read and write there)."""
     models: dict[str, CatalogueModel]
-    keys: list[ApiKey]
+    keys: list[ApiKey] = field(default_factory=list)
+    """The keys accepted (and `keys_file`'s)."""
+    keys_file: str | None = None
+    """A YAML list of more keys, in a file of its own (a Kubernetes Secret's): the catalogue
+    may then be a ConfigMap anyone may read."""
     windows: dict[str, Window] = field(default_factory=lambda: {"24h": Window(seconds=86400)})
     max_file_bytes: int = 200 * 1024 * 1024
     """Largest upload (the API's 200 MB); a bigger one is refused (413) as it streams in."""
@@ -166,7 +170,7 @@ class GatewayConfig:
         if not self.models:
             raise bad("models", "the catalogue needs at least one model")
         if not self.keys:
-            raise bad("keys", "needs at least one key: nobody could use the gateway")
+            raise bad("keys", "needs at least one key (here or in keys_file): nobody could use it")
         if not self.windows:
             raise bad("windows", "needs at least one completion window")
         owners: dict[str, str] = {}
@@ -186,6 +190,29 @@ class GatewayConfig:
         return found
 
 
+def _resolved(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The root and the catalogue's model folders as given, or, relative, taken from the
+    configuration file's folder (as a job file's paths are)."""
+
+    def at(uri: object) -> object:
+        if isinstance(uri, str) and uri and not is_url(uri) and not Path(uri).is_absolute():
+            return str(base / uri)
+        return uri
+
+    data = {**data, "root": at(data.get("root"))}
+    models = data.get("models")
+    if isinstance(models, dict):
+        resolved = {}
+        for name, entry in models.items():
+            llm = entry.get("stage", {}).get("llm") if isinstance(entry, dict) else None
+            resolved[name] = entry
+            if isinstance(llm, dict) and "model" in llm:
+                llm = {**llm, "model": at(llm["model"])}
+                resolved[name] = {**entry, "stage": {**entry["stage"], "llm": llm}}
+        data["models"] = resolved
+    return data
+
+
 def load_config(path: str | Path) -> GatewayConfig:
     """Read the YAML (or JSON) configuration; SpecError naming the first bad field."""
     p = Path(path)
@@ -195,6 +222,19 @@ def load_config(path: str | Path) -> GatewayConfig:
         raise SpecError("", f"cannot read the gateway configuration {p}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise SpecError("", f"{p} is not valid YAML or JSON: {e}") from None
+    if isinstance(data, dict):
+        data = _resolved(data, p.resolve().parent)
+    if isinstance(data, dict) and data.get("keys_file"):
+        keys_path = p.parent / str(data["keys_file"])
+        try:
+            more = yaml.safe_load(keys_path.read_text())
+        except OSError as e:
+            raise SpecError("keys_file", f"cannot read {keys_path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise SpecError("keys_file", f"{keys_path} is not valid YAML: {e}") from None
+        if not isinstance(more, list):
+            raise SpecError("keys_file", f"{keys_path} must hold a list of keys")
+        data = {**data, "keys": [*(data.get("keys") or []), *more]}
     try:
         config = schema.load(GatewayConfig, data, strict=True)
     except SpecError:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import nats.errors
 from aiohttp import web
 from nats.js.api import KeyValueConfig
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ebb.common import metrics as metrics_server
 from ebb.common.messaging import bus
 from ebb.common.messaging.api import MasterClient
 from ebb.common.messaging.bus import Backoff
@@ -78,7 +78,6 @@ class Gateway:
                 poll_s=s.poll_s,
             )
             app = BatchApi(config=s.config, records=records, runner=runner).app()
-            app.router.add_get("/metrics", _metrics)
             web_runner = web.AppRunner(app, access_log=None)
             await web_runner.setup()
             site = web.TCPSite(web_runner, s.host, s.port)
@@ -86,6 +85,9 @@ class Gateway:
             self.port = _bound_port(site, s.port)
             log.info("Batch API on http://%s:%d/v1", s.host, self.port)
             self.serving.set()
+            metrics_server.set_readiness(
+                lambda: (nc.is_connected, "serving" if nc.is_connected else "NATS not connected")
+            )
             try:
                 await runner.run(self.stop)
             finally:
@@ -99,8 +101,3 @@ def _bound_port(site: web.TCPSite, asked: int) -> int:
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     return int(sockets[0].getsockname()[1]) if sockets else asked
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    body = await asyncio.to_thread(generate_latest)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
