@@ -39,6 +39,7 @@ SECTIONS = {
     "tierssim": "tiers_sim",
     "llm": "llm",
     "llmgpu": "llm_gpu",
+    "gateway": "gateway",
 }
 ORDER = list(SECTIONS)
 

@@ -168,8 +168,10 @@ async def ebb_stack(
     max_workers: int,
     worker_grace_s: float = 10.0,
     pin_cpus: bool = False,
+    gateway: Path | None = None,
 ) -> AsyncIterator[tuple[LocalStack, EbbClient]]:
-    """The embedded stack (nats-server, master, controller as processes), and a client."""
+    """The embedded stack (nats-server, master, controller as processes; the Batch API
+    gateway with this configuration), and a client."""
     stack = LocalStack(
         StackConfig(
             state_dir=ctx.dir(f"{name}-state-{time.monotonic_ns()}"),
@@ -178,6 +180,7 @@ async def ebb_stack(
             worker_grace_s=worker_grace_s,
             pin_cpus=pin_cpus,
             log_level="WARNING",
+            gateway=gateway,
         )
     )
     await stack.start()

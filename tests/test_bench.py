@@ -44,6 +44,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 14. What the hand-off between tiers costs",
         "## 15. Tiers in the cluster simulation",
         "## 16. LLM generation",
+        "## 18. The Batch API",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
