@@ -1,8 +1,8 @@
 """Benchmark 18: the Batch API, a batch through the gateway against the same requests as a job.
 
-Workload: chat requests to the 4-layer Llama-shaped model of section 16 (hidden 256), greedy,
+Workload: 1,024 chat requests to the 4-layer Llama-shaped model of section 16 (hidden 256), greedy,
 `max_tokens` spread as section 16's answers (4 to 32 for four requests in five, to 160 for the
-rest), 2 workers on the embedded stack, 16 shards.
+rest), 2 workers on the embedded stack, 16 shards: about 40 s a run.
 
 - Ebb job: the requests as the gateway would write them (the same rows, read from the same
   Parquet layout: a row group per shard) run as a job submitted over NATS, submit to end.
@@ -140,7 +140,7 @@ def run(ctx: Context) -> Section:
         ctx.dir("gateway") / "model", layers=layers, hidden=hidden, vocab=2000, context=512
     )
     words = sorted({w for line in corpus(200) for w in line.split()})
-    n = ctx.size(512, 128)
+    n = ctx.size(1024, 128)
     rows_per_shard = max(1, n // 16)
     lines = _requests(n, seed=5, words=words)
     if ctx.smoke:
@@ -150,12 +150,16 @@ def run(ctx: Context) -> Section:
     big = ctx.size(100_000, 20_000)
     measured = asyncio.run(_measure(ctx, config, model_dir, lines, rows_per_shard, big, words))
     results, phases, validation = measured
-    base = median(results["Ebb job"])
+    # Each repeat's batch against the job run beside it: the ratio noise moves least.
+    pairs = [b / j for b, j in zip(results["Batch API"], results["Ebb job"], strict=True)]
     tables = [
-        "**Throughput** (output tokens/s)\n\n"
+        "**Throughput** (output tokens/s; the ratio: the median of each repeat's)\n\n"
         + table(
             ["variant", "output tokens/s", "vs the job"],
-            [[k, spread(v), f"{median(v) / base:.2f}x"] for k, v in results.items()],
+            [
+                ["Ebb job", spread(results["Ebb job"]), "1.00x"],
+                ["Batch API", spread(results["Batch API"]), f"{median(pairs):.2f}x"],
+            ],
         ),
         "**A batch's timeline** (seconds from create, medians)\n\n"
         + table(
@@ -183,7 +187,7 @@ def run(ctx: Context) -> Section:
         ),
     ]
     summary = {f"{k} tokens/s": median(v) for k, v in results.items()}
-    summary["gateway vs job"] = median(results["Batch API"]) / base
+    summary["gateway vs job"] = median(pairs)
     summary["validation RSS growth MiB"] = (
         validation["rss_peak"] - validation["rss_before"]
     ) / 2**20
@@ -192,9 +196,10 @@ def run(ctx: Context) -> Section:
         intro=__doc__ or "",
         tables=tables,
         notes=[
-            f"{n} requests, {rows_per_shard} per shard, {WORKERS} workers; the gateway polls its "
-            "batches every 0.5 s (`ebb up`'s setting), the client every 0.1 s. Target: the Batch "
-            "API within 5% of the job's throughput.",
+            f"{n} requests, {rows_per_shard} per shard, {WORKERS} workers; the gateway passes over "
+            "its batches when their jobs' events say something changed (and every 0.5 s, `ebb "
+            "up`'s setting), the client polls every 0.1 s. Target: the Batch API within 5% of "
+            "the job's throughput.",
             "The output file is written whole when the job ends (the API's output file is one "
             "file): the first request answered is when `request_counts.completed` first counts "
             "one, readable in the job's committed output then, in the output file at completion.",

@@ -255,7 +255,7 @@ class BatchApi:
 
     async def delete_file(self, request: web.Request) -> web.Response:
         record = await self._file(request)
-        await self.records.delete_file(record)
+        await self.records.delete_file(record)  # first: no record ever names missing bytes
         await asyncio.to_thread(self.store.delete, record.path)
         return web.json_response({"id": record.id, "object": "file", "deleted": True})
 

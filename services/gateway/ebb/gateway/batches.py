@@ -16,13 +16,16 @@ ends with what its job committed, the rest as error lines saying why."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import IO, Any, cast
 
+import nats.errors
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -32,6 +35,7 @@ from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messaging.api import MasterClient
 from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.common.messaging.subjects import Subjects
 from ebb.common.messaging.submission import SubmitError, SubmitPending, submit_job
 
 from . import metrics
@@ -52,6 +56,10 @@ from .results import Tally, job_rows, write_results
 from .store import FileStore
 
 log = logging.getLogger(__name__)
+
+
+MIN_PASS_S = 0.05
+"""Between two passes at least (a burst of job events wakes the loop once)."""
 
 
 def batch_dir(batch: BatchRecord) -> str:
@@ -75,6 +83,7 @@ class BatchRunner:
         nc: Any,
         nats: NatsConfig,
         poll_s: float = 1.0,
+        sweep_s: float = 60.0,
     ) -> None:
         self.config = config
         self.records = records
@@ -83,18 +92,51 @@ class BatchRunner:
         self.nc = nc
         self.nats = nats
         self.poll_s = poll_s
+        self.sweep_s = sweep_s
+        """Between sweeps of the files past their `expires_at`."""
         self.wake = asyncio.Event()
         """Set when a batch is created or cancelled: the next pass starts at once."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Pass after pass until `stop` is set."""
+        """Pass after pass until `stop` is set; now and then, a sweep of expired files. A
+        batch's job's events (a shard committed, the job ended) start a pass at once: its
+        counts and its end are seen then, not at the next poll."""
+        events = await self.nc.subscribe(Subjects(self.nats.prefix).all_events, cb=self._heard)
+        try:
+            await self._passes(stop)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await events.unsubscribe()
+
+    async def _heard(self, msg: Any) -> None:
+        job = msg.subject.rsplit(".", 2)[-2]
+        if job.startswith("batch_"):
+            self.wake.set()
+
+    async def _passes(self, stop: asyncio.Event) -> None:
+        swept_at = -math.inf
         while not stop.is_set():
             self.wake.clear()
             try:
                 await self.reconcile()
-            except RecordsUnavailable as e:
-                log.warning("cannot read the batches: %s; trying again", e)
+                if time.monotonic() - swept_at >= self.sweep_s:
+                    swept_at = time.monotonic()
+                    await self.sweep()
+            except (RecordsUnavailable, StoreError) as e:
+                log.warning("cannot read the batches or files: %s; trying again", e)
             await wait_any([stop, self.wake], timeout_s=self.poll_s)
+            await asyncio.sleep(MIN_PASS_S)  # events in a burst: one pass for all of them
+
+    async def sweep(self) -> None:
+        """Remove the files whose `expires_at` has passed: their records, then their bytes
+        (a sweep cut short between the two leaves bytes no record names, never a record
+        whose bytes are gone)."""
+        now = time.time()
+        for record in await self.records.files("*"):
+            if record.expires_at is not None and record.expires_at <= now:
+                await self.records.delete_file(record)
+                await asyncio.to_thread(self.store.delete, record.path)
+                log.info("file %s of %s expired: removed", record.id, record.owner)
 
     async def reconcile(self) -> None:
         batches = await self.records.batches()

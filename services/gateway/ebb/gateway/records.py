@@ -218,8 +218,13 @@ class Records:
 
     # -- files ------------------------------------------------------------------------------
 
-    async def create_file(self, record: FileRecord) -> None:
-        await _call(self._files.create(f"{record.owner}.{record.id}", _dump(record)))
+    async def create_file(self, record: FileRecord) -> bool:
+        """False if the record exists already (a result file written by an earlier pass)."""
+        try:
+            await _call(self._files.create(f"{record.owner}.{record.id}", _dump(record)))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
 
     async def get_file(self, owner: str, file_id: str) -> FileRecord | None:
         raw = await self._get(self._files, owner, file_id)

@@ -40,6 +40,8 @@ class GatewaySettings:
     port: int = 8080
     poll_s: float = 1.0
     """Between the reconcile loop's passes (a create or cancel starts one at once)."""
+    sweep_s: float = 60.0
+    """Between sweeps of expired files."""
     js_replicas: int = 1
 
 
@@ -76,6 +78,7 @@ class Gateway:
                 nc=nc,
                 nats=s.nats,
                 poll_s=s.poll_s,
+                sweep_s=s.sweep_s,
             )
             app = BatchApi(config=s.config, records=records, runner=runner).app()
             web_runner = web.AppRunner(app, access_log=None)

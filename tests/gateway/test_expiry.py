@@ -1,0 +1,48 @@
+"""Files past their `expires_at` are removed, record and bytes; the others stay."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.gateway.config import ApiKey, CatalogueModel, GatewayConfig
+from ebb.gateway.service import Gateway, GatewaySettings
+
+from ..helpers import wait_until
+
+
+async def test_an_upload_is_removed_once_it_expires(
+    tmp_path: Path, nats_config: NatsConfig
+) -> None:
+    config = GatewayConfig(
+        root=str(tmp_path / "gateway"),
+        models={"m": CatalogueModel(stage={"llm": {"model": str(tmp_path / "model")}})},
+        keys=[ApiKey(owner="team", key="sk-team")],
+        file_expiry_s=1.0,
+    )
+    gateway = Gateway(
+        GatewaySettings(nats=nats_config, config=config, port=0, poll_s=0.1, sweep_s=0.2)
+    )
+    serving = asyncio.create_task(gateway.run())
+    try:
+        await asyncio.wait_for(gateway.serving.wait(), 30)
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="sk-team")
+        uploaded = await asyncio.to_thread(
+            oa.files.create, file=("in.jsonl", b"{}\n"), purpose="batch"
+        )
+        assert uploaded.expires_at is not None
+        assert uploaded.expires_at - uploaded.created_at == 1
+        stored = tmp_path / "gateway" / "files" / "team" / uploaded.id
+        assert stored.read_bytes() == b"{}\n"
+
+        async def gone() -> bool:
+            return not await asyncio.to_thread(lambda: list(oa.files.list()))
+
+        await wait_until(gone, timeout=30, what="the expired file to be removed")
+        assert not stored.exists()
+    finally:
+        gateway.request_stop()
+        await serving
