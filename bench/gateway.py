@@ -196,10 +196,10 @@ def run(ctx: Context) -> Section:
         intro=__doc__ or "",
         tables=tables,
         notes=[
-            f"{n} requests, {rows_per_shard} per shard, {WORKERS} workers; the gateway passes over "
-            "its batches when their jobs' events say something changed (and every 0.5 s, `ebb "
-            "up`'s setting), the client polls every 0.1 s. Target: the Batch API within 5% of "
-            "the job's throughput.",
+            f"{n} requests, {rows_per_shard} per shard, {WORKERS} workers; the gateway steps a "
+            "batch when its job's events say something changed (a full pass over every batch "
+            "every 2 s, `ebb up`'s setting), the client polls every 0.1 s. Target: the Batch API "
+            "within 5% of the job's throughput.",
             "The output file is written whole when the job ends (the API's output file is one "
             "file): the first request answered is when `request_counts.completed` first counts "
             "one, readable in the job's committed output then, in the output file at completion.",

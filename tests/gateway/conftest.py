@@ -140,3 +140,12 @@ def reference(tiny_chat_model: Path) -> Iterator[Any]:
         return engine.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
 
     yield answer
+
+
+def create(oa: openai.OpenAI, file_id: str, *, window: str = "24h") -> Any:
+    """A chat batch of the file, as a user creates one."""
+    return oa.batches.create(
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window=window,  # type: ignore[arg-type]
+    )

@@ -14,7 +14,7 @@ import pytest
 from ebb.client.stack import LocalStack
 
 from ..llm_model import corpus
-from .conftest import chat_line, client, jsonl, lines_of, wait_for
+from .conftest import chat_line, client, create, jsonl, lines_of, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -113,12 +113,7 @@ async def test_a_malformed_file_fails_its_batch_naming_every_bad_line(
     uploaded = await asyncio.to_thread(
         oa.files.create, file=("bad.jsonl", text.encode()), purpose="batch"
     )
-    batch = await asyncio.to_thread(
-        oa.batches.create,
-        input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-    )
+    batch = await asyncio.to_thread(create, oa, uploaded.id)
     failed = await wait_for(oa, batch.id)
     assert failed.status == "failed" and failed.failed_at is not None
     assert failed.errors is not None and failed.errors.data is not None
@@ -156,12 +151,7 @@ async def test_refusals_have_the_api_s_shapes_and_change_nothing(
     with pytest.raises(openai.NotFoundError):
         await asyncio.to_thread(bob.files.content, mine.id)
     with pytest.raises(openai.NotFoundError) as found:
-        await asyncio.to_thread(
-            bob.batches.create,
-            input_file_id=mine.id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-        )
+        await asyncio.to_thread(create, bob, mine.id)
     assert found.value.param == "input_file_id"
     assert await asyncio.to_thread(lambda: list(bob.files.list())) == []
     assert await asyncio.to_thread(lambda: list(bob.batches.list())) == []
@@ -221,20 +211,10 @@ async def test_a_key_s_quotas_refuse_what_is_past_them(gateway_stack: LocalStack
     data = jsonl(requests(30))
     assert len(data) < BOB_STORES
     first = await asyncio.to_thread(bob.files.create, file=("a.jsonl", data), purpose="batch")
-    running = await asyncio.to_thread(
-        bob.batches.create,
-        input_file_id=first.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-    )
+    running = await asyncio.to_thread(create, bob, first.id)
     # One batch at a time for bob: a second waits for the first to end.
     with pytest.raises(openai.RateLimitError) as refused:
-        await asyncio.to_thread(
-            bob.batches.create,
-            input_file_id=first.id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-        )
+        await asyncio.to_thread(create, bob, first.id)
     assert refused.value.code == "quota_exceeded"
     assert [b.id for b in await asyncio.to_thread(lambda: list(bob.batches.list()))] == [running.id]
     # Bytes kept: an upload past what is left is refused as it streams in.
@@ -246,10 +226,5 @@ async def test_a_key_s_quotas_refuse_what_is_past_them(gateway_stack: LocalStack
     assert big.value.status_code == 413 and str(left) in big.value.message
     await asyncio.to_thread(bob.batches.cancel, running.id)
     await wait_for(bob, running.id)
-    again = await asyncio.to_thread(
-        bob.batches.create,
-        input_file_id=first.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-    )
+    again = await asyncio.to_thread(create, bob, first.id)
     assert again.status == "validating"

@@ -15,7 +15,7 @@ import pytest
 from ebb.client.stack import LocalStack
 
 from ..llm_model import corpus
-from .conftest import chat_line, client, jsonl, lines_of, wait_for
+from .conftest import chat_line, client, create, jsonl, lines_of, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
 
@@ -32,12 +32,7 @@ async def submitted(stack: LocalStack, lines: list[dict[str, Any]], window: str 
     uploaded = await asyncio.to_thread(
         oa.files.create, file=("in.jsonl", jsonl(lines)), purpose="batch"
     )
-    return await asyncio.to_thread(
-        oa.batches.create,
-        input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
-        completion_window=window,  # type: ignore[arg-type]
-    )
+    return await asyncio.to_thread(create, oa, uploaded.id, window=window)
 
 
 async def until_some_done(stack: LocalStack, batch_id: str) -> Any:

@@ -146,7 +146,7 @@ class LocalStack:
                 "--port",
                 str(self.gateway_port),
                 "--poll",
-                "0.5",
+                "2",
             ]
         if name in self.masters:
             roots: list[str] = []

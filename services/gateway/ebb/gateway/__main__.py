@@ -32,7 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--host", default=env(envvars.GATEWAY_HOST, "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env(envvars.GATEWAY_PORT, "8080")))
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between reconcile passes")
+    p.add_argument(
+        "--poll", type=float, default=5.0, help="seconds between full passes over the batches"
+    )
     p.add_argument(
         "--js-replicas",
         type=int,

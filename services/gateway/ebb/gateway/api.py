@@ -342,7 +342,7 @@ class BatchApi:
             metadata=metadata,
         )
         await self.records.create_batch(record)
-        self.runner.wake.set()
+        self.runner.poke(record.owner, record.id)
         return web.json_response(record.api())
 
     async def _batch(self, request: web.Request) -> tuple[BatchRecord, int]:
@@ -372,7 +372,7 @@ class BatchApi:
                 await self.records.update_batch(changed, last=revision)
             except Conflict:
                 continue  # the runner moved it meanwhile: look again
-            self.runner.wake.set()
+            self.runner.poke(changed.owner, changed.id)
             return web.json_response(changed.api())
         raise ApiError(409, "The batch keeps changing; try again.", retry=True)
 

@@ -82,7 +82,7 @@ class BatchRunner:
         master: MasterClient,
         nc: Any,
         nats: NatsConfig,
-        poll_s: float = 1.0,
+        poll_s: float = 5.0,
         sweep_s: float = 60.0,
     ) -> None:
         self.config = config
@@ -95,12 +95,25 @@ class BatchRunner:
         self.sweep_s = sweep_s
         """Between sweeps of the files past their `expires_at`."""
         self.wake = asyncio.Event()
-        """Set when a batch is created or cancelled: the next pass starts at once."""
+        """Set when a batch is due a step (`poke`): the loop takes it at once."""
+        self.active: dict[str, str] = {}
+        """The batches not ended, by id, with their owners (as the last full pass read them,
+        and as created since): whose jobs' events concern the loop."""
+        self.due: set[str] = set()
+        """Batches to step now, between full passes."""
+
+    def poke(self, owner: str, batch_id: str) -> None:
+        """The batch was created or cancelled, or its job said something: step it now."""
+        self.active[batch_id] = owner
+        self.due.add(batch_id)
+        self.wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Pass after pass until `stop` is set; now and then, a sweep of expired files. A
-        batch's job's events (a shard committed, the job ended) start a pass at once: its
-        counts and its end are seen then, not at the next poll."""
+        """Until `stop` is set: a full pass over every batch each `poll_s` (the level-
+        triggered truth: whatever was missed, a replica's work, windows that ran out), and
+        between them a step of each batch poked (created, cancelled, or its job's events: a
+        shard committed, the job ended), so that its counts and its end are seen at once, at
+        the cost of that batch alone. Now and then, a sweep of expired files."""
         events = await self.nc.subscribe(Subjects(self.nats.prefix).all_events, cb=self._heard)
         try:
             await self._passes(stop)
@@ -110,22 +123,41 @@ class BatchRunner:
 
     async def _heard(self, msg: Any) -> None:
         job = msg.subject.rsplit(".", 2)[-2]
-        if job.startswith("batch_"):
-            self.wake.set()
+        owner = self.active.get(job)
+        if owner is not None:
+            self.poke(owner, job)
 
     async def _passes(self, stop: asyncio.Event) -> None:
-        swept_at = -math.inf
+        swept_at = passed_at = -math.inf
         while not stop.is_set():
             self.wake.clear()
             try:
-                await self.reconcile()
+                if time.monotonic() - passed_at >= self.poll_s:
+                    passed_at = time.monotonic()
+                    self.due.clear()
+                    await self.reconcile()
+                else:
+                    await self.step_due()
                 if time.monotonic() - swept_at >= self.sweep_s:
                     swept_at = time.monotonic()
                     await self.sweep()
             except (RecordsUnavailable, StoreError) as e:
                 log.warning("cannot read the batches or files: %s; trying again", e)
-            await wait_any([stop, self.wake], timeout_s=self.poll_s)
-            await asyncio.sleep(MIN_PASS_S)  # events in a burst: one pass for all of them
+            left = self.poll_s - (time.monotonic() - passed_at)
+            await wait_any([stop, self.wake], timeout_s=max(left, 0.0))
+            await asyncio.sleep(MIN_PASS_S)  # events in a burst: one step for all of them
+
+    async def step_due(self) -> None:
+        due, self.due = self.due, set()
+        for batch_id in sorted(due):
+            owner = self.active.get(batch_id)
+            if owner is None:
+                continue  # ended, as the last full pass found
+            found = await self.records.get_batch(owner, batch_id)
+            if found is None or found[0].status in ENDED:
+                self.active.pop(batch_id, None)
+                continue
+            await self._step_one(*found)
 
     async def sweep(self) -> None:
         """Remove the files whose `expires_at` has passed: their records, then their bytes
@@ -139,17 +171,21 @@ class BatchRunner:
                 log.info("file %s of %s expired: removed", record.id, record.owner)
 
     async def reconcile(self) -> None:
+        """The full pass: every batch read, each not ended stepped."""
         batches = await self.records.batches()
         metrics.observe_batches(record.status for record, _ in batches)
+        self.active = {r.id: r.owner for r, _ in batches if r.status not in ENDED}
         for record, revision in sorted(batches, key=lambda b: b[0].id):
-            if record.status in ENDED:
-                continue
-            try:
-                await self.step(record, revision)
-            except Conflict:
-                pass  # someone else took this step: the next pass reads what they wrote
-            except (RecordsUnavailable, StoreError, BusError) as e:
-                log.warning("batch %s (%s): %s; trying again", record.id, record.status, e)
+            if record.status not in ENDED:
+                await self._step_one(record, revision)
+
+    async def _step_one(self, record: BatchRecord, revision: int) -> None:
+        try:
+            await self.step(record, revision)
+        except Conflict:
+            pass  # someone else took this step: the next pass reads what they wrote
+        except (RecordsUnavailable, StoreError, BusError) as e:
+            log.warning("batch %s (%s): %s; trying again", record.id, record.status, e)
 
     async def step(self, batch: BatchRecord, revision: int) -> None:
         now = time.time()
@@ -203,11 +239,11 @@ class BatchRunner:
             await self.records.update_batch(
                 counted.moved("finalizing", ending=ending), last=revision
             )
-            self.wake.set()
+            self.poke(batch.owner, batch.id)
             return
         await self.records.update_batch(counted.moved("in_progress", job=batch.id), last=revision)
         metrics.BATCH_REQUESTS.labels("accepted").inc(found.accepted)
-        self.wake.set()  # submit its job at once
+        self.poke(batch.owner, batch.id)  # submit its job at once
 
     def _check_and_write(self, batch: BatchRecord, source: FileRecord) -> Any:
         """Read the input file once: its rows into the job's Parquet input (a row group per
@@ -252,6 +288,7 @@ class BatchRunner:
         job = batch.job
         if job is None:  # cancelled while validating: nothing ran
             await self.records.update_batch(batch.moved("finalizing"), last=revision)
+            self.poke(batch.owner, batch.id)
             return
         if batch.status == "in_progress" and not batch.ending and now >= batch.expires_at:
             batch = replace(batch, ending="expired")
@@ -274,7 +311,7 @@ class BatchRunner:
         counted = self._counted(batch, status)
         if status.state in TERMINAL_JOB_STATES:
             await self.records.update_batch(counted.moved("finalizing"), last=revision)
-            self.wake.set()
+            self.poke(batch.owner, batch.id)
         elif counted != batch:
             await self.records.update_batch(counted, last=revision)
 

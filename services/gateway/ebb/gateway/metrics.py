@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterable
+from typing import get_args
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -28,16 +29,7 @@ BATCH_REQUESTS = Counter(
     ["outcome"],
 )
 
-STATUSES: tuple[BatchStatus, ...] = (
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
+STATUSES: tuple[BatchStatus, ...] = get_args(BatchStatus)
 
 
 def observe_batches(statuses: Iterable[str]) -> None:

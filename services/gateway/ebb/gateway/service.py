@@ -38,8 +38,9 @@ class GatewaySettings:
     config: GatewayConfig
     host: str = "127.0.0.1"
     port: int = 8080
-    poll_s: float = 1.0
-    """Between the reconcile loop's passes (a create or cancel starts one at once)."""
+    poll_s: float = 5.0
+    """Between the reconcile loop's full passes (a batch created or cancelled, or whose job
+    said something, is stepped at once)."""
     sweep_s: float = 60.0
     """Between sweeps of expired files."""
     js_replicas: int = 1
