@@ -10,7 +10,8 @@ rest), 2 workers on the embedded stack, 16 shards: about 40 s a run.
   it every 0.1 s to `completed` (create to completed: validation, the job, the output and error
   files written); the upload and the download are timed apart.
 
-Both run on one stack, interleaved, `repeats` times. Then a batch of 100,000 requests (the
+Both run on one stack, interleaved, `repeats` times, each once the last one's workers have
+exited. Then a batch of 100,000 requests (the
 same shape, about 30 MB) is uploaded and validated, its job cancelled as soon as it starts:
 the gateway's resident memory is sampled every 20 ms throughout.
 """
@@ -233,7 +234,18 @@ async def _measure(
         oa = openai.OpenAI(base_url=stack.gateway_url, api_key=KEY)
         loop = asyncio.get_running_loop()
 
+        controller = psutil.Process(stack.processes["controller"].pid)
+
+        def settled() -> None:
+            """Until the last run's workers are gone: each run starts on idle cores."""
+            deadline = time.monotonic() + 120
+            while any("ebb.worker" in p.cmdline() for p in controller.children(recursive=True)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the last run's workers did not exit")
+                time.sleep(0.1)
+
         def job() -> float:
+            settled()
             folder = ctx.dir("gateway") / f"job-{time.monotonic_ns()}"
             folder.mkdir()
             source = _job_input(folder, lines, rows_per_shard)
@@ -251,6 +263,7 @@ async def _measure(
             return float(final.metrics["output_tokens"]) / seconds
 
         def batch() -> float:
+            settled()
             started = time.perf_counter()
             uploaded = oa.files.create(file=("requests.jsonl", payload), purpose="batch")
             phases["upload"].append(time.perf_counter() - started)
