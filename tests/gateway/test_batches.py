@@ -5,10 +5,12 @@ and downloads its output and error files."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import openai
+import pyarrow.parquet as pq
 import pytest
 
 from ebb.client.stack import LocalStack
@@ -27,7 +29,7 @@ def requests(n: int) -> list[dict[str, Any]]:
 
 
 async def test_a_batch_runs_every_request_once_with_the_model_s_own_answers(
-    gateway_stack: LocalStack, reference: Any
+    gateway_stack: LocalStack, reference: Any, tmp_path: Path
 ) -> None:
     oa = client(gateway_stack)
     good = requests(24)
@@ -80,6 +82,11 @@ async def test_a_batch_runs_every_request_once_with_the_model_s_own_answers(
         assert body["usage"]["completion_tokens"] == count
         tokens += count
     assert done.usage is not None and done.usage.output_tokens == tokens
+    # The same rows run as a job of their own, straight to the llm stage: the same answers.
+    direct = await direct_job(gateway_stack, tmp_path, batch.id)
+    assert direct == {
+        r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in output
+    }
     why = {line["custom_id"]: line["response"] for line in errors}
     assert why["too-long"]["status_code"] == 400
     assert why["too-long"]["body"]["error"]["code"] == "context_length_exceeded"
@@ -96,6 +103,34 @@ async def test_a_batch_runs_every_request_once_with_the_model_s_own_answers(
     # A completed batch cannot be cancelled: the API's 409.
     with pytest.raises(openai.ConflictError, match="status 'completed'"):
         await asyncio.to_thread(oa.batches.cancel, batch.id)
+
+
+async def direct_job(stack: LocalStack, tmp: Path, batch_id: str) -> dict[str, str]:
+    """The batch's job input, run as an ordinary job submitted over NATS: its text by
+    custom_id (the rows it answered)."""
+    from ebb.client.sdk import EbbClient
+    from ebb.gateway.config import load_config
+    from ebb.gateway.jobspec import batch_job
+
+    catalogue = load_config(tmp / "gateway.yaml")
+    spec = batch_job(
+        batch_id="direct-1",
+        owner="alice",
+        model=catalogue.models["tiny-chat"],
+        window=catalogue.windows["24h"],
+        input_uri=str(tmp / "gateway" / "batches" / "alice" / batch_id / "requests.parquet"),
+        output_uri=str(tmp / "direct"),
+    )
+    async with await EbbClient.connect(stack.nats_config) as ebb:
+        final = await ebb.wait(await ebb.submit(spec))
+    assert final.state == "SUCCEEDED", final.reason
+    manifest = json.loads((tmp / "direct" / "_manifest.json").read_text())
+    rows = [
+        row
+        for f in manifest["files"]
+        for row in pq.read_table(tmp / "direct" / f["path"]).to_pylist()
+    ]
+    return {r["custom_id"]: r["text"] for r in rows if r["_error"] is None}
 
 
 async def test_a_malformed_file_fails_its_batch_naming_every_bad_line(

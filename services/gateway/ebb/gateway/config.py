@@ -31,7 +31,7 @@ import yaml
 
 from ebb.common import schema
 from ebb.common.errors import SchemaError, SpecError
-from ebb.common.job.fields import bad, positive
+from ebb.common.job.fields import Pool, bad, positive
 from ebb.common.job.paths import is_url
 from ebb.common.job.pipeline import StageSpec
 from ebb.common.job.sections import FaultPolicy, ResourceSpec
@@ -136,6 +136,9 @@ class Window:
     """From creation to expiry: a batch not done by then ends `expired`, with what it did."""
     priority: int = 0
     """Its job's priority: lower runs after others, on what capacity is left."""
+    pool: Pool | None = None
+    """Where its job's workers may run (a job's `resources.pool`: `mixed`, the nodes the tide
+    lends, first), over the catalogue model's. None: the model's."""
 
     def __post_init__(self) -> None:
         positive("seconds", self.seconds)

@@ -59,7 +59,10 @@ def batch_job(
         "input": {"uri": input_uri, "format": "parquet", "rows_per_shard": rows_per_shard(model)},
         "pipeline": {"stages": [stage]},
         "output": {"uri": output_uri, "format": "parquet", "carryover": ["custom_id", "line"]},
-        "resources": schema.dump(model.resources),
+        "resources": {
+            **schema.dump(model.resources),
+            **({"pool": window.pool} if window.pool is not None else {}),
+        },
         "fault": {**model.fault, "max_error_fraction": 1.0},
         "priority": window.priority,
         "node_selector": model.node_selector,
