@@ -2,7 +2,7 @@
 
 Workload: 1,024 chat requests to the 4-layer Llama-shaped model of section 16 (hidden 256), greedy,
 `max_tokens` spread as section 16's answers (4 to 32 for four requests in five, to 160 for the
-rest), 2 workers on the embedded stack, 16 shards: about 40 s a run.
+rest), 2 workers on the embedded stack, 16 shards: about 30 s a run.
 
 - Ebb job: the requests as the gateway would write them (the same rows, read from the same
   Parquet layout: a row group per shard) run as a job submitted over NATS, submit to end.
@@ -11,9 +11,9 @@ rest), 2 workers on the embedded stack, 16 shards: about 40 s a run.
   files written); the upload and the download are timed apart.
 
 Both run on one stack, interleaved, `repeats` times, each once the last one's workers have
-exited. Then a batch of 100,000 requests (the
-same shape, about 30 MB) is uploaded and validated, its job cancelled as soon as it starts:
-the gateway's resident memory is sampled every 20 ms throughout.
+exited. Then a batch of 100,000 requests (the same shape, about 30 MB) is uploaded and
+validated, its job cancelled as soon as it starts: the gateway's resident memory is sampled
+every 20 ms throughout.
 """
 
 from __future__ import annotations

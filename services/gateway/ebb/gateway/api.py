@@ -166,12 +166,15 @@ class BatchApi:
         purpose: str | None = None
         filename = "upload"
         size: int | None = None
+        expiry: dict[str, str] = {}
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 raise ApiError(400, "A form field holds a nested multipart body.")
             if part.name == "purpose":
                 purpose = (await part.text()).strip()
+            elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                expiry[part.name[len("expires_after[") : -1]] = (await part.text()).strip()
             elif part.name == "file" and size is None:
                 filename = part.filename or "upload"
                 size = await self._store_part(part, path, limit, request)
@@ -193,6 +196,11 @@ class BatchApi:
                 param="purpose",
                 code="invalid_value",
             )
+        try:
+            keep = _expires_after(expiry, default=int(self.config.file_expiry_s))
+        except ApiError:
+            await asyncio.to_thread(self.store.delete, path)
+            raise
         now = int(time.time())
         record = FileRecord(
             id=file_id,
@@ -202,7 +210,7 @@ class BatchApi:
             filename=filename,
             purpose="batch",
             path=path,
-            expires_at=now + int(self.config.file_expiry_s),
+            expires_at=now + keep,
         )
         await self.records.create_file(record)
         metrics.UPLOADED_BYTES.inc(size)
@@ -309,6 +317,15 @@ class BatchApi:
                 code="invalid_value",
             )
         metadata = _metadata(body.get("metadata"))
+        output_expiry = body.get("output_expires_after")
+        if output_expiry is not None and not isinstance(output_expiry, dict):
+            raise ApiError(
+                400,
+                "Invalid type for 'output_expires_after': expected an object.",
+                param="output_expires_after",
+                code="invalid_type",
+            )
+        keep = _expires_after(output_expiry, default=None) if output_expiry else None
         source = await self.records.get_file(key.owner, body["input_file_id"])
         if source is None:
             raise not_found("File", body["input_file_id"], "input_file_id")
@@ -340,6 +357,7 @@ class BatchApi:
             created_at=now,
             expires_at=now + int(self.config.windows[window].seconds),
             metadata=metadata,
+            output_expires_s=keep,
         )
         await self.records.create_batch(record)
         self.runner.poke(record.owner, record.id)
@@ -375,6 +393,33 @@ class BatchApi:
             self.runner.poke(changed.owner, changed.id)
             return web.json_response(changed.api())
         raise ApiError(409, "The batch keeps changing; try again.", retry=True)
+
+
+def _expires_after(given: dict[str, Any], *, default: Any) -> Any:
+    """Seconds a file is kept, from the API's `expires_after` ({anchor: created_at, seconds:
+    3600 to 2592000}); `default` when not given."""
+    if not given:
+        return default
+    anchor, seconds = given.get("anchor"), given.get("seconds")
+    if anchor != "created_at":
+        raise ApiError(
+            400,
+            f"Invalid value for 'expires_after.anchor': {anchor!r}. Supported: 'created_at'.",
+            param="expires_after.anchor",
+            code="invalid_value",
+        )
+    try:
+        value = int(str(seconds))
+    except ValueError:
+        value = 0
+    if not 3600 <= value <= 2_592_000:
+        raise ApiError(
+            400,
+            f"Invalid value for 'expires_after.seconds': {seconds!r}: 3600 to 2592000.",
+            param="expires_after.seconds",
+            code="invalid_value",
+        )
+    return value
 
 
 def _metadata(value: object) -> dict[str, str] | None:

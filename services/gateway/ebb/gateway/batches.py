@@ -435,7 +435,7 @@ class BatchRunner:
                 filename=f"{batch.id}_{kind}.jsonl",
                 purpose="batch_output",
                 path=paths[kind],
-                expires_at=None,
+                expires_at=None if batch.output_expires_s is None else now + batch.output_expires_s,
             )
         return tally, made
 

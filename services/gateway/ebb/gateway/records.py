@@ -125,6 +125,9 @@ class BatchRecord:
     """Requests refused at validation (lines of the error file before the job ran)."""
     job: str | None = None
     """Its Ebb job, once submitted."""
+    output_expires_s: int | None = None
+    """How long its output and error files are kept (`output_expires_after`); None: kept
+    until deleted."""
     ending: Literal["", "cancelled", "expired"] = ""
     """Why its job was stopped short: the batch ends so once the job has ended."""
 
