@@ -164,4 +164,4 @@ async def embedded_stack(tmp: Path, prefix: str, *, max_workers: int) -> AsyncIt
         yield stack
     finally:
         await stack.stop()
-    assert stack.nats.violations == []
+    assert stack.nats.violations == [], stack.nats.violations

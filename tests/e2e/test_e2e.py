@@ -250,6 +250,16 @@ async def test_nats_killed_and_restarted_mid_job_loses_nothing(
     assert_exactly_once(tmp_path, rows)
     # Every service lived through it: none exited (the stack restarts nothing here).
     assert all(p.returncode is None for p in stack.processes.values())
+    # A reply the master sent to a request the killed server delivered goes out on the new
+    # server, which knows no such request: its response permission refuses it (the asker,
+    # having timed out, asks again). Only that is forgiven; any other violation still fails.
+    stack.nats.violations[:] = [
+        v for v in stack.nats.violations if not _reply_across_the_restart(v)
+    ]
+
+
+def _reply_across_the_restart(violation: str) -> bool:
+    return "Publish Violation" in violation and 'Subject "_INBOX.' in violation
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ from .records import (
     Records,
     RecordsUnavailable,
 )
-from .requests import validate
+from .requests import Validation, validate
 from .results import Tally, job_rows, write_results
 from .store import FileStore
 
@@ -235,7 +235,7 @@ class BatchRunner:
         ending = batch.ending or ("expired" if now >= batch.expires_at else "")
         if found.accepted == 0 or ending:
             # Every request refused, or the batch cancelled or expired already: nothing to
-            # run; the error file says why of each request.
+            # run; the error file says why, request by request.
             await self.records.update_batch(
                 counted.moved("finalizing", ending=ending), last=revision
             )
@@ -245,7 +245,7 @@ class BatchRunner:
         metrics.BATCH_REQUESTS.labels("accepted").inc(found.accepted)
         self.poke(batch.owner, batch.id)  # submit its job at once
 
-    def _check_and_write(self, batch: BatchRecord, source: FileRecord) -> Any:
+    def _check_and_write(self, batch: BatchRecord, source: FileRecord) -> Validation:
         """Read the input file once: its rows into the job's Parquet input (a row group per
         shard), its refused requests into the rejected lines. Blocking."""
         folder = batch_dir(batch)
