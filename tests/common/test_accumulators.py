@@ -91,7 +91,7 @@ def test_a_histogram_counts_as_numpy_does() -> None:
     counts, edges = np.histogram(x, bins=7, range=(-2.0, 3.0))
     got = result(spec, reduce(spec, x))
     assert got == {
-        "edges": edges.tolist(),
+        "edges": [float(f"{e:.15g}") for e in edges.tolist()],
         "counts": counts.tolist(),
         "under": int(np.count_nonzero(x < -2)),
         "over": int(np.count_nonzero(x > 3)),
@@ -173,7 +173,7 @@ def test_undefined_and_empty_results() -> None:
         "min": None,
         "max": None,
         "hist": {
-            "edges": np.linspace(-2, 3, 8).tolist(),
+            "edges": [float(f"{e:.15g}") for e in np.linspace(-2, 3, 8).tolist()],
             "counts": [0] * 7,
             "under": 0,
             "over": 0,
@@ -375,3 +375,11 @@ def test_defaults_by_kind() -> None:
     assert MetricSpec(kind="auc", label="y", score="s").range == [0.0, 1.0]
     assert MetricSpec(kind="histogram", column="x", range=[0, 1]).bins == 10
     assert MetricSpec(kind="mean", column="x").bins is None
+
+
+def test_histogram_edges_read_as_people_write_them() -> None:
+    spec = MetricSpec(kind="histogram", column="x", bins=10, range=[0.0, 1.0])
+    got = result(spec, reduce(spec, np.array([0.25, 0.35])))
+    assert isinstance(got, dict)
+    assert got["edges"] == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    assert got["counts"] == [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]

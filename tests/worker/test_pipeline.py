@@ -674,6 +674,18 @@ def test_sequences_of_one_length_still_get_an_attention_mask(stacked: bool) -> N
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]
 
 
+def test_a_read_only_batch_reaches_the_model_without_a_warning() -> None:
+    """A chunk's arrays are read-only views: torch's warning about them (in every worker's
+    log) is not raised, and the tensor reads the batch's values, not a copy."""
+    stage = TorchScriptStage(StageSpec(name="m", model="model.pt"))
+    stage.dtype, stage.cuda = torch.float32, False
+    batch = np.arange(6, dtype=np.float32).reshape(2, 3)
+    batch.flags.writeable = False
+    tensor = stage._to_device("x", batch)  # pytest makes any warning an error
+    assert tensor.tolist() == batch.tolist()
+    assert tensor.data_ptr() == batch.ctypes.data
+
+
 def test_the_fork_server_imports_only_the_runtimes_it_knows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

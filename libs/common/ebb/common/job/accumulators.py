@@ -356,7 +356,7 @@ def result(spec: MetricSpec, partial: Partial) -> float | int | dict[str, Any] |
     for index, count in zip(partial["bins"], partial["counts"], strict=True):
         counts[index] = count
     return {
-        "edges": np.linspace(lo, hi, bins + 1).tolist(),
+        "edges": [_shortest(e) for e in np.linspace(lo, hi, bins + 1).tolist()],
         "counts": counts,
         "under": partial["under"],
         "over": partial["over"],
@@ -456,3 +456,10 @@ def _merge_bins(indexes: list[list[int]], *counts: list[list[int]]) -> tuple[lis
                 slot[series] += values[side][at]
     order = sorted(merged)
     return (order, *([merged[i][s] for i in order] for s in range(len(counts))))
+
+
+def _shortest(edge: float) -> float:
+    """An edge as people write it: 0.3, not the 0.30000000000000004 that linspace's arithmetic
+    leaves (15 significant digits round that away, and change no edge a person would type).
+    The bins are cut at linspace's own edges all the same."""
+    return float(f"{edge:.15g}")

@@ -363,7 +363,13 @@ class TorchScriptStage(ModelStage):
     def _to_device(self, name: str, array: np.ndarray) -> Any:
         import torch
 
-        host = torch.from_numpy(array)
+        with warnings.catch_warnings():
+            # A chunk's arrays are read-only views of the batch (shared memory, Arrow):
+            # torch warns that writes through the tensor would be undefined. The model only
+            # reads its inputs, and a copy to make them writable would cost a pass over the
+            # batch, so the view is handed over as it is, without the warning in every log.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            host = torch.from_numpy(array)
         if host.is_floating_point():
             host = host.to(self.dtype)
         if not self.cuda:
