@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,20 @@ import torch
 import yaml
 
 from ebb.client.display import lost_workers, tier_text
-from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder
+from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder, running
 from ebb.common import envvars
-from ebb.common.data.layout import MANIFEST, OWNER
+from ebb.common.data.layout import COMMITS_DIR, MANIFEST, OWNER
 from ebb.common.messaging.embedded import EmbeddedNats
 from ebb.common.messaging.messages import JobStatus, TierStatus
 
-from ..helpers import ASSETS, free_port, job_spec, write_dataset, write_model
+from ..helpers import (
+    ASSETS,
+    free_port,
+    job_spec,
+    read_output,
+    write_dataset,
+    write_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -183,6 +190,54 @@ def test_a_finished_jobs_output_is_complete_and_another_run_into_it_is_refused(
     assert resumed.returncode == 0, said(resumed)
     assert f"job {job} SUCCEEDED already" in said(resumed)
     assert run_folders(runs) == []  # refused, or with nothing to do: nothing kept
+
+
+def test_replace_removes_a_failed_jobs_output_and_never_a_complete_one(
+    tmp_path: Path, runs: Path
+) -> None:
+    write_dataset(tmp_path / "data", rows=3_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    out = tmp_path / "out"
+    # Half the rows fail, each its own way: the first shard committed fails the job.
+    broken = job_spec(tmp_path, rows_per_shard=1_000)
+    broken["pipeline"]["stages"][0] = {
+        "name": "preprocess",
+        "modelet": "ebbtest_modelets:FailOn",
+        "params": {"ids": list(range(0, 3_000, 2))},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(broken))
+    failed = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    assert failed.returncode == 1, said(failed)
+    assert "FAILED" in failed.stdout
+    first = owner_of(out)
+    assert list((out / COMMITS_DIR).glob("*.json"))  # it committed (error) rows
+
+    job_spec(tmp_path, rows_per_shard=1_000)  # fixed
+    refused = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    assert refused.returncode == 1, said(refused)
+    assert f"holds the unfinished output of job {first} (FAILED" in said(refused)
+    assert "`--replace` (`ebb run` or `ebb submit`) removes it" in said(refused)
+    assert owner_of(out) == first
+
+    replaced = ebb("run", "job.yaml", "--replace", *ROOTS, cwd=tmp_path)
+    assert replaced.returncode == 0, said(replaced)
+    assert f"--replace: the output of job {first} in {out} (FAILED, " in said(replaced)
+    second = owner_of(out)
+    assert second != first and "SUCCEEDED" in replaced.stdout
+    table, manifest = read_output(out)
+    assert sorted(table.column("id").to_numpy().tolist()) == list(range(3_000))
+    assert manifest["error_rows"] == 0
+    assert {json.loads(p.read_text())["job"] for p in (out / COMMITS_DIR).glob("*.json")} == {
+        second
+    }
+    assert json.loads((out / OWNER).read_text())["took_over_from"] == first
+
+    # A complete output is never removed, --replace or not.
+    again = ebb("run", "job.yaml", "--replace", *ROOTS, cwd=tmp_path)
+    assert again.returncode == 1, said(again)
+    assert f"holds the complete output of job {second} (SUCCEEDED" in said(again)
+    assert "never a complete one" in said(again)
+    assert owner_of(out) == second and read_output(out)[1] == manifest
 
 
 def test_demo(tmp_path: Path) -> None:
@@ -345,12 +400,26 @@ def test_a_command_where_no_stack_runs_on_this_machine_says_how_to_start_one(
     assert "Traceback" not in said(result)
 
 
+def while_running(
+    run: subprocess.Popen[Any], probe: Callable[[], Any], what: str, *, timeout_s: float = 180
+) -> Any:
+    """What `probe` returns once it is truthy, while `run` (an `ebb run`) runs: it must not
+    end first."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := probe()):
+        assert run.poll() is None and time.monotonic() < deadline, f"no {what}"
+        time.sleep(0.1)
+    return found
+
+
 def until_a_commit(run: subprocess.Popen[Any], commits: Path, *, timeout_s: float = 180) -> None:
     """Until `run` (an `ebb run`) has committed a shard; it must not end first."""
-    deadline = time.monotonic() + timeout_s
-    while not (commits.exists() and any(commits.iterdir())):
-        assert run.poll() is None and time.monotonic() < deadline, "no shard committed"
-        time.sleep(0.1)
+    while_running(
+        run,
+        lambda: commits.exists() and any(commits.iterdir()),
+        "shard committed",
+        timeout_s=timeout_s,
+    )
 
 
 def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
@@ -413,6 +482,48 @@ def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
     assert {name: after[name] for name in before} == before  # the first run's shards kept
     assert len(after) == 6
     assert run_folders(runs) == []
+
+
+def test_status_and_cancel_find_the_stack_of_a_running_ebb_run(tmp_path: Path, runs: Path) -> None:
+    write_dataset(tmp_path / "data", rows=6_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages: list[dict[str, Any]] = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.2}},
+        {"model": str(tmp_path / "model.onnx")},
+        {"modelet": "ebb.worker.modelets:TopClass"},
+    ]
+    job_spec(tmp_path, rows_per_shard=1_000, stages=stages)
+    run = subprocess.Popen(
+        [*EBB, "run", "job.yaml", "--quiet", *ROOTS, "--max-workers", "1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        (job,) = while_running(run, lambda: list(running(runs)), "stack found")
+        # From another terminal, anywhere on the machine: no URL, no credentials named.
+        listed = ebb("status", cwd=tmp_path.parent)
+        assert listed.returncode == 0, said(listed)
+        assert job in listed.stdout and "RUNNING" in listed.stdout
+        shown = ebb("status", job, cwd=tmp_path.parent)
+        assert shown.returncode == 0, said(shown)
+        assert re.search(rf"id\s+{job}", shown.stdout) and "of 6,000" in shown.stdout
+        cancelled = ebb("cancel", job, cwd=tmp_path.parent)
+        assert cancelled.returncode == 0, said(cancelled)
+        assert f"job {job} CANCELLED" in said(cancelled)
+        output = run.communicate(timeout=120)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 1, output
+    assert f"from another terminal: `ebb status {job}`, `ebb cancel {job}`" in output
+    assert f"job {job} CANCELLED" in " ".join(output.split())
+    # Its stack is gone with it, and nothing finds it any more.
+    assert running(runs) == {}
+    gone = ebb("status", job, cwd=tmp_path.parent)
+    assert gone.returncode == 1 and "nothing listens for NATS" in said(gone)
 
 
 def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:

@@ -204,3 +204,31 @@ def test_an_owner_record_of_an_earlier_version_is_read(tmp_path: Path) -> None:
         None,
         False,
     )
+
+
+def test_of_jobs_replacing_a_failed_output_at_once_exactly_one_does_and_it_is_gone(
+    tmp_path: Path,
+) -> None:
+    store = OutputStore(str(tmp_path / "out"))
+    store.claim("failed", fields={})
+    store.write_file("data/shard=00000/attempt=1/part-00000.parquet", b"rows")
+    store.create_commit(new_commit(job="failed", shard=0, attempt=1, files=[], worker="w"))
+    ended = store.record_end("failed", state="FAILED", shards_done=1, shards_total=2, rows_done=1)
+    assert ended is not None and not ended.released
+    barrier = threading.Barrier(6)
+    owners: dict[str, str] = {}
+
+    def replace_it(job: str) -> None:
+        barrier.wait()
+        owners[job] = OutputStore(str(tmp_path / "out")).replace_output(ended, job, fields={}).job
+
+    threads = [threading.Thread(target=replace_it, args=(f"j{n}",)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = {job for job, owner in owners.items() if owner == job}
+    assert len(winners) == 1
+    owner = store.owner_record()
+    assert owner is not None and owner.job == winners.pop() and not owner.removing
+    assert store.first_commit() is None and not (tmp_path / "out" / "data").exists()

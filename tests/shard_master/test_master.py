@@ -19,7 +19,14 @@ from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient, SubmitError, SubmitPending
 from ebb.common import schema
-from ebb.common.data.layout import OWNER, OutputFile, OutputOwner, attempt_dir
+from ebb.common.data.layout import (
+    OWNER,
+    OutputFile,
+    OutputOwner,
+    attempt_dir,
+    claim_path,
+    commit_path,
+)
 from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.errors import RemoteError
 from ebb.common.job import JobSpec, parse_job
@@ -456,6 +463,73 @@ async def test_another_jobs_output_folder_is_refused_saying_what_it_holds(
     said = str(e.value)
     assert "complete output of job someone-else (SUCCEEDED, 3 of 3 shards, 3 rows" in said
     assert "nothing to finish" in said and "resume" not in said
+
+
+async def test_replace_removes_only_a_failed_or_cancelled_jobs_output_and_only_the_one_named(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    spec = make_job(tmp_path)
+    out = Path(spec.output.uri)
+    store = OutputStore(spec.output.uri)
+    store.claim("someone-else", fields={})
+    store.write_file("data/shard=00000/attempt=1/part-00000.parquet", b"rows")
+    store.create_commit(new_commit(job="someone-else", shard=0, attempt=1, files=[], worker="w"))
+
+    async def refused(job_id: str, named: str) -> str:
+        with pytest.raises(SubmitError) as e:
+            await client.submit(replace(spec, id=job_id), replace_output_of=named)
+        assert store.owner() == "someone-else" and (out / commit_path(0)).exists()
+        return " ".join(str(e.value).split())
+
+    said = await refused(f"{spec.id}-1", "someone-else")  # it never said how it ended
+    assert "how that job ended was never recorded" in said and "--resume" in said
+    store.record_end("someone-else", state="FAILED", shards_done=1, shards_total=3, rows_done=9)
+    said = await refused(f"{spec.id}-2", "another-job")
+    assert "belongs to job someone-else now, not to job another-job whose output" in said
+
+    await client.submit(spec, replace_output_of="someone-else")
+    assert (await api.job(spec.id)).state == "RUNNING"
+    owner = store.owner_record()
+    assert owner is not None
+    assert (owner.job, owner.took_over_from, owner.replaced, owner.removing) == (
+        spec.id,
+        "someone-else",
+        True,
+        False,
+    )
+    assert not (out / commit_path(0)).exists() and not (out / "data").exists()
+
+    # A job still running is not replaced (a complete output never is: tests/client).
+    with pytest.raises(SubmitError) as e:
+        await client.submit(replace(spec, id=f"{spec.id}-3"), replace_output_of=spec.id)
+    assert f"is being written by job {spec.id} (RUNNING" in str(e.value)
+    assert f"cancel it first (`ebb cancel {spec.id}`)" in str(e.value)
+    assert store.owner() == spec.id and (await api.job(spec.id)).state == "RUNNING"
+
+
+async def test_a_replacement_cut_short_is_finished_when_its_job_is_submitted_again(
+    tmp_path: Path, client: EbbClient, api: MasterClient
+) -> None:
+    """A master that died after claiming the root to replace its output, before all of it
+    was removed: the job's submission comes back (it was never acked) and finishes it."""
+    spec = make_job(tmp_path)
+    out = Path(spec.output.uri)
+    store = OutputStore(spec.output.uri)
+    store.claim("failed", fields={})
+    store.create_commit(new_commit(job="failed", shard=0, attempt=1, files=[], worker="w"))
+    owner = store.record_end("failed", state="FAILED", shards_done=1, shards_total=3, rows_done=9)
+    assert owner is not None
+    claim = OutputOwner(
+        job=spec.id, generation=1, took_over_from="failed", replaced=True, removing=True
+    )
+    (out / claim_path(1)).parent.mkdir()
+    (out / claim_path(1)).write_text(json.dumps(schema.dump(claim)))
+
+    await client.submit(spec)  # no header: the claim is its own already
+    assert (await api.job(spec.id)).state == "RUNNING"
+    assert not (out / commit_path(0)).exists()
+    after = store.owner_record()
+    assert after is not None and (after.job, after.removing) == (spec.id, False)
 
 
 async def test_a_job_that_committed_nothing_lets_the_next_job_take_its_output_folder(
@@ -896,7 +970,7 @@ async def test_a_submission_a_dead_master_never_acked_is_taken_up_at_once(
     spec = make_job(tmp_path)
     planning = asyncio.Event()
 
-    async def dies_while_planning(_intake: JobIntake, _spec: JobSpec) -> bool:
+    async def dies_while_planning(_intake: JobIntake, _spec: JobSpec, **_: str) -> bool:
         planning.set()
         await asyncio.Event().wait()  # until the master is gone
         return False

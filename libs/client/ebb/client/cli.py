@@ -8,6 +8,7 @@ ebb status [JOB]              jobs, or one job in detail
 ebb cancel JOB                cancel a job
 ebb resume JOB                finish a FAILED or CANCELLED job: committed shards are kept
 ebb run JOB.yaml --resume     finish, on this machine, the job whose output JOB.yaml names
+ebb run JOB.yaml --replace    compute it anew where a FAILED or CANCELLED job's output is
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from .display import console
 from .here import cmd_demo, cmd_run, cmd_up
 from .remote import DEFAULT_NATS, cmd_cancel, cmd_resume, cmd_status, cmd_submit
 from .sdk import SubmitError
+
+REPLACE_HELP = (
+    "remove the output of the job that owns the output root, if it FAILED or was CANCELLED, "
+    "and compute this job there anew (a complete output is never removed)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,14 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
             default=env(envvars.CREDENTIALS),
             help="a file of EBB_NATS_* settings (`ebb up` writes one)",
         )
+        c.add_argument(
+            "--stack",
+            default=None,
+            metavar="DIR",
+            help="the stack whose state is in DIR (`ebb up`'s .ebb, an `ebb run --state-dir`); "
+            "by default the `ebb run` running the job on this machine, if one is",
+        )
 
     c = sub.add_parser("run", help="run a job on an embedded stack and wait for it")
     c.add_argument("job", help="job spec (YAML or JSON)")
-    c.add_argument(
+    again = c.add_mutually_exclusive_group()
+    again.add_argument(
         "--resume",
         action="store_true",
         help="finish the job that owns the output root instead (committed shards are kept)",
     )
+    again.add_argument("--replace", action="store_true", help=REPLACE_HELP)
     local_options(c)
     c.set_defaults(handler=cmd_run)
 
@@ -100,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("submit", help="submit a job to a running stack")
     c.add_argument("job")
     c.add_argument("--wait", action="store_true", help="follow it to the end")
+    c.add_argument("--replace", action="store_true", help=REPLACE_HELP)
     remote_options(c)
     c.set_defaults(handler=cmd_submit)
 

@@ -20,7 +20,8 @@ from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 
 from .display import ProgressView, console, out, summarize
-from .runs import RUNS_KEPT, RunFolder, runs_home
+from .remote import replaced_owner
+from .runs import CLIENT_ENV, RUNS_KEPT, RunFolder, runs_home
 from .sdk import EbbClient, SubmitError, SubmitPending
 from .stack import LocalStack, StackConfig, StackError
 
@@ -63,11 +64,14 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             stack.running(status=console.status),
             await EbbClient.connect(stack.nats_config) as client,
         ):
+            write_credentials(state_dir / CLIENT_ENV, stack)
             try:
                 if getattr(args, "resume", False):
                     job_id = await resume_here(client, spec)
                 else:
-                    job_id = await submit_here(client, spec)
+                    job_id = await submit_here(
+                        client, spec, replacing=getattr(args, "replace", False)
+                    )
             except SubmitPending:
                 raise
             except SubmitError as e:
@@ -78,6 +82,12 @@ async def run_job(args: argparse.Namespace, job_file: str) -> int:
             if job_id is None:
                 keep = False
                 return EXIT_OK
+            # Found by the job's id while the run lasts (ebb.client.runs.running).
+            stack_option = "" if folder is not None else f" --stack {state_dir}"
+            console.print(
+                f"from another terminal: `ebb status {job_id}{stack_option}`, "
+                f"`ebb cancel {job_id}{stack_option}`"
+            )
             with ProgressView(spec, enabled=not args.quiet) as view:
                 waited = await until(client.wait(job_id, on_update=view.update), interrupted)
                 if waited is None:
@@ -145,10 +155,13 @@ def _run_folder(spec: JobSpec) -> RunFolder:
         ) from e
 
 
-async def submit_here(client: EbbClient, spec: JobSpec) -> str:
+async def submit_here(client: EbbClient, spec: JobSpec, *, replacing: bool = False) -> str:
     """Submit the job to this run's stack, saying so, and saying whose output root it took
-    over if it did (one whose job ended with nothing committed)."""
-    job_id = await client.submit(spec)
+    over if it did (one whose job ended with nothing committed). `replacing`: the output of
+    the job that owns the root, if it ended FAILED or CANCELLED, is removed first (saying
+    what goes)."""
+    replace_output_of = await replaced_owner(spec) if replacing else ""
+    job_id = await client.submit(spec, replace_output_of=replace_output_of)
     console.print(f"job {job_id} submitted ({spec.input.uri} -> {spec.output.uri})")
     try:
         owner = await asyncio.to_thread(OutputStore(spec.output.uri).owner_record)
@@ -241,7 +254,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with stack.running():
-            credentials = write_credentials(stack.config.state_dir / "client.env", stack)
+            credentials = write_credentials(stack.config.state_dir / CLIENT_ENV, stack)
             out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
             out.print(f"  ebb submit job.yaml --credentials {credentials}")
             if stack.gateway_url is not None:

@@ -12,14 +12,16 @@ from urllib.parse import urlsplit
 from rich.table import Table
 
 from ebb.common import envvars
+from ebb.common.data.output import OutputStore
 from ebb.common.errors import EbbError
-from ebb.common.job import load_job_file, parse_job
+from ebb.common.job import JobSpec, load_job_file, parse_job
 from ebb.common.messaging.messages import JobStatus
 from ebb.common.messaging.natsconfig import NatsConfig, nats_config_from_env
 from ebb.common.runner import EXIT_FAILED, EXIT_OK
 
 from .display import (
     ProgressView,
+    console,
     lost_workers,
     metric_text,
     out,
@@ -27,6 +29,7 @@ from .display import (
     tier_text,
     tokens_text,
 )
+from .runs import CLIENT_ENV, running, runs_home
 from .sdk import EbbClient, SubmitPending
 
 DEFAULT_NATS = NatsConfig().url
@@ -46,9 +49,10 @@ def read_credentials(path: str) -> dict[str, str]:
     return pairs
 
 
-def _nats(args: argparse.Namespace) -> NatsConfig:
+def _nats(args: argparse.Namespace, job: str | None = None) -> NatsConfig:
     # Precedence: the command line, then the credentials file, then the environment.
-    env = {**os.environ, **(read_credentials(args.credentials) if args.credentials else {})}
+    credentials = args.credentials or _stack_credentials(args, job)
+    env = {**os.environ, **(read_credentials(credentials) if credentials else {})}
     return nats_config_from_env(
         env,
         url=args.nats,
@@ -57,14 +61,39 @@ def _nats(args: argparse.Namespace) -> NatsConfig:
     )
 
 
+def _stack_credentials(args: argparse.Namespace, job: str | None) -> str | None:
+    """The credentials of the stack named by --stack; where no stack is named at all (no
+    --nats, no credentials, no EBB_NATS_URL), those of the `ebb run` running `job` on this
+    machine, or of the only `ebb run` running here ("": any job). None: the default NATS
+    URL it is (and always for `job` None: a job is never submitted to an `ebb run`'s stack,
+    which stops when its own job ends)."""
+    if args.stack:
+        return str(Path(args.stack) / CLIENT_ENV)
+    if job is None or args.nats or os.environ.get(envvars.NATS_URL):
+        return None
+    stacks = running(runs_home(os.environ))
+    if job in stacks:
+        return str(stacks[job] / CLIENT_ENV)
+    if len(stacks) == 1:
+        (folder,) = stacks.values()
+        return str(folder / CLIENT_ENV)
+    if stacks:
+        raise EbbError(
+            f"`ebb run` runs {len(stacks)} jobs on this machine ({', '.join(sorted(stacks))}), "
+            "each on a stack of its own: name the job, or give --stack DIR (its state folder)"
+        )
+    return None
+
+
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-async def _connect(args: argparse.Namespace) -> EbbClient:
-    """A client of the stack `args` name. Where every server named is this machine and none
-    listens, say so at once: a refused connection on localhost is not worth 10 s of retries,
-    and the usual cause is that no stack was started."""
-    config = _nats(args)
+async def _connect(args: argparse.Namespace, job: str | None = None) -> EbbClient:
+    """A client of the stack `args` name (or the `ebb run` stack running `job`). Where every
+    server named is this machine and none listens, say so at once: a refused connection on
+    localhost is not worth 10 s of retries, and the usual cause is that no stack was
+    started."""
+    config = _nats(args, job)
     local = [urlsplit(u if "://" in u else f"nats://{u}") for u in config.servers]
     if local and all(u.hostname in _LOCAL_HOSTS for u in local):
         for u in local:
@@ -78,18 +107,41 @@ async def _connect(args: argparse.Namespace) -> EbbClient:
             break
         else:
             raise EbbError(
-                f"nothing listens for NATS at {config.url}: start a stack with `ebb up` "
-                f"(and use the credentials it writes, `--credentials .ebb/client.env`), or "
+                f"nothing listens for NATS at {config.url}: start a stack with `ebb up` (and "
+                "name it with `--stack .ebb`), run the job with `ebb run` (found by its job "
+                "id while it runs), or "
                 f"point --nats or {envvars.NATS_URL} at the one you run"
             )
     return await EbbClient.connect(config)
 
 
+async def replaced_owner(spec: JobSpec) -> str:
+    """The job whose output `--replace` removes from the spec's output root, said to the
+    user with what it committed there; "" if the root holds no job's output. The master
+    removes it only if that job still owns the root and ended FAILED or CANCELLED."""
+    uri = spec.output.uri
+    try:
+        owner = await asyncio.to_thread(OutputStore(uri).owner_record)
+    except (OSError, ValueError) as e:
+        raise EbbError(f"cannot tell whose output {uri} holds: {e} (--replace must)") from e
+    if owner is None or owner.released:
+        console.print(f"{uri} holds no job's output: nothing to replace")
+        return ""
+    ended = f"{owner.state}, " if owner.state else ""
+    console.print(
+        f"--replace: the output of job {owner.job} in {uri} ({ended}{owner.shards_done} "
+        f"shards, {owner.rows_done:,} rows committed) is removed, if that job ended FAILED "
+        "or CANCELLED, and this job computes it anew"
+    )
+    return owner.job
+
+
 async def cmd_submit(args: argparse.Namespace) -> int:
-    spec = load_job_file(args.job)
+    spec = load_job_file(args.job).with_id()
+    replace_output_of = await replaced_owner(spec) if args.replace else ""
     async with await _connect(args) as client:
         try:
-            job_id = await client.submit(spec)
+            job_id = await client.submit(spec, replace_output_of=replace_output_of)
             out.print(f"job {job_id} accepted")
         except SubmitPending as e:
             # Queued is submitted: saying "failed" here would have the job submitted twice.
@@ -105,7 +157,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    async with await _connect(args) as client:
+    async with await _connect(args, args.job) as client:
         if args.job:
             status = await client.job(args.job, include_spec=True)
             spec = parse_job(status.spec) if status.spec else None
@@ -159,14 +211,14 @@ def _mlflow_text(status: JobStatus) -> str:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    async with await _connect(args) as client:
+    async with await _connect(args, args.job) as client:
         reply = await client.cancel(args.job)
         out.print(f"job {args.job} {reply.state}")
         return EXIT_OK
 
 
 async def cmd_resume(args: argparse.Namespace) -> int:
-    async with await _connect(args) as client:
+    async with await _connect(args, args.job) as client:
         reply = await client.resume(args.job)
         out.print(
             f"job {args.job} {reply.state}: {reply.shards_done} shards kept, "

@@ -4,6 +4,7 @@ per-user folder, the newest few failed runs' kept and every other run's removed.
     $EBB_RUNS_DIR, else $XDG_STATE_HOME/ebb/runs, else ~/.local/state/ebb/runs
         <job id>-<random>/          a run: NATS's store, the services' and workers' logs
             ebb-run.lock            held (flock) by the `ebb run` using the folder
+            client.env              how a client reaches its stack (`ebb status JOB` reads it)
 
 A folder holding no `ebb-run.lock` is none of ours and is never touched, whatever else the
 runs folder holds. A run's lock goes with its process, so the folder of a run that was killed
@@ -22,6 +23,9 @@ from typing import IO
 
 from ebb.common import envvars
 
+CLIENT_ENV = "client.env"
+"""A stack's client credentials (KEY=VALUE lines) in its state folder: `ebb run` and `ebb up`
+write them, the remote commands read them (`--stack DIR`)."""
 RUNS_KEPT = 5
 """Runs whose state is kept, the newest (failed ones, and those run with --keep-state); older
 ones are removed as runs end."""
@@ -73,6 +77,19 @@ class RunFolder:
         if self._lock is not None:
             self._lock.close()  # closing the file lets go of the lock
             self._lock = None
+
+
+def running(home: Path) -> dict[str, Path]:
+    """The runs under `home` whose `ebb run` is still running and whose stack is up (it wrote
+    its client's credentials), by the id of the job each runs."""
+    found = {}
+    for path in sorted(home.iterdir()) if home.is_dir() else []:
+        if path.name.startswith(".") or not (path / CLIENT_ENV).is_file():
+            continue
+        if _in_use(path / LOCK):
+            # mkdtemp's random tail has no "-": what comes before the last one is the job id.
+            found[path.name.rpartition("-")[0]] = path
+    return found
 
 
 def prune(home: Path, *, kept: int) -> list[Path]:

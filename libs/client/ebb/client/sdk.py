@@ -61,15 +61,26 @@ class EbbClient:
     ) -> None:
         await self.close()
 
-    async def submit(self, spec: JobSpec, *, accept_timeout_s: float = 120.0) -> str:
+    async def submit(
+        self, spec: JobSpec, *, accept_timeout_s: float = 120.0, replace_output_of: str = ""
+    ) -> str:
         """Publish the job and wait until the master has accepted (planned and persisted) it.
 
         The job id is the message id, so submitting the same job twice runs it once.
         Raises SubmitError with the master's reason if it refuses the job, and SubmitPending
         if no master accepted it within `accept_timeout_s`: it is queued, and runs once one
-        does (a master that restarts takes it up at once).
+        does (a master that restarts takes it up at once). `replace_output_of`: the job that
+        owns the spec's output root, ended FAILED or CANCELLED: its output there is removed
+        and this job computes it anew (refused for any other owner, or a job that ended
+        otherwise).
         """
-        return await submit_job(self.nc, self.config, spec, accept_timeout_s=accept_timeout_s)
+        return await submit_job(
+            self.nc,
+            self.config,
+            spec,
+            accept_timeout_s=accept_timeout_s,
+            replace_output_of=replace_output_of,
+        )
 
     async def status(self, job: str = "") -> StatusReply:
         return await self.master.status(job)

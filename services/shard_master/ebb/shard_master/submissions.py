@@ -26,6 +26,7 @@ from ebb.common.aio import sleep_or_stop
 from ebb.common.errors import SchemaError, SpecError
 from ebb.common.job import JOB_ID_RE, JobSpec, check_roots, parse_job
 from ebb.common.messaging.subjects import Subjects
+from ebb.common.messaging.submission import REPLACE_OUTPUT_HEADER
 
 from . import metrics
 from .errors import Deposed, PlanningError
@@ -102,6 +103,7 @@ class Submissions:
         claimed_id = _claimed_job_id(msg)
         try:
             spec = _decode_job(msg)
+            replace_output_of = _replace_output_of(msg)
             check_roots(spec, self.data_roots)
             _check_tracking(spec)
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the intake
@@ -115,7 +117,7 @@ class Submissions:
             await msg.term()
             return
         try:
-            accepted = await table.intake.submit(spec)
+            accepted = await table.intake.submit(spec, replace_output_of=replace_output_of)
         except PlanningError as e:
             log.warning("job %s rejected: %s", spec.id, e)
             table.intake.reject(spec.id, str(e))
@@ -169,6 +171,14 @@ def _check_tracking(spec: JobSpec) -> None:
             "tracking.mlflow_uri",
             "this master cannot log to MLflow: install the mlflow extra (ebb[mlflow])",
         )
+
+
+def _replace_output_of(msg: Msg) -> str:
+    """The job whose output the submission replaces (`--replace`), "" for none."""
+    named = (msg.headers or {}).get(REPLACE_OUTPUT_HEADER, "")
+    if named and not JOB_ID_RE.fullmatch(named):
+        raise SpecError("", f"{REPLACE_OUTPUT_HEADER} {named!r} is not a job id")
+    return named
 
 
 def _claimed_job_id(msg: Msg) -> str:

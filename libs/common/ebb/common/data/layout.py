@@ -33,7 +33,14 @@ class OutputOwner:
     """0 for the root's first owner; each job that takes it over after one that let go of it
     counts one more."""
     took_over_from: str = ""
-    """The job that let go of the root before this one took it over."""
+    """The job that let go of the root before this one took it over, or whose output this one
+    replaced (`replaced`)."""
+    replaced: bool = False
+    """This job took the root over from one that ended FAILED or CANCELLED with output in
+    it, on purpose (`ebb run --replace`): that output was removed."""
+    removing: bool = False
+    """The replaced job's output is still being removed: whoever claims the root (this job,
+    submitted again after a crash) finishes removing it before any shard runs."""
     output_fields: dict[str, Any] | None = None
     """What decides the job's rows (JobSpec.output_fields); None in a record written before
     they were kept, which has `spec_digest` only."""

@@ -180,6 +180,41 @@ class OutputStore:
         self.write_file(OWNER, _json(new))
         return new
 
+    def replace_output(
+        self, owner: OutputOwner, job: str, *, fields: dict[str, Any]
+    ) -> OutputOwner:
+        """The root, for `job`, from `owner`, a job that ended (FAILED or CANCELLED: the caller
+        knows) with output in it, which is removed. Returns whoever owns the root then: `job`,
+        or another job that took it first (of several replacing at once, the one that creates
+        the next generation's claim does).
+
+        The claim comes first and says it is `removing`: from then on the root is `job`'s, and
+        a crash before the removal ends leaves a record that has whoever claims it next (`job`
+        again) finish it (`finish_removing`) before a shard of `job` runs."""
+        new = OutputOwner(
+            job=job,
+            claimed_at=time.time(),
+            output_fields=fields,
+            output_digest=fields_digest(fields),
+            generation=owner.generation + 1,
+            took_over_from=owner.job,
+            replaced=True,
+            removing=True,
+        )
+        if not self._create_exclusive(self.full(claim_path(new.generation)), _json(new)):
+            return self.owner_record() or owner
+        return self.finish_removing(new)
+
+    def finish_removing(self, owner: OutputOwner) -> OutputOwner:
+        """Remove what the job `owner` replaced (commit records, data, the tiers' work, the
+        manifest and metrics), then say in `_job.json` that it is gone. Only for a job none of
+        whose shards ran yet: everything in those folders is the replaced job's."""
+        for relpath in (MANIFEST, METRICS, COMMITS_DIR, TIERS_DIR, DATA_DIR):
+            self.remove(relpath)
+        done = replace(owner, removing=False)
+        self.write_file(OWNER, _json(done))
+        return done
+
     def record_end(
         self, job: str, *, state: str, shards_done: int, shards_total: int, rows_done: int
     ) -> OutputOwner | None:

@@ -36,24 +36,39 @@ class SubmitPending(SubmitError):
         self.job_id = job_id
 
 
+REPLACE_OUTPUT_HEADER = "Ebb-Replace-Output"
+"""A submission's header naming the job whose output in the spec's root the job removes
+and computes anew (`--replace`): that job must own the root and have ended FAILED or
+CANCELLED, or the job is refused."""
+
+
 async def submit_job(
-    nc: NATS, config: NatsConfig, spec: JobSpec, *, accept_timeout_s: float = 120.0
+    nc: NATS,
+    config: NatsConfig,
+    spec: JobSpec,
+    *,
+    accept_timeout_s: float = 120.0,
+    replace_output_of: str = "",
 ) -> str:
     """Publish the job and wait until the master has accepted (planned and persisted) it.
 
     Raises SubmitError with the master's reason if it refuses the job, and SubmitPending
     if no master accepted it within `accept_timeout_s`: it is queued, and runs once one
-    does (a master that restarts takes it up at once).
+    does (a master that restarts takes it up at once). `replace_output_of`: the job whose
+    output in the spec's root this one replaces (REPLACE_OUTPUT_HEADER).
     """
     subjects = Subjects(config.prefix)
     spec = spec.with_id()
+    headers = {"Nats-Msg-Id": spec.id}
+    if replace_output_of:
+        headers[REPLACE_OUTPUT_HEADER] = replace_output_of
     events = await nc.subscribe(subjects.events(spec.id))
     try:
         try:
             ack = await nc.jetstream().publish(
                 subjects.submit,
                 schema.pack(spec),
-                headers={"Nats-Msg-Id": spec.id},
+                headers=headers,
                 stream=subjects.jobs_stream,
             )
         except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):

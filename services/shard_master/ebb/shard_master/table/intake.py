@@ -25,7 +25,13 @@ from ..planning.planner import plan_input
 from .context import TableContext
 from .jobs import Job
 from .lifecycle import JobLifecycle
-from .ownership import OwnerView, spec_mismatch, taken_reason, view_from_record
+from .ownership import (
+    OwnerView,
+    replace_refusal,
+    spec_mismatch,
+    taken_reason,
+    view_from_record,
+)
 from .records import JobRecord, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -88,8 +94,10 @@ class JobIntake:
             if job.state == "SUBMITTED":
                 await self._lifecycle.end(job, "FAILED", reason)
 
-    async def submit(self, spec: JobSpec) -> bool:
-        """Plan and persist a validated job. False if it was known already (a resubmission)."""
+    async def submit(self, spec: JobSpec, *, replace_output_of: str = "") -> bool:
+        """Plan and persist a validated job. False if it was known already (a resubmission).
+        `replace_output_of`: a job whose output in the spec's root is removed (it must have
+        ended FAILED or CANCELLED, and own the root still) for this one to compute anew."""
         jobs, store = self._context.jobs, self._context.store
         job = jobs.get(spec.id)
         if job is not None and job.state != "SUBMITTED":
@@ -110,7 +118,7 @@ class JobIntake:
             # The spec workers get says how to type each column: every shard alike.
             spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
         # The output root becomes this job's, atomically: no other job can write into it.
-        await self._claim_output(submitted)
+        await self._claim_output(submitted, replace_output_of=replace_output_of)
         if job is None:
             submitted_at = self._context.wall_clock()
             record = JobRecord(
@@ -144,17 +152,41 @@ class JobIntake:
         self._context.event(job, "accepted")
         return True
 
-    async def _claim_output(self, spec: JobSpec) -> None:
+    async def _claim_output(self, spec: JobSpec, *, replace_output_of: str = "") -> None:
         """Make the spec's output root this job's, or raise OutputTaken saying whose it is
         and what the user can do. A job that carries on in its own root (a resume on a new
-        stack: the same id) must compute the rows it committed there."""
+        stack: the same id) must compute the rows it committed there. A job told to replace
+        another's output (`replace_output_of`) removes it, if that job ended FAILED or
+        CANCELLED."""
         uri = spec.output.uri
         fields = spec.output_fields()
         output = self._context.open_output(uri)
         try:
             owner, taken_from = await asyncio.to_thread(output.claim, spec.id, fields=fields)
+            if owner.job != spec.id and replace_output_of:
+                view = await self._owner_view(owner, output)
+                refusal = replace_refusal(uri, view, replace_output_of)
+                if refusal:
+                    raise OutputTaken(refusal)
+                owner = await asyncio.to_thread(
+                    output.replace_output, owner, spec.id, fields=fields
+                )
+                if owner.job == spec.id:
+                    log.info(
+                        "job %s replaces the output of job %s (%s) in %s: removed",
+                        spec.id,
+                        view.job,
+                        view.state,
+                        uri,
+                    )
+                    return
             if owner.job != spec.id:
                 raise OutputTaken(taken_reason(uri, await self._owner_view(owner, output)))
+            if owner.removing:
+                # This job replaced another's output and stopped before it was all removed
+                # (this is its submission again): nothing of its own is there yet.
+                await asyncio.to_thread(output.finish_removing, owner)
+                return
             if taken_from:
                 log.info(
                     "job %s takes %s over from job %s, which ended with nothing committed",

@@ -263,9 +263,9 @@ class JobLifecycle:
         owner = await asyncio.to_thread(output.reclaim, job.id)
         if owner is not None and owner.job != job.id:
             raise NotResumable(
-                f"job {job.id} ended with nothing committed and let go of its output root; "
-                f"{job.spec.output.uri} belongs to job {owner.job} now. Submit the job again "
-                "with another output.uri"
+                f"{job.spec.output.uri} belongs to job {owner.job} now (job {job.id} let go "
+                "of it, having committed nothing, or its output was replaced): submit the "
+                "job again with another output.uri"
             )
 
     # -- retention -------------------------------------------------------------------------

@@ -88,9 +88,49 @@ def taken_reason(uri: str, view: OwnerView) -> str:
         else "`ebb run JOB.yaml --resume` finishes it on this machine (or submit JOB.yaml "
         f"with `id: {job}` to a running stack)"
     )
+    replace = (
+        "; `--replace` (`ebb run` or `ebb submit`) removes it and computes this job anew"
+        if view.state in REPLACEABLE
+        else ""
+    )
     return (
         f"{uri} holds the unfinished output of job {job} ({how}). {finish}, keeping what it "
-        "committed; or choose another output.uri, or remove that output"
+        f"committed{replace}; or choose another output.uri"
+    )
+
+
+REPLACEABLE = ("FAILED", "CANCELLED")
+"""How a job must have ended for `--replace` to remove its output."""
+
+
+def replace_refusal(uri: str, view: OwnerView, named: str) -> str:
+    """Why a job may not replace the output in `uri`, which `view.job` owns, asked to
+    replace `named`'s ("" if it may): only the output of a job that ended FAILED or
+    CANCELLED is removed, and only that of the job the user was told of."""
+    job = view.job
+    if named != job:
+        return (
+            f"{uri} belongs to job {job} now, not to job {named} whose output --replace was to "
+            f"remove: look again ({taken_reason(uri, view)})"
+        )
+    if view.state in REPLACEABLE:
+        return ""
+    if view.state == "SUCCEEDED":
+        return (
+            f"{uri} holds the complete output of job {job} (SUCCEEDED, {_committed(view)}): "
+            "--replace removes only the output of a job that FAILED or was CANCELLED, never "
+            "a complete one. Choose another output.uri, or remove that output yourself"
+        )
+    if view.state in ("SUBMITTED", "RUNNING"):
+        return (
+            f"{uri} is being written by job {job} ({view.state}, {_committed(view)} so far): "
+            f"cancel it first (`ebb cancel {job}`), then --replace removes its output"
+        )
+    return (
+        f"{uri} holds the output of job {job} ({_committed(view)}), and how that job ended "
+        "was never recorded: it may still be running elsewhere, or its stack stopped before "
+        "it could say. --replace removes only the output of a job that FAILED or was "
+        "CANCELLED: `ebb run JOB.yaml --resume` finishes it, or remove that output yourself"
     )
 
 
@@ -122,8 +162,9 @@ def spec_mismatch(uri: str, owner: OutputOwner, spec: JobSpec, fields: dict[str,
         named = f"{', '.join(listed)}{tail} differ"
     return (
         f"{uri} holds the output of job {owner.job}, computed with another spec: {named}. "
-        "Its new shards would not be like the ones it committed: put that back, or choose "
-        "another output.uri"
+        "Its new shards would not be like the ones it committed: put that back, choose "
+        "another output.uri, or compute the job anew there with `--replace` (`ebb run` or "
+        "`ebb submit`: it removes that output, if its job FAILED or was CANCELLED)"
     )
 
 
