@@ -16,22 +16,22 @@ from types import ModuleType
 import pytest
 import yaml
 
-from ebb.common.job import accumulators, fields, llm, pipeline, sections, spec
+from ebb.common.job import accumulators, fields, llm, pipeline, reference, sections, spec
 
 ROOT = Path(__file__).parent.parent
 
 
-def _load_generator() -> ModuleType:
+def _load_hook() -> ModuleType:
     name = "ebb_docs_gen_spec"
     location = importlib.util.spec_from_file_location(name, ROOT / "docs" / "gen_spec.py")
     assert location is not None and location.loader is not None
     module = importlib.util.module_from_spec(location)
-    sys.modules[name] = module  # its dataclasses look their module up there
     location.loader.exec_module(module)
     return module
 
 
-GEN = _load_generator()
+GEN = reference
+HOOK = _load_hook()
 SPEC_MODULES = (spec, sections, pipeline, llm, fields, accumulators)
 """The modules whose dataclasses make up the job spec, in the generator's order."""
 
@@ -84,8 +84,24 @@ def test_every_field_appears_in_the_reference() -> None:
             assert " ".join(f.doc.split()).replace("|", "\\|") in row
 
 
-def test_the_job_spec_page_holds_the_reference() -> None:
-    assert GEN.MARKER in (ROOT / "docs" / "job-spec.md").read_text()
+def test_the_job_spec_page_holds_the_reference_and_the_docs_hook_renders_it() -> None:
+    page = (ROOT / "docs" / "job-spec.md").read_text()
+    assert GEN.MARKER in page
+    rendered = HOOK.on_page_markdown(page, None, None, None)
+    assert GEN.MARKER not in rendered and GEN.render() in rendered
+
+
+def test_ebb_spec_prints_the_reference_or_one_section_of_it() -> None:
+    ebb = [sys.executable, "-m", "ebb.client.cli", "spec"]
+    whole = subprocess.run([*ebb], capture_output=True, text=True, check=True, timeout=60)
+    assert whole.stdout.strip() == GEN.render().strip()
+    one = subprocess.run(
+        [*ebb, "fault"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "### `fault`" in one and "max_error_fraction" in one and "### `input`" not in one
+    bad = subprocess.run([*ebb, "nope"], check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no section of the job spec is nope" in bad.stderr
+    assert "pipeline.stages[]" in bad.stderr
 
 
 def test_the_readme_links_to_pages_of_the_site() -> None:

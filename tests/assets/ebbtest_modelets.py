@@ -479,3 +479,11 @@ class Hold:
     def process_batch(self, items: list[Any]) -> list[Any]:
         _wait_for(self.gate)
         return items
+
+
+class WordLabelled:
+    """{"id", "features"} -> the same with "label": "yes" where the first feature is positive,
+    else "no" (a label column as a spreadsheet has it: words, not numbers)."""
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {**batch, "label": np.where(batch["features"][:, 0] > 0, "yes", "no")}

@@ -240,6 +240,60 @@ def test_replace_removes_a_failed_jobs_output_and_never_a_complete_one(
     assert owner_of(out) == second and read_output(out)[1] == manifest
 
 
+def _scored(label: str = "label", truth: str = "Labelled") -> list[dict[str, Any]]:
+    """A truth stage and a model scored against it by AUC (the evaluation example's shape)."""
+    return [
+        {"name": "truth", "modelet": f"ebbtest_modelets:{truth}"},
+        {
+            "name": "model",
+            "modelet": "ebbtest_modelets:Probability",
+            "params": {"weights": [1.0, 0.5, -0.5, 0.2, 0.0, 0.1, -0.1, 0.3], "out": "score"},
+            "metrics": {"auc": {"kind": "auc", "label": label, "score": "score"}},
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stages", "said_first", "field"),
+    [
+        (
+            _scored(label="clicked"),
+            "metric 'auc': auc metric, column 'clicked': no such column among the rows'",
+            "pipeline.stages[1].metrics.auc",
+        ),
+        (
+            _scored(truth="WordLabelled"),
+            "metric 'auc': auc metric, column 'label': expected",
+            "pipeline.stages[1].metrics.auc",
+        ),
+        (
+            [{"name": "model", "model": "MODEL", "input": "pixels"}],
+            "stage 'model': TypeError: rows have no field 'pixels'",
+            "pipeline.stages[0]",
+        ),
+    ],
+    ids=["metric-on-a-missing-column", "metric-on-a-label-of-words", "model-input-no-column"],
+)
+def test_a_mistake_every_row_repeats_fails_the_job_at_once_naming_the_field(
+    tmp_path: Path, stages: list[dict[str, Any]], said_first: str, field: str
+) -> None:
+    write_dataset(tmp_path / "data", rows=20_000, row_group_size=5_000)
+    write_model(tmp_path / "model.onnx")
+    for stage in stages:
+        if stage.get("model") == "MODEL":
+            stage["model"] = str(tmp_path / "model.onnx")
+    job_spec(tmp_path, rows_per_shard=5_000, stages=stages, workers=(1, 2))
+    result = ebb("run", "job.yaml", *ROOTS, "--max-workers", "2", cwd=tmp_path)
+    assert result.returncode == 1, said(result)
+    assert "FAILED" in result.stdout
+    assert "every row fails alike, of a mistake in the spec or its code" in said(result)
+    assert said_first in said(result) and f"(the spec's {field})" in said(result)
+    # Not written as error rows: nothing committed, and the output root is free.
+    out = tmp_path / "out"
+    assert not list(out.glob(f"{COMMITS_DIR}/*.json"))
+    assert json.loads((out / OWNER).read_text())["released"] is True
+
+
 def test_demo(tmp_path: Path) -> None:
     result = ebb("demo", "demo", "--rows", "20000", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -524,6 +578,24 @@ def test_status_and_cancel_find_the_stack_of_a_running_ebb_run(tmp_path: Path, r
     assert running(runs) == {}
     gone = ebb("status", job, cwd=tmp_path.parent)
     assert gone.returncode == 1 and "nothing listens for NATS" in said(gone)
+
+
+def test_progress_counts_the_rows_a_shard_has_done_before_it_commits(
+    tmp_path: Path, runs: Path
+) -> None:
+    write_dataset(tmp_path / "data", rows=6_000, row_group_size=500)
+    write_model(tmp_path / "model.onnx")
+    stages: list[dict[str, Any]] = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.25}},
+        {"model": str(tmp_path / "model.onnx")},
+        {"modelet": "ebb.worker.modelets:TopClass"},
+    ]
+    job_spec(tmp_path, rows_per_shard=6_000, stages=stages)  # one shard: one commit, at the end
+    result = ebb("run", "job.yaml", *ROOTS, "--max-workers", "1", cwd=tmp_path)
+    assert result.returncode == 0, said(result)
+    lines = re.findall(r"running: ([\d,]+)/6,000 rows \(([\d,]+) committed\)", result.stderr)
+    before_commit = [int(n.replace(",", "")) for n, done in lines if done == "0"]
+    assert any(0 < n < 6_000 for n in before_commit), result.stderr
 
 
 def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:

@@ -2,6 +2,7 @@
 
 ebb run JOB.yaml              run a job on this machine, on an embedded stack, and wait
 ebb demo [DIR]                write a sample dataset, model and job into DIR, then run it
+ebb spec [SECTION]            the job spec's reference: every field, its type and default
 ebb up                        the embedded stack in the foreground, for submit/status/cancel
 ebb submit JOB.yaml           submit to a running stack (--nats URL, or --credentials FILE)
 ebb status [JOB]              jobs, or one job in detail
@@ -20,7 +21,8 @@ import sys
 from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common.errors import BusError, EbbError, RemoteError, SpecError
-from ebb.common.runner import EXIT_FAILED, EXIT_USAGE, run
+from ebb.common.job import reference
+from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
 
 from .display import console
 from .here import cmd_demo, cmd_run, cmd_up
@@ -95,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     local_options(c)
     c.set_defaults(handler=cmd_demo)
 
+    c = sub.add_parser("spec", help="print the job spec's reference (Markdown)")
+    c.add_argument(
+        "section",
+        nargs="?",
+        default="",
+        help="only this section and those under it: fault, pipeline.stages[], ...",
+    )
+    c.set_defaults(handler=cmd_spec)
+
     c = sub.add_parser("up", help="run the embedded stack in the foreground")
     c.add_argument("--port", type=int, default=4222)
     c.add_argument("--state-dir", default=None, help="default: ./.ebb")
@@ -135,6 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     remote_options(c)
     c.set_defaults(handler=cmd_resume)
     return p
+
+
+async def cmd_spec(args: argparse.Namespace) -> int:
+    """The reference as Markdown, as docs/job-spec.md has it: for a pager, or a file."""
+    paths = reference.section_paths()
+    if args.section and args.section not in paths:
+        named = ", ".join(p for p in paths if p)
+        console.print(f"[red]error:[/] no section of the job spec is {args.section} ({named})")
+        return EXIT_USAGE
+    print(reference.render(under=args.section))
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

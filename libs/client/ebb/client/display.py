@@ -50,11 +50,14 @@ class ProgressView:
 
     def update(self, status: JobStatus) -> None:
         elapsed = max(1e-6, time.monotonic() - self.started)
-        rate = f"{status.rows_done / elapsed:,.0f}"
-        total = max(status.rows_total, status.rows_done) or None
+        # Rows computed: those committed and those the running shards have done (renewals
+        # tell them), so that a long shard shows its progress before it commits.
+        computed = status.rows_done + status.rows_in_flight
+        rate = f"{computed / elapsed:,.0f}"
+        total = max(status.rows_total, computed) or None
         self.progress.update(
             self.task,
-            completed=status.rows_done,
+            completed=computed,
             total=total,
             rate=rate,
             errors=status.error_rows,
@@ -63,13 +66,35 @@ class ProgressView:
         now = time.monotonic()
         if self.enabled and not self.live and now - self._last_line >= 5.0:
             self._last_line = now
-            done = status.shards.get("DONE", 0)
-            tokens = tokens_text(self.job, status, elapsed)
-            console.print(
-                f"{status.state.lower()}: {status.rows_done:,}/{status.rows_total:,} rows, "
-                f"{done}/{status.shards_total} shards, {status.error_rows:,} errors, {rate} rows/s"
-                + (f", {tokens}" if tokens else "")
-            )
+            console.print(progress_line(self.job, status, elapsed))
+
+
+def progress_line(job: JobSpec | None, status: JobStatus, elapsed: float) -> str:
+    """A running job in a line: rows computed of the total (and committed), shards, errors,
+    rate and time left; each tier's rows; workers lost so far."""
+    computed = status.rows_done + status.rows_in_flight
+    rate = computed / elapsed if elapsed > 0 else 0.0
+    left = max(status.rows_total - computed, 0)
+    eta = f", {_duration(left / rate)} left" if rate > 0 and left else ""
+    tokens = tokens_text(job, status, elapsed)
+    tiers = "".join(
+        f"; tier {t.name}: {t.rows_done + t.rows_in_flight:,} rows" for t in status.tiers
+    )
+    lost = f"; workers {lost_workers(status)}" if status.workers_lost else ""
+    return (
+        f"{status.state.lower()}: {computed:,}/{status.rows_total:,} rows "
+        f"({status.rows_done:,} committed), {status.shards.get('DONE', 0)}/"
+        f"{status.shards_total} shards, {status.error_rows:,} errors, {rate:,.0f} rows/s{eta}"
+        + (f", {tokens}" if tokens else "")
+        + tiers
+        + lost
+    )
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds + 0.5), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def lost_workers(status: JobStatus) -> str:
@@ -86,7 +111,8 @@ def tier_text(tier: TierStatus) -> str:
     shards = ", ".join(f"{state} {n}" for state, n in tier.shards.items() if n) or "no shards yet"
     held = " (held back: the next tier has enough waiting)" if tier.held_back else ""
     waiting = f"; waiting for a node: {tier.waiting}" if tier.waiting else ""
-    return f"{shards}; {tier.rows_done:,} rows{held}{waiting}"
+    flight = f" (+{tier.rows_in_flight:,} in flight)" if tier.rows_in_flight else ""
+    return f"{shards}; {tier.rows_done:,} rows{flight}{held}{waiting}"
 
 
 def metric_text(value: Any) -> str:

@@ -170,7 +170,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("reason", status.reason),
                 # A job with tiers says it per tier, below.
                 ("waiting", "" if status.tiers else status.waiting),
-                ("rows", f"{status.rows_done:,} of {status.rows_total:,}"),
+                ("rows", _rows_text(status)),
                 ("error rows", f"{status.error_rows:,}"),
                 ("tokens", tokens_text(spec, status, end - status.submitted_at)),
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
@@ -191,7 +191,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
             table.add_row(
                 job.id,
                 job.state,
-                f"{job.rows_done:,}/{job.rows_total:,}",
+                f"{job.rows_done + job.rows_in_flight:,}/{job.rows_total:,}",
                 f"{job.error_rows:,}",
                 f"{job.shards.get('DONE', 0)}/{job.shards_total}",
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted_at)),
@@ -202,6 +202,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
         for job in sorted((j for j in reply.jobs if j.waiting), key=lambda j: j.id):
             out.print(f"[yellow]waiting[/] {job.id}: {job.waiting}")
         return EXIT_OK
+
+
+def _rows_text(status: JobStatus) -> str:
+    flight = f" (+{status.rows_in_flight:,} in flight)" if status.rows_in_flight else ""
+    return f"{status.rows_done:,}{flight} of {status.rows_total:,}"
 
 
 def _mlflow_text(status: JobStatus) -> str:

@@ -156,7 +156,7 @@ class MasterRequests:
 
     async def _release(self, r: ReleaseRequest, subject: str) -> Message:
         return await self.table.release(
-            r.token, r.reason, retryable=r.retryable, caller=_caller(subject)
+            r.token, r.reason, retryable=r.retryable, mistake=r.mistake, caller=_caller(subject)
         )
 
     # -- jobs ------------------------------------------------------------------------------

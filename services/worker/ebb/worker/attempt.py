@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -59,6 +60,48 @@ class Runner(Protocol):
 
 class AttemptStopped(Exception):
     """The attempt was told to stop before any row of it was done: nothing to commit."""
+
+
+class RepeatedMistake(Exception):
+    """Every row of the shard's first chunk failed alike, of a mistake in the spec or its
+    code: every row of the job would repeat it (the worker fails the job rather than write
+    it as that many error rows)."""
+
+
+MISTAKE_MIN_ROWS = 8
+"""A first chunk of fewer rows (a tiny shard) is never taken for a repeated mistake: too few
+rows to tell one from bad data."""
+_MISTAKE = re.compile(
+    # A row error as the stage process words it: a modelet or model that raised one of the
+    # errors a wrong column, key, type or shape raises (never a RuntimeError: a device's
+    # fault words itself so, and it is the node's, not the spec's), or a metric that cannot
+    # read its column. ONNX Runtime's InvalidArgument: an input the model refuses.
+    r"stage '(?P<stage>[^']*)': (?:(?:TypeError|KeyError|ValueError|AttributeError|IndexError"
+    r"|NameError|ImportError|ModuleNotFoundError|NotImplementedError|InvalidArgument): "
+    r"|metric '(?P<metric>[^']*)': )"
+)
+
+
+def repeated_mistake(spec: JobSpec, errors: dict[int, str], rows: int) -> str:
+    """What to tell of the error every one of a first chunk's `rows` failed with, if they
+    all failed with one and it is a mistake's (a spec's or its code's, not the data's),
+    naming the field of the spec to look at; "" otherwise."""
+    if rows < MISTAKE_MIN_ROWS or len(errors) < rows:
+        return ""
+    messages = set(errors.values())
+    if len(messages) != 1:
+        return ""
+    (message,) = messages
+    found = _MISTAKE.match(message)
+    if found is None:
+        return ""
+    names = [stage.name for stage in spec.pipeline.stages]
+    if found["stage"] not in names:
+        return message
+    field = f"pipeline.stages[{names.index(found['stage'])}]"
+    if found["metric"]:
+        field += f".metrics.{found['metric']}"
+    return f"{message} (the spec's {field})"
 
 
 async def run_attempt(
@@ -120,6 +163,11 @@ async def run_attempt(
             _computed(reader, pipeline, spec, ends, stop=stop, progress=progress)
         ) as computed:
             async for data, good, result in computed:
+                if not rows_in and (mistake := repeated_mistake(spec, result.errors, result.rows)):
+                    raise RepeatedMistake(
+                        f"all {result.rows:,} rows of shard {shard.index}'s first chunk failed "
+                        f"with {mistake}"
+                    )
                 values = _metric_values(own_metrics, ends, data, good, result)
                 if every_metric and ends.reduces_metrics:
                     partials = accumulators.merge_named(

@@ -66,16 +66,35 @@ class Reports:
         )
 
     async def release(
-        self, master: MasterClient, active: ActiveLease, reason: str, *, retryable: bool
+        self,
+        master: MasterClient,
+        active: ActiveLease,
+        reason: str,
+        *,
+        retryable: bool,
+        mistake: bool = False,
     ) -> None:
-        """Hand the lease's shard back (`retryable`: at no cost to it)."""
+        """Hand the lease's shard back (`retryable`: at no cost to it; `mistake`: and the job
+        fails, for a mistake every row repeats)."""
         active.release()
         await self.release_token(
-            master, active.token, active.shard.index, reason=reason, retryable=retryable
+            master,
+            active.token,
+            active.shard.index,
+            reason=reason,
+            retryable=retryable,
+            mistake=mistake,
         )
 
     async def release_token(
-        self, master: MasterClient, token: str, shard: int, *, reason: str, retryable: bool
+        self,
+        master: MasterClient,
+        token: str,
+        shard: int,
+        *,
+        reason: str,
+        retryable: bool,
+        mistake: bool = False,
     ) -> None:
         """Hand a shard back. Shielded and bounded: it must happen even while we are being
         cancelled, and must not hold up a shutdown if the master is unreachable."""
@@ -83,7 +102,9 @@ class Reports:
         async def release() -> None:
             try:
                 await asyncio.wait_for(
-                    master.release(token, reason, worker=self.worker, retryable=retryable),
+                    master.release(
+                        token, reason, worker=self.worker, retryable=retryable, mistake=mistake
+                    ),
                     self.timeout_s,
                 )
             except (RemoteError, BusError, TimeoutError) as e:

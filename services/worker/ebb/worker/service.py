@@ -51,7 +51,7 @@ from ebb.common.runner import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_SETUP, GRA
 from ebb.common.supervisor import Supervisor
 
 from . import metrics
-from .attempt import AttemptStopped, run_attempt
+from .attempt import AttemptStopped, RepeatedMistake, run_attempt
 from .leases import LeaseState, StopCause
 from .pipeline.front import Pipeline, PipelineError, PipelineSetupError
 from .reports import Reports
@@ -353,6 +353,11 @@ class Worker:
             )
             metrics.SHARDS.labels("released").inc()
             raise
+        except RepeatedMistake as e:
+            # Every row of the job would fail so: the job fails now, not as its rows.
+            log.error("shard %d: %s; the job fails", index, e)
+            await self.reports.release(session.master, active, str(e), retryable=True, mistake=True)
+            metrics.SHARDS.labels("failed").inc()
         except PipelineError as e:
             # Every shard would fail the same way here, and none by its own fault: stop, and
             # hand this one back unharmed.

@@ -90,9 +90,9 @@ class MasterClient:
         return await self._call("commit", req, CommitReply, worker=worker)
 
     async def release(
-        self, token: str, reason: str, *, worker: str, retryable: bool
+        self, token: str, reason: str, *, worker: str, retryable: bool, mistake: bool = False
     ) -> ReleaseReply:
-        req = ReleaseRequest(token=token, reason=reason, retryable=retryable)
+        req = ReleaseRequest(token=token, reason=reason, retryable=retryable, mistake=mistake)
         return await self._call("release", req, ReleaseReply, worker=worker)
 
     async def status(

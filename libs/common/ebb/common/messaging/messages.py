@@ -166,6 +166,10 @@ class ReleaseRequest(Message):
     reason: str
     retryable: bool = True
     """True: back to the tail of the queue as is. False (poison): counts as a failed attempt."""
+    mistake: bool = False
+    """Every row of the shard's first chunk failed alike, the way a mistake in the spec or
+    its code fails them (a column that is not there, a type the model refuses): every row of
+    the job would repeat it, and the job fails at once with `reason`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +224,11 @@ class JobStatus(Message):
     rows_total: int = 0
     """Exact for Parquet input; an estimate from planning for text formats."""
     rows_done: int = 0
+    """Rows of the shards committed (a job with tiers: its last tier's)."""
+    rows_in_flight: int = 0
+    """Rows the shards running now have computed and written, as their renewals told, not
+    committed yet (a job with tiers: its last tier's): progress before a shard commits. A
+    shard run twice at once counts once, by its furthest attempt."""
     error_rows: int = 0
     submitted_at: float = 0.0
     """Wall-clock seconds since the epoch, for display only."""
@@ -268,6 +277,8 @@ class TierStatus(Message):
     """This tier's shards per state (TODO, DOING, DONE, QUARANTINED)."""
     rows_done: int = 0
     """Rows this tier's shards done have committed."""
+    rows_in_flight: int = 0
+    """Rows this tier's running shards have computed, not committed yet (JobStatus's)."""
     bytes_done: int = 0
     """Bytes of the files they committed: a tier before the last, its hand-offs."""
     workers_ready: int = 0

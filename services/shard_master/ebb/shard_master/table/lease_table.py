@@ -68,6 +68,8 @@ from .tracking import MlflowRuns
 log = logging.getLogger(__name__)
 
 _LEASE_REPLY_CACHE = 4096
+MISTAKE_PREFIX = "every row fails alike, of a mistake in the spec or its code (fix it, run again): "
+"""How the reason of a job failed for a mistake every row repeats begins."""
 _TAIL_WAIT_S = 5.0
 
 
@@ -401,8 +403,17 @@ class LeaseTable:
         return CommitReply(status="done")
 
     async def release(
-        self, token: str, reason: str, *, retryable: bool, caller: str | None = None
+        self,
+        token: str,
+        reason: str,
+        *,
+        retryable: bool,
+        mistake: bool = False,
+        caller: str | None = None,
     ) -> ReleaseReply:
+        """A worker hands a shard back: at no cost to it (`retryable`), as a failed attempt,
+        or (`mistake`) for a mistake that every row of the job would repeat, which fails the
+        job at once (the shard itself back unharmed: a resume with the spec fixed runs it)."""
         job, shard = self._locate(token)
         async with shard.lock:
             self._check_current(job, shard)
@@ -415,6 +426,9 @@ class LeaseTable:
                 job, shard, token, reason=reason, failed=not retryable
             )
         metrics.RETRIES.labels(job.id, "released" if retryable else "poisoned").inc()
-        if state in ("QUARANTINED", "DONE"):
+        if mistake:
+            log.warning("job %s: failed at once: %s", job.id, reason)
+            await self.lifecycle.cancel(job.id, f"{MISTAKE_PREFIX}{reason}", state="FAILED")
+        elif state in ("QUARANTINED", "DONE"):
             await self.lifecycle.settle(job)
         return ReleaseReply(state=state)

@@ -89,6 +89,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
                             splitting=lease.token in shard.split_asked,
                         )
                     )
+    in_flight = _rows_in_flight(job) if live else {}
     return JobStatus(
         id=job.id,
         name=job.spec.name,
@@ -99,6 +100,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         shards=shards,
         rows_total=record.rows_total,
         rows_done=rows_done,
+        rows_in_flight=in_flight.get(job.tiers[-1].name, 0),
         error_rows=error_rows,
         submitted_at=record.submitted_at,
         finished_at=record.finished_at,
@@ -112,7 +114,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         attempts_forgiven=record.attempts_forgiven,
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
         # A job of one tier too: its workers are placed, sized and started by their tier.
-        tiers=_tiers(job) if live and job.spec.tiers else [],
+        tiers=_tiers(job, in_flight) if live and job.spec.tiers else [],
         shard_s=job.tiers[0].shard_s if live and not job.spec.tiers else 0.0,
         waiting=_waiting(job) if live else "",
         mlflow_run=record.mlflow_run,
@@ -128,12 +130,25 @@ def _waiting(job: Job) -> str:
     return "; ".join(f"tier {name}: {reason}" for name, reason in told)
 
 
-def _tiers(job: Job) -> list[TierStatus]:
+def _rows_in_flight(job: Job) -> dict[str, int]:
+    """By tier, the rows the running shards have done and not committed: each shard's
+    furthest live attempt's, as its renewals told."""
+    rows: dict[str, int] = {}
+    for index in job.doing:
+        shard = job.shards[index]
+        done = max((n for t, n in shard.progress.items() if t in shard.deadlines), default=0)
+        tier = job.tier_of(shard).name
+        rows[tier] = rows.get(tier, 0) + min(done, shard.record.spec.rows)
+    return rows
+
+
+def _tiers(job: Job, in_flight: dict[str, int]) -> list[TierStatus]:
     return [
         TierStatus(
             name=tier.name,
             shards={s: tier.counts[s] for s in ("TODO", "DOING", "DONE", "QUARANTINED")},
             rows_done=tier.rows_done,
+            rows_in_flight=in_flight.get(tier.name, 0),
             bytes_done=tier.bytes_done,
             workers_ready=len(tier.ready_workers),
             held_back=job.held_back(tier),
