@@ -10,14 +10,16 @@ import numpy as np
 
 
 class FailOn:
-    """Features, except that rows whose id is in `ids` raise (a row the model cannot take)."""
+    """Features, except that rows whose id is in `ids` raise (a row the model cannot take),
+    each its own way, or all with `message`."""
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: list[int], message: str = "") -> None:
         self.ids = set(ids)
+        self.message = message
 
     def process(self, row: dict[str, Any]) -> Any:
         if row["id"] in self.ids:
-            raise ValueError(f"cannot score row {row['id']}")
+            raise ValueError(self.message or f"cannot score row {row['id']}")
         return np.asarray(row["features"], dtype=np.float32)
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -198,17 +199,24 @@ def test_replace_removes_a_failed_jobs_output_and_never_a_complete_one(
     write_dataset(tmp_path / "data", rows=3_000, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
     out = tmp_path / "out"
-    # Half the rows fail, each its own way: the first shard committed fails the job.
+    # Half the rows fail (not every row: no mistake of the spec), and the first shard
+    # committed fails the job.
     broken = job_spec(tmp_path, rows_per_shard=1_000)
     broken["pipeline"]["stages"][0] = {
         "name": "preprocess",
         "modelet": "ebbtest_modelets:FailOn",
-        "params": {"ids": list(range(0, 3_000, 2))},
+        "params": {"ids": list(range(0, 3_000, 2)), "message": "no such customer"},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(broken))
     failed = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
     assert failed.returncode == 1, said(failed)
     assert "FAILED" in failed.stdout
+    # The summary quotes the error its rows failed with, and how many did.
+    errors = re.search(r"(\d+) errors\n", failed.stdout)
+    assert errors is not None and int(errors[1]) >= 500, failed.stdout
+    assert f"error {errors[1]} rows: stage 'preprocess': ValueError: no such customer" in (
+        said(failed)
+    )
     first = owner_of(out)
     assert list((out / COMMITS_DIR).glob("*.json"))  # it committed (error) rows
 
@@ -267,12 +275,15 @@ def _scored(label: str = "label", truth: str = "Labelled") -> list[dict[str, Any
             "pipeline.stages[1].metrics.auc",
         ),
         (
-            [{"name": "model", "model": "MODEL", "input": "pixels"}],
+            [
+                {"name": "truth", "modelet": "ebbtest_modelets:Labelled"},
+                {"name": "model", "model": "MODEL", "input": "pixels"},
+            ],
             "stage 'model': TypeError: rows have no field 'pixels'",
-            "pipeline.stages[0]",
+            "pipeline.stages[1]",
         ),
     ],
-    ids=["metric-on-a-missing-column", "metric-on-a-label-of-words", "model-input-no-column"],
+    ids=["metric-on-a-missing-column", "metric-on-a-label-of-words", "model-input-no-field"],
 )
 def test_a_mistake_every_row_repeats_fails_the_job_at_once_naming_the_field(
     tmp_path: Path, stages: list[dict[str, Any]], said_first: str, field: str
@@ -292,6 +303,28 @@ def test_a_mistake_every_row_repeats_fails_the_job_at_once_naming_the_field(
     out = tmp_path / "out"
     assert not list(out.glob(f"{COMMITS_DIR}/*.json"))
     assert json.loads((out / OWNER).read_text())["released"] is True
+
+
+@pytest.mark.parametrize("columns", [["id", "features"], None], ids=["named", "all"])
+def test_a_stage_reading_a_column_the_input_lacks_is_refused_before_a_row_is_read(
+    tmp_path: Path, columns: list[str] | None
+) -> None:
+    write_dataset(tmp_path / "data", rows=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [{"name": "model", "model": str(tmp_path / "model.onnx"), "input": "pixels"}]
+    spec = job_spec(tmp_path, stages=stages)
+    spec["input"]["columns"] = columns
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    result = ebb("run", "job.yaml", *ROOTS, cwd=tmp_path)
+    if columns is not None:  # the spec alone tells: refused as it is read
+        assert result.returncode == 2, said(result)
+        assert (
+            "pipeline.stages[0].input: 'pixels' is not among input.columns ['id', 'features']"
+        ) in said(result)
+    else:  # the files tell: refused as the job is planned
+        assert result.returncode == 1, said(result)
+        assert "has no column 'pixels' (pipeline.stages[0].input): it has [" in said(result)
+    assert not (tmp_path / "out" / COMMITS_DIR).exists()
 
 
 def test_demo(tmp_path: Path) -> None:
@@ -607,6 +640,9 @@ def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:
         attempts_forgiven=6,
     )
     assert lost_workers(status) == "5 lost (4 capacity, 1 setup), 6 attempts forgiven"
+    drained = replace(status, workers_drained=2)
+    assert lost_workers(drained) == "5 lost (4 capacity, 1 setup), 6 attempts forgiven; 2 drained"
+    assert lost_workers(replace(drained, workers_lost={}, attempts_forgiven=0)) == "2 drained"
 
 
 def test_a_tier_waiting_for_a_node_says_why() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ebb.common.data.durable import waiting_for_room
-from ebb.common.data.layout import OWNER, OutputFile, attempt_dir
+from ebb.common.data.layout import ERROR_CHARS, OWNER, OutputFile, attempt_dir, most_common_errors
 from ebb.common.data.output import OutputStore, new_commit
 
 
@@ -232,3 +232,10 @@ def test_of_jobs_replacing_a_failed_output_at_once_exactly_one_does_and_it_is_go
     owner = store.owner_record()
     assert owner is not None and owner.job == winners.pop() and not owner.removing
     assert store.first_commit() is None and not (tmp_path / "out" / "data").exists()
+
+
+def test_the_most_common_errors_are_kept_cut_and_counted_together_once_cut() -> None:
+    long = "x" * (ERROR_CHARS + 50)
+    counts = {"b": 3, "a": 3, long + "1": 2, long + "2": 2, "rare": 1}
+    kept = most_common_errors(counts, kept=3)
+    assert list(kept.items()) == [("x" * (ERROR_CHARS - 1) + "…", 4), ("a", 3), ("b", 3)]

@@ -292,3 +292,34 @@ def test_a_local_tracking_store_is_a_path_under_the_data_roots(tmp_path: Path) -
         with pytest.raises(SpecError) as e:
             check_roots(parse_job({**spec, "tracking": {"mlflow_uri": outside}}), [str(root)])
         assert e.value.path == "tracking.mlflow_uri"
+
+
+def test_the_columns_the_stages_reading_the_rows_name_are_known_before_a_row_is_read() -> None:
+    stages = [
+        {
+            "name": "a",
+            "model": "/m.onnx",
+            "input": "pixels",
+            "batch_tokens": 64,
+            "length_column": "n",
+        },
+        {"name": "b", "model": "/m.onnx", "input": "later"},  # reads a's output: not known
+        {
+            "name": "c",
+            "after": [],
+            "llm": {"model": "/llm", "prompt": "question", "per_row": {"max_tokens": "budget"}},
+        },
+    ]
+    spec = parse_job(minimal(pipeline={"stages": stages}))
+    assert spec.pipeline.columns_read() == {
+        "pixels": "pipeline.stages[0].input",
+        "n": "pipeline.stages[0].length_column",
+        "question": "pipeline.stages[2].llm.prompt",
+        "budget": "pipeline.stages[2].llm.per_row.max_tokens",
+    }
+    named = minimal(pipeline={"stages": stages[:1]})
+    named["input"]["columns"] = ["pixels"]
+    with pytest.raises(SpecError) as e:
+        parse_job(named)
+    assert e.value.path == "pipeline.stages[0].length_column"
+    assert "'n' is not among input.columns ['pixels']" in str(e.value)

@@ -430,6 +430,8 @@ def test_the_master_is_to_hear_of_every_worker_that_ended_badly_and_whom_to_blam
     r.account(_ended(137, failure="oom", worker="oom"), 10.0, rows_done=0)
     r.account(_ended(4, failure="setup", worker="nosetup"), 10.0, rows_done=0)
     r.account(replace(_ended(0, worker="fine"), phase="succeeded"), 10.0, rows_done=0)
+    r.account(replace(_ended(0, worker="told"), phase="succeeded", drained=True), 10.0, rows_done=0)
     told = {worker: notice.blame for (_, worker), notice in r.to_tell.items()}
-    assert told == {"gone": False, "crashed": True, "oom": True, "nosetup": False}
+    assert told == {"gone": False, "crashed": True, "oom": True, "nosetup": False, "told": False}
+    assert r.to_tell[("j", "told")].kind == "drained"  # counted apart from the lost
     assert grown == ["j"]

@@ -350,6 +350,15 @@ async def test_local_workers_of_each_tier_run_with_their_tier(
             return await tiers_running() == {"gpu": 2} and len(backend.pids()) == 2
 
         await wait_until(settled, timeout=30, what="the CPU tier drained, 2 GPU-tier workers")
-        assert master.ended == []  # drained: they exited 0, nothing for the master to hear
+
+        # Drained: they exited 0 once told to go, and the master hears so (counted apart from
+        # lost workers, blaming no shard).
+        async def heard() -> list[Any]:
+            await reconciler.reconcile_once()
+            return list(master.ended) if len(master.ended) == 3 else []
+
+        told_ended = await wait_until(heard, timeout=30, what="the master to hear of 3 drains")
+        assert {(e.kind, e.blame) for e in told_ended} == {("drained", False)}
+        assert all("-cpu-" in e.worker for e in told_ended)
     finally:
         await backend.close(grace_s=5)

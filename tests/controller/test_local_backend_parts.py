@@ -4,20 +4,27 @@ files through which a controller finds the workers that outlived the one before 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.common.runner import EXIT_CONFIG, EXIT_SETUP
+from ebb.controller.backend import WorkerInfo
+from ebb.controller.local.backend import LocalBackend, LocalConfig
 from ebb.controller.local.cores import least_held
 from ebb.controller.local.exits import evidence, failure_kind, reason
 from ebb.controller.local.pidfiles import Orphans, find_orphans, write_pid_file
 from ebb.controller.policy.failures import Kind
+
+from ..helpers import free_port, wait_until
 
 
 @pytest.mark.parametrize(
@@ -144,3 +151,37 @@ def test_an_orphan_holds_its_slot_until_it_exits_and_is_killed_after_its_grace(
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
     assert orphans.observe(now=111.0) == []
     assert not path.exists()
+
+
+async def test_a_worker_told_to_go_is_drained_and_one_killed_from_outside_is_lost(
+    tmp_path: Path,
+) -> None:
+    """The controller's SIGTERM, whether the worker drains or the signal finds it starting
+    (here: at once), is a drain; a kill from anyone else (an operator, a reclaim) is a loss."""
+    nowhere = NatsConfig(url=f"nats://127.0.0.1:{free_port()}")  # they never get started
+    backend = LocalBackend(LocalConfig(nats=nowhere, max_workers=2, log_dir=str(tmp_path)))
+    job = JobStatus(id="j", name="j", state="RUNNING")
+    await backend.launch(job, "told")
+    await backend.launch(job, "killed")
+    await backend.terminate("told", grace_s=30)
+    os.kill(backend.pids()["killed"], signal.SIGKILL)
+
+    async def ended() -> dict[str, WorkerInfo]:
+        return {w.id: w for w in await backend.observe() if w.ended}
+
+    seen = await wait_until(lambda: _both(ended), timeout=60, what="both workers to end")
+    assert (seen["told"].phase, seen["told"].drained, seen["told"].failure) == (
+        "succeeded",
+        True,
+        None,
+    )
+    assert (seen["killed"].phase, seen["killed"].drained, seen["killed"].failure) == (
+        "failed",
+        False,
+        "capacity",
+    )
+
+
+async def _both(ended: Callable[[], Awaitable[dict[str, WorkerInfo]]]) -> dict[str, WorkerInfo]:
+    seen = await ended()
+    return seen if len(seen) == 2 else {}

@@ -147,7 +147,9 @@ def make_job(tmp_path: Path, *, shards: int = 3, **fault: object) -> JobSpec:
     return parse_job(job_spec(tmp_path, rows_per_shard=100, fault=dict(fault))).with_id()
 
 
-def commit_record(spec: JobSpec, reply: LeaseReply, *, rows: int = 100) -> None:
+def commit_record(
+    spec: JobSpec, reply: LeaseReply, *, rows: int = 100, row_errors: dict[str, int] | None = None
+) -> None:
     """What a worker does before `commit`: write its file and create the commit record."""
     assert reply.shard is not None
     store = OutputStore(spec.output.uri)
@@ -158,8 +160,9 @@ def commit_record(spec: JobSpec, reply: LeaseReply, *, rows: int = 100) -> None:
             job=spec.id,
             shard=reply.shard.index,
             attempt=reply.attempt,
-            files=[OutputFile(path=path, rows=rows)],
+            files=[OutputFile(path=path, rows=rows, error_rows=sum((row_errors or {}).values()))],
             worker="w",
+            row_errors=row_errors,
         )
     )
 
@@ -169,7 +172,10 @@ def assert_indexes_match_records(job: Job, store: MemoryStore) -> None:
     for shard in job.shards:
         stored, revision = store.shards[shard_key(job.id, shard.index)]
         # A DONE shard's metrics live in KV and in the job's merge, not in its record in memory.
-        assert (replace(stored, metrics={}), revision) == (shard.record, shard.revision)
+        assert (replace(stored, metrics={}, row_errors={}), revision) == (
+            shard.record,
+            shard.revision,
+        )
     records = [s.record for s in job.shards]
     assert +job.counts == Counter(r.state for r in records)
     assert job.doing == {r.spec.index for r in records if r.state == "DOING"}
@@ -554,6 +560,38 @@ async def test_word_of_a_worker_is_idempotent(tmp_path: Path) -> None:
     )
     assert (again.released, again.forgiven) == ([], 0)
     assert (dict(store.shards), dict(store.jobs)) == stored
+
+
+async def test_a_jobs_most_common_row_errors_are_its_shards_summed_and_kept_when_it_ends(
+    tmp_path: Path,
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2, max_error_fraction=1.0)
+    assert await table.intake.submit(spec)
+    first = await table.lease(spec.id, "w1")
+    commit_record(spec, first, row_errors={"no such customer": 7, "a NaN": 1})
+    await table.commit(first.token)
+    told = table.status(StatusRequest(job=spec.id)).jobs[0].row_errors
+    assert list(told.items()) == [("no such customer", 7), ("a NaN", 1)]
+    second = await table.lease(spec.id, "w1")
+    commit_record(spec, second, row_errors={"a NaN": 9, "no such customer": 1})
+    await table.commit(second.token)
+    job = table.jobs[spec.id]
+    assert job.ended and job.record.row_errors == {"a NaN": 10, "no such customer": 8}
+    ended = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert list(ended.row_errors) == ["a NaN", "no such customer"]  # the most common first
+
+
+async def test_a_drained_worker_is_counted_apart_from_the_lost(tmp_path: Path) -> None:
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=2)
+    assert await table.intake.submit(spec)
+    await table.reaper.worker_ended(spec.id, "w1", kind="drained", blame=False, reason="told")
+    await table.reaper.worker_ended(spec.id, "w2", kind="capacity", blame=False, reason="gone")
+    status = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert (status.workers_lost, status.workers_drained) == ({"capacity": 1}, 1)
 
 
 async def test_a_worker_that_crashed_on_its_shards_counts_against_them(tmp_path: Path) -> None:

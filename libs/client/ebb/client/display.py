@@ -80,7 +80,7 @@ def progress_line(job: JobSpec | None, status: JobStatus, elapsed: float) -> str
     tiers = "".join(
         f"; tier {t.name}: {t.rows_done + t.rows_in_flight:,} rows" for t in status.tiers
     )
-    lost = f"; workers {lost_workers(status)}" if status.workers_lost else ""
+    lost = f"; workers {lost}" if (lost := lost_workers(status)) else ""
     return (
         f"{status.state.lower()}: {computed:,}/{status.rows_total:,} rows "
         f"({status.rows_done:,} committed), {status.shards.get('DONE', 0)}/"
@@ -98,11 +98,16 @@ def _duration(seconds: float) -> str:
 
 
 def lost_workers(status: JobStatus) -> str:
-    """How many workers ended badly and why, and what that cost the job's shards."""
+    """How many workers ended badly and why, and what that cost the job's shards; and how
+    many drained (told to go, gone in time: no loss). docs/running-jobs.md explains the
+    words."""
+    drained = f"{status.workers_drained} drained" if status.workers_drained else ""
+    if not status.workers_lost:
+        return drained
     kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(status.workers_lost.items()))
     return (
         f"{sum(status.workers_lost.values())} lost ({kinds}), "
-        f"{status.attempts_forgiven} attempts forgiven"
+        f"{status.attempts_forgiven} attempts forgiven" + (f"; {drained}" if drained else "")
     )
 
 
@@ -158,14 +163,20 @@ def summarize(
     rate = status.rows_done / seconds if seconds > 0 else 0.0
     out.print(f"job [bold]{status.id}[/] [{colour}]{status.state}[/] in {seconds:.1f}s")
     out.print(f"  rows     {status.rows_done:,} ({rate:,.0f} rows/s), {status.error_rows:,} errors")
+    if status.row_errors:
+        # The most common: a mistake every row repeats shows here, not only in `_error`.
+        message, count = next(iter(status.row_errors.items()))
+        others = len(status.row_errors) - 1
+        more = f" (and {others} other error{'s' if others > 1 else ''})" if others else ""
+        out.print(f"  error    {count:,} row{'s' if count != 1 else ''}: {message}{more}")
     if tokens := tokens_text(spec, status, seconds):
         out.print(f"  tokens   {tokens}")
     out.print(
         f"  shards   {status.shards.get('DONE', 0)} done, "
         f"{status.shards.get('QUARANTINED', 0)} quarantined, of {status.shards_total}"
     )
-    if status.workers_lost:
-        out.print(f"  workers  {lost_workers(status)}")
+    if workers := lost_workers(status):
+        out.print(f"  workers  {workers}")
     for name, value in status.metrics.items():
         out.print(f"  metric   {name} = {metric_text(value)}")
     if status.manifest:

@@ -172,10 +172,14 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("waiting", "" if status.tiers else status.waiting),
                 ("rows", _rows_text(status)),
                 ("error rows", f"{status.error_rows:,}"),
+                *(
+                    (f"error ({count:,} rows)", message)
+                    for message, count in list(status.row_errors.items())[:3]
+                ),
                 ("tokens", tokens_text(spec, status, end - status.submitted_at)),
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
                 ("workers", f"{status.min_workers}..{status.max_workers}"),
-                ("workers lost", lost_workers(status) if status.workers_lost else ""),
+                ("workers lost", lost_workers(status)),
                 *((f"tier {tier.name}", tier_text(tier)) for tier in status.tiers),
                 ("manifest", status.manifest),
                 ("mlflow run", _mlflow_text(status)),

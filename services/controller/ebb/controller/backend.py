@@ -40,6 +40,9 @@ class WorkerInfo:
     """Where it runs or ran (a node's name; the local backend's one place)."""
     tier: str = ""
     """The tier of its job it runs (`JobSpec.tiers`); "" for a job without tiers."""
+    drained: bool = False
+    """It ended because it was told to go (the controller gave its place back, or its tier or
+    job needed it no more), in time: a drain, not a loss (with phase "succeeded")."""
 
     @property
     def alive(self) -> bool:

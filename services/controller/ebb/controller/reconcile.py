@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messaging.api import MasterClient
@@ -77,11 +77,12 @@ _BLAMED: frozenset[Kind] = frozenset({"oom", "crash"})
 
 @dataclass(frozen=True, kw_only=True)
 class Notice:
-    """What the master is to hear of a worker that ended badly."""
+    """What the master is to hear of a worker that ended badly, or drained (told to go:
+    counted apart from those lost)."""
 
     job: str
     worker: str
-    kind: Kind
+    kind: Kind | Literal["drained"]
     reason: str
 
     @property
@@ -219,6 +220,9 @@ class Reconciler:
         group = group_key(job, worker.tier)
         if worker.phase == "succeeded":
             self._forgive(job)
+            if worker.drained:
+                notice = Notice(job=job, worker=worker.id, kind="drained", reason=worker.reason)
+                self.to_tell[(job, worker.id)] = notice
             return
         kind: Kind = worker.failure or "crash"
         metrics.WORKER_FAILURES.labels(job, kind).inc()

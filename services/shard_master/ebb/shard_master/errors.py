@@ -64,6 +64,16 @@ class PlanningError(MasterError):
     code = ErrorCode.BAD_REQUEST
 
 
+class MissingColumns(PlanningError):
+    """A file of the input lacks columns the job reads."""
+
+    def __init__(self, path: str, missing: list[str], names: list[str]) -> None:
+        super().__init__(f"{path} has no column(s) {missing}; it has {names}")
+        self.path = path
+        self.missing = missing
+        self.names = names
+
+
 class OutputTaken(PlanningError):
     """The output root belongs to another job."""
 

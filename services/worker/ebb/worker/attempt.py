@@ -16,7 +16,7 @@ import contextlib
 import logging
 import re
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ebb.common import failpoints
-from ebb.common.data.layout import CommitRecord, OutputFile
+from ebb.common.data.layout import CommitRecord, OutputFile, most_common_errors
 from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.job import JobSpec, accumulators
 from ebb.common.messaging.messages import ShardSpec
@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 _CHUNKS_IN_FLIGHT = 2
 """Chunks of a shard in the pipeline at once (`_computed`)."""
+_MESSAGES_KEPT = 1_000
+"""Distinct row errors an attempt counts at most: past it only the most common half stay
+(rows that each fail their own way, `cannot score row 17`, would otherwise be a message a
+row)."""
 
 
 class Runner(Protocol):
@@ -156,6 +160,7 @@ async def run_attempt(
     carried = ends.carried_metrics
     every_metric = {**carried, **own_metrics}
     partials: dict[str, accumulators.Partial] = {}
+    error_counts: Counter[str] = Counter()
     try:
         # Closed on the way out whatever happens here, not when it is collected: its
         # runs still under way must end with this attempt.
@@ -173,7 +178,7 @@ async def run_attempt(
                     partials = accumulators.merge_named(
                         every_metric, partials, _partials(every_metric, values, good, result)
                     )
-                table, errors = await asyncio.to_thread(
+                table, errors, messages = await asyncio.to_thread(
                     _output,
                     data,
                     good,
@@ -195,6 +200,9 @@ async def run_attempt(
                 )
                 rows += table.num_rows
                 error_rows += errors
+                error_counts.update(messages)
+                if len(error_counts) > _MESSAGES_KEPT:  # rows that each fail their own way
+                    error_counts = Counter(dict(error_counts.most_common(_MESSAGES_KEPT // 2)))
                 rows_in += data.table.num_rows
                 if progress is not None:
                     progress.wrote(rows_in)
@@ -213,6 +221,7 @@ async def run_attempt(
         split_at=0 if whole else rows_in,
         metrics=partials,
         generation=generation,
+        row_errors=most_common_errors(error_counts),
     )
     failpoints.hit(failpoints.WORKER_BEFORE_COMMIT_RECORD, detail=str(shard.index))
     won, record = await asyncio.to_thread(store.create_commit, record)
@@ -375,10 +384,11 @@ def _output(
     ends: TierEnds,
     *,
     metric_values: dict[str, np.ndarray],
-) -> tuple[pa.Table, int]:
+) -> tuple[pa.Table, int, Counter[str]]:
     """The shard's output table: the pipeline's results (for the rows that went in, `good`)
-    put back among the shard's rows, and the rows that could not be read as errors. A tier
-    that hands its rows on carries their `metric_values` to the next."""
+    put back among the shard's rows, and the rows that could not be read as errors; its
+    number of error rows, and its errors' messages counted. A tier that hands its rows on
+    carries their `metric_values` to the next."""
     n = data.table.num_rows
     results, errors = result.columns, dict(result.errors)
     if len(good) != n:
@@ -386,7 +396,10 @@ def _output(
         errors.update(data.bad_rows)
         results, _ = scatter([(good, results)], n) if results else ({}, None)
     rows = handoff.carried(data.table) if ends.reads_handoff else data.table
+    messages = Counter(errors.values())
     if ends.hands_on:
         metrics = handoff.metric_columns(metric_values)
-        return handoff.handoff_table(rows, results, errors, spec.output, metrics=metrics)
-    return build_output(rows, results, errors, spec.output)
+        table, count = handoff.handoff_table(rows, results, errors, spec.output, metrics=metrics)
+    else:
+        table, count = build_output(rows, results, errors, spec.output)
+    return table, count, messages

@@ -4,6 +4,7 @@ them is in ebb.common.data.output."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,23 @@ class OutputOwner:
     root over."""
 
 
+ERRORS_KEPT = 5
+"""Row errors kept by message in a commit record, a shard's and a job's, the most common."""
+ERROR_CHARS = 300
+"""A row error's message, as kept there, at most (the row's `_error` keeps it whole)."""
+
+
+def most_common_errors(counts: Mapping[str, int], *, kept: int = ERRORS_KEPT) -> dict[str, int]:
+    """The `kept` most common messages of `counts`, each cut to ERROR_CHARS (messages equal
+    once cut are counted together), most common first."""
+    cut: dict[str, int] = {}
+    for message, n in counts.items():
+        short = message if len(message) <= ERROR_CHARS else message[: ERROR_CHARS - 1] + "…"
+        cut[short] = cut.get(short, 0) + n
+    ranked = sorted(cut.items(), key=lambda item: (-item[1], item[0]))
+    return dict(ranked[:kept])
+
+
 def claim_path(generation: int) -> str:
     return f"{CLAIMS_DIR}/generation={generation}.json"
 
@@ -87,6 +105,9 @@ class CommitRecord:
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The partials of the job's metrics (`ebb.common.job.accumulators`) over exactly the rows of
     these files, by metric: the master merges those of the attempts that won their shards."""
+    row_errors: dict[str, int] = field(default_factory=dict)
+    """The most common errors of these files' error rows, by message, with their counts
+    (`most_common_errors`): what a job's summary quotes."""
     generation: dict[str, dict[str, Any]] = field(default_factory=dict)
     """By `llm` stage: what generated these files' text (the model's path and the SHA-256 of
     its files, the engine and its version, the sampling, the structured output;

@@ -454,10 +454,11 @@ def new_commit(
     split_at: int = 0,
     metrics: dict[str, dict[str, Any]] | None = None,
     generation: dict[str, dict[str, Any]] | None = None,
+    row_errors: dict[str, int] | None = None,
 ) -> CommitRecord:
     """A commit record of now. `split_at`: the rows of a part (0: the whole shard);
     `metrics`: the partials of the job's metrics over its rows; `generation`: what its `llm`
-    stages generated with."""
+    stages generated with; `row_errors`: its most common row errors (`most_common_errors`)."""
     return CommitRecord(
         job=job,
         shard=shard,
@@ -468,4 +469,5 @@ def new_commit(
         split_at=split_at,
         metrics=metrics or {},
         generation=generation or {},
+        row_errors=row_errors or {},
     )

@@ -291,6 +291,28 @@ class PipelineSpec:
             reads.append(named)
         return reads
 
+    def columns_read(self) -> dict[str, str]:
+        """The columns of the rows as read that the stages reading those rows name (a model
+        stage's `input`, `length_column`, an llm stage's `prompt` and `per_row` columns),
+        each with the first field that names it: what can be checked against the input
+        before a row is read. Columns a modelet reads, or that a stage reads from another's
+        output, are known only as rows go through."""
+        named: dict[str, str] = {}
+        for k, (stage, reads) in enumerate(zip(self.stages, self.inputs(), strict=True)):
+            if reads:
+                continue
+            where = f"pipeline.stages[{k}]"
+            fields = [("input", stage.input), ("length_column", stage.length_column)]
+            if stage.llm is not None:
+                fields.append(("llm.prompt", stage.llm.prompt))
+                fields += [
+                    (f"llm.per_row.{key}", column) for key, column in stage.llm.per_row.items()
+                ]
+            for field_name, column in fields:
+                if column is not None:
+                    named.setdefault(column, f"{where}.{field_name}")
+        return named
+
     def is_chain(self) -> bool:
         """Every stage reads the one listed before it: the pipeline has no branch or join."""
         return all(r == ([k - 1] if k else []) for k, r in enumerate(self.inputs()))

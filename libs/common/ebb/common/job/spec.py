@@ -90,6 +90,14 @@ class JobSpec:
         if self.tiers:
             check_tiers(self.tiers, self.pipeline)
         check_node_placement(self.node_selector, self.tolerations)
+        if self.input.columns is not None:
+            for column, named_by in self.pipeline.columns_read().items():
+                if column not in self.input.columns:
+                    raise bad(
+                        named_by,
+                        f"{column!r} is not among input.columns {self.input.columns}, which "
+                        "are all the rows as read hold",
+                    )
 
     def with_id(self) -> JobSpec:
         """This spec with an id: its own, or one made from the name and a random suffix."""

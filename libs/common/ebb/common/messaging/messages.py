@@ -242,8 +242,15 @@ class JobStatus(Message):
     workers_ready: int = 0
     """Workers whose pipeline has started, as they told this master (since it leads)."""
     workers_lost: dict[str, int] = field(default_factory=dict)
-    """Workers of the job that ended badly, by the kind the controller gave (capacity, oom,
-    crash, setup), as the controller told the master."""
+    """Workers of the job that ended badly, by the kind the controller gave (capacity: taken
+    by the cluster, preempted, evicted, its node lost or killed from outside; oom; crash;
+    setup: its pipeline could not start there), as the controller told the master."""
+    row_errors: dict[str, int] = field(default_factory=dict)
+    """The most common row errors of its shards done, by message (each cut to 300
+    characters), most common first: the counts of the shards' most common few, summed."""
+    workers_drained: int = 0
+    """Workers of the job that ended because they were told to go (their place given back,
+    their tier done) and went in time, committing what they had done: not lost."""
     attempts_forgiven: int = 0
     """Attempts lost with a worker the cluster took away: not counted against max_attempts."""
     metrics: dict[str, Any] = field(default_factory=dict)

@@ -216,6 +216,8 @@ class KubernetesBackend:
                     pod_uid=pod.meta.uid, node=pod.node, failure=failure, now=now
                 )
             age = max(0.0, now_wall - parse_time(pod.meta.created or None))
+            # Exited 0 once it was told to go (deleted, or drained by the harvester): a drain.
+            drained = phase == "succeeded" and (pod.meta.deleting or pod.name in draining)
             out.append(
                 WorkerInfo(
                     id=pod.name,
@@ -226,6 +228,7 @@ class KubernetesBackend:
                     failure=failure.kind if failure else None,
                     node=pod.node,
                     tier=pod.meta.labels.get(TIER_LABEL, ""),
+                    drained=drained,
                 )
             )
         return out

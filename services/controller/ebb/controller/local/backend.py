@@ -128,17 +128,22 @@ class LocalBackend:
                 termination_log=child.termination_log,
                 log=Path(log_dir) / f"{child.id}.log" if log_dir is not None else None,
             )
+            # Told to go, and gone in time: whether it drained or the signal found it still
+            # starting (before it could take SIGTERM as "drain"), it held nothing and lost
+            # nothing. Killed at the end of its grace, it is a loss, not a drain.
+            drained = child.terminate_at is not None and code in exits.DRAINED
             out.append(
                 WorkerInfo(
                     id=child.id,
                     job=child.job,
-                    phase="succeeded" if code == 0 else "failed",
+                    phase="succeeded" if code == 0 or drained else "failed",
                     started_at=child.started_at,
                     exit_code=code,
-                    reason=exits.reason(code, said),
-                    failure=exits.failure_kind(code),
+                    reason="drained: told to go" if drained else exits.reason(code, said),
+                    failure=None if drained else exits.failure_kind(code),
                     node=THIS_MACHINE,
                     tier=child.tier,
+                    drained=drained,
                 )
             )
         return out

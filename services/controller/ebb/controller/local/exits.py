@@ -15,6 +15,9 @@ from ..policy.failures import Kind
 
 KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """Signals a process gets from someone else; one that crashes raises others (SIGSEGV...)."""
+DRAINED = frozenset({0, -signal.SIGTERM})
+"""How a worker told to go (SIGTERM) ends when it goes as told: it drained and exited 0, or
+the signal ended it before it could take it as "drain" (while it was starting)."""
 
 
 def failure_kind(code: int) -> Kind | None:

@@ -42,7 +42,7 @@ from ebb.common.data.storage import StoreError, retrying
 from ebb.common.job import FORMAT_SUFFIXES, InputFormat, InputSpec
 from ebb.common.messaging.messages import ShardSpec
 
-from ..errors import PlanningError
+from ..errors import MissingColumns, PlanningError
 from .sizing import fleet_shard_rows, pack
 
 _SAMPLE_BYTES = 256 * 1024
@@ -233,7 +233,7 @@ def _plan_parquet(
         raise PlanningError(f"cannot read Parquet metadata of {path}: {e}") from e
     missing = [c for c in required_columns if c not in names]
     if missing:
-        raise PlanningError(f"{path} has no column(s) {missing}; it has {sorted(names)}")
+        raise MissingColumns(path, missing, sorted(names))
     pending: list[int] = []
     pending_rows = 0
 

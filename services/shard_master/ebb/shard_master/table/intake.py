@@ -20,7 +20,7 @@ from ebb.common.data.output import OutputStore
 from ebb.common.job import JobSpec
 from ebb.common.messaging.messages import JobEvent
 
-from ..errors import BadRequest, OutputTaken
+from ..errors import BadRequest, MissingColumns, OutputTaken, PlanningError
 from ..planning.planner import plan_input
 from .context import TableContext
 from .jobs import Job
@@ -73,6 +73,13 @@ class RejectionLog(Mapping[str, str]):
         return len(self._reasons)
 
 
+def _column_field(spec: JobSpec, column: str) -> str:
+    """The field of `spec` that names an input column (one that planning requires)."""
+    if spec.input.columns is not None and column in spec.input.columns:
+        return "input.columns"
+    return "output.carryover"
+
+
 class JobIntake:
     def __init__(self, context: TableContext, *, lifecycle: JobLifecycle) -> None:
         self._context = context
@@ -105,14 +112,26 @@ class JobIntake:
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
         submitted = spec  # as submitted: what the output records, before planning types it
-        required = [*(spec.input.columns or []), *spec.output.carryover]
-        plan = await asyncio.to_thread(
-            plan_input,
-            spec.input,
-            required_columns=list(dict.fromkeys(required)),
-            # Those that read it: a job in tiers, its first tier's.
-            workers=spec.tier_resources(spec.tier_names()[0]).max_workers,
-        )
+        # The columns the stages reading the rows as read name: when every column is read,
+        # the files must have them (with input.columns, the spec's own check saw to it).
+        read = spec.pipeline.columns_read() if spec.input.columns is None else {}
+        required = [*(spec.input.columns or []), *spec.output.carryover, *read]
+        try:
+            plan = await asyncio.to_thread(
+                plan_input,
+                spec.input,
+                required_columns=list(dict.fromkeys(required)),
+                # Those that read it: a job in tiers, its first tier's.
+                workers=spec.tier_resources(spec.tier_names()[0]).max_workers,
+            )
+        except MissingColumns as e:
+            named = [
+                f"{column!r} ({read[column] if column in read else _column_field(spec, column)})"
+                for column in e.missing
+            ]
+            raise PlanningError(
+                f"{e.path} has no column {', '.join(named)}: it has {e.names}"
+            ) from None
         shard_specs = plan.shards
         if plan.column_types != spec.input.column_types:
             # The spec workers get says how to type each column: every shard alike.

@@ -23,6 +23,9 @@ from .records import JobRecord, ShardRecord
 
 log = logging.getLogger(__name__)
 
+ERRORS_COUNTED = 1_000
+"""Distinct row error messages a job counts at most (see `Job._count_errors`)."""
+
 _KEEP_DURATIONS = 256
 
 
@@ -127,6 +130,9 @@ class Job:
         self.metrics: dict[str, accumulators.Partial] = {}
         """The partials of the job's metrics merged over its DONE shards, as `rows_done` is
         summed: each shard's once, as its winning attempt committed them."""
+        self.errors: Counter[str] = Counter()
+        """The row errors of its DONE shards (of the last tier), by message, as their
+        commit records counted the most common of each."""
         self.creating = 0
         """Shards whose records are being written (the remainder of a split, the hand-off of
         a shard done to the next tier): the job is not settled while any is."""
@@ -194,6 +200,7 @@ class Job:
         self.counts.clear()
         self.rows_done = self.error_rows = self.quarantined_rows = 0
         self.metrics = {}
+        self.errors = Counter()
         for shard in self.shards:
             rec = shard.record
             self.next_seq = max(self.next_seq, rec.seq + 1)
@@ -298,6 +305,8 @@ class Job:
                 # rows the output may never hold.
                 if rec.metrics:
                     self._merge_metrics(shard)
+                if rec.row_errors:
+                    self._count_errors(shard)
             if rec.seconds > 0:
                 if not rec.split_at:  # a part is no shard's whole time
                     tier.durations.append(rec.seconds)
@@ -305,6 +314,15 @@ class Job:
                     tier.rates.append(rec.rows / rec.seconds)
         elif rec.state == "QUARANTINED":
             self.quarantined_rows += rec.spec.rows
+
+    def _count_errors(self, shard: Shard) -> None:
+        """Count a DONE shard's most common row errors into the job's, and let go of its
+        own, as `_merge_metrics` does. Past ERRORS_COUNTED messages only the most common half
+        stay: the job's summary quotes the most common few."""
+        self.errors.update(shard.record.row_errors)
+        if len(self.errors) > ERRORS_COUNTED:
+            self.errors = Counter(dict(self.errors.most_common(ERRORS_COUNTED // 2)))
+        shard.record = replace(shard.record, row_errors={})
 
     def _merge_metrics(self, shard: Shard) -> None:
         """Merge a DONE shard's partials into the job's, and let go of its own: a DONE

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from dataclasses import replace
 
+from ebb.common.data.layout import most_common_errors
 from ebb.common.messaging.messages import TERMINAL_JOB_STATES, CancelReply, JobState, ResumeReply
 
 from ..errors import Deposed, JobNotFound, NotResumable
@@ -124,6 +125,7 @@ class JobLifecycle:
                 error_rows=job.error_rows,
                 manifest=manifest,
                 metrics=jobmetrics.results(job),
+                row_errors=most_common_errors(job.errors),
                 # In the same write as the SUCCEEDED: the run is due whatever happens next.
                 mlflow_run=PENDING
                 if state == "SUCCEEDED" and job.spec.tracking.mlflow_uri is not None

@@ -150,6 +150,7 @@ class ShardMoves:
                     error_rows=commit.error_rows,
                     files=commit.files,
                     metrics=commit.metrics,
+                    row_errors=commit.row_errors,
                 )
                 # Indexes from the job's counter, moved past them before the DONE naming
                 # them is written: whatever its answer, no other record is made with them.

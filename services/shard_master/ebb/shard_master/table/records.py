@@ -89,6 +89,8 @@ class ShardRecord:
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The winning attempt's partials of the job's metrics (its commit record's): the job's
     metrics merge those of its DONE shards, each shard's rows counted once."""
+    row_errors: dict[str, int] = field(default_factory=dict)
+    """The winning attempt's most common row errors (its commit record's), by message."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +118,8 @@ class JobRecord:
     """Attempts lost with a worker the cluster took, not counted as failures (every run)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """The values of the job's metrics over its DONE shards, written when the job ends."""
+    row_errors: dict[str, int] = field(default_factory=dict)
+    """The most common row errors of its DONE shards, by message, written when it ends."""
     mlflow_run: str = ""
     """A job whose spec names an MLflow tracking URI, once it SUCCEEDED: "pending" (written
     with the SUCCEEDED) until its metrics are logged as a run, then that run's id

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
+from ebb.common.data.layout import most_common_errors
 from ebb.common.messaging.messages import (
     JobEvent,
     JobStatus,
@@ -110,9 +111,11 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         spec=record.spec if include_spec else None,
         leases=leases,
         workers_ready=len(job.ready_workers),
-        workers_lost=dict(record.workers_lost),
+        workers_lost={k: n for k, n in record.workers_lost.items() if k != DRAINED},
+        workers_drained=record.workers_lost.get(DRAINED, 0),
         attempts_forgiven=record.attempts_forgiven,
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
+        row_errors=most_common_errors(job.errors) if live else dict(record.row_errors),
         # A job of one tier too: its workers are placed, sized and started by their tier.
         tiers=_tiers(job, in_flight) if live and job.spec.tiers else [],
         shard_s=job.tiers[0].shard_s if live and not job.spec.tiers else 0.0,
@@ -120,6 +123,11 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         mlflow_run=record.mlflow_run,
         mlflow_error=job.mlflow_error,
     )
+
+
+DRAINED = "drained"
+"""The kind a worker that ended because it was told to go is counted under in the job's
+record (beside the kinds of loss), and shown apart (JobStatus.workers_drained)."""
 
 
 def _waiting(job: Job) -> str:
