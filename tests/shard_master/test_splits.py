@@ -15,7 +15,7 @@ import pytest
 from ebb.common.data.layout import OutputFile, attempt_dir
 from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.job import JobSpec
-from ebb.common.messaging.messages import LeaseReply, ShardSpec
+from ebb.common.messaging.messages import LeaseReply, ShardSpec, StatusRequest
 from ebb.shard_master.errors import StateUnsure
 from ebb.shard_master.table.finish import in_input_order
 from ebb.shard_master.table.jobs import Job
@@ -102,6 +102,8 @@ async def test_a_part_s_commit_splits_the_shard_and_the_rest_is_leased_next(
     assert (rest.spec.rows, rest.spec.row_offset, rest.spec.row_groups) == (60, 40, [0])
     assert job.shards_total == 4 and not job.settled
     assert_indexes_match_records(job, store)
+    told = table.status(StatusRequest(job=spec.id)).jobs[0]
+    assert (told.shards_total, told.shards_split) == (4, 1)  # as it happens, not at the end
 
     assert await finish_all(table, spec) == [3, 1, 2], "the rest first, then the queue"
     assert job.record.state == "SUCCEEDED"

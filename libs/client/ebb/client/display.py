@@ -78,16 +78,17 @@ def progress_line(job: JobSpec | None, status: JobStatus, elapsed: float) -> str
     eta = f", {_duration(left / rate)} left" if rate > 0 and left else ""
     tokens = tokens_text(job, status, elapsed)
     tiers = "".join(
-        f"; tier {t.name}: {t.rows_done + t.rows_in_flight:,} rows" for t in status.tiers
+        f"; tier {t.name}: {t.shards.get('DONE', 0)}/{sum(t.shards.values())} shards, "
+        f"{t.rows_done + t.rows_in_flight:,} rows"
+        for t in status.tiers
     )
+    splits = f", {status.shards_split} split" if status.shards_split else ""
     lost = f"; workers {lost}" if (lost := lost_workers(status)) else ""
     return (
         f"{status.state.lower()}: {computed:,}/{status.rows_total:,} rows "
         f"({status.rows_done:,} committed), {status.shards.get('DONE', 0)}/"
-        f"{status.shards_total} shards, {status.error_rows:,} errors, {rate:,.0f} rows/s{eta}"
-        + (f", {tokens}" if tokens else "")
-        + tiers
-        + lost
+        f"{status.shards_total} shards{splits}, {status.error_rows:,} errors, "
+        f"{rate:,.0f} rows/s{eta}" + (f", {tokens}" if tokens else "") + tiers + lost
     )
 
 

@@ -225,6 +225,9 @@ class JobStatus(Message):
     """Exact for Parquet input; an estimate from planning for text formats."""
     rows_done: int = 0
     """Rows of the shards committed (a job with tiers: its last tier's)."""
+    shards_split: int = 0
+    """Shards done by a part, their rest a shard of its own (every tier's): a worker told to
+    go committed the rows it had, or the rest moved to an idle worker."""
     rows_in_flight: int = 0
     """Rows the shards running now have computed and written, as their renewals told, not
     committed yet (a job with tiers: its last tier's): progress before a shard commits. A
@@ -286,6 +289,8 @@ class TierStatus(Message):
     """Rows this tier's shards done have committed."""
     rows_in_flight: int = 0
     """Rows this tier's running shards have computed, not committed yet (JobStatus's)."""
+    shards_split: int = 0
+    """This tier's shards done by a part (JobStatus's)."""
     bytes_done: int = 0
     """Bytes of the files they committed: a tier before the last, its hand-offs."""
     workers_ready: int = 0

@@ -94,6 +94,9 @@ class Tier:
         self.counts: Counter[str] = Counter()
         self.rows_done = 0
         self.bytes_done = 0
+        self.splits = 0
+        """Its shards DONE by a part (their rest a shard of its own): a worker told to go, or
+        the rest moved to an idle worker."""
         self.ready_workers: set[str] = set()
         """Workers of this tier that said their pipeline has started (in memory)."""
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
@@ -297,6 +300,7 @@ class Job:
         elif rec.state == "DONE":
             tier.rows_done += rec.rows
             tier.bytes_done += sum(f.bytes for f in rec.files)
+            tier.splits += bool(rec.split_at)
             if self.is_last_tier(shard):  # an earlier tier's rows are the next one's input
                 self.rows_done += rec.rows
                 self.error_rows += rec.error_rows
