@@ -487,6 +487,21 @@ def test_a_command_where_no_stack_runs_on_this_machine_says_how_to_start_one(
     assert "Traceback" not in said(result)
 
 
+def slow_stages(
+    tmp: Path, *, seconds_per_batch: float, batch_size: int = 0, model: str = "model.onnx"
+) -> list[Any]:
+    """Features slowed down, the ONNX model at `tmp/<model>`, the top class: a job that
+    keeps its shards in flight a while."""
+    slow: dict[str, Any] = {
+        "modelet": "ebbtest_modelets:Slow",
+        "params": {"seconds_per_batch": seconds_per_batch},
+    }
+    onnx: dict[str, Any] = {"model": str(tmp / model)}
+    if batch_size:
+        slow["batch_size"] = onnx["batch_size"] = batch_size
+    return [slow, onnx, {"modelet": "ebb.worker.modelets:TopClass"}]
+
+
 def while_running(
     run: subprocess.Popen[Any], probe: Callable[[], Any], what: str, *, timeout_s: float = 180
 ) -> Any:
@@ -517,12 +532,7 @@ def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
     write_model(tmp_path / "other.onnx", seed=4)
 
     def write_job(*, model: str = "model.onnx", batch_size: int = 100) -> None:
-        slow = {"seconds_per_batch": 0.2}
-        stages: list[dict[str, Any]] = [
-            {"modelet": "ebbtest_modelets:Slow", "params": slow, "batch_size": batch_size},
-            {"model": str(tmp_path / model), "batch_size": batch_size},
-            {"modelet": "ebb.worker.modelets:TopClass"},
-        ]
+        stages = slow_stages(tmp_path, seconds_per_batch=0.2, batch_size=batch_size, model=model)
         job_spec(tmp_path, rows_per_shard=1_000, stages=stages, workers=(1, 1))
 
     write_job()
@@ -574,11 +584,7 @@ def test_a_run_interrupted_exits_130_and_resume_finishes_it_with_other_batching(
 def test_status_and_cancel_find_the_stack_of_a_running_ebb_run(tmp_path: Path, runs: Path) -> None:
     write_dataset(tmp_path / "data", rows=6_000, row_group_size=1_000)
     write_model(tmp_path / "model.onnx")
-    stages: list[dict[str, Any]] = [
-        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.2}},
-        {"model": str(tmp_path / "model.onnx")},
-        {"modelet": "ebb.worker.modelets:TopClass"},
-    ]
+    stages = slow_stages(tmp_path, seconds_per_batch=0.2)
     job_spec(tmp_path, rows_per_shard=1_000, stages=stages)
     run = subprocess.Popen(
         [*EBB, "run", "job.yaml", "--quiet", *ROOTS, "--max-workers", "1"],
@@ -618,11 +624,7 @@ def test_progress_counts_the_rows_a_shard_has_done_before_it_commits(
 ) -> None:
     write_dataset(tmp_path / "data", rows=6_000, row_group_size=500)
     write_model(tmp_path / "model.onnx")
-    stages: list[dict[str, Any]] = [
-        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 0.25}},
-        {"model": str(tmp_path / "model.onnx")},
-        {"modelet": "ebb.worker.modelets:TopClass"},
-    ]
+    stages = slow_stages(tmp_path, seconds_per_batch=0.25)
     job_spec(tmp_path, rows_per_shard=6_000, stages=stages)  # one shard: one commit, at the end
     result = ebb("run", "job.yaml", *ROOTS, "--max-workers", "1", cwd=tmp_path)
     assert result.returncode == 0, said(result)

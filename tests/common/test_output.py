@@ -8,6 +8,7 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -162,19 +163,9 @@ def test_of_jobs_taking_a_root_over_at_once_exactly_one_does(tmp_path: Path) -> 
     store = OutputStore(str(tmp_path / "out"))
     store.claim("first", fields={})
     store.record_end("first", state="FAILED", shards_done=0, shards_total=1, rows_done=0)
-    barrier = threading.Barrier(8)
-    owners: dict[str, str] = {}
-
-    def take(job: str) -> None:
-        barrier.wait()
-        owners[job] = OutputStore(str(tmp_path / "out")).claim(job, fields={})[0].job
-
-    threads = [threading.Thread(target=take, args=(f"j{n}",)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = {job for job, owner in owners.items() if owner == job}
+    winners = _winners_at_once(
+        8, lambda job: OutputStore(str(tmp_path / "out")).claim(job, fields={})[0].job
+    )
     assert len(winners) == 1
     assert store.owner() == winners.pop()
 
@@ -215,19 +206,9 @@ def test_of_jobs_replacing_a_failed_output_at_once_exactly_one_does_and_it_is_go
     store.create_commit(new_commit(job="failed", shard=0, attempt=1, files=[], worker="w"))
     ended = store.record_end("failed", state="FAILED", shards_done=1, shards_total=2, rows_done=1)
     assert ended is not None and not ended.released
-    barrier = threading.Barrier(6)
-    owners: dict[str, str] = {}
-
-    def replace_it(job: str) -> None:
-        barrier.wait()
-        owners[job] = OutputStore(str(tmp_path / "out")).replace_output(ended, job, fields={}).job
-
-    threads = [threading.Thread(target=replace_it, args=(f"j{n}",)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = {job for job, owner in owners.items() if owner == job}
+    winners = _winners_at_once(
+        6, lambda job: OutputStore(str(tmp_path / "out")).replace_output(ended, job, fields={}).job
+    )
     assert len(winners) == 1
     owner = store.owner_record()
     assert owner is not None and owner.job == winners.pop() and not owner.removing
@@ -239,3 +220,21 @@ def test_the_most_common_errors_are_kept_cut_and_counted_together_once_cut() -> 
     counts = {"b": 3, "a": 3, long + "1": 2, long + "2": 2, "rare": 1}
     kept = most_common_errors(counts, kept=3)
     assert list(kept.items()) == [("x" * (ERROR_CHARS - 1) + "…", 4), ("a", 3), ("b", 3)]
+
+
+def _winners_at_once(count: int, take: Callable[[str], str]) -> set[str]:
+    """Jobs j0..j<count-1> each `take` the root at once (threads released together); those
+    that `take` says own it."""
+    barrier = threading.Barrier(count)
+    owners: dict[str, str] = {}
+
+    def one(job: str) -> None:
+        barrier.wait()
+        owners[job] = take(job)
+
+    threads = [threading.Thread(target=one, args=(f"j{n}",)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {job for job, owner in owners.items() if owner == job}
