@@ -327,6 +327,19 @@ def test_a_stage_reading_a_column_the_input_lacks_is_refused_before_a_row_is_rea
     assert not (tmp_path / "out" / COMMITS_DIR).exists()
 
 
+def test_a_run_that_cannot_use_its_workers_says_so_and_what_to_change(tmp_path: Path) -> None:
+    write_dataset(tmp_path / "data", rows=20_000, row_group_size=1_048_576)  # pyarrow's default
+    write_model(tmp_path / "model.onnx")
+    job_spec(tmp_path, rows_per_shard=5_000, workers=(1, 2))
+    result = ebb("run", "job.yaml", *ROOTS, "--max-workers", "2", cwd=tmp_path)
+    assert result.returncode == 0, said(result)
+    assert (
+        "note: the input makes 1 shard for up to 2 workers: 1 will have nothing to do. Its "
+        "Parquet files hold 1 row group (the largest of 20,000 rows), and a row group is never "
+        "cut: write the files with row groups of 10,000 rows or less"
+    ) in said(result)
+
+
 def test_demo(tmp_path: Path) -> None:
     result = ebb("demo", "demo", "--rows", "20000", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -20,7 +20,7 @@ from ebb.common.job import InputSpec
 from ebb.common.messaging.messages import ShardSpec
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planning.planner import list_input_files, plan_input, plan_shards
-from ebb.shard_master.planning.sizing import fleet_shard_rows
+from ebb.shard_master.planning.sizing import few_shards_advice, fleet_shard_rows
 from ebb.worker.shardio.reader import ShardReader, read_shard
 
 
@@ -296,3 +296,25 @@ def test_text_sized_for_the_fleet_is_cut_by_the_rows_its_size_promises(tmp_path:
     assert 3 <= len(planned) <= 5
     assert planned[0].byte_start == len("id,v\n") and planned[-1].byte_end == path.stat().st_size
     assert all(a.byte_end == b.byte_start for a, b in itertools.pairwise(planned))
+
+
+def test_an_input_of_fewer_shards_than_workers_says_what_to_change(tmp_path: Path) -> None:
+    table = pa.table({"x": np.arange(200_000)})
+    pq.write_table(table, tmp_path / "one.parquet")  # pyarrow's defaults: one row group
+    one = plan_shards(InputSpec(uri=str(tmp_path / "one.parquet")), workers=2)
+    said = few_shards_advice(one, 2, rows_per_shard=None)
+    assert said.startswith("the input makes 1 shard for up to 2 workers: 1 will have nothing")
+    assert "1 row group (the largest of 200,000 rows), and a row group is never cut" in said
+    assert "row_group_size=100000" in said and "or run 1 worker" in said
+    assert few_shards_advice(one, 1, rows_per_shard=None) == ""
+
+    pq.write_table(table, tmp_path / "many.parquet", row_group_size=10_000)
+    packed = InputSpec(uri=str(tmp_path / "many.parquet"), rows_per_shard=200_000)
+    shards = plan_shards(packed, workers=4)
+    assert few_shards_advice(shards, 4, rows_per_shard=200_000).endswith(
+        "Set input.rows_per_shard to 50,000 or less"
+    )
+    text = [ShardSpec(index=0, path="/a.csv", format="csv", rows=9_000)]
+    assert few_shards_advice(text, 3, rows_per_shard=10_000).endswith(
+        "Set input.rows_per_shard to 3,000 or less (now 10,000)"
+    )

@@ -38,6 +38,7 @@ class ProgressView:
         )
         self.task = self.progress.add_task(job.name, total=None, rate="-", errors=0)
         self.job = job
+        self._advised = False
 
     def __enter__(self) -> ProgressView:
         if self.live:
@@ -49,6 +50,9 @@ class ProgressView:
             self.progress.stop()
 
     def update(self, status: JobStatus) -> None:
+        if status.advice and not self._advised and self.enabled:
+            self._advised = True  # once: it holds for the whole run
+            console.print(f"[yellow]note:[/] {status.advice}")
         elapsed = max(1e-6, time.monotonic() - self.started)
         # Rows computed: those committed and those the running shards have done (renewals
         # tell them), so that a long shard shows its progress before it commits.

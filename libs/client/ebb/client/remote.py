@@ -180,6 +180,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("shards", ", ".join(f"{k} {v}" for k, v in status.shards.items() if v)),
                 ("workers", f"{status.min_workers}..{status.max_workers}"),
                 ("workers lost", lost_workers(status)),
+                ("advice", status.advice if status.state == "RUNNING" else ""),
                 *((f"tier {tier.name}", tier_text(tier)) for tier in status.tiers),
                 ("manifest", status.manifest),
                 ("mlflow run", _mlflow_text(status)),
@@ -205,6 +206,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
             out.print(f"[red]rejected[/] {job_id}: {reason}")
         for job in sorted((j for j in reply.jobs if j.waiting), key=lambda j: j.id):
             out.print(f"[yellow]waiting[/] {job.id}: {job.waiting}")
+        for job in sorted(
+            (j for j in reply.jobs if j.advice and j.state == "RUNNING"), key=lambda j: j.id
+        ):
+            out.print(f"[yellow]note[/] {job.id}: {job.advice}")
         return EXIT_OK
 
 

@@ -251,6 +251,10 @@ class JobStatus(Message):
     row_errors: dict[str, int] = field(default_factory=dict)
     """The most common row errors of its shards done, by message (each cut to 300
     characters), most common first: the counts of the shards' most common few, summed."""
+    advice: str = ""
+    """What to change for the job to use all its workers: its input makes fewer shards than
+    it may run workers (a Parquet file of one row group is one shard), and which setting or
+    file to change; "" when it makes enough."""
     workers_drained: int = 0
     """Workers of the job that ended because they were told to go (their place given back,
     their tier done) and went in time, committing what they had done: not lost."""

@@ -54,3 +54,34 @@ def pack(pieces: Sequence[ShardSpec], rows_per_shard: int) -> list[ShardSpec]:
         else:
             shards.append(piece)
     return shards
+
+
+def few_shards_advice(
+    shards: Sequence[ShardSpec], workers: int, *, rows_per_shard: int | None
+) -> str:
+    """What to change when the input makes fewer shards than the job's workers (some would
+    have nothing to do from the start); "" when it makes enough. Parquet is cut only
+    between row groups: a file of one group is one shard whatever `rows_per_shard` says."""
+    if len(shards) >= workers or not shards:
+        return ""
+    idle = workers - len(shards)
+    total = sum(s.rows for s in shards)
+    each = max(1, -(-total // workers))
+    said = (
+        f"the input makes {len(shards)} shard{'s' if len(shards) > 1 else ''} for up to "
+        f"{workers} workers: {idle} will have nothing to do"
+    )
+    if all(s.format == "parquet" for s in shards):
+        groups = sum(len(s.row_groups) for s in shards)
+        if groups > len(shards):  # groups were packed together: smaller shards can be had
+            return f"{said}. Set input.rows_per_shard to {each:,} or less"
+        largest = max(s.rows for s in shards)
+        return (
+            f"{said}. Its Parquet files hold {groups} row group{'s' if groups > 1 else ''} "
+            f"(the largest of {largest:,} rows), and a row group is never cut: write the "
+            f"files with row groups of {each:,} rows or less (pyarrow: "
+            f"pq.write_table(table, path, row_group_size={each})), or run "
+            f"{len(shards)} worker{'s' if len(shards) > 1 else ''}"
+        )
+    now = f" (now {rows_per_shard:,})" if rows_per_shard else ""
+    return f"{said}. Set input.rows_per_shard to {each:,} or less{now}"

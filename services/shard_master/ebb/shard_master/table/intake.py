@@ -22,6 +22,7 @@ from ebb.common.messaging.messages import JobEvent
 
 from ..errors import BadRequest, MissingColumns, OutputTaken, PlanningError
 from ..planning.planner import plan_input
+from ..planning.sizing import few_shards_advice
 from .context import TableContext
 from .jobs import Job
 from .lifecycle import JobLifecycle
@@ -115,14 +116,15 @@ class JobIntake:
         # The columns the stages reading the rows as read name: when every column is read,
         # the files must have them (with input.columns, the spec's own check saw to it).
         read = spec.pipeline.columns_read() if spec.input.columns is None else {}
+        # Those that read the input: a job in tiers, its first tier's.
+        first_workers = spec.tier_resources(spec.tier_names()[0]).max_workers
         required = [*(spec.input.columns or []), *spec.output.carryover, *read]
         try:
             plan = await asyncio.to_thread(
                 plan_input,
                 spec.input,
                 required_columns=list(dict.fromkeys(required)),
-                # Those that read it: a job in tiers, its first tier's.
-                workers=spec.tier_resources(spec.tier_names()[0]).max_workers,
+                workers=first_workers,
             )
         except MissingColumns as e:
             named = [
@@ -140,8 +142,15 @@ class JobIntake:
         await self._claim_output(submitted, replace_output_of=replace_output_of)
         if job is None:
             submitted_at = self._context.wall_clock()
+            advice = few_shards_advice(
+                shard_specs, first_workers, rows_per_shard=spec.input.rows_per_shard
+            )
             record = JobRecord(
-                id=spec.id, spec=spec.to_dict(), submitted_at=submitted_at, pools_placed=True
+                id=spec.id,
+                spec=spec.to_dict(),
+                submitted_at=submitted_at,
+                pools_placed=True,
+                advice=advice,
             )
             revision = await store.create_job(record)
             if revision is None:

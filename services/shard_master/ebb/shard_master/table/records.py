@@ -124,6 +124,9 @@ class JobRecord:
     """A job whose spec names an MLflow tracking URI, once it SUCCEEDED: "pending" (written
     with the SUCCEEDED) until its metrics are logged as a run, then that run's id
     (ebb.shard_master.table.tracking)."""
+    advice: str = ""
+    """What to change for the job to use all its workers (planning.sizing.few_shards_advice);
+    "" when its input makes enough shards."""
     pools_placed: bool = False
     """Written by a master whose controller places workers by `resources.pool`. A record
     without it is read with the pools its spec meant then (placement.as_meant_before_pools)."""

@@ -114,6 +114,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         workers_ready=len(job.ready_workers),
         workers_lost={k: n for k, n in record.workers_lost.items() if k != DRAINED},
         workers_drained=record.workers_lost.get(DRAINED, 0),
+        advice=record.advice,
         attempts_forgiven=record.attempts_forgiven,
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
         row_errors=most_common_errors(job.errors) if live else dict(record.row_errors),
