@@ -236,10 +236,16 @@ async def _measure(
 
         controller = psutil.Process(stack.processes["controller"].pid)
 
+        def a_worker(p: psutil.Process) -> bool:
+            try:
+                return "ebb.worker" in p.cmdline()
+            except psutil.NoSuchProcess:  # gone, or a zombie its parent has not reaped yet
+                return False
+
         def settled() -> None:
             """Until the last run's workers are gone: each run starts on idle cores."""
             deadline = time.monotonic() + 120
-            while any("ebb.worker" in p.cmdline() for p in controller.children(recursive=True)):
+            while any(a_worker(p) for p in controller.children(recursive=True)):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the last run's workers did not exit")
                 time.sleep(0.1)
