@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ebb.common.data.layout import OutputFile, attempt_dir
 from ebb.common.data.output import OutputStore, new_commit
@@ -392,3 +394,60 @@ async def test_the_input_order_puts_the_first_half_and_its_parts_before_the_seco
     assert order == ([0, 1, 3, 2] if half.shard.index == 1 else [0, 1, 2, 3])
     assert sorted(await finish_all(table, spec)) == sorted([other, 3])
     assert job.record.rows_done == 100
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    cuts=st.lists(
+        st.tuples(st.integers(min_value=1, max_value=99), st.booleans()), min_size=1, max_size=12
+    )
+)
+async def test_parts_and_rests_cover_every_row_once_however_they_are_cut(
+    tmp_path_factory: pytest.TempPathFactory, cuts: list[tuple[int, bool]]
+) -> None:
+    """Parts committed at any point of any shard, rests moved whole or cut in two: the DONE
+    pieces' rows, in the manifest's order, are the input's rows, each once, in order."""
+    tmp_path = tmp_path_factory.mktemp("cuts")
+    store, _clock, table, spec, job = await running_job(tmp_path, shards=2)
+    for percent, halve in cuts:
+        reply = await table.lease(spec.id, "w1")
+        if reply.status != "granted":
+            break
+        assert reply.shard is not None
+        job.shards[reply.shard.index].halve_from = 2 if halve else 0
+        split_at = max(1, reply.shard.rows * percent // 100)
+        whole = split_at >= reply.shard.rows
+        commit_part(
+            spec,
+            reply,
+            rows=reply.shard.rows if whole else split_at,
+            split_at=0 if whole else split_at,
+        )
+        await table.commit(reply.token)
+    await finish_all(table, spec)
+    assert job.record.state == "SUCCEEDED"
+    records = {r.spec.index: r for r, _ in store.shards.values()}
+
+    def rows_of(index: int) -> list[int]:
+        """The rows of a piece and of its rests (the first half's, then the second's)."""
+        rec = records[index]
+        first = rec.spec.row_groups[0] * 100 + rec.spec.row_offset
+        rows = list(range(first, first + (rec.split_at or rec.spec.rows)))
+        for rest in (rec.remainder, rec.remainder_half):
+            if rest is not None:
+                assert records[rest.index].split_from == index
+                rows += rows_of(rest.index)
+        return rows
+
+    def pieces(index: int) -> list[int]:
+        rec = records[index]
+        rests = [r.index for r in (rec.remainder, rec.remainder_half) if r is not None]
+        return [index, *(i for rest in rests for i in pieces(rest))]
+
+    covered = [row for i in (0, 1) for row in rows_of(i)]
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None
+    assert [f.shard for f in manifest.files] == pieces(0) + pieces(1)  # the input's order
+    assert covered == list(range(200))
