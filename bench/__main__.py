@@ -40,6 +40,7 @@ SECTIONS = {
     "llm": "llm",
     "llmgpu": "llm_gpu",
     "gateway": "gateway",
+    "onegroup": "one_group",
 }
 ORDER = list(SECTIONS)
 

@@ -10,7 +10,12 @@ time (`--shards-in-flight 1`: with the default prefetch a worker would hold two 
   the liquid tail: the job ends when the slow worker finishes its quarter.
 - static split + liquid tail: the same four shards; when a fast worker finds nothing left,
   the master asks the slow one, on its next renewal, to commit the rows it has done, and
-  the rest becomes a shard at the head of the queue, for the idle worker.
+  the rest becomes a shard at the head of the queue, for the idle worker; a holder at the
+  usual rate whose rest is worth two workers has it cut in two, a half for the idle worker
+  and a half for itself, and so on while workers are idle.
+- static split + liquid tail, rests moved whole (before): the same, with the master's
+  `EBB_SPLIT_HALVES=0`: only the straggler's rest moves, whole, as the liquid tail did before
+  it cut rests in two.
 - small shards + speculation: 64 shards leased as workers ask for them, the slow worker
   simply taking fewer; at the end a shard still running well past the usual shard time (and
   5 s at least) is run again on an idle worker, and the first commit wins.
@@ -70,10 +75,16 @@ class Variant:
     """Equal shards; None: no `rows_per_shard` (sized for the fleet)."""
     speculative: bool
     split_tail: bool
+    halves: bool = True
+    """The master cuts a rest in two for an idle worker (EBB_SPLIT_HALVES); False: a split
+    moves a straggler's rest whole, as the liquid tail did before."""
 
 
 VARIANTS = {
     "static split": Variant(WORKERS, speculative=False, split_tail=False),
+    "static split + liquid tail, rests moved whole (before)": Variant(
+        WORKERS, speculative=False, split_tail=True, halves=False
+    ),
     "static split + liquid tail": Variant(WORKERS, speculative=False, split_tail=True),
     "small shards + speculation": Variant(ROW_GROUPS, speculative=True, split_tail=False),
     "small shards + liquid tail": Variant(ROW_GROUPS, speculative=False, split_tail=True),
@@ -93,7 +104,7 @@ class Outcome:
     planned: int
     """Shards the job was planned into."""
     splits: int
-    """Parts committed: shards the liquid tail split."""
+    """Parts committed: shards the liquid tail split (a rest moved whole, or cut in two)."""
     rests_taken_back: int
     """Rests of split shards that the slow worker ran itself."""
     second_attempts: int
@@ -128,10 +139,9 @@ def spec(data: Path, out: Path, *, rows: int, variant: Variant) -> dict[str, Any
     }
 
 
-def _outcome(out: Path, seconds: float, shards_total: int) -> Outcome:
+def _outcome(out: Path, seconds: float, planned: int) -> Outcome:
     records = [json.loads(p.read_text()) for p in (out / COMMITS_DIR).glob("*.json")]
     splits = sum(1 for r in records if r.get("split_at"))
-    planned = shards_total - splits  # each split made one more shard: its rest
     return Outcome(
         seconds=seconds,
         planned=planned,
@@ -145,6 +155,8 @@ def _outcome(out: Path, seconds: float, shards_total: int) -> Outcome:
 
 async def _once(ctx: Context, data: Path, rows: int, chunk_rows: int, variant: Variant) -> Outcome:
     root = ctx.dir(f"straggle-{time.monotonic_ns()}")
+    before = os.environ.get(envvars.SPLIT_HALVES)
+    os.environ[envvars.SPLIT_HALVES] = "1" if variant.halves else "0"  # the master inherits it
     stack = LocalStack(
         StackConfig(
             state_dir=root / "state",
@@ -153,7 +165,13 @@ async def _once(ctx: Context, data: Path, rows: int, chunk_rows: int, variant: V
             log_level="WARNING",
         )
     )
-    await stack.start()
+    try:
+        await stack.start()
+    finally:
+        if before is None:
+            os.environ.pop(envvars.SPLIT_HALVES, None)
+        else:
+            os.environ[envvars.SPLIT_HALVES] = before
     workers: list[asyncio.subprocess.Process] = []
     try:
         client = await EbbClient.connect(stack.nats_config)
@@ -161,6 +179,7 @@ async def _once(ctx: Context, data: Path, rows: int, chunk_rows: int, variant: V
             job = parse_job(spec(data, root / "out", rows=rows, variant=variant))
             started = time.perf_counter()
             job_id = await client.submit(job)
+            planned = (await client.job(job_id)).shards_total  # before any worker starts
             base_env = {
                 **os.environ,
                 envvars.LOG_LEVEL: "WARNING",
@@ -188,7 +207,7 @@ async def _once(ctx: Context, data: Path, rows: int, chunk_rows: int, variant: V
             seconds = time.perf_counter() - started
             if final.state != "SUCCEEDED":
                 raise RuntimeError(f"benchmark job failed: {final.reason}")
-            return _outcome(root / "out", seconds, final.shards_total)
+            return _outcome(root / "out", seconds, planned)
         finally:
             await client.close()
     finally:

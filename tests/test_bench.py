@@ -45,6 +45,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 15. Tiers in the cluster simulation",
         "## 16. LLM generation",
         "## 18. The Batch API",
+        "## 19. One Parquet file of one row group",
     ):
         assert heading in report
     assert "| bound (hardware) |" in report
@@ -61,6 +62,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "oneread",
         "tiers",
         "tierssim",
+        "onegroup",
     ):
         assert (out.parent / "img" / f"{plot}.png").stat().st_size > 1000
 

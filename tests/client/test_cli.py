@@ -334,9 +334,10 @@ def test_a_run_that_cannot_use_its_workers_says_so_and_what_to_change(tmp_path: 
     result = ebb("run", "job.yaml", *ROOTS, "--max-workers", "2", cwd=tmp_path)
     assert result.returncode == 0, said(result)
     assert (
-        "note: the input makes 1 shard for up to 2 workers: 1 will have nothing to do. Its "
-        "Parquet files hold 1 row group (the largest of 20,000 rows), and a row group is never "
-        "cut: write the files with row groups of 10,000 rows or less"
+        "note: the input makes 1 shard for up to 2 workers: 1 waits until a running shard is "
+        "split for it. Its Parquet files hold 1 row group (the largest of 20,000 rows), and "
+        "a row group is not cut before the job starts: for every worker to start at once, "
+        "write the files with row groups of 10,000 rows or less"
     ) in said(result)
 
 

@@ -237,3 +237,39 @@ async def test_at_the_tail_a_straggler_s_shard_is_split_for_the_idle_worker(
     assert all(pid_of(c["worker"]) in (None, int(straggler)) for c in parts)
     assert final.shards_total == 4 + len(parts)
     assert all(c["attempt"] == 1 for c in commits.values()), "no shard computed twice"
+
+
+async def test_one_file_of_one_row_group_is_computed_by_every_worker(
+    tmp_path: Path, prefix: str
+) -> None:
+    """A Parquet file as pyarrow writes it by default (one row group) is one shard: the
+    second worker has nothing queued, so the master has the holder split it and cuts the
+    rest in two, a half for each, and again while halves are worth it. Speculation is off:
+    nothing is computed twice."""
+    rows = 16_000
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_048_576)
+    write_model(tmp_path / "model.onnx")
+    stages = slow_stages(tmp_path, 0.1)
+    stages[1]["threads"] = 1  # each worker's model on a core of its own
+    spec = job_spec(
+        tmp_path,
+        stages=stages,
+        workers=(2, 2),
+        fault={"lease_s": 6, "speculative": False},
+    )
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=2) as stack,
+        await EbbClient.connect(stack.nats_config) as client,
+    ):
+        job_id = await client.submit(parse_job(spec))
+        final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.rows_done == rows
+    assert_exactly_once(tmp_path, rows)
+    commits = _commits(tmp_path)
+    assert any(c["split_at"] for c in commits.values()), "the one shard was split"
+    # A rest cut in two: the part and both halves, at least (a rest moved whole makes 2).
+    assert final.shards_total >= 3 and len(commits) == final.shards_total
+    workers = {c["worker"] for c in commits.values() if sum(f["rows"] for f in c["files"])}
+    assert len(workers) == 2, f"rows committed by {workers}"
+    assert all(c["attempt"] == 1 for c in commits.values()), "no shard computed twice"

@@ -302,19 +302,23 @@ def test_an_input_of_fewer_shards_than_workers_says_what_to_change(tmp_path: Pat
     table = pa.table({"x": np.arange(200_000)})
     pq.write_table(table, tmp_path / "one.parquet")  # pyarrow's defaults: one row group
     one = plan_shards(InputSpec(uri=str(tmp_path / "one.parquet")), workers=2)
-    said = few_shards_advice(one, 2, rows_per_shard=None)
-    assert said.startswith("the input makes 1 shard for up to 2 workers: 1 will have nothing")
-    assert "1 row group (the largest of 200,000 rows), and a row group is never cut" in said
-    assert "row_group_size=100000" in said and "or run 1 worker" in said
-    assert few_shards_advice(one, 1, rows_per_shard=None) == ""
+    said = few_shards_advice(one, 2, rows_per_shard=None, split_tail=True)
+    assert said.startswith(
+        "the input makes 1 shard for up to 2 workers: 1 waits until a running shard is split"
+    )
+    assert "1 row group (the largest of 200,000 rows), and a row group is not cut before" in said
+    assert "for every worker to start at once" in said and "row_group_size=100000" in said
+    unsplit = few_shards_advice(one, 2, rows_per_shard=None, split_tail=False)
+    assert "1 will have nothing to do" in unsplit
+    assert few_shards_advice(one, 1, rows_per_shard=None, split_tail=True) == ""
 
     pq.write_table(table, tmp_path / "many.parquet", row_group_size=10_000)
     packed = InputSpec(uri=str(tmp_path / "many.parquet"), rows_per_shard=200_000)
     shards = plan_shards(packed, workers=4)
-    assert few_shards_advice(shards, 4, rows_per_shard=200_000).endswith(
+    assert few_shards_advice(shards, 4, rows_per_shard=200_000, split_tail=True).endswith(
         "Set input.rows_per_shard to 50,000 or less"
     )
     text = [ShardSpec(index=0, path="/a.csv", format="csv", rows=9_000)]
-    assert few_shards_advice(text, 3, rows_per_shard=10_000).endswith(
-        "Set input.rows_per_shard to 3,000 or less (now 10,000)"
-    )
+    told = few_shards_advice(text, 3, rows_per_shard=10_000, split_tail=True)
+    assert "2 will have nothing to do" in told  # a text shard is not cut in two
+    assert told.endswith("Set input.rows_per_shard to 3,000 or less (now 10,000)")

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ebb.common.data.layout import OutputFile, attempt_dir
 from ebb.common.data.output import OutputStore, new_commit
-from ebb.common.job import JobSpec
+from ebb.common.job import JobSpec, parse_job
 from ebb.common.messaging.messages import LeaseReply, ShardSpec, StatusRequest
 from ebb.shard_master.errors import StateUnsure
 from ebb.shard_master.table.finish import in_input_order
@@ -24,6 +26,7 @@ from ebb.shard_master.table.records import ShardRecord
 from ebb.shard_master.table.tail import KEEP_REST_S
 from ebb.shard_master.table.transitions import missing_remainders, split_part
 
+from ..helpers import job_spec, write_dataset, write_model
 from .test_lease_table import (
     Clock,
     MemoryStore,
@@ -310,3 +313,141 @@ async def test_a_worker_with_nothing_to_do_at_the_tail_asks_again_less_often(
     assert await table.intake.submit(short)
     await table.lease(short.id, "busy")
     assert (await table.lease(short.id, "idle")).retry_after_s == 1.0  # never below wait_retry_s
+
+
+async def test_one_shard_for_two_workers_is_cut_in_halves_for_both_each_row_once(
+    tmp_path: Path,
+) -> None:
+    """A Parquet file of one row group is one shard. A worker with nothing to do has the
+    holder, at the usual rate, split it: its rest is cut in two, a half for each."""
+    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=100_000, fault={"lease_s": 30})).with_id()
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    holder = await table.lease(spec.id, "holder")
+    clock.now += 10
+    assert not (await table.renew(holder.token, rows_done=10_000)).split  # 90 s left
+    assert (await table.lease(spec.id, "idle")).status == "wait"  # its holder is asked
+    assert job.shards[0].split_asked == {holder.token} and job.shards[0].halve_from
+    assert (await table.renew(holder.token, rows_done=12_000)).split
+    commit_part(spec, holder, rows=12_000, split_at=12_000)
+    await table.commit(holder.token)
+
+    part = job.shards[0].record
+    assert part.remainder is not None and part.remainder_half is not None
+    assert [(r.index, r.row_offset, r.rows) for r in (part.remainder, part.remainder_half)] == [
+        (1, 12_000, 44_000),
+        (2, 56_000, 44_000),
+    ]
+    # The first half is kept for the worker it was split for; the holder takes the second.
+    second = await table.lease(spec.id, "holder")
+    first = await table.lease(spec.id, "idle")
+    assert second.shard is not None and second.shard.index == 2
+    assert first.shard is not None and first.shard.index == 1
+    assert {job.shards[i].record.split_from for i in (1, 2)} == {0}
+    assert_indexes_match_records(job, store)
+    for reply in (second, first):  # the second half done first: the order is the input's
+        assert reply.shard is not None
+        commit_part(spec, reply, rows=reply.shard.rows)
+        await table.commit(reply.token)
+    assert job.record.state == "SUCCEEDED" and job.record.rows_done == 100_000
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None and [f.shard for f in manifest.files] == [0, 1, 2]
+
+
+def test_a_rest_cut_in_two_names_both_halves_and_a_master_that_died_creates_them() -> None:
+    part = split_part(_record(0, seq=0), 10, index=5, halve_from=20)
+    assert part.remainder is not None and part.remainder_half is not None
+    assert (part.remainder.row_offset, part.remainder.rows) == (10, 45)
+    assert (part.remainder_half.row_offset, part.remainder_half.rows) == (55, 45)
+    missing = missing_remainders([part])
+    assert [(r.spec.index, r.split_from, r.spec.row_offset) for r in missing] == [
+        (5, 0, 10),
+        (6, 0, 55),
+    ]
+    # Too small a rest moves whole; a CSV rest (its rows a guess) is never cut.
+    assert split_part(_record(0, seq=0), 90, index=5, halve_from=20).remainder_half is None
+    text = ShardRecord(
+        job="j", spec=ShardSpec(index=0, path="x.csv", format="csv", rows=100), seq=0
+    )
+    assert split_part(text, 10, index=5, halve_from=20).remainder_half is None
+
+
+async def test_the_input_order_puts_the_first_half_and_its_parts_before_the_second(
+    tmp_path: Path,
+) -> None:
+    _store, _clock, table, spec, job = await running_job(tmp_path, shards=1)
+    job.shards[0].halve_from = 20  # as an idle worker's ask leaves it
+    first = await table.lease(spec.id, "w1")
+    commit_part(spec, first, rows=10, split_at=10)
+    await table.commit(first.token)  # 0: [0, 10), 1: [10, 55), 2: [55, 100)
+    half = await table.lease(spec.id, "w1")
+    assert half.shard is not None and half.shard.index in (1, 2)
+    other = 3 - half.shard.index
+    commit_part(spec, half, rows=5, split_at=5)  # that half split again: 3
+    await table.commit(half.token)
+    assert job.shards[3].record.split_from == half.shard.index
+    order = [s.index for s in in_input_order(job)]
+    assert order == ([0, 1, 3, 2] if half.shard.index == 1 else [0, 1, 2, 3])
+    assert sorted(await finish_all(table, spec)) == sorted([other, 3])
+    assert job.record.rows_done == 100
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    cuts=st.lists(
+        st.tuples(st.integers(min_value=1, max_value=99), st.booleans()), min_size=1, max_size=12
+    )
+)
+async def test_parts_and_rests_cover_every_row_once_however_they_are_cut(
+    tmp_path_factory: pytest.TempPathFactory, cuts: list[tuple[int, bool]]
+) -> None:
+    """Parts committed at any point of any shard, rests moved whole or cut in two: the DONE
+    pieces' rows, in the manifest's order, are the input's rows, each once, in order."""
+    tmp_path = tmp_path_factory.mktemp("cuts")
+    store, _clock, table, spec, job = await running_job(tmp_path, shards=2)
+    for percent, halve in cuts:
+        reply = await table.lease(spec.id, "w1")
+        if reply.status != "granted":
+            break
+        assert reply.shard is not None
+        job.shards[reply.shard.index].halve_from = 2 if halve else 0
+        split_at = max(1, reply.shard.rows * percent // 100)
+        whole = split_at >= reply.shard.rows
+        commit_part(
+            spec,
+            reply,
+            rows=reply.shard.rows if whole else split_at,
+            split_at=0 if whole else split_at,
+        )
+        await table.commit(reply.token)
+    await finish_all(table, spec)
+    assert job.record.state == "SUCCEEDED"
+    records = {r.spec.index: r for r, _ in store.shards.values()}
+
+    def rows_of(index: int) -> list[int]:
+        """The rows of a piece and of its rests (the first half's, then the second's)."""
+        rec = records[index]
+        first = rec.spec.row_groups[0] * 100 + rec.spec.row_offset
+        rows = list(range(first, first + (rec.split_at or rec.spec.rows)))
+        for rest in (rec.remainder, rec.remainder_half):
+            if rest is not None:
+                assert records[rest.index].split_from == index
+                rows += rows_of(rest.index)
+        return rows
+
+    def pieces(index: int) -> list[int]:
+        rec = records[index]
+        rests = [r.index for r in (rec.remainder, rec.remainder_half) if r is not None]
+        return [index, *(i for rest in rests for i in pieces(rest))]
+
+    covered = [row for i in (0, 1) for row in rows_of(i)]
+    manifest = OutputStore(spec.output.uri).read_manifest()
+    assert manifest is not None
+    assert [f.shard for f in manifest.files] == pieces(0) + pieces(1)  # the input's order
+    assert covered == list(range(200))

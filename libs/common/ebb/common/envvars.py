@@ -85,6 +85,9 @@ DATA_ROOTS = "EBB_DATA_ROOTS"
 LEADER_TTL_S = "EBB_LEADER_TTL_S"
 JOB_RETENTION_S = "EBB_JOB_RETENTION_S"
 """Seconds a finished job stays in the master's memory and KV (its output stays)."""
+SPLIT_HALVES = "EBB_SPLIT_HALVES"
+"""`0`: the master moves a split's rest whole, never cut in two for an idle worker (how the
+liquid tail split before; benchmarks compare the two)."""
 JS_REPLICAS = "EBB_JS_REPLICAS"
 """Copies of the jobs stream and the KV buckets on a NATS cluster (3 on three servers)."""
 

@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="copies of the jobs stream and KV buckets (3 on a three-node NATS cluster)",
     )
     p.add_argument("--speculate-after", type=float, default=MasterConfig.speculate_after_s)
+    p.add_argument(
+        "--split-halves",
+        type=int,
+        choices=(0, 1),
+        default=int(env(envvars.SPLIT_HALVES, "1")),
+        help="1: cut a split's rest in two for an idle worker; 0: move it whole",
+    )
     metricsserver.add_metrics_argument(p)
     p.add_argument("--log-level", default=env(envvars.LOG_LEVEL, "INFO"))
     return p.parse_args(argv)
@@ -63,6 +70,7 @@ async def amain(args: argparse.Namespace) -> int:
         js_replicas=args.js_replicas,
         job_retention_s=args.job_retention,
         speculate_after_s=args.speculate_after,
+        split_halves=bool(args.split_halves),
         metrics_port=args.metrics_port,
     )
     master = ShardMaster(config)

@@ -69,6 +69,9 @@ class MasterConfig:
     """Told to workers that find no shard free, yet the job unfinished."""
     speculate_after_s: float = 5.0
     """A shard runs at least this long (and 1.5x the median shard time) before it is duplicated."""
+    split_halves: bool = True
+    """At the tail, a holder at the usual rate has its rest cut in two for an idle worker
+    (`table.tail.pick_split`). False: only stragglers are split, their rest moved whole."""
     lease_grace_s: float = 5.0
     """A lease that this master finds after a restart lives this long past the deadline it
     had (time for its holder to reach us), however often the master restarts."""
@@ -190,6 +193,7 @@ class ShardMaster:
             on_event=self._emit,
             wait_retry_s=self.config.wait_retry_s,
             speculate_after_s=self.config.speculate_after_s,
+            split_halves=self.config.split_halves,
             lease_grace_s=self.config.lease_grace_s,
         )
         await table.load()

@@ -204,10 +204,12 @@ class FaultPolicy:
     speculative: bool = True
     """Re-lease the oldest running shards to idle workers at the tail of the job."""
     split_tail: bool = True
-    """At the tail of the job (nothing queued, a worker idle), ask the holder of the running
-    shard with the most work left to commit the rows it has done and hand over the rest,
-    before any shard is re-leased whole (speculation stays for holders that tell no
-    progress)."""
+    """At the tail of the job (nothing queued, a worker idle), ask the holder of a running
+    shard to commit the rows it has done and hand over the rest, before any shard is
+    re-leased whole (speculation stays for holders that tell no progress): a straggler's rest
+    moves whole to the idle worker; a Parquet shard's rest worth two workers is cut in two, a
+    half each for the idle worker and the holder (so a file of one row group is computed by
+    every worker)."""
 
     def worker_loss_cap(self) -> int:
         """Forgiven losses of one shard after which it is quarantined anyway."""

@@ -57,31 +57,40 @@ def pack(pieces: Sequence[ShardSpec], rows_per_shard: int) -> list[ShardSpec]:
 
 
 def few_shards_advice(
-    shards: Sequence[ShardSpec], workers: int, *, rows_per_shard: int | None
+    shards: Sequence[ShardSpec], workers: int, *, rows_per_shard: int | None, split_tail: bool
 ) -> str:
-    """What to change when the input makes fewer shards than the job's workers (some would
-    have nothing to do from the start); "" when it makes enough. Parquet is cut only
-    between row groups: a file of one group is one shard whatever `rows_per_shard` says."""
+    """What to change when the input makes fewer shards than the job's workers (some have
+    nothing to do from the start); "" when it makes enough. Parquet is cut only between row
+    groups when planned: a file of one group is one shard whatever `rows_per_shard` says.
+    With `split_tail` a running Parquet shard is split for idle workers (its rest cut in two),
+    so they wait only for its first rows, and decode part of its group again."""
     if len(shards) >= workers or not shards:
         return ""
     idle = workers - len(shards)
     total = sum(s.rows for s in shards)
     each = max(1, -(-total // workers))
+    parquet = all(s.format == "parquet" for s in shards)
+    one = idle == 1
+    waits = (
+        f"{'waits' if one else 'wait'} until a running shard is split for {'it' if one else 'them'}"
+        if parquet and split_tail
+        else "will have nothing to do"
+    )
     said = (
         f"the input makes {len(shards)} shard{'s' if len(shards) > 1 else ''} for up to "
-        f"{workers} workers: {idle} will have nothing to do"
+        f"{workers} workers: {idle} {waits}"
     )
-    if all(s.format == "parquet" for s in shards):
+    if parquet:
         groups = sum(len(s.row_groups) for s in shards)
         if groups > len(shards):  # groups were packed together: smaller shards can be had
             return f"{said}. Set input.rows_per_shard to {each:,} or less"
         largest = max(s.rows for s in shards)
+        start = "for every worker to start at once" if split_tail else "for every worker"
         return (
             f"{said}. Its Parquet files hold {groups} row group{'s' if groups > 1 else ''} "
-            f"(the largest of {largest:,} rows), and a row group is never cut: write the "
-            f"files with row groups of {each:,} rows or less (pyarrow: "
-            f"pq.write_table(table, path, row_group_size={each})), or run "
-            f"{len(shards)} worker{'s' if len(shards) > 1 else ''}"
+            f"(the largest of {largest:,} rows), and a row group is not cut before the job "
+            f"starts: {start}, write the files with row groups of {each:,} rows or less "
+            f"(pyarrow: pq.write_table(table, path, row_group_size={each}))"
         )
     now = f" (now {rows_per_shard:,})" if rows_per_shard else ""
     return f"{said}. Set input.rows_per_shard to {each:,} or less{now}"

@@ -40,15 +40,23 @@ def in_input_order(job: Job) -> list[Shard]:
         return found
 
     def pieces(first: Shard) -> list[Shard]:
+        """`first`, then the pieces of its rest in order: its remainder's, then those of
+        the rest's second half, if the rest was cut in two. Iterative: a shard split a
+        thousand times is a chain a thousand long."""
         chain: list[Shard] = []
-        part: Shard | None = first
-        while part is not None:
+        todo: list[Shard] = [first]
+        while todo:
+            part = todo.pop()
             if part.index in placed:
                 raise TableCorrupt(f"job {job.id}: shard {part.index} is reached twice")
             placed.add(part.index)
             chain.append(part)
-            rest = part.record.remainder
-            part = successor(part, rest.index if rest is not None else None)
+            # Pushed last, taken first: the first half (and what it was split into) before
+            # the second.
+            for rest in (part.record.remainder_half, part.record.remainder):
+                found = successor(part, rest.index if rest is not None else None)
+                if found is not None:
+                    todo.append(found)
         return chain
 
     def down(first: Shard) -> list[Shard]:

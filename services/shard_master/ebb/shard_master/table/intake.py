@@ -143,7 +143,10 @@ class JobIntake:
         if job is None:
             submitted_at = self._context.wall_clock()
             advice = few_shards_advice(
-                shard_specs, first_workers, rows_per_shard=spec.input.rows_per_shard
+                shard_specs,
+                first_workers,
+                rows_per_shard=spec.input.rows_per_shard,
+                split_tail=spec.fault.split_tail,
             )
             record = JobRecord(
                 id=spec.id,

@@ -33,6 +33,7 @@ class Shard:
     __slots__ = (
         "deadlines",
         "granted",
+        "halve_from",
         "kept_for",
         "lock",
         "persisted",
@@ -66,6 +67,11 @@ class Shard:
         take it back."""
         self.split_asked: set[str] = set()
         """Active lease tokens whose holders are asked to split (on their renewals' replies)."""
+        self.halve_from = 0
+        """Asked to split for an idle worker while its holder computes at the usual rate: a
+        rest of at least this many rows is cut in two (`transitions.split_part`), for the
+        idle worker and the holder. 0: one rest, as a straggler's or a drain's. In memory: a
+        master that restarts meanwhile makes one rest."""
 
     @property
     def index(self) -> int:
@@ -73,10 +79,11 @@ class Shard:
 
 
 def named_index(record: ShardRecord) -> int:
-    """The highest shard index `record` names: its own, its remainder's, its hand-off's."""
+    """The highest shard index `record` names: its own, its remainders', its hand-off's."""
     return max(
         record.spec.index,
         record.remainder.index if record.remainder is not None else -1,
+        record.remainder_half.index if record.remainder_half is not None else -1,
         record.handoff if record.handoff is not None else -1,
     )
 

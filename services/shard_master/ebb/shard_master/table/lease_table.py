@@ -98,6 +98,7 @@ class LeaseTable:
         open_output: OutputOpener = OutputStore,
         wait_retry_s: float = 1.0,
         speculate_after_s: float = 5.0,
+        split_halves: bool = True,
         lease_grace_s: float = 5.0,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] = time.time,
@@ -105,6 +106,7 @@ class LeaseTable:
         self._epoch = epoch
         self._wait_retry_s = wait_retry_s
         self._speculate_after_s = speculate_after_s
+        self._split_halves = split_halves
         self._lease_replies: OrderedDict[tuple[str, str], LeaseReply] = OrderedDict()
         self.context = context = TableContext(
             jobs={},
@@ -312,7 +314,15 @@ class LeaseTable:
     def _ask_split(self, job: Job, tier: Tier, worker: str) -> bool:
         lease_s = job.spec.fault.lease_s
         min_gain_s = max(self._speculate_after_s, lease_s * 2 / 3)
-        return ask_split(job, tier, worker, now=self.context.clock(), min_gain_s=min_gain_s)
+        return ask_split(
+            job,
+            tier,
+            worker,
+            now=self.context.clock(),
+            min_gain_s=min_gain_s,
+            min_halve_gain_s=self._speculate_after_s,
+            halves=self._split_halves,
+        )
 
     def _check_holder(self, shard: Shard, token: str, caller: str | None) -> None:
         """Refuse a current lease token used by anyone but the worker it was granted to

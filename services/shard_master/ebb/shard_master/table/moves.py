@@ -156,8 +156,10 @@ class ShardMoves:
                 # them is written: whatever its answer, no other record is made with them.
                 first = index = job.next_index
                 if commit.split_at:
-                    new = split_part(new, commit.split_at, index=index)
-                    index += new.remainder is not None
+                    # Split for an idle worker: the rest, if worth two, goes to two.
+                    halve = shard.halve_from if new.handed_from is None else 0
+                    new = split_part(new, commit.split_at, index=index, halve_from=halve)
+                    index += (new.remainder is not None) + (new.remainder_half is not None)
                 if hands_on:
                     new = replace(new, handoff=index)
                     index += 1
@@ -173,6 +175,8 @@ class ShardMoves:
                     failpoints.hit(failpoints.MASTER_BEFORE_SUCCESSOR, f"{shard.index}{names}")
                 if new.remainder is not None:
                     await self._queue_remainder(job, new)
+                if new.remainder_half is not None:
+                    await self._queue_remainder(job, new, half=True)
                 if new.handoff is not None:
                     await self._queue_handoff(job, new)
         finally:
@@ -233,17 +237,18 @@ class ShardMoves:
                 e,
             )
 
-    async def _queue_remainder(self, job: Job, part: ShardRecord) -> None:
-        """Create the record of the shard a split leaves, first in the queue (caller holds
-        the job's `splitting` lock: its index is the next one)."""
-        record = remainder_record(job.id, part, seq=job.head_seq - 1)
+    async def _queue_remainder(self, job: Job, part: ShardRecord, *, half: bool = False) -> None:
+        """Create the record of the shard a split leaves (`half`: the second half of a rest
+        cut in two), first in the queue (caller holds the job's `splitting` lock: its index
+        is the next one)."""
+        record = remainder_record(job.id, part, seq=job.head_seq - 1, half=half)
         revision = await self._create_successor(
             job, record, f"shard {part.spec.index} was split but its remainder"
         )
         job.head_seq -= 1
         remainder = Shard(record, revision)
         asker = next((w for w, i in job.split_asks.items() if i == part.spec.index), None)
-        if asker is not None:  # a straggler's rest: for the worker it was split for
+        if asker is not None and not half:  # a rest split off for the worker that asked
             del job.split_asks[asker]
             remainder.kept_for = (asker, self._context.clock() + KEEP_REST_S)
         job.add_shard(remainder)
@@ -251,10 +256,11 @@ class ShardMoves:
         job.publish_gauges("TODO")
         metrics.SPLITS.labels(job.id).inc()
         log.info(
-            "job %s: shard %d split after %d rows; the rest (%d rows) is shard %d",
+            "job %s: shard %d split after %d rows; the rest%s (%d rows) is shard %d",
             job.id,
             part.spec.index,
             part.split_at,
+            "'s second half" if half else "",
             record.spec.rows,
             record.spec.index,
         )

@@ -84,6 +84,10 @@ class ShardRecord:
     part's DONE, so that the split is one durable transition: a master that dies before it
     created the remainder's own record creates it when it loads the job
     (`transitions.missing_successors`)."""
+    remainder_half: ShardSpec | None = None
+    """The rest cut in two for an idle worker (a split's rest worth two workers): the second
+    half, a shard of its own, and `remainder` the first. Written with the DONE, as
+    `remainder` is; both halves name this shard as `split_from`."""
     split_from: int | None = None
     """The shard this one is the remainder of."""
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -217,4 +221,5 @@ def describe(record: ShardRecord) -> str:
     state, and the successors it names ("handoff", "split")."""
     names = " handoff" if record.handoff is not None else ""
     names += " split" if record.remainder is not None else ""
+    names += " halves" if record.remainder_half is not None else ""
     return f"shard {shard_key(record.job, record.spec.index)} {record.state}{names}"

@@ -1,11 +1,14 @@
 """The tail of a job: nothing is queued, some workers are idle, and the last shards still run.
 
 Two answers, both to a lease request that finds nothing queued:
-- the liquid split (`pick_split`): the holder of a running shard that computes well below the
-  job's usual rate (a straggler: a slow node, a noisy neighbour), judged by the rows it tells
-  in its renewals, is asked (on its next renewal's reply) to stop at its next batch and commit
-  the rows it has done; the rest becomes a shard at the head of the queue, for the idle
-  worker. Nothing is computed twice.
+- the liquid split (`pick_split`): the holder of a running shard is asked (on its next
+  renewal's reply) to stop at its next batch and commit the rows it has done. A holder that
+  computes well below the job's usual rate (a straggler: a slow node, a noisy neighbour),
+  judged by the rows it tells in its renewals, hands its whole rest to the idle worker; one
+  at the usual rate (the job has fewer shards than workers: a Parquet file of one row group)
+  has its rest cut in two, a half for the idle worker and a half for itself, and so on while
+  workers are idle and halves are worth it (Dataflow's dynamic work rebalancing). Each rest is
+  a shard at the head of the queue. Nothing is computed twice.
 - speculation (`pick_speculative`): the shard that has run longest, well past the usual shard
   time, is leased a second time; the first commit wins. For holders that tell no progress
   (gone quiet, or a job with `split_tail` off), at the price of computing a shard twice.
@@ -33,6 +36,14 @@ again within a couple of seconds of the `wait` it was answered."""
 STRAGGLER = 0.6
 """A holder computing at less than this share of the job's usual rate is a straggler: the
 rest of its shard goes faster elsewhere."""
+DECODE_ROWS_PER_S = 2_000_000.0
+"""Rows a Parquet reader decodes a second, a low guess (a few narrow columns decode at tens
+of millions): what a half that starts mid-group costs to reach its first row."""
+HALVE_COST_S = 3.0
+"""What cutting a rest in two costs its holder: it stops at a batch, commits its part, leases
+the second half and starts reading it."""
+HALVE_FROM_ROWS = 2_000
+"""A rest of fewer rows than this is not cut in two when its part commits: it moves whole."""
 
 
 def usual_rate(tier: Tier, holders: list[tuple[Shard, float]]) -> float | None:
@@ -61,28 +72,56 @@ def _holder_rates(job: Job, tier: Tier, *, now: float) -> list[tuple[Shard, floa
     return rates
 
 
-def pick_split(job: Job, tier: Tier, worker: str, *, now: float, min_gain_s: float) -> Shard | None:
-    """The running shard whose rest would end the most sooner on a worker at the job's usual
-    rate than on its holder (a straggler), if by more than `min_gain_s` (a split costs a
-    renewal's round and a commit). A split of a holder at the usual rate gains nothing: the
-    rest would only move from one worker to another. Never the asking worker's own shard,
-    nor one asked to split already."""
+def pick_split(
+    job: Job,
+    tier: Tier,
+    worker: str,
+    *,
+    now: float,
+    min_gain_s: float,
+    min_halve_gain_s: float = 5.0,
+    halves: bool = True,
+) -> tuple[Shard, bool] | None:
+    """The running shard whose split would end the job's tail the most sooner, and whether
+    its rest is to be cut in two (True) or moved whole (False): a straggler's if by more than
+    `min_gain_s` (the rest moves after a renewal's round), a halving if by more than
+    `min_halve_gain_s` once the holder's own cost is counted (HALVE_COST_S: its stop,
+    commit and new lease; the idle worker waits for the split either way). Never the asking
+    worker's own shard, nor one asked to split already.
+
+    - A straggler (below STRAGGLER of the usual rate): its whole rest moves to the idle
+      worker, at the usual rate: `left / rate - left / usual` sooner.
+    - A holder at the usual rate (one shard for two workers: a Parquet file of one row
+      group): its rest is cut in two, for the idle worker and the holder, each computing a
+      half: `left / (2 * rate)` sooner, less what the second half's reader decodes again
+      (the rows of its row group before it: Parquet cannot start mid-group). Only Parquet
+      input, whose rows are exact; a hand-off's shards are not halved (their hand-off is
+      removed once the last piece is done). Not at all without `halves`."""
     if not job.spec.fault.split_tail:
         return None
     holders = _holder_rates(job, tier, now=now)
     usual = usual_rate(tier, holders)
     if not usual:
         return None
-    best: Shard | None = None
-    best_gain = min_gain_s
+    best: tuple[Shard, bool] | None = None
+    best_excess = 0.0
     for shard, rate in holders:
         lease = shard.record.leases[0]
-        if lease.worker == worker or lease.token in shard.split_asked or rate >= STRAGGLER * usual:
+        if lease.worker == worker or lease.token in shard.split_asked:
             continue
-        left = max(0, shard.record.spec.rows - shard.progress[lease.token])
-        gain = left / rate - left / usual
-        if gain > best_gain:
-            best, best_gain = shard, gain
+        spec = shard.record.spec
+        done = shard.progress[lease.token]
+        left = max(0, spec.rows - done)
+        if rate < STRAGGLER * usual:
+            excess, halve = left / rate - left / usual - min_gain_s, False
+        elif halves and spec.format == "parquet" and shard.record.handed_from is None:
+            decoded = spec.row_offset + done + left / 2
+            cost = HALVE_COST_S + decoded / DECODE_ROWS_PER_S
+            excess, halve = left / (2 * rate) - cost - min_halve_gain_s, True
+        else:
+            continue
+        if excess > best_excess:
+            best, best_excess = (shard, halve), excess
     return best
 
 
@@ -116,7 +155,16 @@ def pick_speculative(
     return best
 
 
-def ask_split(job: Job, tier: Tier, worker: str, *, now: float, min_gain_s: float) -> bool:
+def ask_split(
+    job: Job,
+    tier: Tier,
+    worker: str,
+    *,
+    now: float,
+    min_gain_s: float,
+    min_halve_gain_s: float = 5.0,
+    halves: bool = True,
+) -> bool:
     """At the tail: ask a holder to split its shard for `worker`, idle (its renewal's reply
     carries the ask). True while a split asked for this worker is under way."""
     asked = job.split_asks.get(worker)
@@ -127,20 +175,31 @@ def ask_split(job: Job, tier: Tier, worker: str, *, now: float, min_gain_s: floa
         del job.split_asks[worker]
     if now < job.no_split_before:
         return False
-    shard = pick_split(job, tier, worker, now=now, min_gain_s=min_gain_s)
-    if shard is None:
+    picked = pick_split(
+        job,
+        tier,
+        worker,
+        now=now,
+        min_gain_s=min_gain_s,
+        min_halve_gain_s=min_halve_gain_s,
+        halves=halves,
+    )
+    if picked is None:
         job.no_split_before = now + _SPLIT_LOOK_S
         return False
+    shard, halve = picked
     token = shard.record.leases[0].token
     shard.split_asked.add(token)
+    shard.halve_from = HALVE_FROM_ROWS if halve else 0
     job.split_asks[worker] = shard.index
     metrics.SPLIT_REQUESTS.labels(job.id).inc()
     log.info(
-        "job %s: asking the holder of shard %d (%d of %d rows done) to split it",
+        "job %s: asking the holder of shard %d (%d of %d rows done) to split it%s",
         job.id,
         shard.index,
         shard.progress.get(token, 0),
         shard.record.spec.rows,
+        ", its rest in two" if halve else "",
     )
     return True
 

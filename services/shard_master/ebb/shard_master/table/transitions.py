@@ -103,12 +103,14 @@ def reopen(records: list[ShardRecord]) -> list[ShardRecord]:
     return reopened
 
 
-def remainder_record(job: str, part: ShardRecord, *, seq: int) -> ShardRecord:
-    """The TODO record of the shard a split leaves after `part` (DONE, with a remainder)."""
-    assert part.remainder is not None
+def remainder_record(job: str, part: ShardRecord, *, seq: int, half: bool = False) -> ShardRecord:
+    """The TODO record of the shard a split leaves after `part` (DONE, with a remainder):
+    its `remainder`, or (`half`) the second half of its rest, `remainder_half`."""
+    spec = part.remainder_half if half else part.remainder
+    assert spec is not None
     return ShardRecord(
         job=job,
-        spec=part.remainder,
+        spec=spec,
         seq=seq,
         split_from=part.spec.index,
         tier=part.tier,
@@ -137,7 +139,8 @@ def successor_of(origin: ShardRecord, successor: ShardRecord) -> bool:
     """`successor` was made for `origin`, whose record names its index: the rest of its split
     (`split_from`), or the hand-off of its output (`handed_from`, and no split of it)."""
     index = origin.spec.index
-    if origin.remainder is not None and successor.spec.index == origin.remainder.index:
+    rests = [r.index for r in (origin.remainder, origin.remainder_half) if r is not None]
+    if successor.spec.index in rests:
         return successor.split_from == index
     if origin.handoff is not None and successor.spec.index == origin.handoff:
         return successor.handed_from == index and successor.split_from is None
@@ -149,7 +152,7 @@ def check_successors(records: list[ShardRecord]) -> None:
     another (two DONEs naming one index): the job cannot be finished right."""
     by_index = {r.spec.index: r for r in records}
     for origin in records:
-        named = [origin.remainder.index] if origin.remainder is not None else []
+        named = [r.index for r in (origin.remainder, origin.remainder_half) if r is not None]
         named += [origin.handoff] if origin.handoff is not None else []
         for index in named:
             found = by_index.get(index)
@@ -191,18 +194,37 @@ def missing_remainders(records: list[ShardRecord]) -> list[ShardRecord]:
     of their indexes, as they were split."""
     present = {r.spec.index for r in records}
     missing = sorted(
-        (r for r in records if r.remainder is not None and r.remainder.index not in present),
-        key=lambda r: r.remainder.index if r.remainder is not None else 0,
+        (
+            (rest.index, r, half)
+            for r in records
+            for half, rest in ((False, r.remainder), (True, r.remainder_half))
+            if rest is not None and rest.index not in present
+        ),
+        key=lambda found: found[0],
     )
     head = min((r.seq for r in records), default=0)
-    return [remainder_record(r.job, r, seq=head - len(missing) + k) for k, r in enumerate(missing)]
+    return [
+        remainder_record(r.job, r, seq=head - len(missing) + k, half=half)
+        for k, (_, r, half) in enumerate(missing)
+    ]
 
 
-def split_part(record: ShardRecord, split_at: int, *, index: int) -> ShardRecord:
+def split_part(
+    record: ShardRecord, split_at: int, *, index: int, halve_from: int = 0
+) -> ShardRecord:
     """`record` DONE by a part of `split_at` rows (its files, rows and attempt are the
     commit's, set by the caller), naming the remainder `index`. A Parquet or Arrow part covering
-    every row (a stop that came as the last row finished) is the whole shard."""
+    every row (a stop that came as the last row finished) is the whole shard.
+
+    `halve_from`: a rest of at least that many rows (Parquet or Arrow, whose rows are exact)
+    is cut in two, for the idle worker it was split for and the holder, idle now: the first
+    half `index`, the second `index + 1` (`remainder_half`). 0: never."""
     spec = record.spec
     if spec.format in ("parquet", "arrow") and split_at >= spec.rows:
         return replace(record, split_at=0, remainder=None)
-    return replace(record, split_at=split_at, remainder=rest_of(spec, split_at, index=index))
+    rest = rest_of(spec, split_at, index=index)
+    if not halve_from or rest.rows < halve_from or spec.format not in ("parquet", "arrow"):
+        return replace(record, split_at=split_at, remainder=rest)
+    first = replace(rest, rows=rest.rows // 2)
+    second = rest_of(rest, first.rows, index=index + 1)
+    return replace(record, split_at=split_at, remainder=first, remainder_half=second)
