@@ -249,7 +249,9 @@ async def test_one_file_of_one_row_group_is_computed_by_every_worker(
     rows = 16_000
     write_dataset(tmp_path / "data", rows=rows, row_group_size=1_048_576)
     write_model(tmp_path / "model.onnx")
-    stages = slow_stages(tmp_path, 0.1)
+    # 32 s of work for one worker: a half of the rest is worth more than its cost when the
+    # second worker asks (HALVE_COST_S + the master's 5 s).
+    stages = slow_stages(tmp_path, 0.2)
     stages[1]["threads"] = 1  # each worker's model on a core of its own
     spec = job_spec(
         tmp_path,
