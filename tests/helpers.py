@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
@@ -23,6 +24,15 @@ from ebb.common.data.layout import COMMITS_DIR, MANIFEST
 ASSETS = Path(__file__).parent / "assets"
 FEATURES = 8
 CLASSES = 4
+
+
+def command_line(process: psutil.Process) -> str:
+    """`process`'s command line; "" once it has ended (a zombie not yet reaped raises on
+    `cmdline()`, as a process gone does)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def free_port() -> int:

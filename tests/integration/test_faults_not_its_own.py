@@ -19,7 +19,14 @@ from ebb.client.stack import LocalStack
 from ebb.common.job import parse_job
 from ebb.common.messaging.messages import JobStatus
 
-from ..helpers import embedded_stack, job_spec, read_output, write_dataset, write_model
+from ..helpers import (
+    command_line,
+    embedded_stack,
+    job_spec,
+    read_output,
+    write_dataset,
+    write_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -55,7 +62,7 @@ def workers_of(stack: LocalStack) -> list[psutil.Process]:
         children = psutil.Process(stack.processes["controller"].pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [p for p in children if "ebb.worker" in " ".join(p.cmdline())]
+    return [p for p in children if "ebb.worker" in command_line(p)]
 
 
 async def test_one_flaky_nodes_setup_failure_does_not_fail_the_job(

@@ -19,6 +19,7 @@ from ebb.worker.llm.hf import TransformersEngine
 from ebb.worker.llm.stage import LLMStage
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig, PipelineSetupError
 
+from ..helpers import command_line
 from ..llm_model import build_tiny_llm, corpus
 from .test_llm import _greedy
 from .test_llm_endpoint import SERVE
@@ -51,7 +52,7 @@ def _servers(model: Path) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if p.is_running() and p.cmdline()[-4:-2] == ["serve", str(model)]
+        if command_line(p).split()[-4:-2] == ["serve", str(model)]
     ]
 
 

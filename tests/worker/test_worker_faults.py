@@ -24,7 +24,7 @@ from ebb.common.runner import EXIT_OK, EXIT_SETUP
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.shard_master.table.records import ShardRecord, shard_key
 
-from ..helpers import ASSETS, job_spec, wait_until, write_dataset, write_model
+from ..helpers import ASSETS, command_line, job_spec, wait_until, write_dataset, write_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -285,7 +285,7 @@ async def test_a_worker_confined_to_one_core_runs_every_stage_process_on_one_thr
                 (
                     p
                     for p in psutil.Process(worker.pid).children()
-                    if "forkserver" in " ".join(p.cmdline())
+                    if "forkserver" in command_line(p)
                 ),
                 None,
             ),
