@@ -52,6 +52,7 @@ from ebb.common.messaging.bus import Backoff
 from ebb.common.messaging.messages import LeaseReply
 from ebb.shard_master.planning.sizing import fleet_shard_rows
 from ebb.shard_master.service import MasterConfig
+from ebb.worker.leases import renew_after
 
 from .common import BENCH_DIR, Context, Section, median, table
 
@@ -199,10 +200,11 @@ class SimulatedWorker:
             await asyncio.wait([renewer])
 
     async def renewer(self, reply: LeaseReply, done: Callable[[], int]) -> None:
-        """Renew at a third of the lease period, the first time exactly, then a little
-        early (by up to a fifth), as the worker's `LeaseKeeper` does."""
+        """Renew at a third of the lease period (or sooner, as the master asks), the first
+        time exactly, then a little early (by up to a fifth), as the worker's `LeaseKeeper`
+        does."""
         loop = asyncio.get_running_loop()
-        renew_at = loop.time() + reply.lease_s / 3
+        renew_at = loop.time() + renew_after(reply.lease_s, reply.renew_in_s)
         while True:
             await asyncio.sleep(max(0.0, renew_at - loop.time()))
             sent = loop.time()
@@ -214,7 +216,8 @@ class SimulatedWorker:
                     return
                 raise
             self.tally.latency["renew"].append(time.perf_counter() - t0)
-            renew_at = sent + renewed.lease_s / 3 * random.uniform(0.8, 1.0)
+            after = renew_after(renewed.lease_s, renewed.renew_in_s)
+            renew_at = sent + after * random.uniform(0.8, 1.0)
 
 
 def _input(ctx: Context, workers: int, rows_per_worker: int) -> Path:

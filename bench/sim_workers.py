@@ -33,6 +33,7 @@ from ebb.common.messaging.api import MasterClient
 from ebb.common.messaging.messages import LeaseReply
 from ebb.controller.kube.backend import APP, APP_LABEL
 from ebb.controller.kube.podspec import TIER_LABEL
+from ebb.worker.leases import renew_after
 from ebb.worker.service import WorkerConfig
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_store import PODS, TERMINAL_PHASES, Change, Obj
@@ -169,7 +170,7 @@ class SimWorker:
         shard = reply.shard
         assert shard is not None
         done_at = started + shard.rows * self.per_row_s
-        renew_at = started + reply.lease_s / 3 / self.clock.second_s
+        renew_at = started + renew_after(reply.lease_s, reply.renew_in_s) / self.clock.second_s
         rows = shard.rows
         while True:
             now = self.clock.now()
@@ -200,7 +201,8 @@ class SimWorker:
                     self.free_at = self.clock.now()
                     rows = self._rows_done(started, self.free_at, shard.rows)
                     break
-                renew_at = now + renewed.lease_s / 3 / self.clock.second_s
+                after = renew_after(renewed.lease_s, renewed.renew_in_s)
+                renew_at = now + after / self.clock.second_s
                 continue
             pause = self.clock.wall(min(done_at, cut, renew_at) - now)
             if self.drain_at is None:

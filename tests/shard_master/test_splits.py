@@ -23,7 +23,7 @@ from ebb.shard_master.table.finish import in_input_order
 from ebb.shard_master.table.jobs import Job
 from ebb.shard_master.table.lease_table import LeaseTable
 from ebb.shard_master.table.records import ShardRecord
-from ebb.shard_master.table.tail import KEEP_REST_S
+from ebb.shard_master.table.tail import KEEP_REST_S, RENEW_SOON_S
 from ebb.shard_master.table.transitions import missing_remainders, split_part
 
 from ..helpers import job_spec, write_dataset, write_model
@@ -313,6 +313,30 @@ async def test_a_worker_with_nothing_to_do_at_the_tail_asks_again_less_often(
     assert await table.intake.submit(short)
     await table.lease(short.id, "busy")
     assert (await table.lease(short.id, "idle")).retry_after_s == 1.0  # never below wait_retry_s
+
+
+async def test_holders_renew_soon_while_a_worker_waits_idle_at_the_tail(tmp_path: Path) -> None:
+    """The split an idle worker waits for is chosen by the rates renewals tell and rides on a
+    renewal's reply: at the tail, holders renew within a second while a worker of the job has
+    asked for a shard lately and found none, or until they have told rows (no rate yet)."""
+    for split_tail in (True, False):
+        _store, clock, table, spec, _job = await running_job(
+            tmp_path / str(split_tail), shards=2, lease_s=30, split_tail=split_tail
+        )
+        soon = RENEW_SOON_S if split_tail else None
+        first = await table.lease(spec.id, "w1")
+        assert first.renew_in_s is None  # a shard is still queued: not the tail
+        last = await table.lease(spec.id, "w2")
+        assert last.renew_in_s == soon  # the queue is empty, and no rate is known
+        clock.now += 5
+        assert (await table.renew(last.token, rows_done=1)).renew_in_s is None
+        assert (await table.renew(first.token, rows_done=0)).renew_in_s == soon
+        assert (await table.renew(first.token, rows_done=1)).renew_in_s is None
+        assert (await table.lease(spec.id, "w3")).status == "wait"  # nothing for it
+        assert (await table.renew(first.token, rows_done=2)).renew_in_s == soon
+        assert (await table.renew(last.token, rows_done=2)).renew_in_s == soon
+        clock.now += 2 * 3.0  # two tail waits (a tenth of the lease) and w3 has not asked
+        assert (await table.renew(first.token, rows_done=3)).renew_in_s is None
 
 
 async def test_one_shard_for_two_workers_is_cut_in_halves_for_both_each_row_once(

@@ -23,9 +23,12 @@ HELD, COMMITTED, LOST, RELEASED = LeaseState
 class Master:
     """Answers every renewal with `answer`: a period, or an error raised."""
 
-    def __init__(self, answer: float | Exception, *, split: bool = False) -> None:
+    def __init__(
+        self, answer: float | Exception, *, split: bool = False, renew_in_s: float | None = None
+    ) -> None:
         self.answer = answer
         self.split = split
+        self.renew_in_s = renew_in_s
         self.asked: list[tuple[str, bool]] = []
         self.rows_told: list[int] = []
 
@@ -42,12 +45,19 @@ class Master:
         self.rows_told.append(rows_done)
         if isinstance(self.answer, Exception):
             raise self.answer
-        return RenewReply(lease_s=self.answer, split=self.split)
+        return RenewReply(lease_s=self.answer, split=self.split, renew_in_s=self.renew_in_s)
 
 
-def granted(token: str = "t1", lease_s: float = 9.0) -> LeaseReply:
+def granted(token: str = "t1", lease_s: float = 9.0, renew_in_s: float | None = None) -> LeaseReply:
     shard = ShardSpec(index=3, path="data.parquet", format="parquet", rows=10)
-    return LeaseReply(status="granted", shard=shard, attempt=1, token=token, lease_s=lease_s)
+    return LeaseReply(
+        status="granted",
+        shard=shard,
+        attempt=1,
+        token=token,
+        lease_s=lease_s,
+        renew_in_s=renew_in_s,
+    )
 
 
 def lease_in(state: LeaseState) -> ActiveLease:
@@ -169,6 +179,25 @@ async def test_a_renewal_tells_the_rows_done_and_a_split_answer_stops_the_attemp
     await keeper.renew_one(active)
     assert active.stop.is_set() and active.stop_cause is StopCause.STRAGGLER
     assert active.state is HELD, "still ours: it commits its part under this lease"
+
+
+async def test_a_master_asking_for_renewals_soon_is_heard_and_never_made_later() -> None:
+    """At the tail of a job the master asks holders to renew within a second (a split for an
+    idle worker rides on a renewal's reply); a lease shorter than that is renewed at a third
+    of it still."""
+    master = Master(30.0, renew_in_s=1.0)
+    keeper = LeaseKeeper(master, worker="w1")
+    active = keeper.hold(granted(lease_s=30.0, renew_in_s=1.0), sent_at=0.0)
+    assert active.renew_at == 1.0  # from the grant
+    await keeper.renew_one(active)
+    now = asyncio.get_running_loop().time()
+    assert now + 0.8 - 1 < active.renew_at <= now + 1.0
+    master.renew_in_s = None  # no worker waits any more: a third of the lease again
+    await keeper.renew_one(active)
+    now = asyncio.get_running_loop().time()
+    assert now + 10.0 * 0.8 - 1 < active.renew_at <= now + 10.0
+    short = keeper.hold(granted("t2", lease_s=1.5, renew_in_s=1.0), sent_at=0.0)
+    assert short.renew_at == 0.5
 
 
 async def test_a_committed_lease_is_not_asked_to_stop() -> None:

@@ -114,6 +114,15 @@ class ActiveLease:
         self.state = new
 
 
+def renew_after(lease_s: float, renew_in_s: float | None) -> float:
+    """Seconds from a request to the lease's next renewal: a third of the lease, so that two
+    renewals may be lost before it runs out, or sooner if the master asks (an idle worker
+    waits at the job's tail for a split that rides on a renewal's reply)."""
+    if renew_in_s is None or renew_in_s <= 0:
+        return lease_s / 3
+    return min(lease_s / 3, renew_in_s)
+
+
 class Renews(Protocol):
     """Whoever renews a lease: the master, through `ebb.common.messaging.api.MasterClient`."""
 
@@ -151,7 +160,7 @@ class LeaseKeeper:
             attempt=reply.attempt,
             lease_s=reply.lease_s,
             deadline=sent_at + reply.lease_s,
-            renew_at=sent_at + reply.lease_s / 3,
+            renew_at=sent_at + renew_after(reply.lease_s, reply.renew_in_s),
             task=task,
         )
         self.leases[active.token] = active
@@ -219,4 +228,5 @@ class LeaseKeeper:
             active.split(StopCause.STRAGGLER)
         active.deadline = sent + reply.lease_s
         # Early, with jitter, so that a fleet of workers does not renew in lockstep.
-        active.renew_at = sent + reply.lease_s / 3 * random.uniform(0.8, 1.0)  # noqa: S311
+        after = renew_after(reply.lease_s, reply.renew_in_s)
+        active.renew_at = sent + after * random.uniform(0.8, 1.0)  # noqa: S311

@@ -121,6 +121,9 @@ class LeaseReply(Message):
     retry_after_s: float = 0.0
     speculative: bool = False
     """Another attempt of this shard is running; whichever commits first wins."""
+    renew_in_s: float | None = None
+    """Renew within this many seconds rather than at a third of `lease_s`: the tail of the
+    job is near, and a split of this shard for an idle worker rides on a renewal's reply."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +145,9 @@ class RenewReply(Message):
     split: bool = False
     """Workers are idle and nothing is queued: stop at the next batch, commit the rows done as
     a part of the shard, and the rest goes to one of them (the liquid tail)."""
+    renew_in_s: float | None = None
+    """As in LeaseReply: renew sooner than at a third of `lease_s`, while a worker of the job
+    waits idle at its tail (the rows this renewal tells decide the split for it)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -109,6 +109,9 @@ class Tier:
         self.durations: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         self.rates: deque[float] = deque(maxlen=_KEEP_DURATIONS)
         """Rows a second of the attempts that won their shards (or parts), newest last."""
+        self.idle_at = float("-inf")
+        """When a worker last asked for a shard of this tier and found nothing queued (on the
+        master's clock): its holders renew soon for a while after (`tail.renew_in`)."""
 
     @property
     def backlog(self) -> int:

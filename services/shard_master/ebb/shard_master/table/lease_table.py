@@ -62,7 +62,7 @@ from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
 from .records import FencedStore, LeaseRecord, RecordStore
 from .status import status_reply
-from .tail import ask_split, pace_wait, pick_speculative
+from .tail import ask_split, pace_wait, pick_speculative, renew_in
 from .tracking import MlflowRuns
 
 log = logging.getLogger(__name__)
@@ -219,6 +219,8 @@ class LeaseTable:
         shard = self._pick(job, tier, worker, alone=not held)
         speculative = False
         if shard is None:
+            if tier.doing:
+                tier.idle_at = self.context.clock()
             if tier.doing and self._ask_split(job, tier, worker):
                 return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
             now = self.context.clock()
@@ -279,7 +281,14 @@ class LeaseTable:
             token=token,
             lease_s=lease_s,
             speculative=speculative,
+            renew_in_s=self._renew_in(job, shard, token),
         )
+
+    def _renew_in(self, job: Job, shard: Shard, token: str) -> float | None:
+        """How soon the holder of `token` is to renew (`tail.renew_in`): within two tail
+        waits of an idle worker's ask, that worker is still waiting."""
+        tier, now = job.tier_of(shard), self.context.clock()
+        return renew_in(job, tier, shard, token, now=now, idle_seen_s=2 * self._tail_wait(job))
 
     def _tail_wait(self, job: Job) -> float:
         """How long a worker with nothing to do at the tail (nothing queued, to split or to
@@ -361,7 +370,9 @@ class LeaseTable:
                 # over would read is right as it is, so this renewal need not be written.
                 shard.deadlines[token] = now + lease_s
                 metrics.LEASE_RENEWALS.labels(job.id).inc()
-                return RenewReply(lease_s=lease_s, split=split)
+                return RenewReply(
+                    lease_s=lease_s, split=split, renew_in_s=self._renew_in(job, shard, token)
+                )
             expires_at = self.context.wall_clock() + lease_s * PERSISTED_PERIODS
             record = shard.record
             leases = [
@@ -372,7 +383,9 @@ class LeaseTable:
                 job, shard, replace(record, leases=leases), lease=(token, lease_s)
             )
         metrics.LEASE_RENEWALS.labels(job.id).inc()
-        return RenewReply(lease_s=lease_s, split=split)
+        return RenewReply(
+            lease_s=lease_s, split=split, renew_in_s=self._renew_in(job, shard, token)
+        )
 
     async def commit(self, token: str, *, caller: str | None = None) -> CommitReply:
         job_id, index = parse_token(token)

@@ -44,6 +44,9 @@ HALVE_COST_S = 3.0
 the second half and starts reading it."""
 HALVE_FROM_ROWS = 2_000
 """A rest of fewer rows than this is not cut in two when its part commits: it moves whole."""
+RENEW_SOON_S = 1.0
+"""How soon a holder renews while a split of its shard may be wanted: a worker waits idle,
+or nothing is queued and the holder has told no rows yet (no rate to judge it by)."""
 
 
 def usual_rate(tier: Tier, holders: list[tuple[Shard, float]]) -> float | None:
@@ -202,6 +205,21 @@ def ask_split(
         ", its rest in two" if halve else "",
     )
     return True
+
+
+def renew_in(
+    job: Job, tier: Tier, shard: Shard, token: str, *, now: float, idle_seen_s: float
+) -> float | None:
+    """How soon the holder of `token` on `shard` is to renew (RENEW_SOON_S), or None (at a
+    third of its lease, as usual). Soon while the tier's queue is empty and a worker asked for
+    a shard of it within `idle_seen_s` and found none, or before the holder's first rows: the
+    split an idle worker waits for is chosen by the rates renewals tell and rides on a
+    renewal's reply, so a holder renewing every ten seconds would keep it waiting twenty."""
+    if not job.spec.fault.split_tail or tier.counts["TODO"]:
+        return None
+    if now - tier.idle_at < idle_seen_s or not shard.progress.get(token):
+        return RENEW_SOON_S
+    return None
 
 
 PACE_WAIT_MIN_S = 0.1
