@@ -1,8 +1,8 @@
 """Benchmark 19: one Parquet file of one row group, on 1, 2 and 4 workers.
 
 Workload: a file as pyarrow writes it by default (`pq.write_table`: one row group up to
-1,048,576 rows), each row an `id` and 64 float32 `features`, scored by an ONNX MLP (64 -> 512
--> 512 -> 512 -> 1) in one model stage with `threads: 1`, so that each worker computes on a
+1,048,576 rows), each row an `id` and 64 float32 `features`, scored by an ONNX MLP (64 -> 1024
+-> 1024 -> 1024 -> 1) in one model stage with `threads: 1`, so that each worker computes on a
 core of its own. Every other setting is Ebb's default (`rows_per_shard` sized for the fleet,
 `lease_s` 30, speculation and the liquid tail on): the file is one shard whatever the workers,
 since Parquet is cut between row groups only.
@@ -43,7 +43,7 @@ from ebb.common.job import parse_job
 from .common import Context, Section, ebb_stack, median, run_job, spread, table
 
 FEATURES = 64
-HIDDEN = 512
+HIDDEN = 1024
 LAYERS = 3
 VARIANTS = {
     "1 worker": (1, True),

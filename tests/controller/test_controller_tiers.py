@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -136,6 +137,19 @@ def test_a_job_without_tiers_is_one_group_keyed_by_its_id() -> None:
     )
     (group,) = groups_of(job)
     assert (group.key, group.tier, wanted(group)) == ("a", "", 4)
+
+
+def test_a_job_scales_on_the_workers_its_shards_can_keep_busy(tmp_path: Path) -> None:
+    """One running shard that the master may cut in halves for idle workers (a Parquet file
+    of one row group): the job wants the workers the master says it can use, within its
+    max; a master that does not say (0) leaves the shards' count."""
+    one = {"DOING": 1}
+    job = JobStatus(id="a", name="a", state="RUNNING", shards=one, min_workers=1, max_workers=4)
+    assert wanted(groups_of(job)[0]) == 1
+    assert wanted(groups_of(replace(job, workers_usable=3))[0]) == 3
+    tiers = tiered(tiered_spec(tmp_path), cpu=one, gpu={})
+    tiers = replace(tiers, tiers=[replace(tiers.tiers[0], workers_usable=6), tiers.tiers[1]])
+    assert by_tier(groups_of(tiers)) == {"cpu": 6, "gpu": 1}
 
 
 def test_tiers_share_slots_as_jobs_do(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ def commit_part(
     rows: int,
     split_at: int = 0,
     metrics: dict[str, Any] | None = None,
+    worker: str = "w",
 ) -> None:
     """What a worker does before `commit`: its file, then its commit record (of a part of
     `split_at` rows, or of the whole shard; with the partials of its metrics)."""
@@ -68,7 +69,7 @@ def commit_part(
             shard=reply.shard.index,
             attempt=reply.attempt,
             files=[OutputFile(path=path, rows=rows)],
-            worker="w",
+            worker=worker,
             split_at=split_at,
             metrics=metrics,
         )
@@ -76,13 +77,14 @@ def commit_part(
     assert won
 
 
-async def finish_all(table: LeaseTable, spec: JobSpec) -> list[int]:
-    """Lease and commit whole every shard left, in queue order; the indexes leased."""
+async def finish_all(table: LeaseTable, spec: JobSpec, *, worker: str = "w9") -> list[int]:
+    """Lease and commit whole every shard left, in queue order, as `worker`; the indexes
+    leased."""
     leased: list[int] = []
-    while (reply := await table.lease(spec.id, "w9")).status == "granted":
+    while (reply := await table.lease(spec.id, worker)).status == "granted":
         assert reply.shard is not None
         leased.append(reply.shard.index)
-        commit_part(spec, reply, rows=reply.shard.rows)
+        commit_part(spec, reply, rows=reply.shard.rows, worker=worker)
         await table.commit(reply.token)
     return leased
 
@@ -306,12 +308,16 @@ async def test_a_worker_with_nothing_to_do_at_the_tail_asks_again_less_often(
     _store, _clock, table, spec, _job = await running_job(
         tmp_path, shards=1, lease_s=60, speculative=False
     )
-    await table.lease(spec.id, "busy")
+    busy = await table.lease(spec.id, "busy")
+    # Its holder has told no rows yet: a split for this worker may be chosen once it does.
+    assert (await table.lease(spec.id, "idle")).retry_after_s == 1.0
+    await table.renew(busy.token, rows_done=1)
     idle = await table.lease(spec.id, "idle")
     assert idle.status == "wait" and idle.retry_after_s == 5.0  # a tenth of a lease, at most 5 s
     short = make_job(tmp_path / "short", shards=1, lease_s=6, speculative=False)
     assert await table.intake.submit(short)
-    await table.lease(short.id, "busy")
+    busy = await table.lease(short.id, "busy")
+    await table.renew(busy.token, rows_done=1)
     assert (await table.lease(short.id, "idle")).retry_after_s == 1.0  # never below wait_retry_s
 
 
@@ -339,6 +345,71 @@ async def test_holders_renew_soon_while_a_worker_waits_idle_at_the_tail(tmp_path
         assert (await table.renew(first.token, rows_done=3)).renew_in_s is None
 
 
+async def test_a_shard_that_may_be_cut_in_halves_counts_as_the_workers_it_can_keep_busy(
+    tmp_path: Path,
+) -> None:
+    """The controller scales a job on `workers_usable`: one shard of a Parquet file of one
+    row group counts as the pieces the liquid tail may cut it into for idle workers (by its
+    rows against the rows the planner sizes a shard, then by its time left once a rate is
+    told), never more than max_workers; a shard that is not cut in halves counts one."""
+    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
+    write_model(tmp_path / "model.onnx")
+    raw = job_spec(tmp_path, rows_per_shard=10_000, workers=(1, 4), fault={"lease_s": 30})
+    spec = parse_job(raw).with_id()
+    _store, clock = MemoryStore(), Clock()
+    table = new_table(_store, clock)
+    assert await table.intake.submit(spec)
+
+    async def usable() -> int:
+        (status,) = table.status(StatusRequest(job=spec.id)).jobs
+        assert status.shards["TODO"] + status.shards["DOING"] == 1
+        return status.workers_usable
+
+    assert await usable() == 4  # ten shards' rows, four workers at most: before any lease
+    holder, granted = await table.lease(spec.id, "holder"), clock.now
+    assert await usable() == 4
+    # Once a rate is told, a piece is worth its cut if it is 8 s (3 s + 5 s) or more.
+    for seconds, rows, pieces in [(10, 20_000, 4), (20, 50_000, 2), (30, 80_000, 1)]:
+        clock.now = granted + seconds
+        await table.renew(holder.token, rows_done=rows)
+        assert await usable() == pieces  # 40 s left (5 pieces, 4 at most); 20 s; 7.5 s
+
+    unsplit = {
+        **raw,
+        "fault": {"lease_s": 30, "split_tail": False},
+        "output": {**raw["output"], "uri": str(tmp_path / "whole")},
+    }
+    whole = parse_job(unsplit).with_id()
+    assert await table.intake.submit(whole)
+    (status,) = table.status(StatusRequest(job=whole.id)).jobs
+    assert status.workers_usable == 1
+
+
+async def test_a_worker_asking_for_a_next_shard_while_its_own_computes_is_not_idle(
+    tmp_path: Path,
+) -> None:
+    """A worker reads its next shard while one computes (`shards_in_flight`): at the tail
+    that spare slot is not an idle worker. No split is asked for it, no second attempt
+    given it (either would wait for its own shard), and while a worker of the tier waited
+    idle lately, a shard that comes back goes to that one."""
+    _store, clock, table, spec, job = await running_job(tmp_path, shards=2, lease_s=30)
+    a = await table.lease(spec.id, "a")
+    b = await table.lease(spec.id, "b")
+    clock.now += 10
+    await table.renew(a.token, rows_done=1)  # a straggler, and b at the usual rate
+    await table.renew(b.token, rows_done=50)
+    assert (await table.lease(spec.id, "b")).status == "wait"  # b's spare slot
+    assert not job.shards[0].split_asked
+    clock.now += 100  # long past the usual shard time: still no second attempt for b
+    assert (await table.lease(spec.id, "b")).status == "wait"
+    assert (await table.lease(spec.id, "c")).status == "wait"  # idle: a is asked to split
+    assert job.shards[0].split_asked == {a.token}
+    await table.release(b.token, "its worker must go", retryable=True)
+    assert (await table.lease(spec.id, "a")).status == "wait"  # busy: c waited lately
+    back = await table.lease(spec.id, "c")
+    assert back.shard is not None and back.shard.index == 1
+
+
 async def test_one_shard_for_two_workers_is_cut_in_halves_for_both_each_row_once(
     tmp_path: Path,
 ) -> None:
@@ -357,7 +428,7 @@ async def test_one_shard_for_two_workers_is_cut_in_halves_for_both_each_row_once
     assert (await table.lease(spec.id, "idle")).status == "wait"  # its holder is asked
     assert job.shards[0].split_asked == {holder.token} and job.shards[0].halve_from
     assert (await table.renew(holder.token, rows_done=12_000)).split
-    commit_part(spec, holder, rows=12_000, split_at=12_000)
+    commit_part(spec, holder, rows=12_000, split_at=12_000, worker="holder")
     await table.commit(holder.token)
 
     part = job.shards[0].record
@@ -366,7 +437,9 @@ async def test_one_shard_for_two_workers_is_cut_in_halves_for_both_each_row_once
         (1, 12_000, 44_000),
         (2, 56_000, 44_000),
     ]
-    # The first half is kept for the worker it was split for; the holder takes the second.
+    # The first half is kept for the worker it was split for, the second for the holder: a
+    # third worker (or one's spare slot) gets neither.
+    assert (await table.lease(spec.id, "third")).status == "wait"
     second = await table.lease(spec.id, "holder")
     first = await table.lease(spec.id, "idle")
     assert second.shard is not None and second.shard.index == 2
@@ -406,17 +479,17 @@ async def test_the_input_order_puts_the_first_half_and_its_parts_before_the_seco
     _store, _clock, table, spec, job = await running_job(tmp_path, shards=1)
     job.shards[0].halve_from = 20  # as an idle worker's ask leaves it
     first = await table.lease(spec.id, "w1")
-    commit_part(spec, first, rows=10, split_at=10)
+    commit_part(spec, first, rows=10, split_at=10, worker="w1")
     await table.commit(first.token)  # 0: [0, 10), 1: [10, 55), 2: [55, 100)
     half = await table.lease(spec.id, "w1")
     assert half.shard is not None and half.shard.index in (1, 2)
     other = 3 - half.shard.index
-    commit_part(spec, half, rows=5, split_at=5)  # that half split again: 3
+    commit_part(spec, half, rows=5, split_at=5, worker="w1")  # that half split again: 3
     await table.commit(half.token)
     assert job.shards[3].record.split_from == half.shard.index
     order = [s.index for s in in_input_order(job)]
     assert order == ([0, 1, 3, 2] if half.shard.index == 1 else [0, 1, 2, 3])
-    assert sorted(await finish_all(table, spec)) == sorted([other, 3])
+    assert sorted(await finish_all(table, spec, worker="w1")) == sorted([other, 3])
     assert job.record.rows_done == 100
 
 
@@ -448,9 +521,10 @@ async def test_parts_and_rests_cover_every_row_once_however_they_are_cut(
             reply,
             rows=reply.shard.rows if whole else split_at,
             split_at=0 if whole else split_at,
+            worker="w1",
         )
         await table.commit(reply.token)
-    await finish_all(table, spec)
+    await finish_all(table, spec, worker="w1")
     assert job.record.state == "SUCCEEDED"
     records = {r.spec.index: r for r, _ in store.shards.values()}
 

@@ -47,6 +47,13 @@ def remaining(shards: dict[str, int]) -> int:
     return shards.get("TODO", 0) + shards.get("DOING", 0)
 
 
+def usable(status: JobStatus | TierStatus) -> int:
+    """Workers a job's (or a tier's) shards left could keep busy: its shards not finished,
+    or more where the master may cut a running shard's rest for idle workers
+    (`JobStatus.workers_usable`)."""
+    return max(remaining(status.shards), status.workers_usable)
+
+
 def rows_done(job: JobStatus, tier: str) -> int:
     """Rows tier `tier` of `job` has committed (the job's, for a job without tiers)."""
     if not tier:
@@ -63,7 +70,7 @@ class Group:
     min_workers: int
     max_workers: int
     backlog: int
-    """Its shards TODO or DOING."""
+    """Its shards TODO or DOING, or the pieces the master may cut them into (`usable`)."""
     upstream: int
     """Shards TODO or DOING of this tier and of every tier before it: the work that is yet
     to reach it, its own included."""
@@ -105,7 +112,7 @@ def tier_resources(spec: JobSpec | None, tier: str) -> ResourceSpec | None:
 def groups_of(job: JobStatus) -> list[Group]:
     """The groups of `job`, in the order of its tiers."""
     if not job.tiers:
-        left = remaining(job.shards)
+        left = usable(job)
         return [
             Group(
                 job=job,
@@ -124,7 +131,7 @@ def groups_of(job: JobStatus) -> list[Group]:
     upstream = 0
     for name in names:
         status = told.get(name, TierStatus(name=name))
-        backlog = remaining(status.shards)
+        backlog = usable(status)
         upstream += backlog
         resources = tier_resources(spec, name)
         out.append(

@@ -15,6 +15,7 @@ a third of its period: from one task, so that a lease has one renewal in flight 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from ebb.common.messaging.messages import LeaseReply, RenewReply, ShardSpec
 
 from . import metrics
 from .progress import AttemptProgress
+
+log = logging.getLogger(__name__)
 
 
 class StopCause(Enum):
@@ -230,3 +233,9 @@ class LeaseKeeper:
         # Early, with jitter, so that a fleet of workers does not renew in lockstep.
         after = renew_after(reply.lease_s, reply.renew_in_s)
         active.renew_at = sent + after * random.uniform(0.8, 1.0)  # noqa: S311
+        log.debug(
+            "lease of shard %d renewed (%d rows told), the next in %.1fs",
+            active.shard.index,
+            active.rows_done,
+            active.renew_at - loop.time(),
+        )

@@ -238,6 +238,12 @@ class JobStatus(Message):
     """Rows the shards running now have computed and written, as their renewals told, not
     committed yet (a job with tiers: its last tier's): progress before a shard commits. A
     shard run twice at once counts once, by its furthest attempt."""
+    workers_usable: int = 0
+    """How many workers the shards left could keep busy, which the controller scales on: the
+    shards TODO or DOING, a Parquet shard counted as the pieces the liquid tail may yet cut
+    it into for idle workers (a file of one row group is one shard for many workers), at
+    most `max_workers`. 0 from a master that does not tell it: the shards TODO or DOING. A
+    job with tiers: see each tier's."""
     error_rows: int = 0
     submitted_at: float = 0.0
     """Wall-clock seconds since the epoch, for display only."""
@@ -299,6 +305,8 @@ class TierStatus(Message):
     """Rows this tier's shards done have committed."""
     rows_in_flight: int = 0
     """Rows this tier's running shards have computed, not committed yet (JobStatus's)."""
+    workers_usable: int = 0
+    """How many workers this tier's shards left could keep busy (JobStatus's)."""
     shards_split: int = 0
     """This tier's shards done by a part (JobStatus's)."""
     bytes_done: int = 0

@@ -62,7 +62,7 @@ from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
 from .records import FencedStore, LeaseRecord, RecordStore
 from .status import status_reply
-from .tail import ask_split, pace_wait, pick_speculative, renew_in
+from .tail import ask_split, pace_wait, pick_speculative, renew_in, untold
 from .tracking import MlflowRuns
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,14 @@ class LeaseTable:
         return [j for j in self.jobs.values() if j.state == "RUNNING"]
 
     def status(self, request: StatusRequest) -> StatusReply:
-        return status_reply(self.jobs, self.intake.rejected, request, now=self.context.clock())
+        return status_reply(
+            self.jobs,
+            self.intake.rejected,
+            request,
+            now=self.context.clock(),
+            halves=self._split_halves,
+            min_halve_gain_s=self._speculate_after_s,
+        )
 
     # -- the lease protocol ----------------------------------------------------------------
 
@@ -219,16 +226,18 @@ class LeaseTable:
         shard = self._pick(job, tier, worker, alone=not held)
         speculative = False
         if shard is None:
-            if tier.doing:
-                tier.idle_at = self.context.clock()
-            if tier.doing and self._ask_split(job, tier, worker):
-                return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+            # Only a worker holding nothing of the tier is idle: one asking for a shard to
+            # read while its own computes (`shards_in_flight`) would start on a split or a
+            # second attempt only once its own is done.
             now = self.context.clock()
-            shard = pick_speculative(
-                job, tier, worker, now=now, speculate_after_s=self._speculate_after_s
-            )
-            if shard is not None and shard.record.suspect and held:
-                shard = None
+            if tier.doing and not held:
+                tier.idle_at = now
+                if self._ask_split(job, tier, worker):
+                    return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
+            if not held:
+                shard = pick_speculative(
+                    job, tier, worker, now=now, speculate_after_s=self._speculate_after_s
+                )
             if shard is None:
                 if tier.counts["TODO"] or job.creating:
                     # Queued (a rest kept for another worker, a suspect for a worker with
@@ -242,6 +251,10 @@ class LeaseTable:
                     wait = pace_wait(job.tiers[at - 1], most=self._wait_retry_s)
                     return LeaseReply(status="wait", retry_after_s=wait)
                 if tier.backlog:  # running here: the tail
+                    if not held and untold(job, tier, halves=self._split_halves):
+                        # A shard that may be cut for this worker: soon, once its holder
+                        # tells its first rows (it renews every second meanwhile).
+                        return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
                     return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
                 return LeaseReply(status="end")
             speculative = True
@@ -300,8 +313,12 @@ class LeaseTable:
     def _pick(self, job: Job, tier: Tier, worker: str, *, alone: bool) -> Shard | None:
         """The first TODO shard in the queue for `worker`: a straggler's rest kept for
         another worker is passed over (it stays first) until its keep runs out, and so is a
-        suspect shard unless the worker holds nothing (`alone`)."""
+        suspect shard unless the worker holds nothing (`alone`). A worker that holds one asks
+        for its next to read while the first computes: at the tail, while workers of the
+        tier have waited idle lately, it gets nothing (they take what comes back)."""
         now = self.context.clock()
+        if not alone and now - tier.idle_at < 2 * self._tail_wait(job):
+            return None
         passed: list[int] = []
         try:
             while tier.todo:

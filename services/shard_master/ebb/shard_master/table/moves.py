@@ -176,7 +176,7 @@ class ShardMoves:
                 if new.remainder is not None:
                     await self._queue_remainder(job, new)
                 if new.remainder_half is not None:
-                    await self._queue_remainder(job, new, half=True)
+                    await self._queue_remainder(job, new, half=True, holder=commit.worker)
                 if new.handoff is not None:
                     await self._queue_handoff(job, new)
         finally:
@@ -237,10 +237,12 @@ class ShardMoves:
                 e,
             )
 
-    async def _queue_remainder(self, job: Job, part: ShardRecord, *, half: bool = False) -> None:
+    async def _queue_remainder(
+        self, job: Job, part: ShardRecord, *, half: bool = False, holder: str = ""
+    ) -> None:
         """Create the record of the shard a split leaves (`half`: the second half of a rest
-        cut in two), first in the queue (caller holds the job's `splitting` lock: its index
-        is the next one)."""
+        cut in two, kept a while for `holder`, the worker that committed the part), first in
+        the queue (caller holds the job's `splitting` lock: its index is the next one)."""
         record = remainder_record(job.id, part, seq=job.head_seq - 1, half=half)
         revision = await self._create_successor(
             job, record, f"shard {part.spec.index} was split but its remainder"
@@ -251,6 +253,8 @@ class ShardMoves:
         if asker is not None and not half:  # a rest split off for the worker that asked
             del job.split_asks[asker]
             remainder.kept_for = (asker, self._context.clock() + KEEP_REST_S)
+        elif half and holder:  # not for a third worker's spare slot: the holder goes on
+            remainder.kept_for = (holder, self._context.clock() + KEEP_REST_S)
         job.add_shard(remainder)
         job.enter(remainder, first=True)
         job.publish_gauges("TODO")

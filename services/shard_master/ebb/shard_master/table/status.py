@@ -3,7 +3,7 @@ it publishes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from ebb.common.data.layout import most_common_errors
@@ -18,7 +18,8 @@ from ebb.common.messaging.messages import (
 
 from ..errors import BadRequest, JobNotFound
 from . import jobmetrics
-from .jobs import Job
+from .jobs import Job, Tier
+from .tail import workers_usable
 
 EventKind = Literal["accepted", "rejected", "progress", "state"]
 
@@ -27,10 +28,17 @@ STATUS_PAGE = 500
 
 
 def status_reply(
-    jobs: Mapping[str, Job], rejected: Mapping[str, str], request: StatusRequest, *, now: float
+    jobs: Mapping[str, Job],
+    rejected: Mapping[str, str],
+    request: StatusRequest,
+    *,
+    now: float,
+    halves: bool = True,
+    min_halve_gain_s: float = 5.0,
 ) -> StatusReply:
     """One job (`request.job`), or a page of them in id order; `rejected`: refused
-    submissions by id. `now` is the master's monotonic clock."""
+    submissions by id. `now` is the master's monotonic clock; `halves`, `min_halve_gain_s`:
+    how the liquid tail cuts rests for idle workers (`tail.workers_usable`)."""
     job_id, limit, after = request.job, request.limit, request.after
     if limit < 0:
         raise BadRequest(f"limit must be 0 (the page size) or more, not {limit}")
@@ -55,6 +63,9 @@ def status_reply(
                 now=now,
                 include_spec=request.include_spec,
                 include_leases=request.include_leases,
+                usable=lambda job, tier: workers_usable(
+                    job, tier, now=now, halves=halves, min_halve_gain_s=min_halve_gain_s
+                ),
             )
             for j in chosen
         ],
@@ -63,8 +74,17 @@ def status_reply(
     )
 
 
-def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) -> JobStatus:
-    """A job's status; `now` is the master's monotonic clock, which lease deadlines are on."""
+def describe(
+    job: Job,
+    *,
+    now: float,
+    include_spec: bool,
+    include_leases: bool,
+    usable: Callable[[Job, Tier], int] | None = None,
+) -> JobStatus:
+    """A job's status; `now` is the master's monotonic clock, which lease deadlines are on;
+    `usable`: the workers a tier's work left could keep busy (`tail.workers_usable`)."""
+    find_usable = usable or (lambda job, tier: workers_usable(job, tier, now=now))
     record = job.record
     live = job.state == "RUNNING"
     if live:
@@ -102,6 +122,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         rows_total=record.rows_total,
         rows_done=rows_done,
         rows_in_flight=in_flight.get(job.tiers[-1].name, 0),
+        workers_usable=find_usable(job, job.tiers[0]) if live and not job.spec.tiers else 0,
         shards_split=sum(t.splits for t in job.tiers) if live else 0,
         error_rows=error_rows,
         submitted_at=record.submitted_at,
@@ -119,7 +140,7 @@ def describe(job: Job, *, now: float, include_spec: bool, include_leases: bool) 
         metrics=jobmetrics.results(job) if live else dict(record.metrics),
         row_errors=most_common_errors(job.errors) if live else dict(record.row_errors),
         # A job of one tier too: its workers are placed, sized and started by their tier.
-        tiers=_tiers(job, in_flight) if live and job.spec.tiers else [],
+        tiers=_tiers(job, in_flight, find_usable) if live and job.spec.tiers else [],
         shard_s=job.tiers[0].shard_s if live and not job.spec.tiers else 0.0,
         waiting=_waiting(job) if live else "",
         mlflow_run=record.mlflow_run,
@@ -152,11 +173,14 @@ def _rows_in_flight(job: Job) -> dict[str, int]:
     return rows
 
 
-def _tiers(job: Job, in_flight: dict[str, int]) -> list[TierStatus]:
+def _tiers(
+    job: Job, in_flight: dict[str, int], usable: Callable[[Job, Tier], int]
+) -> list[TierStatus]:
     return [
         TierStatus(
             name=tier.name,
             shards={s: tier.counts[s] for s in ("TODO", "DOING", "DONE", "QUARANTINED")},
+            workers_usable=usable(job, tier),
             rows_done=tier.rows_done,
             rows_in_flight=in_flight.get(tier.name, 0),
             shards_split=tier.splits,

@@ -21,9 +21,11 @@ Last, `pace_wait`: how long a worker waiting on another tier of its job waits to
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 
 from .. import metrics
+from ..planning.sizing import fleet_shard_rows
 from .jobs import Job, Shard, Tier
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ def pick_split(
         left = max(0, spec.rows - done)
         if rate < STRAGGLER * usual:
             excess, halve = left / rate - left / usual - min_gain_s, False
-        elif halves and spec.format == "parquet" and shard.record.handed_from is None:
+        elif halvable(job, shard, halves=halves):
             decoded = spec.row_offset + done + left / 2
             cost = HALVE_COST_S + decoded / DECODE_ROWS_PER_S
             excess, halve = left / (2 * rate) - cost - min_halve_gain_s, True
@@ -205,6 +207,63 @@ def ask_split(
         ", its rest in two" if halve else "",
     )
     return True
+
+
+def halvable(job: Job, shard: Shard, *, halves: bool = True) -> bool:
+    """Whether the rest of `shard` may be cut in two for an idle worker (`pick_split`): Parquet
+    input (exact rows), not a hand-off between tiers, the liquid tail on."""
+    spec = shard.record.spec
+    return (
+        halves
+        and job.spec.fault.split_tail
+        and spec.format == "parquet"
+        and shard.record.handed_from is None
+    )
+
+
+def untold(job: Job, tier: Tier, *, halves: bool = True) -> bool:
+    """Whether a running shard of the tier that may be cut in halves has a holder that has
+    told no rows yet: a split for an idle worker may be chosen as soon as it does."""
+    for index in tier.doing:
+        shard = job.shards[index]
+        leases = shard.record.leases
+        told = len(leases) == 1 and shard.progress.get(leases[0].token)
+        if len(leases) == 1 and not told and halvable(job, shard, halves=halves):
+            return True
+    return False
+
+
+def workers_usable(
+    job: Job, tier: Tier, *, now: float, halves: bool = True, min_halve_gain_s: float = 5.0
+) -> int:
+    """How many workers the tier's shards left could keep busy, for the controller to scale
+    on (the shards TODO or DOING, if no more): a shard whose rest may be cut in halves for
+    idle workers counts as the pieces it may yet make. By the rows it has left against the
+    rows the planner would have given a shard (a Parquet file of one row group is one shard
+    of many such), and once its holder has told a rate, by its time left against what a cut
+    costs (HALVE_COST_S and `min_halve_gain_s` a piece, as `pick_split` weighs a halving).
+    Counted up to the tier's `max_workers`, so a job of many shards costs little."""
+    most = job.spec.tier_resources(tier.name).max_workers
+    usable = tier.counts["TODO"] + tier.counts["DOING"]
+    if usable >= most:
+        return usable
+    target = job.spec.input.rows_per_shard or fleet_shard_rows(job.record.rows_total, most)
+    rates = {shard.index: rate for shard, rate in _holder_rates(job, tier, now=now)}
+    piece_s = HALVE_COST_S + min_halve_gain_s
+    for index in {*tier.doing, *tier.todo}:  # the queue may name a shard gone from TODO
+        shard = job.shards[index]
+        if shard.record.state not in ("TODO", "DOING") or not halvable(job, shard, halves=halves):
+            continue
+        done = max((shard.progress.get(ls.token, 0) for ls in shard.record.leases), default=0)
+        left = max(0, shard.record.spec.rows - done)
+        pieces = max(1, min(math.ceil(left / max(1, target)), left // HALVE_FROM_ROWS))
+        rate = rates.get(index)
+        if rate:
+            pieces = min(pieces, max(1, int(left / rate / piece_s)))
+        usable += pieces - 1
+        if usable >= most:
+            break
+    return min(usable, most)
 
 
 def renew_in(
