@@ -489,3 +489,25 @@ class WordLabelled:
 
     def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {**batch, "label": np.where(batch["features"][:, 0] > 0, "yes", "no")}
+
+
+class ZeroInPlace:
+    """{"id", "features"} -> {"id", "zeroed": the sum it saw}, per row, then zeroing the row's
+    features in place and its id: a modelet that writes into the rows it is given (to
+    normalise them, say). Whatever it writes must stay its own."""
+
+    def process(self, row: dict[str, Any]) -> Any:
+        seen = float(row["features"].sum())
+        row["features"] *= 0.0
+        row["id"] = -1
+        return {"id": row["id"], "zeroed": seen}
+
+
+class ZeroColumnsInPlace:
+    """ZeroInPlace on a batch's columns."""
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seen = batch["features"].sum(axis=1)
+        batch["features"] *= 0.0
+        batch["id"] *= 0
+        return {"id": batch["id"], "zeroed": seen}

@@ -220,3 +220,24 @@ def test_after_in_a_job_file() -> None:
         }
     )
     assert spec.pipeline.inputs() == [[], [], [0, 1]]
+
+
+@pytest.mark.parametrize("modelet", ["ZeroInPlace", "ZeroColumnsInPlace"])
+async def test_a_modelet_that_writes_into_its_rows_changes_no_other_branch_s(modelet: str) -> None:
+    """A modelet writing into the arrays it was handed (a per-row modelet into its row's
+    features, a columnar one into the batch's columns) changes what it computes with, and
+    nothing another branch reads, nor the ids the rows are joined by."""
+    rows = table_rows(1_000)
+    features = rows["features"].copy()
+    result = await run(
+        [
+            StageSpec(name="zero", modelet=f"ebbtest_modelets:{modelet}", batch_size=64),
+            weighted("b", 1.0, "b", batch_size=100, after=[]),
+        ],
+        rows,
+    )
+    assert not result.errors
+    sums = features.sum(axis=1)
+    np.testing.assert_allclose(result.columns["b"], sums, rtol=1e-5)
+    np.testing.assert_allclose(result.columns["zeroed"], sums, rtol=1e-5)
+    np.testing.assert_array_equal(rows["features"], features)  # the caller's chunk
