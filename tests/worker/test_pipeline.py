@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,59 @@ def test_a_stopping_stage_over_its_memory_limit_does_not_ask_to_be_recycled() ->
             conn.close()
     assert frames.Kind.ITEMS in kinds  # it did run the batch it held
     assert frames.Kind.RECYCLE not in kinds
+
+
+def stage_messages(spec: StageSpec, run: Any, deliveries: list[np.ndarray]) -> list[Any]:
+    """Run a stage loop in this process on `deliveries` (each an ITEMS message of those uids),
+    then a stop; the (kind, uids) of every message it sends back, in order."""
+    ctx = stageserver.stage_context()
+    inbox_r, inbox_w = ctx.Pipe(duplex=False)
+    outbox_r, outbox_w = ctx.Pipe(duplex=False)
+    for uids in deliveries:
+        inbox_w.send_bytes(frames.pack(frames.Kind.ITEMS, uids, {VALUE: uids * 10}))
+    inbox_w.send_bytes(frames.pack(frames.Kind.STOP))
+    loop = StageLoop(
+        StageConfig(spec=spec, code_paths=[]), run, inbox_r, outbox_w, BatchBoard(ctx, 8)
+    )
+    sent = []
+    try:
+        loop.run()
+        while True:
+            try:
+                message = outbox_r.recv_bytes()
+            except EOFError:
+                break
+            h = frames.header(message)
+            values = frames.payload(message, copy=True) if h.kind == frames.Kind.ITEMS else None
+            sent.append((h.kind, h.uids.tolist(), values))
+    finally:
+        for conn in (inbox_r, inbox_w, outbox_r, outbox_w):
+            conn.close()
+    return sent
+
+
+def test_the_outputs_of_quick_batches_go_back_together_and_a_slow_batch_s_at_once() -> None:
+    """The router's cost is per message: the outputs of a delivery's batches run back to back
+    go back as one message, in order; a batch slow enough that the next would keep its output
+    waiting (50 ms) sends it alone."""
+    spec = StageSpec(name="s", modelet="ebb.worker.modelets:Identity", batch_size=32)
+    uids = np.arange(256, dtype=np.int64)
+
+    def quick(batch: Any) -> Any:
+        return batch
+
+    sent = stage_messages(spec, quick, [uids])
+    items = [(u, v) for kind, u, v in sent if kind == frames.Kind.ITEMS]
+    assert len(items) == 1
+    assert items[0][0] == uids.tolist() and items[0][1][VALUE].tolist() == (uids * 10).tolist()
+
+    def slow(batch: Any) -> Any:
+        time.sleep(0.06)
+        return batch
+
+    sent = stage_messages(spec, slow, [uids[:96]])
+    alone = [u for kind, u, _ in sent if kind == frames.Kind.ITEMS]
+    assert alone == [list(range(0, 32)), list(range(32, 64)), list(range(64, 96))]
 
 
 async def test_a_stage_over_its_memory_limit_while_the_pipeline_stops_is_not_replaced(
