@@ -213,11 +213,10 @@ def test_replace_removes_a_failed_jobs_output_and_never_a_complete_one(
     assert failed.returncode == 1, said(failed)
     assert "FAILED" in failed.stdout
     # The summary quotes the error its rows failed with, and how many did.
-    errors = re.search(r"(\d+) errors\n", failed.stdout)
-    assert errors is not None and int(errors[1]) >= 500, failed.stdout
-    assert f"error {errors[1]} rows: stage 'preprocess': ValueError: no such customer" in (
-        said(failed)
-    )
+    errors = re.search(r"([\d,]+) errors\n", failed.stdout)
+    assert errors is not None and int(errors[1].replace(",", "")) >= 500, failed.stdout
+    quoted = rf"error +{errors[1]} rows: stage 'preprocess': ValueError: no such customer"
+    assert re.search(quoted, said(failed)), said(failed)
     first = owner_of(out)
     assert list((out / COMMITS_DIR).glob("*.json"))  # it committed (error) rows
 
