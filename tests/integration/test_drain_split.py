@@ -239,6 +239,21 @@ async def test_at_the_tail_a_straggler_s_shard_is_split_for_the_idle_worker(
     assert all(c["attempt"] == 1 for c in commits.values()), "no shard computed twice"
 
 
+def _one_row_group_job(tmp_path: Path, rows: int) -> dict[str, Any]:
+    """One file of one row group, 32 s of work for one worker: a half of the rest is worth
+    more than its cost when the second worker asks (HALVE_COST_S + the master's 5 s)."""
+    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_048_576)
+    write_model(tmp_path / "model.onnx")
+    stages = slow_stages(tmp_path, 0.2)
+    stages[1]["threads"] = 1  # each worker's model on a core of its own
+    return job_spec(
+        tmp_path,
+        stages=stages,
+        workers=(2, 2),
+        fault={"lease_s": 6, "speculative": False},
+    )
+
+
 async def test_one_file_of_one_row_group_is_computed_by_every_worker(
     tmp_path: Path, prefix: str
 ) -> None:
@@ -247,18 +262,7 @@ async def test_one_file_of_one_row_group_is_computed_by_every_worker(
     rest in two, a half for each, and again while halves are worth it. Speculation is off:
     nothing is computed twice."""
     rows = 16_000
-    write_dataset(tmp_path / "data", rows=rows, row_group_size=1_048_576)
-    write_model(tmp_path / "model.onnx")
-    # 32 s of work for one worker: a half of the rest is worth more than its cost when the
-    # second worker asks (HALVE_COST_S + the master's 5 s).
-    stages = slow_stages(tmp_path, 0.2)
-    stages[1]["threads"] = 1  # each worker's model on a core of its own
-    spec = job_spec(
-        tmp_path,
-        stages=stages,
-        workers=(2, 2),
-        fault={"lease_s": 6, "speculative": False},
-    )
+    spec = _one_row_group_job(tmp_path, rows)
     async with (
         embedded_stack(tmp_path, prefix, max_workers=2) as stack,
         await EbbClient.connect(stack.nats_config) as client,
@@ -275,3 +279,34 @@ async def test_one_file_of_one_row_group_is_computed_by_every_worker(
     workers = {c["worker"] for c in commits.values() if sum(f["rows"] for f in c["files"])}
     assert len(workers) == 2, f"rows committed by {workers}"
     assert all(c["attempt"] == 1 for c in commits.values()), "no shard computed twice"
+
+
+async def test_a_part_committed_by_a_worker_killed_after_is_kept(
+    tmp_path: Path, prefix: str
+) -> None:
+    """The holder of a one-row-group file commits a part for the idle worker and is then
+    killed (SIGKILL, whatever else it holds): the part stays as it was committed, its rows
+    are not computed again, and every row is in the output once."""
+    rows = 16_000
+    spec = _one_row_group_job(tmp_path, rows)
+
+    def part() -> tuple[int, dict[str, Any], int] | None:
+        for shard, commit in _commits(tmp_path).items():
+            if commit["split_at"] and (pid := pid_of(commit["worker"])) is not None:
+                return shard, commit, pid
+        return None
+
+    async with (
+        embedded_stack(tmp_path, prefix, max_workers=2) as stack,
+        await EbbClient.connect(stack.nats_config) as client,
+    ):
+        job_id = await client.submit(parse_job(spec))
+        shard, committed, pid = await wait_until(
+            part, timeout=120, what="a part committed by a live worker"
+        )
+        os.kill(pid, signal.SIGKILL)
+        final = await client.wait(job_id)
+    assert final.state == "SUCCEEDED", final.reason
+    assert final.rows_done == rows
+    assert_exactly_once(tmp_path, rows)
+    assert _commits(tmp_path)[shard] == committed, "the part as it was committed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import pytest
 from ebb.common.job import OutputSpec
 from ebb.common.messaging.messages import ShardSpec, rest_of
 from ebb.worker.chunks.columns import VALUE, from_arrow, to_arrow
-from ebb.worker.shardio.reader import ShardReadError, read_shard
-from ebb.worker.shardio.writer import ERROR_COLUMN, OutputError, build_output
+from ebb.worker.shardio.reader import KeptReads, ShardReader, ShardReadError, read_shard
+from ebb.worker.shardio.writer import ERROR_COLUMN, OutputError, build_output, encode
 
 
 def _text_shard(path: Path, fmt: str) -> ShardSpec:
@@ -81,6 +82,66 @@ def test_the_remainder_of_a_split_parquet_shard_reads_from_the_row_after_its_par
     assert read_shard(rest, None).table.column("id").to_pylist() == list(range(650, 1000))
     with pytest.raises(ValueError, match="one row or more"):
         rest_of(shard, 0, index=1)
+
+
+def _ids(reader: ShardReader) -> list[int]:
+    ids: list[int] = []
+    while (data := reader.next()) is not None:
+        ids += [int(i) for i in data.table.column("id").to_numpy()]
+    reader.close()
+    return ids
+
+
+def test_a_worker_decodes_a_row_group_cut_in_pieces_once(tmp_path: Path) -> None:
+    """The holder of a shard of one row group commits a part (2,000 rows; it had read 3,000)
+    and keeps its reader; the rest is cut in two, the first half for another worker, the
+    second kept for the holder. The holder reads on from where it was: it decodes each row of
+    the group once in all, and the other worker the group up to its half's end, once."""
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"id": np.arange(10_000), "x": np.ones(10_000)}), path)
+    shard = ShardSpec(index=0, path=str(path), format="parquet", rows=10_000, row_groups=[0])
+    holder = KeptReads()
+    reader = ShardReader(shard, ["id"], chunk_rows=1_000)
+    for _ in range(3):
+        assert reader.next() is not None
+    holder.put(reader.keep_from(2_000))
+    decoded = reader.rows_decoded
+    reader.close()
+    assert decoded == 3_000
+    rest = rest_of(shard, 2_000, index=1)
+    first_half = replace(rest, index=2, rows=4_000)
+    second_half = replace(rest, index=3, rows=4_000, row_offset=6_000)
+
+    # What it does not serve stays kept: a piece that starts before it, other columns.
+    assert holder.take(replace(shard, index=4, row_offset=1_000, rows=9_000), ["id"]) is None
+    assert holder.take(second_half, None) is None
+
+    other = ShardReader(first_half, ["id"], chunk_rows=1_000)
+    assert _ids(other) == list(range(2_000, 6_000))
+    assert other.rows_decoded == 6_000
+
+    kept = holder.take(second_half, ["id"])
+    assert kept is not None and holder.take(second_half, ["id"]) is None
+    again = ShardReader(second_half, ["id"], chunk_rows=1_000, kept=kept)
+    assert _ids(again) == list(range(6_000, 10_000))
+    assert decoded + again.rows_decoded == 10_000
+
+
+def test_a_part_keeps_no_reader_when_its_rows_are_no_longer_at_hand(tmp_path: Path) -> None:
+    """Rows before the last two chunks read are gone from the reader: it cannot go on from
+    there, and a fresh reader reads the piece."""
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"id": np.arange(5_000)}), path)
+    shard = ShardSpec(index=0, path=str(path), format="parquet", rows=5_000, row_groups=[0])
+    reader = ShardReader(shard, None, chunk_rows=1_000)
+    for _ in range(4):
+        assert reader.next() is not None
+    assert reader.keep_from(1_000) is None
+    kept = reader.keep_from(2_500)
+    reader.close()
+    assert kept is not None and kept.at == 2_500
+    rest = ShardReader(rest_of(shard, 2_500, index=1), None, chunk_rows=700, kept=kept)
+    assert _ids(rest) == list(range(2_500, 5_000))
 
 
 def test_malformed_jsonl_lines_become_error_rows(tmp_path: Path) -> None:
@@ -180,3 +241,41 @@ def test_result_clashing_with_carryover_is_an_error() -> None:
     table = pa.table({"label": [1]})
     with pytest.raises(OutputError, match="clashes"):
         build_output(table, {"label": np.array([2])}, {}, OutputSpec(uri="/o", carryover=["label"]))
+
+
+def test_float_columns_are_written_without_a_dictionary_and_the_rest_with_one() -> None:
+    """A model's floats hardly repeat: a dictionary for them costs CPU and bytes. Every other
+    leaf keeps it, nested ones included, and every value reads back as written."""
+    n = 1_000
+    rng = np.random.default_rng(0)
+    table = pa.table(
+        {
+            "id": np.arange(n),
+            "score": rng.random(n, dtype=np.float32),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 4)), 4),
+            "tags": pa.array([["a", "b"]] * n),
+            "nested": pa.array([{"p": 1.5, "q": "x"}] * n),
+            "weights": pa.array([[("k", 1.0)]] * n, type=pa.map_(pa.string(), pa.float64())),
+            "label": pa.array(["cat", "dog"] * (n // 2)),
+            ERROR_COLUMN: pa.nulls(n, pa.string()),
+        }
+    )
+    data = encode(table, "parquet")
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+    dictionary = {
+        meta.column(i).path_in_schema: meta.column(i).has_dictionary_page
+        for i in range(meta.num_columns)
+    }
+    assert dictionary == {
+        "id": True,
+        "score": False,
+        "embedding.list.element": False,
+        "tags.list.element": True,
+        "nested.p": False,
+        "nested.q": True,
+        "weights.key_value.key": True,
+        "weights.key_value.value": False,
+        "label": True,
+        ERROR_COLUMN: True,
+    }
+    assert pq.read_table(io.BytesIO(data)).equals(table)

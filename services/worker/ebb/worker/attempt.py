@@ -36,7 +36,7 @@ from .pipeline.front import RowsBack, RunResult
 from .progress import AttemptProgress
 from .shardio import handoff
 from .shardio.handoff import WHOLE_JOB, TierEnds
-from .shardio.reader import CHUNK_ROWS, ShardData, ShardReader
+from .shardio.reader import CHUNK_ROWS, KeptReads, ShardData, ShardReader
 from .shardio.writer import build_output, write_attempt
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ async def run_attempt(
     stop: asyncio.Event | None = None,
     progress: AttemptProgress | None = None,
     ends: TierEnds = WHOLE_JOB,
+    kept_reads: KeptReads | None = None,
 ) -> CommitRecord:
     """Attempt `attempt` at `shard`, to its commit record: ours, or the record of whichever
     attempt of this job committed first (an earlier one found before anything ran, or one
@@ -131,7 +132,9 @@ async def run_attempt(
     (ebb.worker.shardio.handoff): a tier before the last hands its rows on (`store` is the
     tier's root, and what is committed there is the next tier's input); a tier after the first
     reads the hand-off of the tier before, whose metric values it carries. Only the last tier
-    reduces metrics, over the rows it writes, so that they count the job's output."""
+    reduces metrics, over the rows it writes, so that they count the job's output.
+    `kept_reads`: the worker's reader kept open by its last part, taken if it reads on into
+    this shard; this attempt's own is kept there if it commits a part."""
     if shard.is_handoff != ends.reads_handoff:
         raise ValueError(
             f"shard {shard.index} is {'a hand-off' if shard.is_handoff else 'input'}, "
@@ -152,6 +155,7 @@ async def run_attempt(
         column_types=spec.input.column_types,
         newlines_in_values=spec.input.newlines_in_values,
         chunk_rows=chunk_rows,
+        kept=kept_reads.take(shard, columns) if kept_reads is not None else None,
     )
     started = time.perf_counter()
     files: list[OutputFile] = []
@@ -207,7 +211,12 @@ async def run_attempt(
                 if progress is not None:
                     progress.wrote(rows_in)
         whole = reader.exhausted and rows_in == reader.rows_read
+        if not whole and rows_in and kept_reads is not None:
+            # Its rest may come back to this worker (a half of it is kept for the holder):
+            # read on from here rather than decode the row group again from its start.
+            kept_reads.put(reader.keep_from(rows_in))
     finally:
+        log.debug("shard %d: %d rows decoded", shard.index, reader.rows_decoded)
         reader.close()
     if not whole and not rows_in:
         raise AttemptStopped(f"shard {shard.index}: stopped before any row was done")

@@ -319,6 +319,7 @@ class Worker:
                 stop=active.stop,
                 progress=active.progress,
                 ends=session.ends,
+                kept_reads=session.kept_reads,
             )
             await self.reports.commit(session.master, active, record)
             if record.split_at:

@@ -26,6 +26,7 @@ from .pipeline.elastic import DeviceMonitor
 from .pipeline.front import Pipeline, PipelineConfig, RowsBack, RunResult
 from .resources import devices
 from .shardio.handoff import WHOLE_JOB, TierEnds
+from .shardio.reader import KeptReads
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class JobSession:
         self.ready = False
         """The stage processes have started: lease and renew requests say so."""
         self.leases = LeaseKeeper(master, worker=worker, ready=lambda: self.ready)
+        self.kept_reads = KeptReads()
+        """The reader a part of a shard left open, for the piece this worker computes next."""
         self._on_failed_start = on_failed_start
         self._starting = asyncio.create_task(self._start(), name="pipeline-start")
         self._starting.add_done_callback(self._start_ended)
@@ -117,6 +120,7 @@ class JobSession:
         if not self._starting.done():
             self._starting.cancel()
         await asyncio.wait([self._starting])
+        self.kept_reads.close()
         await self.pipeline.stop(grace_s=grace_s)
 
     async def gauges(self) -> None:

@@ -10,6 +10,11 @@ A row that cannot be decoded (a malformed CSV line, a JSONL line that is not JSO
 dropped: it stays in the table as a null row and is reported in `bad_rows`, so that it reaches
 the output as an error row and the output keeps one row per input row.
 
+A shard cut in pieces within a row group (the liquid tail's halves) is read by each worker once:
+a worker that committed a part keeps its reader open where the part ended (`keep_from`,
+`KeptReads`), and the piece it computes next from the same row group goes on from there
+instead of decoding the group again from its start.
+
 Each chunk is read from the store as one retried operation (`storage.retrying`): a throttled
 or dropped read opens the file again where the last chunk ended; a permanent error fails the
 shard with the store's message.
@@ -17,8 +22,10 @@ shard with the store's message.
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -50,6 +57,77 @@ CHUNK_ROWS = 65_536
 _READ_BUFFER = 1 << 20
 
 
+@dataclass
+class _Tally:
+    rows: int = 0
+
+
+@dataclass
+class KeptRead:
+    """A Parquet shard's reader left open where the rows its worker committed ended: the
+    batches from row `at` on (counted from the start of the shard's first row group), the
+    rows it had read past that point first."""
+
+    path: str
+    row_groups: tuple[int, ...]
+    columns: tuple[str, ...] | None
+    at: int
+    batches: Iterator[pa.RecordBatch]
+    file: Any
+    metadata: pq.FileMetaData
+    tally: _Tally
+
+    def serves(self, shard: ShardSpec, columns: list[str] | None) -> bool:
+        """Does going on from here read less of `shard` than opening it anew? Yes when it is
+        the same row groups' columns and starts at or after `at`, in the row group `at` is
+        in (a new reader decodes that group from its start up to the shard's first row)."""
+        if (
+            shard.format != "parquet"
+            or shard.path != self.path
+            or tuple(shard.row_groups) != self.row_groups
+            or (tuple(columns) if columns is not None else None) != self.columns
+            or shard.row_offset < self.at
+        ):
+            return False
+        group_start = 0
+        for group in self.row_groups:
+            rows = self.metadata.row_group(group).num_rows
+            if shard.row_offset < group_start + rows:
+                break
+            group_start += rows
+        return self.at >= group_start
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class KeptReads:
+    """The one reader a worker keeps open between the pieces of a shard (`KeptRead`)."""
+
+    def __init__(self) -> None:
+        self._kept: KeptRead | None = None
+
+    def put(self, kept: KeptRead | None) -> None:
+        if kept is None:
+            return
+        if self._kept is not None:
+            self._kept.close()
+        self._kept = kept
+
+    def take(self, shard: ShardSpec, columns: list[str] | None) -> KeptRead | None:
+        """The kept reader if it serves `shard` (it is then the caller's), else None."""
+        kept = self._kept
+        if kept is None or not kept.serves(shard, columns):
+            return None
+        self._kept = None
+        return kept
+
+    def close(self) -> None:
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
+
 class ShardReader:
     """A shard's rows in order, a chunk of at most `chunk_rows` at a time (`next`, blocking:
     call it from a thread). `columns` restricts Parquet reads (None: every column).
@@ -66,7 +144,10 @@ class ShardReader:
         column_types: Mapping[str, str] | None = None,
         newlines_in_values: bool = False,
         chunk_rows: int = CHUNK_ROWS,
+        kept: KeptRead | None = None,
     ) -> None:
+        """`kept`: a reader left open by a part of the same row groups (`KeptReads.take`),
+        to go on from."""
         self.shard = shard
         self.columns = columns
         self.column_types = column_types or {}
@@ -74,8 +155,19 @@ class ShardReader:
         self.chunk_rows = max(1, chunk_rows)
         self.rows_read = 0
         """Rows of the shard handed out so far."""
+        self._tally = _Tally()
+        self._tally_base = 0
+        self._given_at: int | None = None
         self._batches: Iterator[pa.RecordBatch] | None = None
         self._file: Any = None
+        self._metadata: pq.FileMetaData | None = None
+        self._pending: list[pa.RecordBatch] = []
+        """Rows taken from `_batches` past the last chunk handed out."""
+        self._handed: deque[tuple[int, pa.Table]] = deque(maxlen=2)
+        """The last chunks handed out, by their first row: rows read but not committed go
+        back into a kept reader. A worker computes two chunks at once
+        (`attempt._CHUNKS_IN_FLIGHT`), so the rows it did not commit are in the last two."""
+        self._kept = kept
         self._ended = False
         self._all_read = False
 
@@ -92,6 +184,7 @@ class ShardReader:
                     self._all_read = True
                     self._end()
                     return None
+                self._handed.append((self.rows_read, table))
                 self.rows_read += table.num_rows
                 return ShardData(table)
             header, chunk = retrying(what, lambda: _read_bytes(shard, self.newlines_in_values))
@@ -115,6 +208,13 @@ class ShardReader:
         return data
 
     @property
+    def rows_decoded(self) -> int:
+        """Rows this reader decoded from the file, those before the shard's first row
+        included (a kept reader's, from where it was taken on)."""
+        end = self._tally.rows if self._given_at is None else self._given_at
+        return end - self._tally_base
+
+    @property
     def exhausted(self) -> bool:
         """Every row of the shard has been handed out."""
         if self.shard.format in ("parquet", "arrow") and self.rows_read >= self.shard.rows:
@@ -124,12 +224,42 @@ class ShardReader:
     def close(self) -> None:
         self._end()
 
+    def keep_from(self, row: int) -> KeptRead | None:
+        """This Parquet reader, open, for the piece of the shard that starts at its row `row`
+        (the first its worker did not commit): the rows read past it go first. None if it
+        cannot go on from there (nothing open, or those rows no longer at hand). The reader
+        lets go of its file: close it after, as always."""
+        if self.shard.format != "parquet" or self._batches is None or self._ended:
+            return None
+        assert self._file is not None and self._metadata is not None
+        back = [(start, table) for start, table in self._handed if start + table.num_rows > row]
+        if (back[0][0] > row if back else row != self.rows_read) or row > self.rows_read:
+            return None
+        again = [b for start, t in back for b in t.slice(max(row - start, 0)).to_batches()]
+        kept = KeptRead(
+            path=self.shard.path,
+            row_groups=tuple(self.shard.row_groups),
+            columns=tuple(self.columns) if self.columns is not None else None,
+            at=self.shard.row_offset + row,
+            batches=itertools.chain(again, self._pending, self._batches),
+            file=self._file,
+            metadata=self._metadata,
+            tally=self._tally,
+        )
+        self._given_at = self._tally.rows
+        self._file, self._batches, self._pending = None, None, []
+        return kept
+
     def _end(self) -> None:
         self._ended = True
         self._close_file()
 
     def _close_file(self) -> None:
         self._batches = None
+        self._pending = []
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
         if self._file is not None:
             file, self._file = self._file, None
             file.close()
@@ -144,13 +274,16 @@ class ShardReader:
                 else:
                     self._open_parquet()
             assert self._batches is not None
-            left = self.shard.rows - self.rows_read
+            want = min(self.chunk_rows, self.shard.rows - self.rows_read)
             batches: list[pa.RecordBatch] = []
             got = 0
-            while got < min(self.chunk_rows, left):
-                batch = next(self._batches, None)
+            while got < want:
+                batch = self._pending.pop(0) if self._pending else next(self._batches, None)
                 if batch is None:
                     break
+                if got + batch.num_rows > want:  # the rest stays for the next chunk
+                    self._pending.insert(0, batch.slice(want - got))
+                    batch = batch.slice(0, want - got)
                 batches.append(batch)
                 got += batch.num_rows
         except BaseException:
@@ -158,13 +291,22 @@ class ShardReader:
             raise
         if not batches:
             return None
-        return pa.Table.from_batches(batches).slice(0, min(got, left))
+        return pa.Table.from_batches(batches)
 
     def _open_parquet(self) -> None:
         """Open the file at the shard's row `rows_read`: whole row groups before it are not
         read at all; rows before it within a row group (a legacy shard's row_offset, or a
         retry mid-group) are read and dropped."""
         shard = self.shard
+        skip = shard.row_offset + self.rows_read
+        kept, self._kept = self._kept, None
+        if kept is not None and kept.serves(replace(shard, row_offset=skip), self.columns):
+            self._file, self._metadata = kept.file, kept.metadata
+            self._tally, self._tally_base = kept.tally, kept.tally.rows
+            self._batches = _dropping(kept.batches, skip - kept.at)
+            return
+        if kept is not None:
+            kept.close()
         self._file = fsspec.open(shard.path, "rb").open()
         # A shard larger than a chunk is read buffered and not pre-buffered: pages as they
         # are decoded, not every column chunk of its row groups at once (a group of a million
@@ -179,7 +321,7 @@ class ShardReader:
             missing = [c for c in self.columns if c not in present]
             if missing:
                 raise ShardReadError(f"{shard.path} has no column(s) {missing}")
-        skip = shard.row_offset + self.rows_read
+        self._metadata = parquet.metadata
         groups = list(shard.row_groups)
         while groups and parquet.metadata.row_group(groups[0]).num_rows <= skip:
             skip -= parquet.metadata.row_group(groups[0]).num_rows
@@ -190,7 +332,13 @@ class ShardReader:
             columns=self.columns,
             use_threads=False,
         )
-        self._batches = _dropping(batches, skip)
+        self._batches = _dropping(self._decoded(batches), skip)
+
+    def _decoded(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        tally = self._tally
+        for batch in batches:
+            tally.rows += batch.num_rows
+            yield batch
 
     def _open_arrow(self) -> None:
         """A hand-off between tiers (ebb.worker.shardio.handoff): its Arrow IPC files in order, from
