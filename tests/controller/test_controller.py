@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -89,6 +90,22 @@ def test_plan_launches_the_missing_and_drains_the_surplus_youngest_first() -> No
     decided = plan(jobs=jobs, workers=workers, capacity=Capacity.slots(8), now=10.0, not_before={})
     assert decided.launch == {"a": 1}
     assert sorted(decided.terminate) == ["b1", "b2", "z1"]
+
+
+def test_plan_drains_workers_holding_no_lease_before_the_youngest() -> None:
+    """At a job's end the worker whose shard is nearly done stays, whatever its age; with
+    nothing said of leases, the youngest goes."""
+    workers = [worker("a1", "a", started=1.0), worker("a2", "a", started=2.0)]
+    told = dataclasses.replace(job("a", todo=0, doing=1), workers_busy=["a2"])
+    decided = plan(
+        jobs=[told], workers=workers, capacity=Capacity.slots(8), now=10.0, not_before={}
+    )
+    assert decided.terminate == ["a1"]
+    untold = job("a", todo=0, doing=1)
+    decided = plan(
+        jobs=[untold], workers=workers, capacity=Capacity.slots(8), now=10.0, not_before={}
+    )
+    assert decided.terminate == ["a2"]
 
 
 async def test_local_capacity_counts_draining_workers_as_taken(nats_config: NatsConfig) -> None:

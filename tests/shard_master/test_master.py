@@ -199,8 +199,11 @@ async def test_a_lease_token_used_by_another_worker_is_refused_and_changes_nothi
     # Not a byte of the shard's record moved, and the holder carries on.
     after = await kv.get(key)
     assert (after.revision, after.value) == (before.revision, before.value)
-    (lease,) = (await api.status(spec.id, include_leases=True)).jobs[0].leases
+    (status,) = (await api.status(spec.id, include_leases=True)).jobs
+    (lease,) = status.leases
     assert (lease.worker, lease.attempt) == ("w1", 1)
+    assert status.workers_busy == ["w1"]  # told without the leases too
+    assert (await api.status(spec.id)).jobs[0].workers_busy == ["w1"]
     assert (await api.renew(held.token, worker="w1")).lease_s == 10.0
     assert (await api.commit(held.token, worker="w1", rows=1_000, error_rows=0)).status == "done"
 

@@ -219,6 +219,7 @@ def plan(
     launch: dict[str, int] = {}
     terminate: list[str] = []
     held_back: dict[str, float] = {}
+    busy = {w for j in jobs for w in j.workers_busy}
     for key, target in desired.items():
         have = alive.get(key, [])
         if len(have) < target:
@@ -228,8 +229,10 @@ def plan(
             else:
                 launch[key] = target - len(have)
         elif len(have) > target:
-            # The youngest go first: the oldest are the most likely to be mid-shard.
-            surplus = sorted(have, key=lambda w: w.started_at, reverse=True)
+            # Those holding no lease go first (at a job's end the idle, not the one whose
+            # shard is nearly done); then the youngest, the oldest being the most likely to
+            # be mid-shard when the master does not say.
+            surplus = sorted(have, key=lambda w: (w.id in busy, -w.started_at))
             terminate += [w.id for w in surplus[: len(have) - target]]
     for key, have in alive.items():
         if key not in desired:  # the job ended, is unknown to the master, or has no such tier

@@ -256,6 +256,10 @@ class JobStatus(Message):
     leases: list[LeaseInfo] = field(default_factory=list)
     workers_ready: int = 0
     """Workers whose pipeline has started, as they told this master (since it leads)."""
+    workers_busy: list[str] = field(default_factory=list)
+    """Workers holding a live lease of the job (any tier's), in id order: a controller that
+    shrinks a group drains the others first, so that work in hand is not cut short while an
+    idle worker stays. Empty from a master that does not tell it."""
     workers_lost: dict[str, int] = field(default_factory=dict)
     """Workers of the job that ended badly, by the kind the controller gave (capacity: taken
     by the cluster, preempted, evicted, its node lost or killed from outside; oom; crash;

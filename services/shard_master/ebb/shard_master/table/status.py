@@ -133,6 +133,7 @@ def describe(
         spec=record.spec if include_spec else None,
         leases=leases,
         workers_ready=len(job.ready_workers),
+        workers_busy=_busy(job) if live else [],
         workers_lost={k: n for k, n in record.workers_lost.items() if k != DRAINED},
         workers_drained=record.workers_lost.get(DRAINED, 0),
         advice=record.advice,
@@ -159,6 +160,17 @@ def _waiting(job: Job) -> str:
         return job.waiting.get("", "")
     told = [(t.name, job.waiting[t.name]) for t in job.tiers if t.name in job.waiting]
     return "; ".join(f"tier {name}: {reason}" for name, reason in told)
+
+
+def _busy(job: Job) -> list[str]:
+    """The workers holding a live lease of the job."""
+    busy = {
+        lease.worker
+        for index in job.doing
+        for lease in job.shards[index].record.leases
+        if lease.token in job.shards[index].deadlines
+    }
+    return sorted(busy)
 
 
 def _rows_in_flight(job: Job) -> dict[str, int]:
