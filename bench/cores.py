@@ -23,9 +23,11 @@ Read amplification is the bytes read for every shard of the job over the input's
 where the CPU of Ebb's runs went, sampled from the processes while they ran: the model stage,
 the preprocessing stage, the worker's router thread, the rest of the worker (its start-up,
 leases, reading and decoding Parquet, writing), and its fork server (which imports the stages'
-runtimes once, at start-up, for every stage process it forks). "router + worker vs model" is
-the worker's own share: what moving the rows costs against the model's CPU (the target is 10%
-or less).
+runtimes once, at start-up, for every stage process it forks). The worker's start-up is its
+CPU when its model stage has computed for half a second (imports, connecting, reading the job,
+the first chunk). "router + worker after start-up vs model" is the worker's own share: what
+reading, moving and writing the rows costs against the model's CPU (the target is 10% or
+less).
 """
 
 from __future__ import annotations
@@ -170,11 +172,16 @@ def job(data: Path, model: Path, out: Path, *, workers: int, columnar: bool) -> 
 class CpuSampler(PeriodicSampler):
     """CPU seconds of the processes under this one, by part of Ebb, sampled while a job
     runs: the last reading of each process and thread counts (one that ends between two
-    samples loses its last fraction of a second)."""
+    samples loses its last fraction of a second). A worker's start-up is its CPU (every
+    thread but the router) when its model stage has computed for half a second: imports,
+    connecting, reading the job, and the first chunk's read."""
 
     def __init__(self, every_s: float = 0.25) -> None:
         super().__init__(every_s)
         self.seconds: dict[tuple[int, int], tuple[str, float]] = {}
+        self.startup: dict[int, float] = {}
+        """Per worker process: its CPU as its model stage began computing."""
+        self._worker_of: dict[int, int | None] = {}
 
     def sample(self) -> None:
         for p in psutil.Process().children(recursive=True):
@@ -182,12 +189,24 @@ class CpuSampler(PeriodicSampler):
                 self._read(p)
             except (psutil.Error, OSError):
                 continue
+        for (pid, _), (part, seconds) in list(self.seconds.items()):
+            worker = self._worker_of.get(pid)
+            if part == "stage model" and seconds >= 0.5 and worker and worker not in self.startup:
+                self.startup[worker] = sum(
+                    s
+                    for (p, _), (name, s) in self.seconds.items()
+                    if p == worker and name == "worker"
+                )
 
     def _read(self, p: psutil.Process) -> None:
         comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
         if comm.startswith("ebb:"):
             t = p.cpu_times()
             self.seconds[(p.pid, 0)] = (f"stage {comm[4:]}", t.user + t.system)
+            if p.pid not in self._worker_of:
+                self._worker_of[p.pid] = next(
+                    (a.pid for a in p.parents() if "ebb.worker" in " ".join(a.cmdline())), None
+                )
             return
         cmdline = " ".join(p.cmdline())
         if "forkserver" in cmdline:
@@ -203,6 +222,7 @@ class CpuSampler(PeriodicSampler):
         out: dict[str, float] = defaultdict(float)
         for part, seconds in self.seconds.values():
             out[part] += seconds
+        out["worker start-up"] = sum(self.startup.values())
         return dict(out)
 
 
@@ -287,7 +307,8 @@ def run(ctx: Context) -> Section:
     split_rows = []
     for name, seconds in cpu.items():
         total = sum(seconds.get(p, 0.0) for p in parts)
-        own = seconds.get("router", 0.0) + seconds.get("worker", 0.0)
+        startup = seconds.get("worker start-up", 0.0)
+        own = seconds.get("router", 0.0) + seconds.get("worker", 0.0) - startup
         split_rows.append(
             [
                 name,
@@ -295,6 +316,7 @@ def run(ctx: Context) -> Section:
                     f"{seconds.get(p, 0.0):.1f} s ({seconds.get(p, 0.0) / total:.0%})"
                     for p in parts
                 ),
+                f"{startup:.1f} s",
                 f"{own / seconds['stage model']:.0%}",
                 f"{total / seconds['wall']:.2f}",
             ]
@@ -307,7 +329,8 @@ def run(ctx: Context) -> Section:
             "router",
             "worker",
             "fork server",
-            "router + worker vs model",
+            "of it the worker's start-up",
+            "router + worker after start-up vs model",
             "cores busy",
         ],
         split_rows,

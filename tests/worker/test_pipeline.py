@@ -423,7 +423,7 @@ async def test_a_cancelled_run_stops_taking_room_and_its_waiting_rows_are_not_co
     pipeline = Pipeline(config)
     try:
         await pipeline.start()
-        first = asyncio.create_task(pipeline.run(rows(480)))
+        first = asyncio.create_task(pipeline.run(rows(2_000)))
         await wait_until(lambda: tally.exists() and tally.read_text(), what="a first batch")
         first.cancel()
         await asyncio.wait([first])
@@ -433,7 +433,7 @@ async def test_a_cancelled_run_stops_taking_room_and_its_waiting_rows_are_not_co
         computed = {int(line) for line in tally.read_text().split()}
         # The rows already inside the process finished; the rest of the run never ran.
         assert set(range(1_000, 1_032)) <= computed
-        assert len(computed & set(range(480))) < 480
+        assert len(computed & set(range(2_000))) < 2_000
         await wait_until(lambda: pipeline.depths() == [0], timeout=10, what="an empty pipeline")
     finally:
         await pipeline.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import cast
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from ebb.common.job import StageSpec
+from ebb.common.job.llm import LLMSpec
 from ebb.common.lifecycle import IllegalTransition
 from ebb.worker.chunks import frames
 from ebb.worker.chunks.segments import SegmentLedger
@@ -105,6 +107,16 @@ def test_a_frame_goes_to_the_least_loaded_process_that_takes_work_and_has_room()
     assert pool.pick(cap=1) is None  # every one that takes work is full
     assert pool.live() == [light, starting, busy]
     assert pool.load() == 4
+
+
+def test_a_process_may_hold_two_batches_or_two_frames_whichever_is_more() -> None:
+    """The next frame is there as one ends: a process idle while the router turns its output
+    round idles each frame. An llm stage's engine takes rows as they come: two batches."""
+    model = StageSpec(name="m", model="m.onnx", batch_size=32)
+    assert StagePool(0, model, frame_rows=256).cap == 512
+    assert StagePool(0, replace(model, batch_size=1_024), frame_rows=1_024).cap == 2_048
+    llm = StageSpec(name="g", llm=LLMSpec(model="/models/tiny"), batch_size=16)
+    assert StagePool(0, llm, frame_rows=256).cap == 32
 
 
 def test_frames_go_out_while_a_process_has_room_a_broken_pipe_means_it_is_gone() -> None:

@@ -104,6 +104,10 @@ _NUMBERS = (bool, int, float, np.number, np.bool_)
 of them is five times slower, and these checks run once per value.)"""
 
 
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
 def stack(values: Sequence[Any]) -> np.ndarray:
     """One column from per-row values: arrays of one shape and dtype become one array with a
     row axis, numbers a numeric array; anything else an object array."""
@@ -111,10 +115,10 @@ def stack(values: Sequence[Any]) -> np.ndarray:
     if n == 0:
         return np.empty(0, dtype=object)
     first = values[0]
-    # The types seen, once each, in a C loop: then what holds for a type holds for its rows.
+    # The types (then shapes and dtypes) seen, once each, in C loops: no Python code per row.
     kinds = set(map(type, values))
     if all(issubclass(kind, np.ndarray) for kind in kinds) and first.dtype != object:
-        if len({(v.shape, v.dtype) for v in values}) == 1:
+        if len(set(map(_SHAPE, values))) == 1 and len(set(map(_DTYPE, values))) == 1:
             return np.array(values) if kinds == {np.ndarray} else np.stack(values)
     elif all(issubclass(kind, _NUMBERS) for kind in kinds):
         try:

@@ -36,9 +36,16 @@ _SPAWN_TRIES = 3
 class StagePool:
     """One stage's processes, whatever their state, in the order they started."""
 
-    def __init__(self, stage: int, spec: StageSpec) -> None:
+    def __init__(self, stage: int, spec: StageSpec, *, frame_rows: int = 0) -> None:
         self.stage = stage
         self.spec = spec
+        # Rows a process may hold before it is sent more: two batches, so that the next is
+        # there as one ends, and, where a frame is larger than that (rows go out in frames
+        # of 256 at least), two frames. A process sent its next frame only once it held
+        # (nearly) nothing sat idle while the router turned its output round, each frame: a
+        # tenth of its time at the default batch of 32, more on a machine whose cores the
+        # models keep busy. An llm stage's engine takes its rows as they come: two batches.
+        self.cap = 2 * spec.batch_size if spec.llm else max(2 * spec.batch_size, 2 * frame_rows)
         self._procs: list[StageProcess] = []
         self.failed_starts = 0
         """Its processes that died while starting since one last started."""
@@ -82,9 +89,8 @@ class StagePool:
 
     def feed(self, backlog: deque[frames.Frame], segments: SegmentLedger) -> None:
         """Hand frames from `backlog` to the least-loaded processes, while one has room."""
-        cap = 2 * self.spec.batch_size
         while backlog:
-            target = self.pick(cap)
+            target = self.pick(self.cap)
             if target is None:
                 return
             frame = backlog.popleft()
@@ -166,7 +172,9 @@ class StagePools:
         self.gpus = gpus
         """The worker's GPUs, over which each `cuda` stage's replicas spread
         (ebb.worker.resources.devices)."""
-        self.pools = [StagePool(k, spec) for k, spec in enumerate(self.specs)]
+        self.pools = [
+            StagePool(k, spec, frame_rows=config.frame_size()) for k, spec in enumerate(self.specs)
+        ]
         self._all_spawned = False
         self.closed = False
         """Set when the router starts to stop: nothing is spawned from then on, since
