@@ -205,14 +205,14 @@ class CpuSampler(PeriodicSampler):
             self.seconds[(p.pid, 0)] = (f"stage {comm[4:]}", t.user + t.system)
             if p.pid not in self._worker_of:
                 self._worker_of[p.pid] = next(
-                    (a.pid for a in p.parents() if "ebb.worker" in " ".join(a.cmdline())), None
+                    (a.pid for a in p.parents() if _is_worker(" ".join(a.cmdline()))), None
                 )
             return
         cmdline = " ".join(p.cmdline())
         if "forkserver" in cmdline:
             t = p.cpu_times()
             self.seconds[(p.pid, 0)] = ("fork server", t.user + t.system)
-        elif "ebb.worker" in cmdline:
+        elif _is_worker(cmdline):
             for thread in p.threads():
                 name = Path(f"/proc/{p.pid}/task/{thread.id}/comm").read_text().strip()
                 part = "router" if name == ROUTER_THREAD else "worker"
@@ -224,6 +224,11 @@ class CpuSampler(PeriodicSampler):
             out[part] += seconds
         out["worker start-up"] = sum(self.startup.values())
         return dict(out)
+
+
+def _is_worker(cmdline: str) -> bool:
+    """A worker process (its fork server preloads ebb.worker modules too)."""
+    return "ebb.worker" in cmdline and "forkserver" not in cmdline
 
 
 async def _ebb(

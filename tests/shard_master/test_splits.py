@@ -305,20 +305,48 @@ async def test_no_split_is_asked_of_a_holder_that_tells_no_progress_or_when_turn
 async def test_a_worker_with_nothing_to_do_at_the_tail_asks_again_less_often(
     tmp_path: Path,
 ) -> None:
-    _store, _clock, table, spec, _job = await running_job(
+    _store, clock, table, spec, _job = await running_job(
         tmp_path, shards=1, lease_s=60, speculative=False
     )
     busy = await table.lease(spec.id, "busy")
     # Its holder has told no rows yet: a split for this worker may be chosen once it does.
     assert (await table.lease(spec.id, "idle")).retry_after_s == 1.0
     await table.renew(busy.token, rows_done=1)
+    clock.now += 1.0  # the next look for a split is due: it finds none worth it
     idle = await table.lease(spec.id, "idle")
     assert idle.status == "wait" and idle.retry_after_s == 5.0  # a tenth of a lease, at most 5 s
     short = make_job(tmp_path / "short", shards=1, lease_s=6, speculative=False)
     assert await table.intake.submit(short)
     busy = await table.lease(short.id, "busy")
     await table.renew(busy.token, rows_done=1)
+    clock.now += 1.0
     assert (await table.lease(short.id, "idle")).retry_after_s == 1.0  # never below wait_retry_s
+
+
+async def test_an_idle_worker_asking_before_the_next_look_for_a_split_asks_again_soon(
+    tmp_path: Path,
+) -> None:
+    """A worker's retry is jittered: it may come back a little before the master looks for a
+    split again (a second after the last look). It is told to ask again soon, not after the
+    tail's long wait, and the split is asked for it at its next ask."""
+    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=100_000, fault={"lease_s": 30})).with_id()
+    clock = Clock()
+    table = new_table(MemoryStore(), clock)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    busy = await table.lease(spec.id, "busy")
+    assert (await table.lease(spec.id, "idle")).retry_after_s == 1.0  # untold: a look, none
+    clock.now += 0.5
+    await table.renew(busy.token, rows_done=500)  # 1,000 rows/s: 99.5 s left
+    clock.now += 0.3  # 0.8 s after the look: the jitter's earliest
+    early = await table.lease(spec.id, "idle")
+    assert early.status == "wait" and early.retry_after_s == 1.0
+    assert not job.shards[0].split_asked
+    clock.now += 0.3
+    assert (await table.lease(spec.id, "idle")).status == "wait"
+    assert job.shards[0].split_asked, "the holder is asked to split for the idle worker"
 
 
 async def test_holders_renew_soon_while_a_worker_waits_idle_at_the_tail(tmp_path: Path) -> None:
@@ -549,3 +577,24 @@ async def test_parts_and_rests_cover_every_row_once_however_they_are_cut(
     assert manifest is not None
     assert [f.shard for f in manifest.files] == pieces(0) + pieces(1)  # the input's order
     assert covered == list(range(200))
+
+
+async def test_a_split_is_judged_by_the_rows_a_holder_has_done_by_now_not_those_it_told(
+    tmp_path: Path,
+) -> None:
+    """A holder renews every third of its lease while no worker waits: what it told is old
+    when an idle worker comes. At its rate it is nearly done, and halving what is left is
+    not worth its cost: no split is asked."""
+    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=100_000, fault={"lease_s": 300})).with_id()
+    clock = Clock()
+    table = new_table(MemoryStore(), clock)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    holder = await table.lease(spec.id, "holder")
+    clock.now += 10
+    await table.renew(holder.token, rows_done=10_000)  # 1,000 rows a second
+    clock.now += 78  # 88,000 rows done by now, at that rate: 6 s left
+    assert (await table.lease(spec.id, "idle")).status == "wait"
+    assert not job.shards[0].split_asked

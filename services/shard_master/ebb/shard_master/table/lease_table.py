@@ -230,6 +230,10 @@ class LeaseTable:
             # read while its own computes (`shards_in_flight`) would start on a split or a
             # second attempt only once its own is done.
             now = self.context.clock()
+            # A look for a split ran lately (for this worker's last ask, or another's) and
+            # the next is not due: this ask looks at nothing, so the worker asks again soon,
+            # not after the tail's long wait (its retry, jittered, may come a little early).
+            looked_lately = job.no_split_before > now
             if tier.doing and not held:
                 tier.idle_at = now
                 if self._ask_split(job, tier, worker):
@@ -251,9 +255,10 @@ class LeaseTable:
                     wait = pace_wait(job.tiers[at - 1], most=self._wait_retry_s)
                     return LeaseReply(status="wait", retry_after_s=wait)
                 if tier.backlog:  # running here: the tail
-                    if not held and untold(job, tier, halves=self._split_halves):
+                    if not held and (looked_lately or untold(job, tier, halves=self._split_halves)):
                         # A shard that may be cut for this worker: soon, once its holder
-                        # tells its first rows (it renews every second meanwhile).
+                        # tells its first rows (it renews every second meanwhile), or once
+                        # the next look is due.
                         return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
                     return LeaseReply(status="wait", retry_after_s=self._tail_wait(job))
                 return LeaseReply(status="end")

@@ -115,7 +115,10 @@ def pick_split(
         if lease.worker == worker or lease.token in shard.split_asked:
             continue
         spec = shard.record.spec
-        done = shard.progress[lease.token]
+        # Rows done by now, not at its last renewal: a holder renews every third of a lease
+        # while no worker waits, and had done far more than it told when one comes.
+        told_at = shard.progress_at.get(lease.token, now)
+        done = min(spec.rows, shard.progress[lease.token] + rate * max(0.0, now - told_at))
         left = max(0, spec.rows - done)
         if rate < STRAGGLER * usual:
             excess, halve = left / rate - left / usual - min_gain_s, False
