@@ -48,6 +48,21 @@ async def running_job(
     return store, clock, table, spec, table.jobs[spec.id]
 
 
+async def one_group_job(
+    tmp_path: Path, *, lease_s: float
+) -> tuple[Clock, LeaseTable, JobSpec, Job]:
+    """A job over one Parquet file of one row group of 100,000 rows (one shard that may be
+    cut in halves), submitted to a table on an in-memory store."""
+    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
+    write_model(tmp_path / "model.onnx")
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=100_000, fault={"lease_s": lease_s}))
+    spec = spec.with_id()
+    clock = Clock()
+    table = new_table(MemoryStore(), clock)
+    assert await table.intake.submit(spec)
+    return clock, table, spec, table.jobs[spec.id]
+
+
 def commit_part(
     spec: JobSpec,
     reply: LeaseReply,
@@ -329,13 +344,7 @@ async def test_an_idle_worker_asking_before_the_next_look_for_a_split_asks_again
     """A worker's retry is jittered: it may come back a little before the master looks for a
     split again (a second after the last look). It is told to ask again soon, not after the
     tail's long wait, and the split is asked for it at its next ask."""
-    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
-    write_model(tmp_path / "model.onnx")
-    spec = parse_job(job_spec(tmp_path, rows_per_shard=100_000, fault={"lease_s": 30})).with_id()
-    clock = Clock()
-    table = new_table(MemoryStore(), clock)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    clock, table, spec, job = await one_group_job(tmp_path, lease_s=30)
     busy = await table.lease(spec.id, "busy")
     assert (await table.lease(spec.id, "idle")).retry_after_s == 1.0  # untold: a look, none
     clock.now += 0.5
@@ -585,13 +594,7 @@ async def test_a_split_is_judged_by_the_rows_a_holder_has_done_by_now_not_those_
     """A holder renews every third of its lease while no worker waits: what it told is old
     when an idle worker comes. At its rate it is nearly done, and halving what is left is
     not worth its cost: no split is asked."""
-    write_dataset(tmp_path / "data", rows=100_000, row_group_size=100_000)
-    write_model(tmp_path / "model.onnx")
-    spec = parse_job(job_spec(tmp_path, rows_per_shard=100_000, fault={"lease_s": 300})).with_id()
-    clock = Clock()
-    table = new_table(MemoryStore(), clock)
-    assert await table.intake.submit(spec)
-    job = table.jobs[spec.id]
+    clock, table, spec, job = await one_group_job(tmp_path, lease_s=300)
     holder = await table.lease(spec.id, "holder")
     clock.now += 10
     await table.renew(holder.token, rows_done=10_000)  # 1,000 rows a second
