@@ -67,7 +67,11 @@ def _config(ctx: Context, model_dir: Path, rows_per_shard: int) -> Path:
         "models": {
             MODEL: {
                 "stage": {
-                    "llm": {"model": str(model_dir), "max_in_flight": 32},
+                    "llm": {
+                        "model": str(model_dir),
+                        "max_in_flight": 32,
+                        "sampling": {"temperature": 0.0},  # greedy, as the workload says
+                    },
                     "batch_size": 128,
                 },
                 "resources": {"max_workers": WORKERS},

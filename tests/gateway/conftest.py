@@ -35,7 +35,12 @@ def gateway_config(tmp: Path, model: Path, **limits: Any) -> Path:
         "models": {
             "tiny-chat": {
                 "stage": {
-                    "llm": {"model": str(model), "max_in_flight": 8, "sampling": {"max_tokens": 8}},
+                    "llm": {
+                        "model": str(model),
+                        "max_in_flight": 8,
+                        # Greedy, so that answers can be compared with the model's own.
+                        "sampling": {"max_tokens": 8, "temperature": 0.0},
+                    },
                     "batch_size": 16,
                 },
                 "resources": {"max_workers": 2},
@@ -108,12 +113,20 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 
 async def wait_for(
-    oa: openai.OpenAI, batch_id: str, statuses: tuple[str, ...] = ENDED, *, timeout_s: float = 240
+    oa: openai.OpenAI,
+    batch_id: str,
+    statuses: tuple[str, ...] = ENDED,
+    *,
+    timeout_s: float = 240,
+    seen: list[str] | None = None,
 ) -> Any:
-    """Poll the batch (as a user does) until its status is one of `statuses`."""
+    """Poll the batch (as a user does) until its status is one of `statuses`; `seen` gets
+    each status polled."""
     deadline = time.monotonic() + timeout_s
     while True:
         batch = await asyncio.to_thread(oa.batches.retrieve, batch_id)
+        if seen is not None:
+            seen.append(batch.status)
         if batch.status in statuses:
             return batch
         assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status}"

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pyarrow.parquet as pq
 import pytest
@@ -83,7 +84,10 @@ async def test_a_batch_runs_every_request_once_with_the_model_s_own_answers(
         tokens += count
     assert done.usage is not None and done.usage.output_tokens == tokens
     # The same rows run as a job of their own, straight to the llm stage: the same answers.
-    direct = await direct_job(gateway_stack, tmp_path, batch.id)
+    # The batch's own copy of its requests and its job's output went once its files were
+    # written.
+    assert not (tmp_path / "gateway" / "batches" / "alice" / batch.id).exists()
+    direct = await direct_job(gateway_stack, tmp_path, batch.id, lines)
     assert direct == {
         r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in output
     }
@@ -105,20 +109,39 @@ async def test_a_batch_runs_every_request_once_with_the_model_s_own_answers(
         await asyncio.to_thread(oa.batches.cancel, batch.id)
 
 
-async def direct_job(stack: LocalStack, tmp: Path, batch_id: str) -> dict[str, str]:
-    """The batch's job input, run as an ordinary job submitted over NATS: its text by
-    custom_id (the rows it answered)."""
+async def direct_job(
+    stack: LocalStack, tmp: Path, batch_id: str, lines: list[dict[str, Any]]
+) -> dict[str, str]:
+    """The batch's job input (its lines judged as the gateway judges them), run as an
+    ordinary job submitted over NATS: its text by custom_id (the rows it answered)."""
+    import pyarrow as pa
+
     from ebb.client.sdk import EbbClient
     from ebb.gateway.config import load_config
-    from ebb.gateway.jobspec import batch_job
+    from ebb.gateway.jobspec import batch_job, request_schema
+    from ebb.gateway.requests import validate
+    from ebb.gateway.store import split_lines
 
     catalogue = load_config(tmp / "gateway.yaml")
+    rows: list[dict[str, Any]] = []
+    validate(
+        split_lines([jsonl(lines)], max_bytes=catalogue.max_line_bytes),
+        batch_id=batch_id,
+        endpoint="/v1/chat/completions",
+        models=catalogue.models,
+        max_requests=catalogue.max_requests,
+        max_line_bytes=catalogue.max_line_bytes,
+        accept=lambda row, _model: rows.append(row),
+        reject=lambda _line: None,
+    )
+    schema = request_schema("/v1/chat/completions")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp / "direct-requests.parquet")
     spec = batch_job(
         batch_id="direct-1",
         owner="alice",
         model=catalogue.models["tiny-chat"],
         window=catalogue.windows["24h"],
-        input_uri=str(tmp / "gateway" / "batches" / "alice" / batch_id / "requests.parquet"),
+        input_uri=str(tmp / "direct-requests.parquet"),
         output_uri=str(tmp / "direct"),
     )
     async with await EbbClient.connect(stack.nats_config) as ebb:
@@ -263,3 +286,48 @@ async def test_a_key_s_quotas_refuse_what_is_past_them(gateway_stack: LocalStack
     await wait_for(bob, running.id)
     again = await asyncio.to_thread(create, bob, first.id)
     assert again.status == "validating"
+
+
+async def test_a_key_s_quotas_hold_when_asked_at_once(gateway_stack: LocalStack) -> None:
+    """Twenty creates at once against a quota of one batch make one batch; uploads at once
+    share the bytes left, never each all of them (the quotas are reserved, then used)."""
+    from .conftest import BOB_STORES, KEYS
+
+    assert gateway_stack.gateway_url is not None
+    url = gateway_stack.gateway_url
+    bob = client(gateway_stack, "bob")
+    data = jsonl(requests(30))
+    first = await asyncio.to_thread(bob.files.create, file=("a.jsonl", data), purpose="batch")
+    body = {
+        "input_file_id": first.id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    headers = {"Authorization": f"Bearer {KEYS['bob']}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+
+        async def create_one() -> int:
+            async with http.post(f"{url}/batches", json=body) as answer:
+                return answer.status
+
+        statuses = await asyncio.gather(*(create_one() for _ in range(20)))
+        assert sorted(statuses) == [200] + [429] * 19
+        listed = await asyncio.to_thread(lambda: list(bob.batches.list()))
+        assert len(listed) == 1
+
+        left = BOB_STORES - len(data)
+        size = left // 3 + 1  # two fit in what is left, three do not
+
+        async def upload_one(i: int) -> int:
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", b"x" * size, filename=f"{i}.jsonl")
+            async with http.post(f"{url}/files", data=form) as answer:
+                return answer.status
+
+        statuses = await asyncio.gather(*(upload_one(i) for i in range(8)))
+    assert statuses.count(200) in (1, 2), statuses
+    assert set(statuses) <= {200, 413, 429}, statuses
+    stored = await asyncio.to_thread(lambda: list(bob.files.list()))
+    assert sum(f.bytes for f in stored) <= BOB_STORES
+    assert len(stored) == 1 + statuses.count(200)

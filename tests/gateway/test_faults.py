@@ -83,8 +83,11 @@ async def test_a_batch_cancelled_midway_keeps_what_it_answered(
         "cancelling",
         "cancelled",
     )
-    ended = await wait_for(oa, batch.id)
+    seen: list[str] = []
+    ended = await wait_for(oa, batch.id, seen=seen)
     assert ended.status == "cancelled" and ended.cancelled_at is not None
+    # As the API goes: cancelling, then cancelled (its results are written meanwhile).
+    assert set(seen) <= {"cancelling", "cancelled"} and ended.finalizing_at is None, seen
     output, errors = every_request_once(oa, ended, lines)
     assert len(output) >= running.request_counts.completed
     unrun = [e for e in errors if e["error"] is not None]
@@ -92,6 +95,23 @@ async def test_a_batch_cancelled_midway_keeps_what_it_answered(
     assert {e["error"]["code"] for e in unrun} == {"batch_cancelled"}
     assert all(e["response"] is None for e in unrun)
     check_answers(output, lines, reference)
+
+
+async def test_a_batch_cancelled_as_it_is_created_counts_and_lists_every_request(
+    gateway_stack: LocalStack,
+) -> None:
+    oa = client(gateway_stack)
+    lines = requests(400, max_tokens=4)
+    batch = await submitted(gateway_stack, lines)
+    cancelling = await asyncio.to_thread(oa.batches.cancel, batch.id)
+    assert cancelling.status == "cancelling"
+    ended = await wait_for(oa, batch.id)
+    assert ended.status == "cancelled", ended
+    # Cancelled while its file was read or just after: either way every request is counted
+    # and is in one of the files, those never run as cancelled.
+    _, errors = every_request_once(oa, ended, lines)
+    assert ended.request_counts.total == len(lines)
+    assert {e["error"]["code"] for e in errors if e["error"]} <= {"batch_cancelled"}
 
 
 def worker_pids() -> list[int]:

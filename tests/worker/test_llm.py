@@ -129,6 +129,16 @@ def _llm_stage(model: Path, **llm: Any) -> StageSpec:
     return StageSpec(name="gen", llm=LLMSpec(model=str(model), **llm), batch_size=16)
 
 
+async def _run(stage: StageSpec, rows: list[dict[str, Any]]) -> list[tuple[bool, Any]]:
+    """The rows through the stage in its own process: (ok, value or reason) of each."""
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
+    try:
+        await pipeline.start()
+        return list(await pipeline.run(rows))
+    finally:
+        await pipeline.stop()
+
+
 async def test_the_stage_in_its_process_writes_text_and_refuses_rows_it_cannot_take(
     tiny_llm: Path,
 ) -> None:
@@ -143,12 +153,7 @@ async def test_the_stage_in_its_process_writes_text_and_refuses_rows_it_cannot_t
     stage = _llm_stage(
         tiny_llm, per_row={"max_tokens": "budget"}, sampling=SamplingSpec(max_tokens=8)
     )
-    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
-    try:
-        await pipeline.start()
-        outcomes = await pipeline.run(rows)
-    finally:
-        await pipeline.stop()
+    outcomes = await _run(stage, rows)
     engine = TransformersEngine(str(tiny_llm))
     for row, (ok, value) in zip(rows, outcomes, strict=True):
         if row["id"] in (10, 12, 13):
@@ -167,6 +172,35 @@ async def test_the_stage_in_its_process_writes_text_and_refuses_rows_it_cannot_t
     assert "exceed the model's context of 256 tokens" in str(reasons[10])
     assert "text, a list of {role, content} messages, or token ids" in str(reasons[12])
     assert "max_tokens must be >= 1" in str(reasons[13])
+
+
+async def test_a_stage_without_max_tokens_generates_up_to_the_rest_of_the_context(
+    tiny_llm: Path,
+) -> None:
+    """`max_tokens: null` (the OpenAI API's omitted `max_tokens`): a row generates as far as
+    its context, or `kv_tokens`, leaves after its prompt; a row's own value still wins."""
+    prompts = _prompts(3, seed=9)
+    rows: list[dict[str, Any]] = [
+        {"id": i, "prompt": p, "budget": None} for i, p in enumerate(prompts)
+    ]
+    rows[2]["budget"] = 5
+    stage = _llm_stage(
+        tiny_llm,
+        per_row={"max_tokens": "budget"},
+        sampling=SamplingSpec(max_tokens=None),
+        kv_tokens=96,
+    )
+    outcomes = await _run(stage, rows)
+    engine = TransformersEngine(str(tiny_llm))
+    for row, (ok, value) in zip(rows, outcomes, strict=True):
+        assert ok, value
+        ids = engine.encode(row["prompt"])
+        room = row["budget"] or 96 - len(ids)
+        expected = _greedy(engine, ids, room)
+        assert value["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)
+        assert value["prompt_tokens"] + value["output_tokens"] <= 96
+        if value["finish_reason"] == "length":
+            assert value["output_tokens"] == room
 
 
 def test_an_llm_stage_is_checked_when_the_job_is_submitted(tiny_llm: Path) -> None:

@@ -9,6 +9,7 @@ owner's files and batches: another's id is answered as one that does not exist."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 from . import metrics
 from .batches import BatchRunner
 from .config import ApiKey, GatewayConfig
+from .quota import Busy, QuotaExceeded, Quotas
 from .records import ENDED, BatchRecord, Conflict, FileRecord, Records, RecordsUnavailable, new_id
 from .requests import ENDPOINTS
 
@@ -72,6 +74,7 @@ class BatchApi:
         self.records = records
         self.runner = runner
         self.store = runner.store
+        self.quotas = Quotas(records)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1024**2)
@@ -150,18 +153,34 @@ class BatchApi:
         key = request[KEY]
         if not request.content_type.startswith("multipart/"):
             raise ApiError(400, "Upload a file as multipart/form-data (fields purpose, file).")
+        file_id = new_id("file")
         limit = self.config.max_file_bytes
         if key.max_stored_bytes is not None:
-            stored = sum(f.bytes for f in await self.records.files(key.owner))
-            limit = min(limit, key.max_stored_bytes - stored)
-            if limit <= 0:
-                raise ApiError(
-                    429,
-                    f"Key's quota of {key.max_stored_bytes} stored bytes is used up: delete "
-                    "files first.",
-                    code="quota_exceeded",
+            # The room this upload may fill, reserved before a byte is stored: uploads at
+            # once share what is left (the body's length bounds the file's).
+            want = min(limit, request.content_length or limit)
+            limit = await self._quota(
+                self.quotas.reserve_bytes(
+                    key.owner,
+                    file_id,
+                    limit=key.max_stored_bytes,
+                    want=want,
+                    stored=lambda: self._stored(key.owner),
                 )
-        file_id = new_id("file")
+            )
+        try:
+            return await self._upload(request, key, file_id, limit)
+        finally:
+            if key.max_stored_bytes is not None:
+                with contextlib.suppress(Exception):
+                    await self.quotas.release_bytes(key.owner, file_id)
+
+    async def _stored(self, owner: str) -> int:
+        return sum(f.bytes for f in await self.records.files(owner))
+
+    async def _upload(
+        self, request: web.Request, key: ApiKey, file_id: str, limit: int
+    ) -> web.Response:
         path = f"files/{key.owner}/{file_id}"
         purpose: str | None = None
         filename = "upload"
@@ -212,7 +231,11 @@ class BatchApi:
             path=path,
             expires_at=now + keep,
         )
-        await self.records.create_file(record)
+        try:
+            await self.records.create_file(record)
+        except BaseException:
+            await asyncio.to_thread(self.store.delete, path)  # no bytes without a record
+            raise
         metrics.UPLOADED_BYTES.inc(size)
         return web.json_response(record.api())
 
@@ -286,8 +309,8 @@ class BatchApi:
     async def create_batch(self, request: web.Request) -> web.Response:
         key = request[KEY]
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
+            body = json.loads(await request.read(), parse_constant=_not_json)
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, NaN, nested too deep
             raise ApiError(400, "The request body is not valid JSON.") from None
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
@@ -337,18 +360,19 @@ class BatchApi:
                 param="input_file_id",
                 code="invalid_value",
             )
+        batch_id = new_id("batch")
         if key.max_active_batches is not None:
-            active = [b for b, _ in await self.records.batches(key.owner) if b.status not in ENDED]
-            if len(active) >= key.max_active_batches:
-                raise ApiError(
-                    429,
-                    f"Key's quota of {key.max_active_batches} batches at once is reached: "
-                    "wait for one to end.",
-                    code="quota_exceeded",
+            await self._quota(
+                self.quotas.take_batch_place(
+                    key.owner,
+                    batch_id,
+                    limit=key.max_active_batches,
+                    still_active=lambda held: self._still_active(key.owner, held),
                 )
+            )
         now = int(time.time())
         record = BatchRecord(
-            id=new_id("batch"),
+            id=batch_id,
             owner=key.owner,
             endpoint=endpoint,
             input_file_id=source.id,
@@ -359,9 +383,30 @@ class BatchApi:
             metadata=metadata,
             output_expires_s=keep,
         )
-        await self.records.create_batch(record)
+        try:
+            await self.records.create_batch(record)
+        except BaseException:
+            if key.max_active_batches is not None:
+                with contextlib.suppress(Exception):
+                    await self.quotas.give_back_batch_place(key.owner, batch_id)
+            raise
         self.runner.poke(record.owner, record.id)
         return web.json_response(record.api())
+
+    async def _still_active(self, owner: str, batch_id: str) -> bool | None:
+        found = await self.records.get_batch(owner, batch_id)
+        return None if found is None else found[0].status not in ENDED
+
+    async def _quota(self, taking: Awaitable[Any]) -> Any:
+        """A quota's answer as the API gives it: 429 past it, 503 when its ledger is busy."""
+        try:
+            return await taking
+        except QuotaExceeded as e:
+            raise ApiError(429, e.message, code="quota_exceeded") from None
+        except Busy:
+            raise ApiError(
+                503, "Too many changes at once; try again.", kind="server_error", retry=True
+            ) from None
 
     async def _batch(self, request: web.Request) -> tuple[BatchRecord, int]:
         batch_id = request.match_info["id"]
@@ -381,8 +426,8 @@ class BatchApi:
     async def cancel_batch(self, request: web.Request) -> web.Response:
         for _ in range(10):
             batch, revision = await self._batch(request)
-            if batch.status in ("cancelling", "cancelled"):
-                return web.json_response(batch.api())
+            if batch.status in ("cancelling", "cancelled") or batch.ending == "cancelled":
+                return web.json_response(batch.api())  # being cancelled already
             if batch.status not in ("validating", "in_progress"):
                 raise ApiError(409, f"Cannot cancel a batch with status {batch.status!r}.")
             changed = batch.moved("cancelling", ending="cancelled")
@@ -393,6 +438,10 @@ class BatchApi:
             self.runner.poke(changed.owner, changed.id)
             return web.json_response(changed.api())
         raise ApiError(409, "The batch keeps changing; try again.", retry=True)
+
+
+def _not_json(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
 
 
 def _expires_after(given: dict[str, Any], *, default: Any) -> Any:

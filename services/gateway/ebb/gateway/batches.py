@@ -61,6 +61,14 @@ log = logging.getLogger(__name__)
 MIN_PASS_S = 0.05
 """Between two passes at least (a burst of job events wakes the loop once)."""
 
+ROW_GROUP_BYTES = 32 * 1024 * 1024
+"""Prompt text in one row group of a batch's job input at most (a shard's requests are held
+in memory while it is written)."""
+
+MAX_STEP_FAILURES = 3
+"""Times a batch's step may fail unexpectedly (not a conflict, not NATS or the store away)
+before the batch fails with the reason."""
+
 
 def batch_dir(batch: BatchRecord) -> str:
     return f"batches/{batch.owner}/{batch.id}"
@@ -143,6 +151,9 @@ class BatchRunner:
                     await self.sweep()
             except (RecordsUnavailable, StoreError) as e:
                 log.warning("cannot read the batches or files: %s; trying again", e)
+            except Exception:
+                # A pass over everyone's batches is no one batch's: log, and pass again.
+                log.exception("a pass over the batches failed; trying again")
             left = self.poll_s - (time.monotonic() - passed_at)
             await wait_any([stop, self.wake], timeout_s=max(left, 0.0))
             await asyncio.sleep(MIN_PASS_S)  # events in a burst: one step for all of them
@@ -186,10 +197,41 @@ class BatchRunner:
             pass  # someone else took this step: the next pass reads what they wrote
         except (RecordsUnavailable, StoreError, BusError) as e:
             log.warning("batch %s (%s): %s; trying again", record.id, record.status, e)
+        except Exception as e:
+            # Whatever one batch's step raises (a file the store lost, a bug a hostile line
+            # found) stays that batch's: counted, and the batch failed with the reason once
+            # it repeats, never the loop's end (every replica would die on it in turn).
+            log.exception("batch %s (%s): its step failed", record.id, record.status)
+            try:
+                await self._step_failed(record, revision, e)
+            except (Conflict, RecordsUnavailable, StoreError, BusError) as again:
+                log.warning("batch %s: cannot record its failed step: %s", record.id, again)
+
+    async def _step_failed(self, batch: BatchRecord, revision: int, error: Exception) -> None:
+        failures = batch.step_failures + 1
+        if failures < MAX_STEP_FAILURES:
+            await self.records.update_batch(replace(batch, step_failures=failures), last=revision)
+            return
+        why = f"{type(error).__name__}: {error}"[:500]
+        failed = BatchError(
+            code="server_error",
+            message=f"The gateway failed {failures} times to take the batch's step from "
+            f"{batch.status!r}; the last time: {why}",
+        )
+        if batch.job is not None:
+            with contextlib.suppress(RemoteError, BusError):
+                await self.master.cancel(batch.job, "its batch failed in the gateway")
+        await self.records.update_batch(
+            batch.moved("failed", errors=[*batch.errors, failed], step_failures=failures),
+            last=revision,
+        )
+        await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
 
     async def step(self, batch: BatchRecord, revision: int) -> None:
         now = time.time()
-        if batch.status == "validating":
+        if batch.status == "validating" or (batch.status == "cancelling" and batch.job is None):
+            # Cancelled while validating: its file is still read, for its counts and for its
+            # error file to list each request as cancelled.
             await self._validate(batch, revision, now)
         elif batch.status in ("in_progress", "cancelling"):
             await self._follow(batch, revision, now)
@@ -200,7 +242,12 @@ class BatchRunner:
 
     async def _validate(self, batch: BatchRecord, revision: int, now: float) -> None:
         source = await self.records.get_file(batch.owner, batch.input_file_id)
-        if source is None:
+        try:
+            if source is None:
+                raise FileNotFoundError(batch.input_file_id)  # noqa: TRY301 - as if read gone
+            found = await asyncio.to_thread(self._check_and_write, batch, source)
+        except FileNotFoundError:
+            await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
             error = BatchError(
                 code="invalid_request",
                 message=f"Cannot find file {batch.input_file_id}: it was deleted before the "
@@ -209,7 +256,21 @@ class BatchRunner:
             )
             await self.records.update_batch(batch.moved("failed", errors=[error]), last=revision)
             return
-        found = await asyncio.to_thread(self._check_and_write, batch, source)
+        for _ in range(3):
+            try:
+                await self._validated(batch, revision, now, found)
+                return
+            except Conflict:
+                # Cancelled while its file was read (the only change another may make to a
+                # validating batch): what was read stands, and the cancel with it.
+                again = await self.records.get_batch(batch.owner, batch.id)
+                if again is None or again[0].status != "cancelling" or again[0].job is not None:
+                    raise
+                batch, revision = again
+
+    async def _validated(
+        self, batch: BatchRecord, revision: int, now: float, found: Validation
+    ) -> None:
         if found.problem_count:
             errors = list(found.problems)
             if found.problem_count > len(errors):
@@ -257,18 +318,28 @@ class BatchRunner:
         ):
             parquet = pq.ParquetWriter(cast(IO[bytes], requests_file), schema)
 
+            held = 0
+            """Bytes of prompt text in `rows`."""
+
             def accept(row: dict[str, Any], model: str) -> None:
-                # A row group per shard: a shard is whole row groups of the job's input.
+                # A row group per shard: a shard is whole row groups of the job's input. One
+                # is cut short where its prompts grow past ROW_GROUP_BYTES (a shard of
+                # requests of a megabyte each is held in memory once, not 500 MB of them).
+                nonlocal held
                 rows.append(row)
-                if len(rows) >= rows_per_shard(self.config.models[model]):
+                held += _prompt_bytes(row["prompt"])
+                if len(rows) >= rows_per_shard(self.config.models[model]) or (
+                    held >= ROW_GROUP_BYTES
+                ):
                     parquet.write_table(pa.Table.from_pylist(rows, schema=schema))
                     rows.clear()
+                    held = 0
 
             def reject(line: dict[str, Any]) -> None:
                 rejected_file.write(_jsonl(line))
 
             found = validate(
-                self.store.read_lines(source.path),
+                self.store.read_bounded_lines(source.path, max_bytes=self.config.max_line_bytes),
                 batch_id=batch.id,
                 endpoint=batch.endpoint,
                 models=self.config.models,
@@ -290,9 +361,6 @@ class BatchRunner:
             await self.records.update_batch(batch.moved("finalizing"), last=revision)
             self.poke(batch.owner, batch.id)
             return
-        if batch.status == "in_progress" and not batch.ending and now >= batch.expires_at:
-            batch = replace(batch, ending="expired")
-            revision = await self.records.update_batch(batch, last=revision)
         try:
             status = await self.master.job(job)
         except RemoteError as e:
@@ -303,6 +371,15 @@ class BatchRunner:
                 await self._job_refused(batch, revision, e.message)
                 return
             raise
+        if (
+            batch.status == "in_progress"
+            and not batch.ending
+            and now >= batch.expires_at
+            and status.state not in TERMINAL_JOB_STATES
+        ):
+            # Past its window with work left (a job that ended in time is not expired).
+            batch = replace(batch, ending="expired")
+            revision = await self.records.update_batch(batch, last=revision)
         if batch.ending and status.state not in TERMINAL_JOB_STATES:
             try:
                 await self.master.cancel(job, f"batch {batch.ending}")
@@ -356,6 +433,9 @@ class BatchRunner:
                 if e.code != ErrorCode.NOT_FOUND:
                     raise
                 state, reason = "FAILED", "the shard master no longer knows the job"
+        if batch.job is not None and batch.ending == "expired" and state == "SUCCEEDED":
+            # Every request answered before the cancel for its window took: completed.
+            batch = replace(batch, ending="")
         ending = batch.ending or ("failed" if state == "FAILED" else "")
         tally, files = await asyncio.to_thread(self._write_results, batch, ending, reason)
         for record in files.values():
@@ -390,6 +470,9 @@ class BatchRunner:
             ),
             last=revision,
         )
+        # Its copy of the requests and its job's output are in the files now: let them go
+        # (a replica that dies first leaves them; the batch's record says it ended).
+        await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
         metrics.BATCH_REQUESTS.labels("completed").inc(tally.completed)
         metrics.BATCH_REQUESTS.labels("failed").inc(tally.failed)
 
@@ -438,6 +521,12 @@ class BatchRunner:
                 expires_at=None if batch.output_expires_s is None else now + batch.output_expires_s,
             )
         return tally, made
+
+
+def _prompt_bytes(prompt: str | list[dict[str, str]]) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) + len(m["role"]) for m in prompt)
 
 
 def _jsonl(value: dict[str, Any]) -> bytes:

@@ -43,6 +43,11 @@ GATEWAY_COLUMNS = ("prompt", "text")
 """The llm stage's prompt and output columns: the gateway's to name, not the catalogue's."""
 
 
+API_SAMPLING: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
+"""What a request that omits them gets, as the OpenAI API means it (sampled at 1.0, up to
+the rest of the context), unless the catalogue model's `llm.sampling` says otherwise."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CatalogueModel:
     """One model the gateway serves: the job a batch of requests naming it becomes."""
@@ -68,6 +73,8 @@ class CatalogueModel:
         for key in ("prompt", "output", "per_row", "tokenize_only"):
             if key in llm:
                 raise bad(f"stage.llm.{key}", "set by the gateway from the requests")
+        if not isinstance(llm.get("sampling", {}), dict):
+            raise bad("stage.llm.sampling", "must be a mapping of sampling fields")
         if "name" in self.stage:
             raise bad("stage.name", "set by the gateway")
         try:
@@ -80,6 +87,7 @@ class CatalogueModel:
         """The stage a batch runs: the catalogue's, with the requests' columns."""
         llm = {
             **self.stage["llm"],
+            "sampling": {**API_SAMPLING, **self.stage["llm"].get("sampling", {})},
             "prompt": "prompt",
             "output": "text",
             "per_row": {k: k for k in ("max_tokens", "temperature", "top_p", "seed", "stop")},

@@ -8,6 +8,7 @@ Ids sort by creation time, so a list is the keys sorted, read a page at a time."
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -19,6 +20,8 @@ from nats.js.kv import KeyValue
 
 from ebb.common.errors import EbbError
 from ebb.common.messaging.snapshot import kv_snapshot
+
+log = logging.getLogger(__name__)
 
 BatchStatus = Literal[
     "validating",
@@ -130,6 +133,8 @@ class BatchRecord:
     until deleted."""
     ending: Literal["", "cancelled", "expired"] = ""
     """Why its job was stopped short: the batch ends so once the job has ended."""
+    step_failures: int = 0
+    """Times its step failed unexpectedly in a row (the batch fails past a few)."""
 
     @property
     def key(self) -> str:
@@ -146,6 +151,9 @@ class BatchRecord:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.input_tokens + self.output_tokens,
         }
+        # A cancelled batch's results are written as any batch's (`finalizing`), but the
+        # API goes `cancelling` -> `cancelled`: that is what its clients are shown.
+        cancelling = self.status == "finalizing" and self.ending == "cancelled"
         return {
             "id": self.id,
             "object": "batch",
@@ -154,13 +162,15 @@ class BatchRecord:
             "errors": errors,
             "input_file_id": self.input_file_id,
             "completion_window": self.completion_window,
-            "status": self.status,
+            "status": "cancelling" if cancelling else self.status,
             "output_file_id": self.output_file_id,
             "error_file_id": self.error_file_id,
             "created_at": self.created_at,
             "in_progress_at": self.in_progress_at,
             "expires_at": self.expires_at,
-            "finalizing_at": self.finalizing_at,
+            "finalizing_at": None
+            if cancelling or self.ending == "cancelled"
+            else self.finalizing_at,
             "completed_at": self.completed_at,
             "failed_at": self.failed_at,
             "expired_at": self.expired_at,
@@ -240,6 +250,28 @@ class Records:
         entries = await _call(kv_snapshot(self._js, self._files_bucket, f"{owner}.*"))
         return [_load_file(e.value) for e in entries]
 
+    # -- an owner's quota ledger (one key of one token: no `<owner>.*` list sees it) --------
+
+    async def get_ledger(self, owner: str) -> tuple[dict[str, Any], int]:
+        """The owner's ledger (empty if none yet) and its revision (0: not there)."""
+        try:
+            entry = await _call(self._files.get(f"ledger_{owner}"))
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return {}, 0
+        assert entry.value is not None and entry.revision is not None
+        return json.loads(entry.value), entry.revision
+
+    async def put_ledger(self, owner: str, ledger: dict[str, Any], *, last: int) -> None:
+        """Write the ledger if nobody did since `last` was read (`Conflict` otherwise)."""
+        raw = json.dumps(ledger, sort_keys=True).encode()
+        try:
+            if last == 0:
+                await _call(self._files.create(f"ledger_{owner}", raw))
+            else:
+                await _call(self._files.update(f"ledger_{owner}", raw, last=last))
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise Conflict(f"{owner}'s quota ledger was changed by someone else") from e
+
     # -- batches ----------------------------------------------------------------------------
 
     async def create_batch(self, record: BatchRecord) -> int:
@@ -256,9 +288,17 @@ class Records:
             raise Conflict(f"batch {record.id} was changed by someone else") from e
 
     async def batches(self, owner: str = "*") -> list[tuple[BatchRecord, int]]:
-        """Every batch of `owner` (`*`: of everyone's), with its revision."""
+        """Every batch of `owner` (`*`: of everyone's), with its revision. A record that
+        does not read as a batch (written by another version) is logged and left out: one
+        record never stops the list of all."""
         entries = await _call(kv_snapshot(self._js, self._batches_bucket, f"{owner}.*"))
-        return [(_load_batch(e.value), e.revision) for e in entries]
+        found = []
+        for e in entries:
+            try:
+                found.append((_load_batch(e.value), e.revision))
+            except (ValueError, TypeError, KeyError) as error:
+                log.error("batch record %s does not read: %s", e.key, error)
+        return found
 
     async def _get(self, kv: KeyValue, owner: str, rid: str) -> tuple[bytes, int] | None:
         if not _is_token(rid):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .records import BatchError
+from .store import Oversize
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 """What a batch may ask for here: the generative endpoints an llm stage answers."""
@@ -102,16 +104,36 @@ def request_ids(batch_id: str, custom_id: str) -> tuple[str, str]:
     return f"batch_req_{digest}", f"req_{digest}"
 
 
+SEED_LIMIT = 2**63
+"""Seeds are 64-bit signed integers in the job's columns: 0 up to this, exclusive."""
+
+
+def default_seed(batch_id: str, custom_id: str) -> int:
+    """The seed of a request that gives none: its own, from its batch and custom_id, so
+    that N requests of one prompt sample N answers (pass@k, self-consistency) as the API's
+    do, and a request retried, split or resumed samples the same one."""
+    digest = hashlib.blake2b(f"{batch_id}\0{custom_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT
+
+
 def error_line(
-    batch_id: str, custom_id: str, *, status: int, message: str, param: str | None, code: str | None
+    batch_id: str,
+    custom_id: str,
+    *,
+    status: int,
+    message: str,
+    param: str | None,
+    code: str | None,
+    kind: str = "invalid_request_error",
 ) -> dict[str, Any]:
     """An error-file line for a request that was answered with an HTTP error, as the API
-    writes it: the error envelope in `response.body`, `error` null."""
+    writes it: the error envelope in `response.body`, `error` null. `kind`: the envelope's
+    `type` (`server_error` with a 500: the fault was not the request's)."""
     line_id, request_id = request_ids(batch_id, custom_id)
     body = {
         "error": {
             "message": message,
-            "type": "invalid_request_error",
+            "type": kind,
             "param": param,
             "code": code,
         }
@@ -125,7 +147,7 @@ def error_line(
 
 
 def validate(
-    lines: Iterable[bytes],
+    lines: Iterable[bytes | Oversize],
     *,
     batch_id: str,
     endpoint: str,
@@ -138,10 +160,22 @@ def validate(
     """Judge every line: `accept` gets each job row (and the model it runs), `reject` each
     error line. The file's
     own problems are in the result (the batch fails if there are any: the caller then drops
-    what the sinks got)."""
+    what the sinks got). `lines` are as `FileStore.read_bounded_lines` gives them: a line
+    longer than `max_line_bytes` comes as its `Oversize`, never parsed."""
     v = Validation()
     ids = _CustomIds()
     for number, raw in enumerate(lines, start=1):
+        if isinstance(raw, Oversize):
+            v.total += 1
+            v.problem(
+                BatchError(
+                    code="request_too_large",
+                    message=f"This line is {raw.bytes} bytes; the most a request may have is "
+                    f"{max_line_bytes}.",
+                    line=number,
+                )
+            )
+            continue
         if not raw.strip():
             continue
         v.total += 1
@@ -162,16 +196,18 @@ def validate(
         if v.problem_count:
             continue  # the batch fails: only the file's own problems matter now
         try:
-            if len(raw) > max_line_bytes:
+            if SURROGATE_ESCAPE.search(raw) and not _is_unicode(
+                json.dumps(body, ensure_ascii=False)
+            ):
                 raise RequestRefused(  # noqa: TRY301 - an error line, as the body's refusals
-                    f"The request is {len(raw)} bytes; the most a request may have is "
-                    f"{max_line_bytes}.",
+                    "The request holds text that is not valid Unicode (a lone surrogate).",
                     param=None,
-                    code="request_too_large",
-                    status=413,
+                    code="invalid_value",
                 )
             model = _model(body, models, v.model)
             row = _row(body, endpoint)
+            if row["seed"] is None:
+                row["seed"] = default_seed(batch_id, custom_id)
         except RequestRefused as e:
             reject(
                 error_line(
@@ -247,12 +283,24 @@ def _line(
 ) -> tuple[str, dict[str, Any]] | None:
     """The line's custom_id and body, or None (its problem recorded)."""
     try:
-        item = json.loads(raw)
-    except ValueError:
+        item = json.loads(raw, parse_constant=_not_json)
+    except ValueError as e:
+        # Not UTF-8, not JSON, or NaN/Infinity (Python's json writes them; no other parser
+        # takes them): the line as a whole cannot be read.
+        why = f" ({e})" if isinstance(e, NotJson) else ""
         v.problem(
             BatchError(
                 code="invalid_json_line",
-                message="This line is not parseable as valid JSON.",
+                message=f"This line is not parseable as valid JSON{why}.",
+                line=number,
+            )
+        )
+        return None
+    except RecursionError:
+        v.problem(
+            BatchError(
+                code="invalid_json_line",
+                message="This line is not parseable: its JSON is nested too deeply.",
                 line=number,
             )
         )
@@ -280,6 +328,16 @@ def _line(
     custom_id, method, url, body = item["custom_id"], item["method"], item["url"], item["body"]
     if not isinstance(custom_id, str) or not custom_id:
         v.problem(_invalid("custom_id", "a non-empty string", custom_id, number))
+        return None
+    if not _is_unicode(custom_id):
+        v.problem(
+            BatchError(
+                code="invalid_value",
+                message="The custom_id is not valid Unicode text (it holds a lone surrogate).",
+                param="custom_id",
+                line=number,
+            )
+        )
         return None
     if method != "POST":
         v.problem(
@@ -316,6 +374,27 @@ def _invalid(param: str, expected: str, value: object, line: int) -> BatchError:
         param=param,
         line=line,
     )
+
+
+class NotJson(ValueError):
+    """A token Python's json reads that JSON has not."""
+
+
+def _not_json(token: str) -> Any:
+    raise NotJson(f"{token} is not a JSON number")
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+"""How a lone surrogate gets into a parsed line (raw bytes that are not UTF-8 do not parse):
+only a line holding such an escape is searched for one."""
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_type(value: object) -> str:
@@ -393,10 +472,10 @@ def _row(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return {
         "prompt": prompt,
-        "max_tokens": _number(max_tokens, "max_tokens", whole=True, low=1),
+        "max_tokens": _number(max_tokens, "max_tokens", low=1, high=SEED_LIMIT - 1),
         "temperature": _float(body.get("temperature"), "temperature", low=0.0, high=2.0),
         "top_p": _float(body.get("top_p"), "top_p", low=0.0, high=1.0, open_low=True),
-        "seed": _number(body.get("seed"), "seed", whole=True, low=0),
+        "seed": _number(body.get("seed"), "seed", low=0, high=SEED_LIMIT - 1),
         "stop": _stop(body.get("stop")),
     }
 
@@ -467,16 +546,24 @@ def _prompt(body: dict[str, Any]) -> str:
     return prompt
 
 
-def _number(value: object, name: str, *, whole: bool, low: float) -> int | None:
+def _number(value: object, name: str, *, low: int, high: int) -> int | None:
+    """A whole number in [low, high] (a JSON number too big for a float reads as inf, one
+    too big for the job's int64 columns is out of range: both refused, never raised)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
+    ):
         raise RequestRefused(
             f"{name!r} must be a whole number, got {value!r}.", param=name, code="invalid_type"
         )
-    if value < low:
+    if not low <= value <= high:
         raise RequestRefused(
-            f"{name!r} must be >= {low:g}, got {value!r}.", param=name, code="invalid_value"
+            f"{name!r} must lie in [{low}, {high}], got {value!r}.",
+            param=name,
+            code="invalid_value",
         )
     return int(value)
 

@@ -184,14 +184,25 @@ def _fingerprint(record: CommitRecord) -> str | None:
 
 def _failed(batch_id: str, custom_id: str, why: str) -> dict[str, Any]:
     """A request the job ran and could not answer (its row's `_error`)."""
-    too_long = "exceed the model's context" in why or "exceed kv_tokens" in why
+    if "exceed the model's context" in why or "exceed kv_tokens" in why:
+        return error_line(
+            batch_id,
+            custom_id,
+            status=400,
+            message=why,
+            param="messages",
+            code="context_length_exceeded",
+        )
+    # The request was valid (the gateway checked it): what failed was the model, its engine
+    # or its worker, a server's fault as the API reports one.
     return error_line(
         batch_id,
         custom_id,
-        status=400,
+        status=500,
         message=why,
-        param="messages" if too_long else None,
-        code="context_length_exceeded" if too_long else "request_failed",
+        param=None,
+        code="server_error",
+        kind="server_error",
     )
 
 

@@ -10,7 +10,8 @@ import asyncio
 import os
 import posixpath
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 import fsspec
@@ -20,6 +21,44 @@ from ebb.common.data.storage import retrying
 
 PIECE = 1024 * 1024
 """Bytes read or written at a time."""
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """A line too long to be read: its length, without its newline."""
+
+    bytes: int
+
+
+def split_lines(pieces: Iterable[bytes], *, max_bytes: int) -> Iterator[bytes | Oversize]:
+    """Lines out of pieces of bytes, holding no more than `max_bytes` of one line (a hostile
+    file of one 200 MB line costs a piece, not 200 MB and the parse of it)."""
+    held = bytearray()
+    dropped = 0
+    """Bytes of the current line read past and let go (it is too long)."""
+    for piece in pieces:
+        start = 0
+        while (end := piece.find(b"\n", start)) >= 0:
+            part = piece[start : end + 1]
+            start = end + 1
+            if dropped or len(held) + len(part) - 1 > max_bytes:
+                yield Oversize(dropped + len(held) + len(part) - 1)
+            elif held:
+                yield bytes(held) + part
+            else:
+                yield part
+            held.clear()
+            dropped = 0
+        rest = piece[start:]
+        if dropped or len(held) + len(rest) > max_bytes:
+            dropped += len(held) + len(rest)
+            held.clear()
+        else:
+            held += rest
+    if dropped:
+        yield Oversize(dropped)
+    elif held:
+        yield bytes(held)
 
 
 class FileStore:
@@ -41,9 +80,17 @@ class FileStore:
         return Writer(self, relpath)
 
     def read_lines(self, relpath: str) -> Iterator[bytes]:
-        """The file's lines, each with its newline (the last may lack one). Blocking."""
+        """The file's lines, each with its newline (the last may lack one): a file the
+        gateway wrote itself. Blocking."""
         with self.fs.open(self.full(relpath), "rb", block_size=PIECE) as f:
             yield from f
+
+    def read_bounded_lines(self, relpath: str, *, max_bytes: int) -> Iterator[bytes | Oversize]:
+        """A user's file, line by line as `read_lines`, but a line longer than `max_bytes`
+        (its newline not counted) is never held: its `Oversize` comes instead, once it has
+        been read past. Blocking."""
+        with self.fs.open(self.full(relpath), "rb", block_size=PIECE) as f:
+            yield from split_lines(iter(lambda: f.read(PIECE), b""), max_bytes=max_bytes)
 
     async def pieces(self, relpath: str) -> AsyncIterator[bytes]:
         """The file's bytes, a piece at a time."""

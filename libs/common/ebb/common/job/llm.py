@@ -24,9 +24,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 class SamplingSpec:
     """How tokens are chosen: the stage's defaults, each overridable per row (`per_row`)."""
 
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     """Most tokens generated for a row. A prompt whose tokens and `max_tokens` exceed the
-    model's context is an error row, before any engine sees it."""
+    model's context is an error row, before any engine sees it. None: as many as the
+    context (and `kv_tokens`) leaves after the row's prompt, as the OpenAI API means by an
+    omitted `max_tokens`."""
     temperature: float = 0.0
     """0: greedy (the most likely token each step); above 0, sampled at that temperature."""
     top_p: float = 1.0
@@ -40,7 +42,8 @@ class SamplingSpec:
     row retried, speculated or resumed generates the same text, sampled or not."""
 
     def __post_init__(self) -> None:
-        positive("max_tokens", self.max_tokens)
+        if self.max_tokens is not None:
+            positive("max_tokens", self.max_tokens)
         if not 0 <= self.temperature < math.inf:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -302,7 +302,6 @@ class LLMStage:
         )
 
     def _request(self, i: int, prompt: Any, batch: Columns) -> GenerationRequest:
-        sampling = self._sampling(i, prompt, batch)
         given, ids = self._prompt(prompt)
         if given is not None:
             ids, text = self.engine.encode(given), self.engine.render(given)
@@ -310,12 +309,14 @@ class LLMStage:
             assert ids is not None
             text = ""  # token ids: a server is sent them as they are
         context = self.engine.max_context
+        kv = self.llm.kv_tokens
+        room = min(context, kv) if kv is not None else context
+        sampling = self._sampling(i, prompt, batch, room=room - len(ids))
         if len(ids) + sampling.max_tokens > context:
             raise ValueError(
                 f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed "
                 f"the model's context of {context} tokens"
             )
-        kv = self.llm.kv_tokens
         if kv is not None and len(ids) + sampling.max_tokens > kv:
             raise ValueError(
                 f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed "
@@ -329,10 +330,12 @@ class LLMStage:
             structure=self.structure,
         )
 
-    def _sampling(self, i: int, prompt: Any, batch: Columns) -> Sampling:
+    def _sampling(self, i: int, prompt: Any, batch: Columns, *, room: int) -> Sampling:
+        """The row's sampling; `room`: the tokens its context leaves after its prompt,
+        what it generates at most when neither the row nor the stage says."""
         s = self.llm.sampling
         values: dict[str, Any] = {
-            "max_tokens": s.max_tokens,
+            "max_tokens": s.max_tokens if s.max_tokens is not None else max(room, 1),
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k,
