@@ -41,6 +41,7 @@ SECTIONS = {
     "llmgpu": "llm_gpu",
     "gateway": "gateway",
     "onegroup": "one_group",
+    "hostile": "hostile",
 }
 ORDER = list(SECTIONS)
 

@@ -169,6 +169,7 @@ async def ebb_stack(
     worker_grace_s: float = 10.0,
     pin_cpus: bool = False,
     gateway: Path | None = None,
+    gateway_replicas: int = 1,
 ) -> AsyncIterator[tuple[LocalStack, EbbClient]]:
     """The embedded stack (nats-server, master, controller as processes; the Batch API
     gateway with this configuration), and a client."""
@@ -181,6 +182,7 @@ async def ebb_stack(
             pin_cpus=pin_cpus,
             log_level="WARNING",
             gateway=gateway,
+            gateway_replicas=gateway_replicas,
         )
     )
     await stack.start()

@@ -4,6 +4,7 @@ reach it: a tiny model built here, two keys (two owners), a small upload limit."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -72,31 +73,57 @@ def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@pytest.fixture
-async def gateway_stack(
-    tmp_path: Path, tiny_chat_model: Path, prefix: str
+@contextlib.asynccontextmanager
+async def started(
+    tmp: Path, model: Path, prefix: str, config: Path, *, replicas: int = 1
 ) -> AsyncIterator[LocalStack]:
+    """The embedded stack with `replicas` gateways serving `config`; stopped after, its
+    NATS having refused nothing."""
     stack = LocalStack(
         StackConfig(
-            state_dir=tmp_path / "state",
-            data_roots=[str(tmp_path), str(tiny_chat_model.parent)],
+            state_dir=tmp / "state",
+            data_roots=[str(tmp), str(model.parent)],
             max_workers=2,
             worker_grace_s=10,
             prefix=prefix,
-            gateway=gateway_config(tmp_path, tiny_chat_model),
+            gateway=config,
+            gateway_replicas=replicas,
         )
     )
     await stack.start()
     try:
         yield stack
     finally:
+        close_clients(stack)
         await stack.stop()
     assert stack.nats.violations == []
 
 
+@pytest.fixture
+async def gateway_stack(
+    tmp_path: Path, tiny_chat_model: Path, prefix: str
+) -> AsyncIterator[LocalStack]:
+    config = gateway_config(tmp_path, tiny_chat_model)
+    async with started(tmp_path, tiny_chat_model, prefix, config) as stack:
+        yield stack
+
+
+_CLIENTS: dict[tuple[int, str], openai.OpenAI] = {}
+"""One client per stack and owner, closed with its stack: an unclosed client's sockets
+would be closed by the collector, a warning at a moment no test controls."""
+
+
 def client(stack: LocalStack, owner: str = "alice") -> openai.OpenAI:
     assert stack.gateway_url is not None
-    return openai.OpenAI(base_url=stack.gateway_url, api_key=KEYS[owner])
+    key = (id(stack), owner)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = openai.OpenAI(base_url=stack.gateway_url, api_key=KEYS[owner])
+    return _CLIENTS[key]
+
+
+def close_clients(stack: LocalStack) -> None:
+    for key in [k for k in _CLIENTS if k[0] == id(stack)]:
+        _CLIENTS.pop(key).close()
 
 
 def chat_line(custom_id: str, content: str, **body: Any) -> dict[str, Any]:

@@ -252,7 +252,7 @@ async def test_refusals_have_the_api_s_shapes_and_change_nothing(
     # No key, or a wrong one.
     assert gateway_stack.gateway_url is not None
     stranger = openai.OpenAI(base_url=gateway_stack.gateway_url, api_key="sk-nobody")
-    with pytest.raises(openai.AuthenticationError):
+    with stranger, pytest.raises(openai.AuthenticationError):
         await asyncio.to_thread(lambda: list(stranger.files.list()))
     # Deleting a file: gone for its owner, its bytes too.
     deleted = await asyncio.to_thread(alice.files.delete, mine.id)

@@ -28,6 +28,7 @@ async def test_an_upload_is_removed_once_it_expires(
         GatewaySettings(nats=nats_config, config=config, port=0, poll_s=0.1, sweep_s=0.2)
     )
     serving = asyncio.create_task(gateway.run())
+    oa: openai.OpenAI | None = None
     try:
         await asyncio.wait_for(gateway.serving.wait(), 30)
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="sk-team")
@@ -45,6 +46,8 @@ async def test_an_upload_is_removed_once_it_expires(
         await wait_until(gone, timeout=30, what="the expired file to be removed")
         assert not stored.exists()
     finally:
+        if oa is not None:
+            oa.close()
         gateway.request_stop()
         await serving
 
@@ -59,6 +62,7 @@ async def test_an_upload_and_a_batch_s_results_keep_what_the_client_asks(
     )
     gateway = Gateway(GatewaySettings(nats=nats_config, config=config, port=0, poll_s=0.2))
     serving = asyncio.create_task(gateway.run())
+    oa: openai.OpenAI | None = None
     try:
         await asyncio.wait_for(gateway.serving.wait(), 30)
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="sk-team")
@@ -102,5 +106,7 @@ async def test_an_upload_and_a_batch_s_results_keep_what_the_client_asks(
         assert errors.purpose == "batch_output"
         assert errors.expires_at is not None and errors.expires_at - errors.created_at == 3600
     finally:
+        if oa is not None:
+            oa.close()
         gateway.request_stop()
         await serving

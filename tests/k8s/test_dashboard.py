@@ -350,6 +350,7 @@ async def batch_api(tmp: Path, nats_config: NatsConfig) -> tuple[Gateway, asynci
         return (await asyncio.to_thread(oa.batches.retrieve, batch.id)).status == "completed"
 
     await wait_until(ended, timeout=30, what="the batch to end")
+    oa.close()
     return gateway, serving
 
 

@@ -64,6 +64,9 @@ class StackConfig:
     """Serve the OpenAI Batch API (ebb.gateway) with this configuration (catalogue, keys)."""
     gateway_port: int = 0
     """The gateway's port on 127.0.0.1 (0: any free port)."""
+    gateway_replicas: int = 1
+    """Gateways serving the same records (`gateway`, `gateway-2`, ...), each on a port of
+    its own (`gateway_ports`), as Kubernetes runs two behind one Service."""
 
 
 class LocalStack:
@@ -94,6 +97,12 @@ class LocalStack:
         self._reaper: asyncio.subprocess.Process | None = None
         self.gateway_port = (config.gateway_port or _free_port()) if config.gateway else None
         """Where the Batch API is served (`http://127.0.0.1:<port>/v1`), if it is."""
+        self.gateway_ports: dict[str, int] = {}
+        """Each gateway replica's port, by its name."""
+        if self.gateway_port is not None:
+            self.gateway_ports["gateway"] = self.gateway_port
+            for k in range(2, config.gateway_replicas + 1):
+                self.gateway_ports[f"gateway-{k}"] = _free_port()
 
     @property
     def nats_config(self) -> NatsConfig:
@@ -135,7 +144,7 @@ class LocalStack:
 
     def _command(self, name: str) -> list[str]:
         common = ["--log-level", self.config.log_level]
-        if name == "gateway":
+        if name in self.gateway_ports:
             assert self.config.gateway is not None
             return [
                 "-m",
@@ -144,7 +153,7 @@ class LocalStack:
                 "--config",
                 str(self.config.gateway),
                 "--port",
-                str(self.gateway_port),
+                str(self.gateway_ports[name]),
                 "--poll",
                 "2",
             ]
@@ -174,9 +183,9 @@ class LocalStack:
         for name in [*self.masters, *(["controller"] if self.config.controller else [])]:
             await self._spawn(name)
         await self._wait_for_master()
-        if self.config.gateway is not None:
-            await self._spawn("gateway")
-            await self.wait_for_gateway()
+        for name in self.gateway_ports:
+            await self._spawn(name)
+            await self.wait_for_gateway(name)
 
     async def _start_reaper(self) -> None:
         """The process that ends the stack if this one dies without stopping it. Its own
@@ -225,7 +234,7 @@ class LocalStack:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
         if name in self.masters:
             return {**env, **nats_environment(self.nats_config_for("master"))}
-        if name == "gateway":
+        if name in self.gateway_ports:
             return {**env, **nats_environment(self.nats_config_for("gateway"))}
         env.update(nats_environment(self.nats_config_for("controller")))
         if self.trust is not None:
@@ -306,22 +315,23 @@ class LocalStack:
             with contextlib.suppress(Exception):
                 await nc.drain()
 
-    async def wait_for_gateway(self) -> None:
+    async def wait_for_gateway(self, name: str = "gateway") -> None:
         """Until the Batch API answers (after `start`, or a `restart("gateway")`)."""
-        url = f"http://127.0.0.1:{self.gateway_port}/healthz"
+        url = f"http://127.0.0.1:{self.gateway_ports[name]}/healthz"
         deadline = asyncio.get_running_loop().time() + self.config.start_timeout_s
         while not await asyncio.to_thread(_answers, url):
-            process = self.processes["gateway"]
+            process = self.processes[name]
             if process.returncode is not None or asyncio.get_running_loop().time() > deadline:
                 raise StackError(
-                    f"the Batch API gateway did not start; see {self.logs / 'gateway.log'}"
+                    f"the Batch API gateway did not start; see {self.logs / f'{name}.log'}"
                 )
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
         """In order: the gateway, the controller (it drains the workers), master, then NATS."""
         self._stopping = True
-        await _terminate(self.processes.get("gateway"), 15)
+        for name in self.gateway_ports:
+            await _terminate(self.processes.get(name), 15)
         await _terminate(self.processes.get("controller"), self.config.worker_grace_s + 15)
         for name in self.masters:
             await _terminate(self.processes.get(name), 15)

@@ -17,11 +17,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 
 from . import metrics
+from .apierror import ApiError, not_found
 from .batches import BatchRunner
 from .config import ApiKey, GatewayConfig
+from .params import expires_after, listing, metadata, not_json, page, read_field
 from .quota import Busy, QuotaExceeded, Quotas
 from .records import ENDED, BatchRecord, Conflict, FileRecord, Records, RecordsUnavailable, new_id
 from .requests import ENDPOINTS
@@ -30,42 +33,6 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 KEY: web.RequestKey[ApiKey] = web.RequestKey("key", ApiKey)
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        retry: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind
-        self.retry = retry
-
-    def response(self) -> web.Response:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        headers = {} if self.retry else {"x-should-retry": "false"}
-        return web.json_response(body, status=self.status, headers=headers)
-
-
-def not_found(kind: str, rid: str, param: str = "id") -> ApiError:
-    return ApiError(404, f"No such {kind} object: {rid}", param=param, code=None)
 
 
 class BatchApi:
@@ -186,19 +153,31 @@ class BatchApi:
         filename = "upload"
         size: int | None = None
         expiry: dict[str, str] = {}
-        reader = await request.multipart()
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                raise ApiError(400, "A form field holds a nested multipart body.")
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
-                expiry[part.name[len("expires_after[") : -1]] = (await part.text()).strip()
-            elif part.name == "file" and size is None:
-                filename = part.filename or "upload"
-                size = await self._store_part(part, path, limit, request)
-            else:
-                await part.release()
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    raise ApiError(400, "A form field holds a nested multipart body.")  # noqa: TRY301
+                if part.name == "purpose":
+                    purpose = await read_field(part)
+                elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                    expiry[part.name[len("expires_after[") : -1]] = await read_field(part)
+                elif part.name == "file" and size is None:
+                    filename = part.filename or "upload"
+                    size = await self._store_part(part, path, limit, request)
+                else:
+                    await part.release()
+        except BaseException as e:
+            if size is not None:
+                await asyncio.to_thread(self.store.delete, path)  # no bytes without a record
+            if isinstance(e, ApiError | ValueError | HttpProcessingError):
+                # Read the rest, so that the client hears the answer and not a reset.
+                with contextlib.suppress(Exception):
+                    while await request.content.readany():
+                        pass
+            if isinstance(e, ValueError | HttpProcessingError):  # aiohttp's: a bad body
+                raise ApiError(400, f"The multipart body does not parse: {e}") from None
+            raise
         if size is None:
             raise ApiError(
                 400,
@@ -216,7 +195,7 @@ class BatchApi:
                 code="invalid_value",
             )
         try:
-            keep = _expires_after(expiry, default=int(self.config.file_expiry_s))
+            keep = expires_after(expiry, default=int(self.config.file_expiry_s))
         except ApiError:
             await asyncio.to_thread(self.store.delete, path)
             raise
@@ -271,8 +250,8 @@ class BatchApi:
             for f in await self.records.files(key.owner)
             if purpose is None or f.purpose == purpose
         ]
-        page, more = _page(request, files, default=10_000, most=10_000)
-        return _list([f.api() for f in page], more)
+        shown, more = page(request, files, default=10_000, most=10_000)
+        return listing([f.api() for f in shown], more)
 
     async def _file(self, request: web.Request) -> FileRecord:
         file_id = request.match_info["id"]
@@ -309,7 +288,7 @@ class BatchApi:
     async def create_batch(self, request: web.Request) -> web.Response:
         key = request[KEY]
         try:
-            body = json.loads(await request.read(), parse_constant=_not_json)
+            body = json.loads(await request.read(), parse_constant=not_json)
         except (ValueError, RecursionError):  # not UTF-8, not JSON, NaN, nested too deep
             raise ApiError(400, "The request body is not valid JSON.") from None
         if not isinstance(body, dict):
@@ -339,7 +318,7 @@ class BatchApi:
                 param="completion_window",
                 code="invalid_value",
             )
-        metadata = _metadata(body.get("metadata"))
+        tags = metadata(body.get("metadata"))
         output_expiry = body.get("output_expires_after")
         if output_expiry is not None and not isinstance(output_expiry, dict):
             raise ApiError(
@@ -348,7 +327,7 @@ class BatchApi:
                 param="output_expires_after",
                 code="invalid_type",
             )
-        keep = _expires_after(output_expiry, default=None) if output_expiry else None
+        keep = expires_after(output_expiry, default=None) if output_expiry else None
         source = await self.records.get_file(key.owner, body["input_file_id"])
         if source is None:
             raise not_found("File", body["input_file_id"], "input_file_id")
@@ -380,10 +359,11 @@ class BatchApi:
             status="validating",
             created_at=now,
             expires_at=now + int(self.config.windows[window].seconds),
-            metadata=metadata,
+            metadata=tags,
             output_expires_s=keep,
         )
         try:
+            await self.records.add_live(record.owner, record.id)  # before: never unindexed
             await self.records.create_batch(record)
         except BaseException:
             if key.max_active_batches is not None:
@@ -420,8 +400,8 @@ class BatchApi:
 
     async def list_batches(self, request: web.Request) -> web.Response:
         batches = [b for b, _ in await self.records.batches(request[KEY].owner)]
-        page, more = _page(request, batches, default=20, most=100, order="desc")
-        return _list([b.api() for b in page], more)
+        shown, more = page(request, batches, default=20, most=100, order="desc")
+        return listing([b.api() for b in shown], more)
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         for _ in range(10):
@@ -438,103 +418,3 @@ class BatchApi:
             self.runner.poke(changed.owner, changed.id)
             return web.json_response(changed.api())
         raise ApiError(409, "The batch keeps changing; try again.", retry=True)
-
-
-def _not_json(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON")
-
-
-def _expires_after(given: dict[str, Any], *, default: Any) -> Any:
-    """Seconds a file is kept, from the API's `expires_after` ({anchor: created_at, seconds:
-    3600 to 2592000}); `default` when not given."""
-    if not given:
-        return default
-    anchor, seconds = given.get("anchor"), given.get("seconds")
-    if anchor != "created_at":
-        raise ApiError(
-            400,
-            f"Invalid value for 'expires_after.anchor': {anchor!r}. Supported: 'created_at'.",
-            param="expires_after.anchor",
-            code="invalid_value",
-        )
-    try:
-        value = int(str(seconds))
-    except ValueError:
-        value = 0
-    if not 3600 <= value <= 2_592_000:
-        raise ApiError(
-            400,
-            f"Invalid value for 'expires_after.seconds': {seconds!r}: 3600 to 2592000.",
-            param="expires_after.seconds",
-            code="invalid_value",
-        )
-    return value
-
-
-def _metadata(value: object) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ApiError(
-            400,
-            "Invalid type for 'metadata': expected an object.",
-            param="metadata",
-            code="invalid_type",
-        )
-    if len(value) > 16:
-        raise ApiError(
-            400, "'metadata' holds at most 16 pairs.", param="metadata", code="invalid_value"
-        )
-    for k, v in value.items():
-        if not isinstance(v, str):
-            raise ApiError(
-                400,
-                f"Invalid type for 'metadata.{k}': expected a string.",
-                param=f"metadata.{k}",
-                code="invalid_type",
-            )
-        if len(k) > 64 or len(v) > 512:
-            raise ApiError(
-                400,
-                f"'metadata.{k}': keys hold at most 64 characters, values 512.",
-                param=f"metadata.{k}",
-                code="invalid_value",
-            )
-    return dict(value)
-
-
-def _page(
-    request: web.Request, items: list[Any], *, default: int, most: int, order: str | None = None
-) -> tuple[list[Any], bool]:
-    """One page of `items` (ids sort by creation): `order` (newest first unless `asc`),
-    after the id `after`, at most `limit`."""
-    try:
-        limit = int(request.query.get("limit", default))
-    except ValueError:
-        raise ApiError(
-            400, "'limit' must be a whole number.", param="limit", code="invalid_type"
-        ) from None
-    if not 1 <= limit <= most:
-        raise ApiError(
-            400, f"'limit' must lie in [1, {most}].", param="limit", code="invalid_value"
-        )
-    order = order or request.query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, "'order' is asc or desc.", param="order", code="invalid_value")
-    ordered = sorted(items, key=lambda i: i.id, reverse=order == "desc")
-    after = request.query.get("after")
-    if after:
-        ordered = [i for i in ordered if (i.id < after if order == "desc" else i.id > after)]
-    return ordered[:limit], len(ordered) > limit
-
-
-def _list(data: list[dict[str, Any]], more: bool) -> web.Response:
-    return web.json_response(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )

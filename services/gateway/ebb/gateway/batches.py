@@ -1,58 +1,39 @@
-"""The reconcile loop: each batch carried from `validating` to its end, a step at a time.
+"""The reconcile loop: which batch is stepped when (the steps themselves: ebb.gateway.steps).
 
-Level-triggered over the records in KV, as the controller is over its workers: each pass
-reads every batch not yet ended and takes the one step its record and its job call for,
-written compare-and-set. Any replica may take any step; one that restarts carries on where
-the record says (every step may be taken twice: files are written again whole, byte for
-byte, and a job submitted twice runs once).
+Level-triggered over an index of the batches not ended (`live.<owner>.<id>` in KV, written
+before a batch's record and dropped when it ends), as the controller is over its workers:
+each full pass reads the index, not every batch ever made, and makes every live batch due;
+between passes a batch is due when it is poked (created, cancelled, or its job said
+something). Each due batch's step runs as a task of its own, at most `max_steps` at once
+and one per batch: a 200 MB file being validated holds its own batch, never another
+tenant's submit, cancel or end. Any replica may take any step; steps are written
+compare-and-set (ebb.gateway.steps), so two replicas never undo each other.
 
-    validating --(the file checked, its rows written)--> in_progress --(its job ended)-->
-    finalizing --(output and error files written)--> completed | cancelled | expired | failed
-
-A file that fails validation ends `failed`, naming its lines; `cancel` asks the job to stop
-(`cancelling`) and a batch past its window is stopped the same way (`expired`): either
-ends with what its job committed, the rest as error lines saying why."""
+At start, a full read of every record puts any batch not ended that the index lacks into it
+(records written before there was an index, or by a replica that died between the two
+writes)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import time
-from dataclasses import replace
-from typing import IO, Any, cast
+from typing import Any
 
 import nats.errors
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ebb.common.aio import wait_any
 from ebb.common.data.storage import StoreError
-from ebb.common.errors import BusError, ErrorCode, RemoteError
 from ebb.common.messaging.api import MasterClient
-from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.common.messaging.subjects import Subjects
-from ebb.common.messaging.submission import SubmitError, SubmitPending, submit_job
 
 from . import metrics
 from .config import GatewayConfig
-from .jobspec import batch_job, request_schema, rows_per_shard
-from .records import (
-    ENDED,
-    BatchError,
-    BatchRecord,
-    BatchStatus,
-    Conflict,
-    FileRecord,
-    Records,
-    RecordsUnavailable,
-)
-from .requests import Validation, validate
-from .results import Tally, job_rows, write_results
+from .records import ENDED, Records, RecordsUnavailable
+from .steps import BatchSteps
 from .store import FileStore
 
 log = logging.getLogger(__name__)
@@ -61,23 +42,12 @@ log = logging.getLogger(__name__)
 MIN_PASS_S = 0.05
 """Between two passes at least (a burst of job events wakes the loop once)."""
 
-ROW_GROUP_BYTES = 32 * 1024 * 1024
-"""Prompt text in one row group of a batch's job input at most (a shard's requests are held
-in memory while it is written)."""
+MAX_STEPS = 8
+"""Batches stepped at once by one replica (the rest wait their turn, in id order)."""
 
-MAX_STEP_FAILURES = 3
-"""Times a batch's step may fail unexpectedly (not a conflict, not NATS or the store away)
-before the batch fails with the reason."""
-
-
-def batch_dir(batch: BatchRecord) -> str:
-    return f"batches/{batch.owner}/{batch.id}"
-
-
-def result_file_id(batch_id: str, kind: str) -> str:
-    """The id of a batch's output (or error) file: the same on every pass."""
-    digest = hashlib.blake2b(f"{batch_id}\0{kind}".encode(), digest_size=12).hexdigest()
-    return f"file-{digest}"
+ORPHAN_S = 60.0
+"""An index entry whose batch record never appeared is dropped after this long (the replica
+that wrote it died before the record)."""
 
 
 class BatchRunner:
@@ -92,60 +62,75 @@ class BatchRunner:
         nats: NatsConfig,
         poll_s: float = 5.0,
         sweep_s: float = 60.0,
+        max_steps: int = MAX_STEPS,
     ) -> None:
-        self.config = config
         self.records = records
         self.store = store
-        self.master = master
         self.nc = nc
         self.nats = nats
         self.poll_s = poll_s
         self.sweep_s = sweep_s
         """Between sweeps of the files past their `expires_at`."""
+        self.max_steps = max_steps
+        self.steps = BatchSteps(
+            config=config,
+            records=records,
+            store=store,
+            master=master,
+            nc=nc,
+            nats=nats,
+            poke=self.poke,
+        )
         self.wake = asyncio.Event()
-        """Set when a batch is due a step (`poke`): the loop takes it at once."""
-        self.active: dict[str, str] = {}
-        """The batches not ended, by id, with their owners (as the last full pass read them,
-        and as created since): whose jobs' events concern the loop."""
+        """Set when a batch is due a step (`poke`) or a step ended: the loop looks at once."""
+        self.active: dict[str, tuple[str, float]] = {}
+        """The batches not ended, by id: their owner and when they were indexed (as the last
+        pass read the index, and as created since): whose jobs' events concern the loop."""
         self.due: set[str] = set()
-        """Batches to step now, between full passes."""
+        """Batches to step as soon as a place is free."""
+        self.stepping: dict[str, asyncio.Task[None]] = {}
+        """The steps running now, by batch."""
+        self.statuses: dict[str, str] = {}
+        """The status of each batch not ended, as its last step read it (the metrics')."""
 
     def poke(self, owner: str, batch_id: str) -> None:
         """The batch was created or cancelled, or its job said something: step it now."""
-        self.active[batch_id] = owner
+        if batch_id not in self.active:
+            self.active[batch_id] = (owner, time.time())
         self.due.add(batch_id)
         self.wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Until `stop` is set: a full pass over every batch each `poll_s` (the level-
-        triggered truth: whatever was missed, a replica's work, windows that ran out), and
-        between them a step of each batch poked (created, cancelled, or its job's events: a
-        shard committed, the job ended), so that its counts and its end are seen at once, at
-        the cost of that batch alone. Now and then, a sweep of expired files."""
+        """Until `stop` is set: a full pass each `poll_s` (the level-triggered truth:
+        whatever was missed, a replica's work, windows that ran out), the batches poked
+        between them, and now and then a sweep of expired files."""
         events = await self.nc.subscribe(Subjects(self.nats.prefix).all_events, cb=self._heard)
         try:
             await self._passes(stop)
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await events.unsubscribe()
+            await self._stop_steps()
 
     async def _heard(self, msg: Any) -> None:
         job = msg.subject.rsplit(".", 2)[-2]
-        owner = self.active.get(job)
-        if owner is not None:
-            self.poke(owner, job)
+        found = self.active.get(job)
+        if found is not None:
+            self.poke(found[0], job)
 
     async def _passes(self, stop: asyncio.Event) -> None:
         swept_at = passed_at = -math.inf
+        indexed = False
         while not stop.is_set():
             self.wake.clear()
             try:
+                if not indexed:
+                    await self.index_all()
+                    indexed = True
                 if time.monotonic() - passed_at >= self.poll_s:
                     passed_at = time.monotonic()
-                    self.due.clear()
                     await self.reconcile()
-                else:
-                    await self.step_due()
+                self._start_due()
                 if time.monotonic() - swept_at >= self.sweep_s:
                     swept_at = time.monotonic()
                     await self.sweep()
@@ -158,17 +143,64 @@ class BatchRunner:
             await wait_any([stop, self.wake], timeout_s=max(left, 0.0))
             await asyncio.sleep(MIN_PASS_S)  # events in a burst: one step for all of them
 
-    async def step_due(self) -> None:
-        due, self.due = self.due, set()
-        for batch_id in sorted(due):
-            owner = self.active.get(batch_id)
-            if owner is None:
-                continue  # ended, as the last full pass found
+    async def index_all(self) -> None:
+        """Every batch record read once: those not ended that the index lacks are put in."""
+        indexed = {(b.owner, b.id) for b in await self.records.live()}
+        for record, _ in await self.records.batches():
+            if record.status not in ENDED and (record.owner, record.id) not in indexed:
+                await self.records.add_live(record.owner, record.id)
+                log.info("batch %s of %s indexed as live", record.id, record.owner)
+
+    async def reconcile(self) -> None:
+        """The full pass: the index read, every batch in it due."""
+        live = await self.records.live()
+        self.active = {b.id: (b.owner, b.since) for b in live}
+        self.statuses = {k: v for k, v in self.statuses.items() if k in self.active}
+        metrics.observe_batches(self.statuses.values())
+        self.due |= set(self.active)
+
+    def _start_due(self) -> None:
+        """A task for each due batch not stepping already, while places are free."""
+        for batch_id in sorted(self.due):
+            if len(self.stepping) >= self.max_steps:
+                return
+            if batch_id in self.stepping:
+                continue  # stays due: stepped again once this step ends
+            self.due.discard(batch_id)
+            found = self.active.get(batch_id)
+            if found is None:
+                continue
+            task = asyncio.create_task(self._step(found[0], batch_id, found[1]), name=batch_id)
+            self.stepping[batch_id] = task
+            task.add_done_callback(self._stepped)
+
+    def _stepped(self, task: asyncio.Task[None]) -> None:
+        self.stepping.pop(task.get_name(), None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batch %s: its step raised", task.get_name(), exc_info=task.exception())
+        self.wake.set()  # a place is free: due batches may start
+
+    async def _step(self, owner: str, batch_id: str, since: float) -> None:
+        try:
             found = await self.records.get_batch(owner, batch_id)
             if found is None or found[0].status in ENDED:
-                self.active.pop(batch_id, None)
-                continue
-            await self._step_one(*found)
+                self.statuses.pop(batch_id, None)
+                if found is not None or time.time() - since > ORPHAN_S:
+                    # Ended (the drop at its end was lost), or never written.
+                    self.active.pop(batch_id, None)
+                    await self.records.drop_live(owner, batch_id)
+                return
+            self.statuses[batch_id] = found[0].status
+            await self.steps.take(*found)
+        except (RecordsUnavailable, StoreError) as e:
+            log.warning("batch %s: %s; trying again", batch_id, e)
+
+    async def _stop_steps(self) -> None:
+        """Steps in flight cancelled, and waited for: each is safe to take again."""
+        tasks = list(self.stepping.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def sweep(self) -> None:
         """Remove the files whose `expires_at` has passed: their records, then their bytes
@@ -180,354 +212,3 @@ class BatchRunner:
                 await self.records.delete_file(record)
                 await asyncio.to_thread(self.store.delete, record.path)
                 log.info("file %s of %s expired: removed", record.id, record.owner)
-
-    async def reconcile(self) -> None:
-        """The full pass: every batch read, each not ended stepped."""
-        batches = await self.records.batches()
-        metrics.observe_batches(record.status for record, _ in batches)
-        self.active = {r.id: r.owner for r, _ in batches if r.status not in ENDED}
-        for record, revision in sorted(batches, key=lambda b: b[0].id):
-            if record.status not in ENDED:
-                await self._step_one(record, revision)
-
-    async def _step_one(self, record: BatchRecord, revision: int) -> None:
-        try:
-            await self.step(record, revision)
-        except Conflict:
-            pass  # someone else took this step: the next pass reads what they wrote
-        except (RecordsUnavailable, StoreError, BusError) as e:
-            log.warning("batch %s (%s): %s; trying again", record.id, record.status, e)
-        except Exception as e:
-            # Whatever one batch's step raises (a file the store lost, a bug a hostile line
-            # found) stays that batch's: counted, and the batch failed with the reason once
-            # it repeats, never the loop's end (every replica would die on it in turn).
-            log.exception("batch %s (%s): its step failed", record.id, record.status)
-            try:
-                await self._step_failed(record, revision, e)
-            except (Conflict, RecordsUnavailable, StoreError, BusError) as again:
-                log.warning("batch %s: cannot record its failed step: %s", record.id, again)
-
-    async def _step_failed(self, batch: BatchRecord, revision: int, error: Exception) -> None:
-        failures = batch.step_failures + 1
-        if failures < MAX_STEP_FAILURES:
-            await self.records.update_batch(replace(batch, step_failures=failures), last=revision)
-            return
-        why = f"{type(error).__name__}: {error}"[:500]
-        failed = BatchError(
-            code="server_error",
-            message=f"The gateway failed {failures} times to take the batch's step from "
-            f"{batch.status!r}; the last time: {why}",
-        )
-        if batch.job is not None:
-            with contextlib.suppress(RemoteError, BusError):
-                await self.master.cancel(batch.job, "its batch failed in the gateway")
-        await self.records.update_batch(
-            batch.moved("failed", errors=[*batch.errors, failed], step_failures=failures),
-            last=revision,
-        )
-        await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
-
-    async def step(self, batch: BatchRecord, revision: int) -> None:
-        now = time.time()
-        if batch.status == "validating" or (batch.status == "cancelling" and batch.job is None):
-            # Cancelled while validating: its file is still read, for its counts and for its
-            # error file to list each request as cancelled.
-            await self._validate(batch, revision, now)
-        elif batch.status in ("in_progress", "cancelling"):
-            await self._follow(batch, revision, now)
-        elif batch.status == "finalizing":
-            await self._finalize(batch, revision)
-
-    # -- validating -------------------------------------------------------------------------
-
-    async def _validate(self, batch: BatchRecord, revision: int, now: float) -> None:
-        source = await self.records.get_file(batch.owner, batch.input_file_id)
-        try:
-            if source is None:
-                raise FileNotFoundError(batch.input_file_id)  # noqa: TRY301 - as if read gone
-            found = await asyncio.to_thread(self._check_and_write, batch, source)
-        except FileNotFoundError:
-            await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
-            error = BatchError(
-                code="invalid_request",
-                message=f"Cannot find file {batch.input_file_id}: it was deleted before the "
-                "batch could read it.",
-                param="input_file_id",
-            )
-            await self.records.update_batch(batch.moved("failed", errors=[error]), last=revision)
-            return
-        for _ in range(3):
-            try:
-                await self._validated(batch, revision, now, found)
-                return
-            except Conflict:
-                # Cancelled while its file was read (the only change another may make to a
-                # validating batch): what was read stands, and the cancel with it.
-                again = await self.records.get_batch(batch.owner, batch.id)
-                if again is None or again[0].status != "cancelling" or again[0].job is not None:
-                    raise
-                batch, revision = again
-
-    async def _validated(
-        self, batch: BatchRecord, revision: int, now: float, found: Validation
-    ) -> None:
-        if found.problem_count:
-            errors = list(found.problems)
-            if found.problem_count > len(errors):
-                errors.append(
-                    BatchError(
-                        code="too_many_errors",
-                        message=f"{found.problem_count} lines have problems; the first "
-                        f"{len(found.problems)} are listed.",
-                    )
-                )
-            await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
-            await self.records.update_batch(
-                batch.moved("failed", errors=errors, total=found.total), last=revision
-            )
-            return
-        counted = replace(
-            batch,
-            total=found.total,
-            rejected=found.rejected,
-            failed=found.rejected,
-            model=found.model,
-        )
-        ending = batch.ending or ("expired" if now >= batch.expires_at else "")
-        if found.accepted == 0 or ending:
-            # Every request refused, or the batch cancelled or expired already: nothing to
-            # run; the error file says why, request by request.
-            await self.records.update_batch(
-                counted.moved("finalizing", ending=ending), last=revision
-            )
-            self.poke(batch.owner, batch.id)
-            return
-        await self.records.update_batch(counted.moved("in_progress", job=batch.id), last=revision)
-        metrics.BATCH_REQUESTS.labels("accepted").inc(found.accepted)
-        self.poke(batch.owner, batch.id)  # submit its job at once
-
-    def _check_and_write(self, batch: BatchRecord, source: FileRecord) -> Validation:
-        """Read the input file once: its rows into the job's Parquet input (a row group per
-        shard), its refused requests into the rejected lines. Blocking."""
-        folder = batch_dir(batch)
-        schema = request_schema(batch.endpoint)
-        rows: list[dict[str, Any]] = []
-        with (
-            self.store.writer(f"{folder}/requests.parquet") as requests_file,
-            self.store.writer(f"{folder}/rejected.jsonl") as rejected_file,
-        ):
-            parquet = pq.ParquetWriter(cast(IO[bytes], requests_file), schema)
-
-            held = 0
-            """Bytes of prompt text in `rows`."""
-
-            def accept(row: dict[str, Any], model: str) -> None:
-                # A row group per shard: a shard is whole row groups of the job's input. One
-                # is cut short where its prompts grow past ROW_GROUP_BYTES (a shard of
-                # requests of a megabyte each is held in memory once, not 500 MB of them).
-                nonlocal held
-                rows.append(row)
-                held += _prompt_bytes(row["prompt"])
-                if len(rows) >= rows_per_shard(self.config.models[model]) or (
-                    held >= ROW_GROUP_BYTES
-                ):
-                    parquet.write_table(pa.Table.from_pylist(rows, schema=schema))
-                    rows.clear()
-                    held = 0
-
-            def reject(line: dict[str, Any]) -> None:
-                rejected_file.write(_jsonl(line))
-
-            found = validate(
-                self.store.read_bounded_lines(source.path, max_bytes=self.config.max_line_bytes),
-                batch_id=batch.id,
-                endpoint=batch.endpoint,
-                models=self.config.models,
-                max_requests=self.config.max_requests,
-                max_line_bytes=self.config.max_line_bytes,
-                accept=accept,
-                reject=reject,
-            )
-            if rows:
-                parquet.write_table(pa.Table.from_pylist(rows, schema=schema))
-            parquet.close()
-        return found
-
-    # -- in progress ------------------------------------------------------------------------
-
-    async def _follow(self, batch: BatchRecord, revision: int, now: float) -> None:
-        job = batch.job
-        if job is None:  # cancelled while validating: nothing ran
-            await self.records.update_batch(batch.moved("finalizing"), last=revision)
-            self.poke(batch.owner, batch.id)
-            return
-        try:
-            status = await self.master.job(job)
-        except RemoteError as e:
-            if e.code == ErrorCode.NOT_FOUND:
-                await self._submit(batch, revision)
-                return
-            if e.code == ErrorCode.REJECTED:
-                await self._job_refused(batch, revision, e.message)
-                return
-            raise
-        if (
-            batch.status == "in_progress"
-            and not batch.ending
-            and now >= batch.expires_at
-            and status.state not in TERMINAL_JOB_STATES
-        ):
-            # Past its window with work left (a job that ended in time is not expired).
-            batch = replace(batch, ending="expired")
-            revision = await self.records.update_batch(batch, last=revision)
-        if batch.ending and status.state not in TERMINAL_JOB_STATES:
-            try:
-                await self.master.cancel(job, f"batch {batch.ending}")
-            except RemoteError as e:
-                log.info("batch %s: cancel of job %s: %s", batch.id, job, e)
-        counted = self._counted(batch, status)
-        if status.state in TERMINAL_JOB_STATES:
-            await self.records.update_batch(counted.moved("finalizing"), last=revision)
-            self.poke(batch.owner, batch.id)
-        elif counted != batch:
-            await self.records.update_batch(counted, last=revision)
-
-    def _counted(self, batch: BatchRecord, status: JobStatus) -> BatchRecord:
-        return replace(
-            batch,
-            completed=status.rows_done - status.error_rows,
-            failed=batch.rejected + status.error_rows,
-        )
-
-    async def _submit(self, batch: BatchRecord, revision: int) -> None:
-        assert batch.model is not None and batch.job is not None
-        folder = batch_dir(batch)
-        spec = batch_job(
-            batch_id=batch.job,
-            owner=batch.owner,
-            model=self.config.models[batch.model],
-            window=self.config.windows[batch.completion_window],
-            input_uri=self.store.url(f"{folder}/requests.parquet"),
-            output_uri=self.store.url(f"{folder}/output"),
-        )
-        try:
-            await submit_job(self.nc, self.nats, spec, accept_timeout_s=10.0)
-        except SubmitPending:
-            log.info("batch %s: job %s queued, no master has taken it yet", batch.id, batch.job)
-        except SubmitError as e:
-            await self._job_refused(batch, revision, str(e))
-
-    async def _job_refused(self, batch: BatchRecord, revision: int, why: str) -> None:
-        error = BatchError(code="job_rejected", message=f"Ebb refused the batch's job: {why}")
-        await self.records.update_batch(batch.moved("failed", errors=[error]), last=revision)
-
-    # -- finalizing ---------------------------------------------------------------------------
-
-    async def _finalize(self, batch: BatchRecord, revision: int) -> None:
-        state, reason = "SUCCEEDED", ""
-        if batch.job is not None:
-            try:
-                status = await self.master.job(batch.job)
-                state, reason = status.state, status.reason
-            except RemoteError as e:
-                if e.code != ErrorCode.NOT_FOUND:
-                    raise
-                state, reason = "FAILED", "the shard master no longer knows the job"
-        if batch.job is not None and batch.ending == "expired" and state == "SUCCEEDED":
-            # Every request answered before the cancel for its window took: completed.
-            batch = replace(batch, ending="")
-        ending = batch.ending or ("failed" if state == "FAILED" else "")
-        tally, files = await asyncio.to_thread(self._write_results, batch, ending, reason)
-        for record in files.values():
-            try:
-                await self.records.create_file(record)
-            except Exception as e:
-                if "wrong last sequence" not in str(e).lower():
-                    raise
-        final: BatchStatus = (
-            "cancelled"
-            if batch.ending == "cancelled"
-            else "expired"
-            if batch.ending == "expired"
-            else "failed"
-            if state == "FAILED"
-            else "completed"
-        )
-        errors = batch.errors
-        if state == "FAILED" and not batch.ending:
-            errors = [*errors, BatchError(code="job_failed", message=reason or "the job failed")]
-        output, error = (files[k].id if k in files else None for k in ("output", "error"))
-        await self.records.update_batch(
-            batch.moved(
-                final,
-                completed=tally.completed,
-                failed=tally.failed,
-                input_tokens=tally.input_tokens,
-                output_tokens=tally.output_tokens,
-                output_file_id=output,
-                error_file_id=error,
-                errors=errors,
-            ),
-            last=revision,
-        )
-        # Its copy of the requests and its job's output are in the files now: let them go
-        # (a replica that dies first leaves them; the batch's record says it ended).
-        await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
-        metrics.BATCH_REQUESTS.labels("completed").inc(tally.completed)
-        metrics.BATCH_REQUESTS.labels("failed").inc(tally.failed)
-
-    def _write_results(
-        self, batch: BatchRecord, ending: str, reason: str
-    ) -> tuple[Tally, dict[str, FileRecord]]:
-        folder = batch_dir(batch)
-        now = int(time.time())
-        made: dict[str, FileRecord] = {}
-        ids = {kind: result_file_id(batch.id, kind) for kind in ("output", "error")}
-        paths = {kind: f"files/{batch.owner}/{ids[kind]}" for kind in ids}
-        has_requests = self.store.exists(f"{folder}/requests.parquet")
-        has_rejected = self.store.exists(f"{folder}/rejected.jsonl")
-        with (
-            self.store.writer(paths["output"]) as output,
-            self.store.writer(paths["error"]) as errors,
-        ):
-            tally = write_results(
-                batch_id=batch.id,
-                endpoint=batch.endpoint,
-                model=batch.model or "",
-                job_output=self.store.url(f"{folder}/output"),
-                requests=job_rows(self.store, f"{folder}/requests.parquet")
-                if has_requests
-                else iter(()),
-                rejected=self.store.read_lines(f"{folder}/rejected.jsonl")
-                if has_rejected
-                else iter(()),
-                ending=ending,
-                reason=reason,
-                output=output,
-                errors=errors,
-            )
-        for kind, writer in (("output", output), ("error", errors)):
-            if writer.bytes == 0:
-                self.store.delete(paths[kind])
-                continue
-            made[kind] = FileRecord(
-                id=ids[kind],
-                owner=batch.owner,
-                bytes=writer.bytes,
-                created_at=now,
-                filename=f"{batch.id}_{kind}.jsonl",
-                purpose="batch_output",
-                path=paths[kind],
-                expires_at=None if batch.output_expires_s is None else now + batch.output_expires_s,
-            )
-        return tally, made
-
-
-def _prompt_bytes(prompt: str | list[dict[str, str]]) -> int:
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(m["content"]) + len(m["role"]) for m in prompt)
-
-
-def _jsonl(value: dict[str, Any]) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

@@ -8,7 +8,7 @@ from typing import get_args
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .records import BatchStatus
+from .records import ENDED, BatchStatus
 
 HTTP_REQUESTS = Counter(
     "ebb_gateway_http_requests_total",
@@ -22,14 +22,16 @@ HTTP_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 UPLOADED_BYTES = Counter("ebb_gateway_uploaded_bytes_total", "Bytes of files uploaded")
-BATCHES = Gauge("ebb_gateway_batches", "Batches per status, as the last pass read them", ["status"])
+BATCHES = Gauge(
+    "ebb_gateway_batches", "Batches not ended per status, as their last steps read them", ["status"]
+)
 BATCH_REQUESTS = Counter(
     "ebb_gateway_batch_requests_total",
     "Requests of batches: accepted at validation, then completed or failed when it ended",
     ["outcome"],
 )
 
-STATUSES: tuple[BatchStatus, ...] = get_args(BatchStatus)
+STATUSES: tuple[BatchStatus, ...] = tuple(s for s in get_args(BatchStatus) if s not in ENDED)
 
 
 def observe_batches(statuses: Iterable[str]) -> None:

@@ -7,6 +7,7 @@ Ids sort by creation time, so a list is the keys sorted, read a page at a time."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -34,6 +35,14 @@ BatchStatus = Literal[
     "cancelled",
 ]
 ENDED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveBatch:
+    owner: str
+    id: str
+    since: float
+    """When it was indexed (the epoch's seconds)."""
 
 
 class Conflict(EbbError):
@@ -282,10 +291,44 @@ class Records:
         return None if raw is None else (_load_batch(raw[0]), raw[1])
 
     async def update_batch(self, record: BatchRecord, *, last: int) -> int:
+        """Write the record if nobody did since `last`; one that ends leaves the index of
+        live batches (if that write is lost, the next pass drops it)."""
         try:
-            return int(await _call(self._batches.update(record.key, _dump(record), last=last)))
+            revision = int(await _call(self._batches.update(record.key, _dump(record), last=last)))
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise Conflict(f"batch {record.id} was changed by someone else") from e
+        if record.status in ENDED:
+            with contextlib.suppress(RecordsUnavailable):
+                await self.drop_live(record.owner, record.id)
+        return revision
+
+    # -- the index of live batches: `live.<owner>.<id>` (three tokens: no list of records
+    # sees it), written before the batch's record and dropped once it ends, so that a pass
+    # reads the batches not ended, not every batch ever made.
+
+    async def add_live(self, owner: str, batch_id: str) -> None:
+        await _call(self._batches.put(f"live.{owner}.{batch_id}", str(time.time()).encode()))
+
+    async def drop_live(self, owner: str, batch_id: str) -> None:
+        # Purged from the stream, not deleted: a KV delete leaves a marker that every later
+        # read of the index would read again, one per batch ever ended.
+        bucket = self._batches_bucket
+        await _call(
+            self._js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.live.{owner}.{batch_id}")
+        )
+
+    async def live(self) -> list[LiveBatch]:
+        """The index: every batch not known to have ended, with when it was indexed."""
+        entries = await _call(kv_snapshot(self._js, self._batches_bucket, "live.*.*"))
+        found = []
+        for e in entries:
+            _, owner, batch_id = e.key.split(".", 2)
+            try:
+                since = float(e.value)
+            except ValueError:
+                since = 0.0
+            found.append(LiveBatch(owner=owner, id=batch_id, since=since))
+        return found
 
     async def batches(self, owner: str = "*") -> list[tuple[BatchRecord, int]]:
         """Every batch of `owner` (`*`: of everyone's), with its revision. A record that

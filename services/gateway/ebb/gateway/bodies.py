@@ -1,0 +1,246 @@
+"""A request's body as its job's row: its prompt and its sampling, each checked as the API
+defines it, or the reason it is refused (`RequestRefused`: a line of the error file, the
+other requests run). Pure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+UNSUPPORTED = {
+    "tools": "tool calls",
+    "functions": "function calls",
+    "tool_choice": "tool calls",
+    "function_call": "function calls",
+    "logprobs": "log probabilities",
+    "top_logprobs": "log probabilities",
+    "logit_bias": "logit bias",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "suffix": "suffixes",
+    "echo": "echoing the prompt",
+    "best_of": "best_of",
+}
+"""Body parameters that would change the answer in a way the llm stage does not do: a
+request that sets one (to anything but its neutral value) is refused, never answered as if
+it had not."""
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tool_choice": (None, "none"),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+}
+
+
+class RequestRefused(Exception):
+    """A request the gateway will not run: its error line says why."""
+
+    def __init__(
+        self, message: str, *, param: str | None, code: str | None, status: int = 400
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+SEED_LIMIT = 2**63
+"""Seeds are 64-bit signed integers in the job's columns: 0 up to this, exclusive."""
+
+
+def model_of(body: dict[str, Any], models: Mapping[str, object], batch_model: str | None) -> str:
+    model = body.get("model")
+    if model is None:
+        raise RequestRefused(
+            "Model parameter is required.", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str) or model not in models:
+        served = ", ".join(repr(m) for m in sorted(models))
+        raise RequestRefused(
+            f"The model {model!r} does not exist or is not served here; this gateway serves "
+            f"{served}.",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+    if batch_model is not None and model != batch_model:
+        raise RequestRefused(
+            f"A batch runs one model: this request names {model!r}, the batch's first "
+            f"{batch_model!r}.",
+            param="model",
+            code="mismatched_model",
+        )
+    return model
+
+
+def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """The job's columns for one request: its prompt and its sampling (null: the
+    catalogue model's)."""
+    if body.get("stream"):
+        raise RequestRefused(
+            "Streaming is not supported in the Batch API.",
+            param="stream",
+            code="streaming_unsupported",
+        )
+    n = body.get("n")
+    if n not in (None, 1):
+        raise RequestRefused(
+            f"Only one choice per request is supported here (n={n!r}).",
+            param="n",
+            code="unsupported_value",
+        )
+    for name in (*UNSUPPORTED, "frequency_penalty", "presence_penalty"):
+        if name in body and body[name] not in NEUTRAL.get(name, (None,)):
+            what = UNSUPPORTED.get(name, "penalties")
+            raise RequestRefused(
+                f"{name!r} ({what}) is not supported by this gateway.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestRefused(
+            "'response_format' other than text is not supported per request by this "
+            "gateway (a catalogue model may set a structured output for all its requests).",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    prompt = _messages(body) if endpoint == "/v1/chat/completions" else _prompt(body)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return {
+        "prompt": prompt,
+        "max_tokens": _number(max_tokens, "max_tokens", low=1, high=SEED_LIMIT - 1),
+        "temperature": _float(body.get("temperature"), "temperature", low=0.0, high=2.0),
+        "top_p": _float(body.get("top_p"), "top_p", low=0.0, high=1.0, open_low=True),
+        "seed": _number(body.get("seed"), "seed", low=0, high=SEED_LIMIT - 1),
+        "stop": _stop(body.get("stop")),
+    }
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestRefused(
+            "Messages parameter is required.", param="messages", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused(
+            "'messages' must be a non-empty array.", param="messages", code="invalid_type"
+        )
+    chat = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestRefused(
+                f"{where} must be an object with a 'role'.", param=where, code="invalid_type"
+            )
+        chat.append({"role": message["role"], "content": _content(message.get("content"), where)})
+    return chat
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestRefused(
+                    f"{where}.content: only text parts are supported here.",
+                    param=f"{where}.content",
+                    code="unsupported_value",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise RequestRefused(
+                    f"{where}.content: a text part needs its 'text'.",
+                    param=f"{where}.content",
+                    code="invalid_type",
+                )
+            texts.append(text)
+        return "".join(texts)
+    raise RequestRefused(
+        f"{where}.content must be a string or an array of text parts.",
+        param=f"{where}.content",
+        code="invalid_type",
+    )
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise RequestRefused(
+            "Prompt parameter is required.", param="prompt", code="missing_required_parameter"
+        )
+    if not isinstance(prompt, str):
+        raise RequestRefused(
+            "'prompt' must be one string here (one completion per request).",
+            param="prompt",
+            code="invalid_type",
+        )
+    return prompt
+
+
+def _number(value: object, name: str, *, low: int, high: int) -> int | None:
+    """A whole number in [low, high] (a JSON number too big for a float reads as inf, one
+    too big for the job's int64 columns is out of range: both refused, never raised)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
+    ):
+        raise RequestRefused(
+            f"{name!r} must be a whole number, got {value!r}.", param=name, code="invalid_type"
+        )
+    if not low <= value <= high:
+        raise RequestRefused(
+            f"{name!r} must lie in [{low}, {high}], got {value!r}.",
+            param=name,
+            code="invalid_value",
+        )
+    return int(value)
+
+
+def _float(
+    value: object, name: str, *, low: float, high: float, open_low: bool = False
+) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestRefused(
+            f"{name!r} must be a number, got {value!r}.", param=name, code="invalid_type"
+        )
+    if value < low or value > high or (open_low and value == low):
+        bounds = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+        raise RequestRefused(
+            f"{name!r} must lie in {bounds}, got {value!r}.", param=name, code="invalid_value"
+        )
+    return float(value)
+
+
+def _stop(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or not 1 <= len(items) <= 4
+        or not all(isinstance(s, str) and s for s in items)
+    ):
+        raise RequestRefused(
+            "'stop' must be a non-empty string or an array of 1 to 4 of them.",
+            param="stop",
+            code="invalid_value",
+        )
+    return list(items)
