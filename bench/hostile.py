@@ -14,6 +14,7 @@ workers, the tiny model of the gateway's tests). Each round, through both replic
 - twenty batch creates and eight uploads at once by a key whose quota is one batch and
   64 KiB;
 - one replica SIGKILLed at a random moment, then started again.
+
 Every replica's resident memory is sampled every 20 ms throughout. At the end every batch
 is waited for and checked: each request of a batch that ran in its output or error file
 exactly once, each refusal with the API's error envelope.
