@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -84,6 +85,7 @@ async def running(
         nc=nc,
         nats=nats_config,
         poll_s=0.2,
+        sweep_s=0.2,
         max_steps=2,
     )
     steps = Steps(records)
@@ -156,7 +158,55 @@ async def _live(records: Records, expected: set[tuple[str, str]]) -> bool:
     return {(b.owner, b.id) for b in await records.live()} == expected
 
 
-def _dumped(record: BatchRecord) -> bytes:
+def _dumped(record: Any) -> bytes:
     from ebb.gateway.records import _dump
 
     return _dump(record)
+
+
+async def test_the_sweep_removes_expired_files_dead_entries_and_writers_leftovers(
+    records: Records, nc: NATS, nats_config: NatsConfig, tmp_path: Path
+) -> None:
+    from ebb.gateway.records import Expiring, FileRecord
+
+    now = int(time.time())
+    files = tmp_path / "files" / "alice"
+    files.mkdir(parents=True)
+
+    def kept(file_id: str, expires_at: int) -> FileRecord:
+        (files / file_id).write_bytes(b"{}\n")
+        return FileRecord(
+            id=file_id,
+            owner="alice",
+            bytes=3,
+            created_at=now - 10,
+            filename="in.jsonl",
+            purpose="batch",
+            path=f"files/alice/{file_id}",
+            expires_at=expires_at,
+        )
+
+    gone, staying = kept("file-gone", now - 1), kept("file-staying", now + 7200)
+    for record in (gone, staying):
+        await records.create_file(record)
+    # A file from before the index (its record alone), and an entry whose record never came.
+    legacy = kept("file-legacy", now - 5)
+    await records._files.create("alice.file-legacy", _dumped(legacy))
+    await records._files.put(f"exp.{now // 3600}.alice.file-never", b"")
+    # What writers killed mid-file left, and what one is writing now.
+    stale, fresh = files / "file-x.tmp-0badf00d", files / "file-y.tmp-c0ffee00"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    os.utime(stale, (now - 7200, now - 7200))
+
+    async def swept() -> bool:
+        entries = {(e.owner, e.id) for e in await records.expiring()}
+        return entries == {("alice", "file-staying")} and not stale.exists()
+
+    async with running(records, nc, nats_config, tmp_path):
+        await until(swept)
+    assert await records.get_file("alice", "file-gone") is None
+    assert await records.get_file("alice", "file-legacy") is None
+    assert await records.get_file("alice", "file-staying") is not None
+    assert sorted(p.name for p in files.iterdir()) == ["file-staying", fresh.name]
+    assert Expiring("alice", "file-staying", (now + 7200) // 3600) in await records.expiring()

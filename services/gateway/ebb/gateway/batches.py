@@ -45,6 +45,10 @@ MIN_PASS_S = 0.05
 MAX_STEPS = 8
 """Batches stepped at once by one replica (the rest wait their turn, in id order)."""
 
+TMP_AGE_S = 3600.0
+"""A file being written whose bytes have not changed for this long was left by a writer that
+died: the first sweep removes it."""
+
 ORPHAN_S = 60.0
 """An index entry whose batch record never appeared is dropped after this long (the replica
 that wrote it died before the record)."""
@@ -90,6 +94,8 @@ class BatchRunner:
         """Batches to step as soon as a place is free."""
         self.stepping: dict[str, asyncio.Task[None]] = {}
         """The steps running now, by batch."""
+        self.swept_hour: int | None = None
+        """The hour (since the epoch) of the last sweep; None: none yet."""
         self.statuses: dict[str, str] = {}
         """The status of each batch not ended, as its last step read it (the metrics')."""
 
@@ -205,10 +211,31 @@ class BatchRunner:
     async def sweep(self) -> None:
         """Remove the files whose `expires_at` has passed: their records, then their bytes
         (a sweep cut short between the two leaves bytes no record names, never a record
-        whose bytes are gone)."""
+        whose bytes are gone). The first sweep reads every file once (a file the expiry
+        index lacks is put in it) and the whole index, and removes what a writer killed
+        mid-file left; later ones read only the index's hours since the last sweep."""
         now = time.time()
-        for record in await self.records.files("*"):
-            if record.expires_at is not None and record.expires_at <= now:
+        hour = int(now // 3600)
+        if self.swept_hour is None:
+            for kept in await self.records.files("*"):
+                if kept.expires_at is not None:
+                    await self.records.index_expiry(kept)
+            entries = await self.records.expiring()
+            left = await asyncio.to_thread(self.store.remove_temporaries, older_than_s=TMP_AGE_S)
+            for path in left:
+                log.info("removed %s, left by a writer that did not finish", path)
+        else:
+            entries = []
+            for h in range(self.swept_hour, hour + 1):
+                entries += await self.records.expiring(h)
+        for entry in entries:
+            if entry.hour > hour:
+                continue
+            record = await self.records.get_file(entry.owner, entry.id)
+            if record is None or record.expires_at is None:
+                await self.records.forget_expiry(entry)  # deleted, or its record never came
+            elif record.expires_at <= now:
                 await self.records.delete_file(record)
                 await asyncio.to_thread(self.store.delete, record.path)
                 log.info("file %s of %s expired: removed", record.id, record.owner)
+        self.swept_hour = hour

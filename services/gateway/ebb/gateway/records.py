@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import nats.errors
 import nats.js.errors
@@ -43,6 +43,18 @@ class LiveBatch:
     id: str
     since: float
     """When it was indexed (the epoch's seconds)."""
+
+
+class Expiring(NamedTuple):
+    """An entry of the expiry index: a file due to go in that hour (since the epoch)."""
+
+    owner: str
+    id: str
+    hour: int
+
+
+def _hour(at: float) -> int:
+    return int(at // 3600)
 
 
 class Conflict(EbbError):
@@ -241,7 +253,11 @@ class Records:
     # -- files ------------------------------------------------------------------------------
 
     async def create_file(self, record: FileRecord) -> bool:
-        """False if the record exists already (a result file written by an earlier pass)."""
+        """False if the record exists already (a result file written by an earlier pass).
+        A file that expires is put in the expiry index first (a record is never missed by
+        the sweep; an entry whose record never came is dropped by it)."""
+        if record.expires_at is not None:
+            await self.index_expiry(record)
         try:
             await _call(self._files.create(f"{record.owner}.{record.id}", _dump(record)))
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -254,6 +270,35 @@ class Records:
 
     async def delete_file(self, record: FileRecord) -> None:
         await _call(self._files.delete(f"{record.owner}.{record.id}"))
+        if record.expires_at is not None:
+            await self.forget_expiry(Expiring(record.owner, record.id, _hour(record.expires_at)))
+
+    # -- the expiry index: `exp.<hour>.<owner>.<id>` (four tokens: no list of records sees
+    # it), so that a sweep reads the files due in the hours since the last one, not every
+    # file kept.
+
+    async def index_expiry(self, record: FileRecord) -> None:
+        assert record.expires_at is not None
+        hour = _hour(record.expires_at)
+        await _call(self._files.put(f"exp.{hour}.{record.owner}.{record.id}", b""))
+
+    async def forget_expiry(self, entry: Expiring) -> None:
+        await self._purge(self._files_bucket, f"exp.{entry.hour}.{entry.owner}.{entry.id}")
+
+    async def expiring(self, hour: int | None = None) -> list[Expiring]:
+        """The index's entries of one hour (the hour since the epoch), or all of them."""
+        pattern = "exp.*.*.*" if hour is None else f"exp.{hour}.*.*"
+        entries = await _call(kv_snapshot(self._js, self._files_bucket, pattern))
+        found = []
+        for e in entries:
+            _, at, owner, file_id = e.key.split(".", 3)
+            found.append(Expiring(owner, file_id, int(at)))
+        return found
+
+    async def _purge(self, bucket: str, key: str) -> None:
+        # Purged from the stream, not deleted: a KV delete leaves a marker that every later
+        # read of an index would read again, one per entry ever dropped.
+        await _call(self._js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}"))
 
     async def files(self, owner: str) -> list[FileRecord]:
         entries = await _call(kv_snapshot(self._js, self._files_bucket, f"{owner}.*"))
@@ -310,12 +355,7 @@ class Records:
         await _call(self._batches.put(f"live.{owner}.{batch_id}", str(time.time()).encode()))
 
     async def drop_live(self, owner: str, batch_id: str) -> None:
-        # Purged from the stream, not deleted: a KV delete leaves a marker that every later
-        # read of the index would read again, one per batch ever ended.
-        bucket = self._batches_bucket
-        await _call(
-            self._js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.live.{owner}.{batch_id}")
-        )
+        await self._purge(self._batches_bucket, f"live.{owner}.{batch_id}")
 
     async def live(self) -> list[LiveBatch]:
         """The index: every batch not known to have ended, with when it was indexed."""

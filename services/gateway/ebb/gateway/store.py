@@ -10,6 +10,7 @@ import asyncio
 import os
 import posixpath
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -100,6 +101,27 @@ class FileStore:
                 yield piece
         finally:
             await asyncio.to_thread(f.close)
+
+    def remove_temporaries(self, *, older_than_s: float) -> list[str]:
+        """Remove what writers left that never completed (`<name>.tmp-<random>`, untouched
+        for `older_than_s`), and say which. Only a local root has them: an object store's
+        upload appears whole when closed, or not at all. Blocking."""
+        if not self.local:
+            return []
+        removed = []
+        cutoff = time.time() - older_than_s
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                if ".tmp-" not in name:
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    if os.stat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed.append(os.path.relpath(path, self.root))
+                except FileNotFoundError:
+                    continue  # its writer finished meanwhile
+        return removed
 
     def exists(self, relpath: str) -> bool:
         path = self.full(relpath)
