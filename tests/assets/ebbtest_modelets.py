@@ -511,3 +511,14 @@ class ZeroColumnsInPlace:
         batch["features"] *= 0.0
         batch["id"] *= 0
         return {"id": batch["id"], "zeroed": seen}
+
+
+class Renamed:
+    """Row map -> {`to`: the row's `features`}: a column of this stage's making, which a later
+    stage reads by its name."""
+
+    def __init__(self, to: str) -> None:
+        self.to = to
+
+    def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {self.to: batch["features"]}

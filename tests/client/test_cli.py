@@ -20,8 +20,11 @@ import pytest
 import torch
 import yaml
 
+from ebb.client import remote
+from ebb.client.cli import build_parser
 from ebb.client.display import lost_workers, tier_text
-from ebb.client.runs import LOCK, RUNS_KEPT, RunFolder, running
+from ebb.client.remote import DEFAULT_NATS, read_credentials
+from ebb.client.runs import CLIENT_ENV, LOCK, RUNS_KEPT, RunFolder, running
 from ebb.common import envvars
 from ebb.common.data.layout import COMMITS_DIR, MANIFEST, OWNER
 from ebb.common.messaging.embedded import EmbeddedNats
@@ -609,6 +612,9 @@ def test_status_and_cancel_find_the_stack_of_a_running_ebb_run(tmp_path: Path, r
     )
     try:
         (job,) = while_running(run, lambda: list(running(runs)), "stack found")
+        # Its NATS server listens on a port of its own, not the default (an `ebb up`'s).
+        client_env = read_credentials(str(running(runs)[job] / CLIENT_ENV))
+        assert client_env[envvars.NATS_URL] != DEFAULT_NATS
         # From another terminal, anywhere on the machine: no URL, no credentials named.
         listed = ebb("status", cwd=tmp_path.parent)
         assert listed.returncode == 0, said(listed)
@@ -627,10 +633,12 @@ def test_status_and_cancel_find_the_stack_of_a_running_ebb_run(tmp_path: Path, r
     assert run.returncode == 1, output
     assert f"from another terminal: `ebb status {job}`, `ebb cancel {job}`" in output
     assert f"job {job} CANCELLED" in " ".join(output.split())
-    # Its stack is gone with it, and nothing finds it any more.
+    # Its stack is gone with it, and nothing finds it any more: the job's status is asked
+    # where it would be with no `ebb run` on this machine, at the default URL (whatever
+    # listens there, an `ebb up` or nothing, is not this test's).
     assert running(runs) == {}
-    gone = ebb("status", job, cwd=tmp_path.parent)
-    assert gone.returncode == 1 and "nothing listens for NATS" in said(gone)
+    status = build_parser().parse_args(["status", job])
+    assert remote._nats(status, job).url == DEFAULT_NATS
 
 
 def test_progress_counts_the_rows_a_shard_has_done_before_it_commits(

@@ -309,6 +309,14 @@ def test_the_columns_the_stages_reading_the_rows_name_are_known_before_a_row_is_
             "after": [],
             "llm": {"model": "/llm", "prompt": "question", "per_row": {"max_tokens": "budget"}},
         },
+        {
+            "name": "d",
+            "after": [],
+            "models": [
+                {"model": "/a.onnx", "output": "a"},  # the whole row
+                {"model": "/b.onnx", "input": "image", "output": "b"},
+            ],
+        },
     ]
     spec = parse_job(minimal(pipeline={"stages": stages}))
     assert spec.pipeline.columns_read() == {
@@ -316,7 +324,9 @@ def test_the_columns_the_stages_reading_the_rows_name_are_known_before_a_row_is_
         "n": "pipeline.stages[0].length_column",
         "question": "pipeline.stages[2].llm.prompt",
         "budget": "pipeline.stages[2].llm.per_row.max_tokens",
+        "image": "pipeline.stages[3].models[1].input",
     }
+    assert spec.input_columns_read() == spec.pipeline.columns_read()
     named = minimal(pipeline={"stages": stages[:1]})
     named["input"]["columns"] = ["pixels"]
     with pytest.raises(SpecError) as e:

@@ -501,3 +501,75 @@ def test_the_example_of_the_docs_is_a_job_of_two_tiers() -> None:
         parse_job({**rest, **example})
     assert e.value.path == "tiers[1].stages"
     assert "never joined" in e.value.problem
+
+
+# The first tier makes `x` from `features`; the next tier's first stage, a model, reads it.
+MADE_BEFORE: dict[str, Any] = {
+    "name": "j",
+    "input": {"uri": "/d/in.parquet", "columns": ["features"]},
+    "pipeline": {
+        "stages": [
+            {"name": "pre", "modelet": "mine:Pre"},
+            {
+                "name": "model",
+                "model": "/m.onnx",
+                "input": "x",
+                "batch_tokens": 64,
+                "length_column": "n",
+            },
+            {"name": "post", "modelet": "mine:Post"},
+        ]
+    },
+    "output": {"uri": "/d/out", "carryover": ["id"]},
+    "tiers": [{"name": "prep", "stages": ["pre"]}, {"name": "infer", "stages": ["model", "post"]}],
+}
+
+
+def test_a_later_tier_s_first_stage_reads_the_rows_handed_on_not_the_input() -> None:
+    spec = parse_job(MADE_BEFORE)
+    assert spec.input_columns_read() == {}
+    # The tier reads `x` and `n` of the rows handed on: known only as they come.
+    assert spec.tier_pipeline("infer").columns_read() == {
+        "x": "pipeline.stages[0].input",
+        "n": "pipeline.stages[0].length_column",
+    }
+    # In one tier, the same stages read `x` of `pre`'s rows: the input's columns are unread.
+    one = {**MADE_BEFORE, "tiers": [{"name": "all", "stages": ["pre", "model", "post"]}]}
+    assert parse_job(one).input_columns_read() == {}
+    # Read first, `x` is a column of the input, which input.columns must name.
+    first = {**MADE_BEFORE, "tiers": [{"name": "all", "stages": ["model", "post"]}]}
+    first["pipeline"] = {"stages": MADE_BEFORE["pipeline"]["stages"][1:]}
+    with pytest.raises(SpecError) as e:
+        parse_job(first)
+    assert e.value.path == "pipeline.stages[0].input"
+    assert "'x' is not among input.columns ['features']" in e.value.problem
+
+
+def test_the_input_columns_a_tiered_job_reads_are_its_first_tier_s() -> None:
+    stages: list[dict[str, Any]] = [
+        {"name": "a", "model": "/m.onnx", "input": "features", "output": "a"},
+        {"name": "b", "after": [], "llm": {"model": "/llm", "prompt": "question"}},
+        {"name": "j", "modelet": "mine:Join", "after": ["a", "b"]},
+        {"name": "m", "model": "/m.onnx", "input": "a"},
+        {"name": "l", "after": ["j"], "llm": {"model": "/llm", "prompt": "text"}},
+    ]
+    data: dict[str, Any] = {
+        "name": "j",
+        "input": {"uri": "/d/in.parquet", "columns": ["features", "question"]},
+        "pipeline": {"stages": stages},
+        "output": {"uri": "/d/out"},
+        "tiers": tiered(["a", "b", "j"], ["m", "l"]),
+    }
+    spec = parse_job(data)
+    assert spec.input_columns_read() == {
+        "features": "pipeline.stages[0].input",
+        "question": "pipeline.stages[1].llm.prompt",
+    }
+    assert spec.tier_pipeline("t1").columns_read() == {
+        "a": "pipeline.stages[0].input",
+        "text": "pipeline.stages[1].llm.prompt",
+    }
+    data["input"]["columns"] = ["features"]
+    with pytest.raises(SpecError) as e:
+        parse_job(data)
+    assert e.value.path == "pipeline.stages[1].llm.prompt"

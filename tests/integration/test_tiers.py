@@ -26,7 +26,15 @@ from ebb.common.messaging.messages import JobStatus
 from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.table.records import ShardRecord
 
-from ..helpers import embedded_stack, job_spec, read_output, wait_until, write_dataset, write_model
+from ..helpers import (
+    embedded_stack,
+    job_spec,
+    read_output,
+    reference_predictions,
+    wait_until,
+    write_dataset,
+    write_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -107,6 +115,35 @@ async def test_a_job_in_two_tiers_writes_the_rows_of_the_same_pipeline_in_one(
     # Only the last tier's files are output; the hand-offs are gone with the job's success.
     assert all(TIERS_DIR not in f["path"] for f in manifest["files"])
     assert not (tmp_path / "two" / TIERS_DIR).exists()
+
+
+async def test_a_later_tier_s_first_stage_reads_a_column_an_earlier_tier_made(
+    tmp_path: Path, client: EbbClient
+) -> None:
+    """The model, first of the infer tier, reads `x`, which the prep tier made: a column of
+    the rows handed on, not of the input (whose columns are `id` and `features`)."""
+    write_dataset(tmp_path / "data", rows=2_000, row_group_size=500)
+    write_model(tmp_path / "model.onnx")
+    made: list[dict[str, Any]] = [
+        {"name": "pre", "modelet": "ebbtest_modelets:Renamed", "params": {"to": "x"}},
+        {"name": "model", "model": str(tmp_path / "model.onnx"), "input": "x"},
+        {"name": "post", "modelet": "ebb.worker.modelets:TopClass"},
+    ]
+    spec = job_spec(tmp_path, rows_per_shard=500, stages=made)
+    assert spec["input"]["columns"] == ["id", "features"]
+    spec["tiers"] = [
+        {"name": "prep", "stages": ["pre"], "resources": {"max_workers": 1, "cpu": 0.5}},
+        {"name": "infer", "stages": ["model", "post"], "resources": {"max_workers": 1, "cpu": 0.5}},
+    ]
+
+    final = await run(client, spec)
+
+    assert (final.rows_done, final.error_rows) == (2_000, 0)
+    got, _ = read_output(tmp_path / "out")
+    expected = reference_predictions(tmp_path / "data", tmp_path / "model.onnx")
+    assert {r["id"]: r["label"] for r in got.to_pylist()} == {
+        i: k for i, (k, _) in expected.items()
+    }
 
 
 def workers_of(stack: LocalStack, tier: str) -> list[psutil.Process]:

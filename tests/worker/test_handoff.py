@@ -12,8 +12,9 @@ import pyarrow as pa
 
 from ebb.common.data.layout import attempt_dir
 from ebb.common.data.output import OutputStore
-from ebb.common.job import OutputSpec
+from ebb.common.job import OutputSpec, parse_job
 from ebb.common.messaging.messages import HandoffPart, ShardSpec
+from ebb.worker.attempt import repeated_mistake
 from ebb.worker.chunks.columns import VALUE, from_arrow, take_rows
 from ebb.worker.shardio import handoff
 from ebb.worker.shardio.reader import ShardReader
@@ -128,3 +129,37 @@ def test_the_rows_metric_values_ride_the_hand_off_and_stay_out_of_the_next_pipel
     assert np.array_equal(back["rows"], values["rows"])
     assert back["auc"].shape == (6, 2) and np.array_equal(back["auc"], values["auc"])
     assert not any(n.startswith(handoff.METRIC) for n in handoff.pipeline_inputs(out).schema.names)
+
+
+def test_a_later_tier_s_first_stage_reads_a_column_the_tier_before_made() -> None:
+    """The rows a later tier reads are the hand-off, which the job's input.columns do not
+    name: its workers take a first stage reading a column the tier before made (they exited
+    3, the spec refused, when the input's columns were held against it)."""
+    spec = parse_job(
+        {
+            "name": "j",
+            "input": {"uri": "/d/in.parquet", "columns": ["features"]},
+            "pipeline": {
+                "stages": [
+                    {"name": "pre", "modelet": "mine:Pre"},
+                    {"name": "model", "model": "/m.onnx", "input": "x"},
+                    {"name": "post", "modelet": "mine:Post"},
+                ]
+            },
+            "output": {"uri": "/d/out"},
+            "tiers": [
+                {"name": "prep", "stages": ["pre"]},
+                {"name": "infer", "stages": ["model", "post"]},
+            ],
+        }
+    )
+    prep, prep_ends = handoff.tier_view(spec, "prep")
+    assert prep.input == spec.input and not prep_ends.reads_handoff
+    infer, infer_ends = handoff.tier_view(spec, "infer")
+    assert infer_ends.reads_handoff and infer.input.columns is None
+    assert [s.name for s in infer.pipeline.stages] == ["model", "post"]
+    assert infer.pipeline.stages[0].input == "x"
+    # A mistake every row repeats there names the field by the stage's place in the job.
+    errors = dict.fromkeys(range(8), "stage 'post': KeyError: 'label'")
+    told = repeated_mistake(infer, errors, 8, ends=infer_ends)
+    assert told.endswith("(the spec's pipeline.stages[2])"), told

@@ -86,10 +86,13 @@ _MISTAKE = re.compile(
 )
 
 
-def repeated_mistake(spec: JobSpec, errors: dict[int, str], rows: int) -> str:
+def repeated_mistake(
+    spec: JobSpec, errors: dict[int, str], rows: int, *, ends: TierEnds = WHOLE_JOB
+) -> str:
     """What to tell of the error every one of a first chunk's `rows` failed with, if they
     all failed with one and it is a mistake's (a spec's or its code's, not the data's),
-    naming the field of the spec to look at; "" otherwise."""
+    naming the field of the job's spec to look at (in a tier's view, by the stage's place in
+    the job: `ends.job_stages`); "" otherwise."""
     if rows < MISTAKE_MIN_ROWS or len(errors) < rows:
         return ""
     messages = set(errors.values())
@@ -99,10 +102,10 @@ def repeated_mistake(spec: JobSpec, errors: dict[int, str], rows: int) -> str:
     found = _MISTAKE.match(message)
     if found is None:
         return ""
-    names = [stage.name for stage in spec.pipeline.stages]
-    if found["stage"] not in names:
+    places = ends.job_stages or {s.name: i for i, s in enumerate(spec.pipeline.stages)}
+    if found["stage"] not in places:
         return message
-    field = f"pipeline.stages[{names.index(found['stage'])}]"
+    field = f"pipeline.stages[{places[found['stage']]}]"
     if found["metric"]:
         field += f".metrics.{found['metric']}"
     return f"{message} (the spec's {field})"
@@ -172,7 +175,9 @@ async def run_attempt(
             _computed(reader, pipeline, spec, ends, stop=stop, progress=progress)
         ) as computed:
             async for data, good, result in computed:
-                if not rows_in and (mistake := repeated_mistake(spec, result.errors, result.rows)):
+                if not rows_in and (
+                    mistake := repeated_mistake(spec, result.errors, result.rows, ends=ends)
+                ):
                     raise RepeatedMistake(
                         f"all {result.rows:,} rows of shard {shard.index}'s first chunk failed "
                         f"with {mistake}"

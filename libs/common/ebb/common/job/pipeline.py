@@ -293,16 +293,19 @@ class PipelineSpec:
 
     def columns_read(self) -> dict[str, str]:
         """The columns of the rows as read that the stages reading those rows name (a model
-        stage's `input`, `length_column`, an llm stage's `prompt` and `per_row` columns),
-        each with the first field that names it: what can be checked against the input
-        before a row is read. Columns a modelet reads, or that a stage reads from another's
-        output, are known only as rows go through."""
+        stage's `input`, each model's of a `models` stage, `length_column`, an llm stage's
+        `prompt` and `per_row` columns), each with the first field that names it: what can
+        be checked before a row is read. Columns a modelet reads, or that a stage reads from
+        another's output, are known only as rows go through. The rows as read are the job's
+        input for a whole pipeline, the rows handed on for a later tier's
+        (`JobSpec.input_columns_read` says which are the input's)."""
         named: dict[str, str] = {}
         for k, (stage, reads) in enumerate(zip(self.stages, self.inputs(), strict=True)):
             if reads:
                 continue
             where = f"pipeline.stages[{k}]"
             fields = [("input", stage.input), ("length_column", stage.length_column)]
+            fields += [(f"models[{i}].input", m.input) for i, m in enumerate(stage.models or [])]
             if stage.llm is not None:
                 fields.append(("llm.prompt", stage.llm.prompt))
                 fields += [

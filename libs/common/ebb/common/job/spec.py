@@ -91,13 +91,24 @@ class JobSpec:
             check_tiers(self.tiers, self.pipeline)
         check_node_placement(self.node_selector, self.tolerations)
         if self.input.columns is not None:
-            for column, named_by in self.pipeline.columns_read().items():
+            for column, named_by in self.input_columns_read().items():
                 if column not in self.input.columns:
                     raise bad(
                         named_by,
                         f"{column!r} is not among input.columns {self.input.columns}, which "
                         "are all the rows as read hold",
                     )
+
+    def input_columns_read(self) -> dict[str, str]:
+        """The columns of the job's input that the stages reading it name, each with the
+        first field that names it (`PipelineSpec.columns_read`). In a job of tiers, those of
+        the first tier's stages: a later tier's stages read the rows the tier before hands
+        on, which the input's columns do not constrain (a first stage there reads a column an
+        earlier tier made)."""
+        if not self.tiers:
+            return self.pipeline.columns_read()
+        # The first tier's stages are the pipeline's first: its fields' paths are the job's.
+        return self.tier_pipeline(self.tiers[0].name).columns_read()
 
     def with_id(self) -> JobSpec:
         """This spec with an id: its own, or one made from the name and a random suffix."""

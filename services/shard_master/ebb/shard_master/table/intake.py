@@ -113,9 +113,10 @@ class JobIntake:
         # Plan before writing anything: input that cannot be planned is refused with no trace.
         # Planning reads only metadata, but of possibly many files: off the event loop.
         submitted = spec  # as submitted: what the output records, before planning types it
-        # The columns the stages reading the rows as read name: when every column is read,
-        # the files must have them (with input.columns, the spec's own check saw to it).
-        read = spec.pipeline.columns_read() if spec.input.columns is None else {}
+        # The columns the stages reading the input name (a job in tiers: its first tier's;
+        # a later tier reads the rows handed on): when every column is read, the files must
+        # have them (with input.columns, the spec's own check saw to it).
+        read = spec.input_columns_read() if spec.input.columns is None else {}
         # Those that read the input: a job in tiers, its first tier's.
         first_workers = spec.tier_resources(spec.tier_names()[0]).max_workers
         required = [*(spec.input.columns or []), *spec.output.carryover, *read]

@@ -52,6 +52,9 @@ class TierEnds:
     output: written as Arrow under the tier's root, metric values carried, not reduced."""
     carried_metrics: dict[str, MetricSpec] = field(default_factory=dict)
     """The metrics of the tiers before, whose values the hand-offs it reads carry."""
+    job_stages: dict[str, int] = field(default_factory=dict)
+    """Each of the tier's stages' place in the job's `pipeline.stages` (empty: the job has
+    no tiers, the places are the view's own): what a message naming a field uses."""
 
     @property
     def reduces_metrics(self) -> bool:
@@ -65,7 +68,10 @@ WHOLE_JOB = TierEnds()
 
 def tier_view(spec: JobSpec, tier: str) -> tuple[JobSpec, TierEnds]:
     """The job as a worker of `tier` runs it, and where its rows come from and go: the tier's
-    stages and resources, and its root for an output. SpecError for a tier the job has not."""
+    stages and resources, its root for an output, and for a tier after the first, no
+    `input.columns`: its rows as read are the hand-off of the tier before, all its columns,
+    which the job's input columns do not name (its first stage may read a column an earlier
+    tier made). SpecError for a tier the job has not."""
     names = spec.tier_names()
     if tier not in names:
         raise SpecError("tier", f"job {spec.id} has no tier {tier!r}; its tiers: {names}")
@@ -76,12 +82,14 @@ def tier_view(spec: JobSpec, tier: str) -> tuple[JobSpec, TierEnds]:
         reads_handoff=k > 0,
         hands_on=tier != spec.last_tier(),
         carried_metrics=_carried_metrics(spec, names[:k]),
+        job_stages={stage.name: i for i, stage in enumerate(spec.pipeline.stages)},
     )
     output = spec.output
     if ends.hands_on:
         output = replace(output, uri=tier_root(output.uri, tier), max_rows_per_file=None)
     view = replace(
         spec,
+        input=replace(spec.input, columns=None) if ends.reads_handoff else spec.input,
         pipeline=spec.tier_pipeline(tier),
         resources=spec.tier_resources(tier),
         output=output,
