@@ -4,7 +4,10 @@ Mounted under `/v1` (a client's `base_url` ends with it) and at the root. Every 
 the API's envelope, `{"error": {"message", "type", "param", "code"}}`, with the status the
 official client maps to its exceptions; a refusal that asking again cannot change says
 `x-should-retry: false`, so that the client does not ask three times. A key sees only its
-owner's files and batches: another's id is answered as one that does not exist."""
+owner's files and batches: another's id is answered as one that does not exist.
+
+Past 400 lines as one concept, the routes: the parameters it reads are ebb.gateway.params',
+its error shape ebb.gateway.apierror's."""
 
 from __future__ import annotations
 

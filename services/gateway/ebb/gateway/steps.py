@@ -9,7 +9,8 @@ A file that fails validation ends `failed`, naming its lines; `cancel` asks the 
 (`cancelling`) and a batch past its window is stopped the same way (`expired`): either
 ends with what its job committed, the rest as error lines saying why. A cancelled batch is
 shown `cancelling` while its files are written. Which batch is stepped when is the loop's
-(ebb.gateway.batches)."""
+(ebb.gateway.batches). One concept, a batch's way to its end, past 400 lines: each status's
+step and the failure of any of them read best side by side."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class BatchSteps:
         try:
             await self.step(record, revision)
         except Conflict:
-            pass  # someone else took this step: the next pass reads what they wrote
+            pass  # deliberate: another replica took this step; the next pass reads its record
         except (RecordsUnavailable, StoreError, BusError) as e:
             log.warning("batch %s (%s): %s; trying again", record.id, record.status, e)
         except Exception as e:
