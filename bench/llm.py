@@ -153,7 +153,7 @@ async def _stage(
     server: dict[str, Any] = {}
     if served:
         command = [SERVE, "serve", "{model}", "--port", "{port}", "--continuous-batching"]
-        server = {"engine": "server", "command": command}
+        server = {"engine": "server", "command": command, "prompt_as": "text"}
     stage = StageSpec(
         name="gen",
         llm=LLMSpec(

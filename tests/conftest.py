@@ -20,6 +20,8 @@ from ebb.common.messaging import bus
 from ebb.common.messaging.embedded import EmbeddedNats
 from ebb.common.messaging.natsconfig import NatsConfig
 
+from .vllm_server import VLLMServer
+
 ASSETS = Path(__file__).parent / "assets"
 
 
@@ -99,3 +101,25 @@ async def nc(nats_config: NatsConfig) -> AsyncIterator[NATS]:
         yield client
     finally:
         await client.close()
+
+
+@pytest.fixture(scope="session")
+def bos_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model in a shape vLLM's CPU build runs (heads of 32), whose tokenizer and
+    chat template both write the BOS, as Llama 3's do."""
+    from .llm_model import build_tiny_llm
+
+    return build_tiny_llm(tmp_path_factory.mktemp("llm") / "bos", hidden=128, bos=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(bos_llm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """vLLM serving `bos_llm`, started once for the session as a user starts one."""
+    from .helpers import free_port
+
+    server = VLLMServer(bos_llm, free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

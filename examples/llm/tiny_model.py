@@ -32,11 +32,21 @@ def corpus(lines: int = 2000, seed: int = 0) -> list[str]:
 
 
 def build_tiny_llm(
-    path: Path, *, layers: int = 2, hidden: int = 64, vocab: int = 600, context: int = 256
+    path: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    vocab: int = 600,
+    context: int = 256,
+    bos: bool = False,
 ) -> Path:
-    """Build and save the model and tokenizer under `path` (made if missing): its path."""
+    """Build and save the model and tokenizer under `path` (made if missing): its path.
+
+    `bos`: the tokenizer puts `<s>` before every text and the chat template writes it too, as
+    Llama 3's do (a server that tokenizes the rendered chat again gets two). vLLM's CPU
+    attention needs heads of 32 dimensions or more: `hidden` 128 and up."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
@@ -52,6 +62,11 @@ def build_tiny_llm(
         show_progress=False,
     )
     bpe.train_from_iterator(corpus(), trainer=trainer)
+    if bos:
+        bos_id = bpe.token_to_id("<s>")
+        bpe.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+        )
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # untyped upstream
         tokenizer_object=bpe,
         bos_token="<s>",
@@ -60,7 +75,7 @@ def build_tiny_llm(
         unk_token="<unk>",
         additional_special_tokens=SPECIAL[4:],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = ("{{ bos_token }}" if bos else "") + CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     config = LlamaConfig(
         vocab_size=bpe.get_vocab_size(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -522,3 +523,33 @@ class Renamed:
 
     def process_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {self.to: batch["features"]}
+
+
+class Overlapping:
+    """Declares that its loop may run two batches at once (`concurrent_batches`, as an llm
+    stage fed by a server does). Each row's value: the most batches it saw running at once
+    while its own ran. Its first batch waits (up to `wait_s`) until a second has begun."""
+
+    concurrent_batches = 2
+
+    def __init__(self, wait_s: float = 60.0) -> None:
+        self.wait_s = wait_s
+        self.lock = threading.Lock()
+        self.running = self.calls = 0
+        self.two = threading.Event()
+
+    def process_batch(self, rows: list[Any]) -> list[Any]:
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+            self.running += 1
+            most = self.running
+            if self.running >= 2:
+                self.two.set()
+        try:
+            if first and self.two.wait(self.wait_s):
+                most = 2
+        finally:
+            with self.lock:
+                self.running -= 1
+        return [np.asarray([most], dtype=np.float32) for _ in rows]

@@ -88,7 +88,7 @@ def server(tiny_llm: Path, tmp_path: Path) -> Iterator[Server]:
 def _stage(model: Path, url: str, **llm: Any) -> LLMStage:
     spec = StageSpec(
         name="gen",
-        llm=LLMSpec(model=str(model), engine="endpoint", endpoint=url, **llm),
+        llm=LLMSpec(model=str(model), engine="endpoint", endpoint=url, prompt_as="text", **llm),
     )
     stage = LLMStage(spec)
     stage.setup()

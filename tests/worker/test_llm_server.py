@@ -42,6 +42,7 @@ def _spec(model: Path, command: list[str] | None = None, **llm: Any) -> StageSpe
             model=str(model),
             engine="server",
             command=command or [SERVE, "serve", "{model}", "--port", "{port}"],
+            prompt_as="text",  # transformers serve takes text alone
             **llm,
         ),
     )

@@ -132,9 +132,11 @@ def test_a_shape_is_checked_when_the_job_is_submitted(tiny_llm: Path) -> None:
 
 
 def test_a_server_is_sent_the_shape_in_vllm_s_and_sglang_s_fields() -> None:
-    fields = Structure.of(StructuredSpec(json=LABELS)).request_fields()
-    assert fields["structured_outputs"] == {"json": LABELS}
-    assert json.loads(fields["json_schema"]) == LABELS
+    structure = Structure.of(StructuredSpec(json=LABELS))
+    fields = structure.request_fields()
+    # The schema as the regex this engine enforces: the same shape, whitespace bounded.
+    assert fields["structured_outputs"] == {"regex": structure.regex} == {"regex": fields["regex"]}
+    assert structure.check('{"label": "spam", "urgent": true}') is None
     fields = Structure.of(StructuredSpec(choice=["a.b", "c d"])).request_fields()
     assert fields["structured_outputs"] == {"choice": ["a.b", "c d"]}
     assert re.fullmatch(fields["regex"], "a.b") and not re.fullmatch(fields["regex"], "axb")

@@ -120,6 +120,21 @@ async def test_a_raising_row_fails_alone(tmp_path: Path) -> None:
     assert "cannot score row 500" in outcomes[500][1]
 
 
+async def test_a_modelet_that_takes_two_batches_at_once_gets_the_next_before_one_ends() -> None:
+    # What an llm stage fed by a server declares: the server gets the next batch's rows
+    # while the last of one finish. The first batch ends only once a second has begun.
+    outcomes = await run_pipeline(
+        [StageSpec(name="two", modelet="ebbtest_modelets:Overlapping", batch_size=8)],
+        rows(64),
+    )
+    assert all(ok for ok, _ in outcomes)
+    seen = [float(v[0]) for _, v in outcomes]
+    # The first batch's rows saw a second begin (run one at a time, it would wait 60 s
+    # and see none); none saw more than two.
+    assert 2.0 in seen
+    assert set(seen) <= {1.0, 2.0}
+
+
 async def test_a_row_that_kills_its_process_fails_alone_and_the_stage_recovers() -> None:
     outcomes = await run_pipeline(
         [

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from .fields import ModelDtype, bad, positive
 
 LLMEngine = Literal["transformers", "endpoint", "server"]
+PromptAs = Literal["ids", "text"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """The sampling fields a row may override from a column of its own (`per_row`)."""
 
@@ -112,6 +113,13 @@ class LLMSpec:
     (`http://vllm.llm.svc:8000/v1`)."""
     served_model: str | None = None
     """`engine: endpoint`: the model's name at the server (its `/v1/models` id). None: `model`."""
+    prompt_as: PromptAs = "ids"
+    """`engine: server` and `endpoint`: how a prompt is sent. `ids`: the token ids the stage
+    counted (vLLM, SGLang): the server runs exactly them and adds no special token again.
+    `text`: the prompt as text that tokenizes to the same ids (a chat rendered with the
+    model's template, less the BOS the server's tokenizer adds itself), for a server that
+    takes text alone (`transformers serve`). A server that counts other prompt tokens than
+    the stage is warned of once."""
     prompt: str = "prompt"
     """The column of prompts: text, a chat (a list of `{role, content}` messages, rendered
     with the model's chat template), or token ids (as a `tokenize_only` stage writes them)."""
@@ -131,8 +139,11 @@ class LLMSpec:
     """Sampling fields overridden per row, each from a column: `{max_tokens: budget}` reads
     a row's `max_tokens` from its `budget` column (max_tokens, temperature, top_p, top_k,
     seed; stop, a string or a list of them). A null value keeps the stage's."""
-    max_in_flight: int = 32
-    """Rows generating at once: as one finishes, the next waiting row takes its place."""
+    max_in_flight: int | None = None
+    """Rows generating at once: as one finishes, the next waiting row takes its place.
+    None: 32 for the transformers engine; 256 requests at once for a server (vLLM's own
+    default of sequences it runs: it queues what it cannot run yet, and is never left short
+    while Ebb waits on an answer)."""
     kv_tokens: int | None = None
     """Most tokens (prompt plus `max_tokens`) of the rows in flight together: what the
     engine's KV cache may hold. None: no bound beyond `max_in_flight`."""
@@ -140,6 +151,21 @@ class LLMSpec:
     """The precision to run the model in; None: the model's own."""
     structured: StructuredSpec | None = None
     """A shape each row's text must have (a JSON Schema, a choice list or a regex)."""
+
+    @property
+    def in_flight(self) -> int:
+        """`max_in_flight`, or the engine's default."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return 256 if self.engine in ("server", "endpoint") else 32
+
+    @property
+    def concurrent_batches(self) -> int:
+        """Batches the stage runs at once. A server's engine takes the next batch's rows
+        while the last of one finish (one queue of requests for both), so the server's own
+        continuous batching never drains between the stage's batches; the transformers engine
+        runs one batch at a time."""
+        return 2 if self.engine in ("server", "endpoint") else 1
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -165,7 +191,10 @@ class LLMSpec:
             raise bad("command", f"only engine server has a command, not {self.engine}")
         if self.engine == "transformers" and self.served_model is not None:
             raise bad("served_model", "only a server's model has a served name")
+        if self.engine == "transformers" and self.prompt_as != "ids":
+            raise bad("prompt_as", "only a server is sent prompts: engine transformers runs ids")
         positive("startup_s", self.startup_s)
-        positive("max_in_flight", self.max_in_flight)
+        if self.max_in_flight is not None:
+            positive("max_in_flight", self.max_in_flight)
         if self.kv_tokens is not None:
             positive("kv_tokens", self.kv_tokens)

@@ -107,8 +107,10 @@ class StageSpec:
     columns is named after its stage. None: the stage listed before it (the first stage: the
     rows as read), a chain as without `after`. `[]`: the rows as read (a branch straight from
     the input)."""
-    batch_size: int = 32
-    """Largest batch the stage assembles."""
+    batch_size: int | None = None
+    """Largest batch the stage assembles. None: 32; for an llm stage fed by a server, its
+    `max_in_flight` (256 unless set), so that the server is sent as many rows as it may run
+    (two batches at once: the next one's rows go as the last of one finish)."""
     adaptive_batch: bool = False
     """Search, online, the batch size (up to batch_size) that costs least per item."""
     batch_wait_s: float = 0.01
@@ -144,6 +146,12 @@ class StageSpec:
     counted exactly once, whatever was retried or split, into `_metrics.json` when the job
     ends (and MLflow: see `tracking`)."""
 
+    @property
+    def rows_per_batch(self) -> int:
+        """`batch_size`, resolved (it is never None once the spec is made)."""
+        assert self.batch_size is not None
+        return self.batch_size
+
     def __post_init__(self) -> None:
         named = [self.modelet, self.model, self.models, self.llm]
         if sum(n is not None for n in named) != 1:
@@ -172,7 +180,10 @@ class StageSpec:
             raise bad("output", "only a model stage has an output key")
         if self.fanout and self.fanin:
             raise bad("fanin", "a stage cannot both fan out and fan in")
-        positive("batch_size", self.batch_size)
+        if self.batch_size is None:
+            served = self.llm.in_flight if self.llm and self.llm.concurrent_batches > 1 else 0
+            object.__setattr__(self, "batch_size", served or 32)
+        positive("batch_size", self.rows_per_batch)
         if not 0 <= self.batch_wait_s < math.inf:
             raise bad("batch_wait_s", f"must be >= 0, got {self.batch_wait_s}")
         positive("workers", self.workers)

@@ -8,6 +8,11 @@ process dies first (the parent-death signal), so no server outlives its stage. A
 command cannot start, or that does not answer its health check within `startup_s`, is an
 `EngineError` at set-up: the stage cannot start, and the worker fails as a set-up failure
 (the node's, until it is everyone's).
+
+The port is a free one of loopback, chosen before the server binds it: another process may
+take it between the two. So a server that exits because its port was taken is started again
+on another, and a health check counts only once the port's listener is the server's own
+process (or one of its children): never another process that took the port first.
 """
 
 from __future__ import annotations
@@ -25,12 +30,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from .engine import EngineError
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
 """How long a server has to stop on SIGTERM before its process group is SIGKILLed."""
+PORT_TRIES = 3
+"""Ports tried before a server that finds each one taken fails to start."""
+_PORT_TAKEN = ("address already in use", "errno 98")
 
 
 def _free_port() -> int:
@@ -68,10 +78,23 @@ class ManagedServer:
         return self.process is not None and self.process.poll() is None
 
     def start(self) -> None:
-        self.port = _free_port()
-        fill = {"model": self.model, "port": str(self.port), "served_model": self.served_model}
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._start_on(_free_port())
+                return
+            except _PortTaken:
+                if attempt == PORT_TRIES:
+                    raise EngineError(
+                        f"the model server found its port taken {PORT_TRIES} times: {self._tail()}"
+                    ) from None
+                log.info("the model server's port %d was taken: another port", self.port)
+
+    def _start_on(self, port: int) -> None:
+        self.port = port
+        fill = {"model": self.model, "port": str(port), "served_model": self.served_model}
         argv = [part.format(**fill) for part in self.template]
         log.info("starting the model server: %s", " ".join(argv))
+        start = self.log_path.stat().st_size
         with self.log_path.open("ab") as out:
             try:
                 self.process = subprocess.Popen(
@@ -88,10 +111,12 @@ class ManagedServer:
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
+                if any(p in self._tail(since=start).lower() for p in _PORT_TAKEN):
+                    raise _PortTaken
                 raise EngineError(
                     f"the model server exited with code {code} before it answered: {self._tail()}"
                 )
-            if self._healthy():
+            if self._healthy() and self._listens():
                 log.info("the model server answers on port %d", self.port)
                 return
             time.sleep(0.2)
@@ -99,6 +124,27 @@ class ManagedServer:
         raise EngineError(
             f"the model server did not answer within {self.startup_s:.0f} s: {self._tail()}"
         )
+
+    def _listens(self) -> bool:
+        """Whether the port's listener is this server's process or one of its children."""
+        if self.process is None:
+            return False
+        try:
+            root = psutil.Process(self.process.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for p in family:
+            try:
+                connections = p.net_connections(kind="tcp")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if any(
+                c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port
+                for c in connections
+            ):
+                return True
+        return False
 
     def _healthy(self) -> bool:
         for path in ("/health", "/v1/models"):
@@ -111,8 +157,10 @@ class ManagedServer:
                 continue
         return False
 
-    def _tail(self) -> str:
-        text = self.log_path.read_text(errors="replace").strip()
+    def _tail(self, since: int = 0) -> str:
+        with self.log_path.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace").strip()
         return text[-1500:] or "(it wrote nothing)"
 
     def stop(self) -> None:
@@ -133,3 +181,7 @@ class ManagedServer:
     def close(self) -> None:
         self.stop()
         self.log_path.unlink(missing_ok=True)
+
+
+class _PortTaken(Exception):
+    """The server exited because another process had its port."""

@@ -42,5 +42,15 @@ class PromptCodec:
             self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         )
 
+    def server_text(self, prompt: Prompt) -> str:
+        """A prompt as text for a server that tokenizes it again, special tokens added: a
+        chat rendered, less the special tokens the tokenizer puts before any text (a template
+        that writes the BOS, as Llama 3's does, would otherwise get a second)."""
+        text = self.render(prompt)
+        if isinstance(prompt, str):
+            return text  # tokenized here as the server will: the same tokens
+        lead = self.tokenizer.decode(self.tokenizer("")["input_ids"])
+        return text.removeprefix(lead) if lead else text
+
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +93,13 @@ class LLMStage:
         self.structure = Structure.of(self.llm.structured) if self.llm.structured else None
         self.model_dir = self.llm.model
         """The model's folder here: `model` itself, or its copy from an object store."""
+        self._lock = threading.Lock()
+        """Batches run at once (`concurrent_batches`) share the engine and the counts."""
+
+    @property
+    def concurrent_batches(self) -> int:
+        """Batches the stage's loop may run at once (`LLMSpec.concurrent_batches`)."""
+        return self.llm.concurrent_batches
 
     def setup(self) -> None:
         self.model_dir = local_model_folder(self.llm.model)
@@ -117,7 +125,8 @@ class LLMStage:
                 self.model_dir,
                 endpoint=self.llm.endpoint,
                 served_model=self.llm.served_model or self.llm.model,
-                max_in_flight=self.llm.max_in_flight,
+                max_in_flight=self.llm.in_flight,
+                prompt_as=self.llm.prompt_as,
             )
         import torch
 
@@ -129,7 +138,7 @@ class LLMStage:
             self.model_dir,
             device=self.stage.device,
             dtype=self.llm.dtype,
-            max_in_flight=self.llm.max_in_flight,
+            max_in_flight=self.llm.in_flight,
             kv_tokens=self.llm.kv_tokens,
         )
 
@@ -158,7 +167,8 @@ class LLMStage:
             self.model_dir,
             endpoint=server.url,
             served_model=server.served_model,
-            max_in_flight=self.llm.max_in_flight,
+            max_in_flight=self.llm.in_flight,
+            prompt_as=self.llm.prompt_as,
             alive=lambda: server.alive,
         )
 
@@ -216,12 +226,18 @@ class LLMStage:
                     )
             text[g.key], finish[g.key] = g.text, g.finish_reason
             prompt_tokens[g.key], output_tokens[g.key] = g.prompt_tokens, g.output_tokens
-            self.prompt_tokens += g.prompt_tokens
-            self.output_tokens += g.output_tokens
-            if self.report is not None:
-                self.report(prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens)
-        if self.report is not None:  # the batch is done: nothing in flight until the next
-            self.report(in_flight=0, held_tokens=0, restarts=self.engine_restarts)
+            with self._lock:
+                self.prompt_tokens += g.prompt_tokens
+                self.output_tokens += g.output_tokens
+                if self.report is not None:
+                    self.report(prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens)
+        if self.report is not None:  # the batch is done: what another batch still runs
+            engine = self.engine if self.concurrent_batches > 1 else None
+            self.report(
+                in_flight=engine.in_flight if engine is not None else 0,
+                held_tokens=engine.held_tokens if engine is not None else 0,
+                restarts=self.engine_restarts,
+            )
         # The generation's columns alone, as a model stage's output: the input's columns reach
         # the output as `carryover` says.
         out: Columns = {
@@ -240,28 +256,44 @@ class LLMStage:
         `ENGINE_RESTARTS` times a batch; then the batch fails, and the pipeline's bisection
         finds the rows that kill every engine."""
         left = {r.key: r for r in requests}
+        engine = self.engine
         for restart in range(ENGINE_RESTARTS + 1):
             try:
-                for g in self.engine.generate(list(left.values())):
+                for g in engine.generate(list(left.values())):
                     del left[g.key]
                     yield g
                 return
             except (EngineError, RuntimeError) as e:
                 if restart == ENGINE_RESTARTS:
                     raise
-                self.engine_restarts += 1
-                if self.report is not None:
-                    self.report(restarts=self.engine_restarts)
-                log.warning(
-                    "stage %r: the engine failed (%s: %s): restarting it, %d rows again",
-                    self.stage.name,
-                    type(e).__name__,
-                    e,
-                    len(left),
-                )
-                self.engine = None
-                self.engine = self._engine()
-                self.engine.on_progress = self._progressed
+                engine = self._restart(engine, e, len(left))
+
+    def _restart(self, failed: Engine, e: Exception, rows: int) -> Engine:
+        """The engine made again in place of `failed`; once, when batches running at once
+        see it fail together (one server started, not one a batch)."""
+        with self._lock:
+            current: Engine | None = self.engine
+            if current is not None and current is not failed:
+                return current  # another batch made it again already
+            self.engine_restarts += 1
+            if self.report is not None:
+                self.report(restarts=self.engine_restarts)
+            log.warning(
+                "stage %r: the engine failed (%s: %s): restarting it, %d rows again",
+                self.stage.name,
+                type(e).__name__,
+                e,
+                rows,
+            )
+            close = getattr(failed, "close", None)
+            if callable(close):
+                close()
+            if self.concurrent_batches == 1:
+                self.engine = None  # its memory freed before another loads
+            engine = self._engine()
+            engine.on_progress = self._progressed
+            self.engine = engine
+            return engine
 
     def _tokenized(self, batch: Columns, prompts: np.ndarray) -> Columns:
         """`tokenize_only`: the rows, with their prompts' token ids and counts."""

@@ -73,15 +73,14 @@ class Structure:
 
     def request_fields(self) -> dict[str, Any]:
         """What a server is sent to enforce it: vLLM's `structured_outputs` and SGLang's
-        own fields (each server ignores the other's)."""
-        if self.kind == "json":
-            return {
-                "structured_outputs": {"json": self.value},
-                "json_schema": json.dumps(self.value),
-            }
+        `regex` (each server ignores the other's). A JSON Schema goes as the regex it became
+        here, not as the schema: the server then allows the whitespace this engine allows (a
+        space at most between tokens) where its own JSON grammar allows any run of it, which a
+        weak model fills until `max_tokens` (seen with vLLM's xgrammar), and every engine's
+        rows have one shape."""
         if self.kind == "choice":
             return {"structured_outputs": {"choice": list(self.value)}, "regex": self.regex}
-        return {"structured_outputs": {"regex": self.value}, "regex": self.value}
+        return {"structured_outputs": {"regex": self.regex}, "regex": self.regex}
 
 
 @cache

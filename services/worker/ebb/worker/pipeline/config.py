@@ -53,7 +53,7 @@ class PipelineConfig:
     def inflight_limit(self) -> int:
         if self.max_inflight:
             return self.max_inflight
-        busy = sum(2 * (s.max_workers or s.workers) * s.batch_size for s in self.stages)
+        busy = sum(2 * (s.max_workers or s.workers) * s.rows_per_batch for s in self.stages)
         return max(busy + 2 * self.frame_size(), 4 * self.frame_size())
 
     def frame_size(self) -> int:
@@ -61,4 +61,4 @@ class PipelineConfig:
         (no re-cutting), but no fewer than 256 (the router's cost is per chunk: chunks of a
         default batch of 32 rows made it the bottleneck of a light model, at half the rate
         of chunks of 256), nor more than 4096, which keeps a chunk's memory modest."""
-        return max(_MIN_FRAME_ROWS, min(4096, self.stages[0].batch_size))
+        return max(_MIN_FRAME_ROWS, min(4096, self.stages[0].rows_per_batch))

@@ -139,7 +139,9 @@ class StageProcess:
         self.name = spec.name
         inbox_r, self.inbox = ctx.Pipe(duplex=False)
         self.outbox, outbox_w = ctx.Pipe(duplex=False)
-        self.board = BatchBoard(ctx, spec.batch_size)
+        # The uids of every batch it runs at once (an llm stage's server: two).
+        at_once = spec.llm.concurrent_batches if spec.llm is not None else 1
+        self.board = BatchBoard(ctx, spec.rows_per_batch * at_once)
         stage_config = StageConfig(
             spec=spec,
             code_paths=config.code_paths,

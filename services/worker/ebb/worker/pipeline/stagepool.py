@@ -44,8 +44,13 @@ class StagePool:
         # of 256 at least), two frames. A process sent its next frame only once it held
         # (nearly) nothing sat idle while the router turned its output round, each frame: a
         # tenth of its time at the default batch of 32, more on a machine whose cores the
-        # models keep busy. An llm stage's engine takes its rows as they come: two batches.
-        self.cap = 2 * spec.batch_size if spec.llm else max(2 * spec.batch_size, 2 * frame_rows)
+        # models keep busy. An llm stage's engine takes its rows as they come: the batches
+        # it runs at once and the next one.
+        self.cap = (
+            (spec.llm.concurrent_batches + 1) * spec.rows_per_batch
+            if spec.llm
+            else max(2 * spec.rows_per_batch, 2 * frame_rows)
+        )
         self._procs: list[StageProcess] = []
         self.failed_starts = 0
         """Its processes that died while starting since one last started."""

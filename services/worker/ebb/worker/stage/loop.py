@@ -2,7 +2,9 @@
 results.
 
 One thread reads the inbox pipe without pause (so the router never blocks on a busy stage);
-the main thread cuts batches from the chunks and runs them, a batch at a time, as columns.
+the main thread cuts batches from the chunks and runs them, a batch at a time, as columns (an
+llm stage fed by a server runs two at once, each on a thread of its own, so that the server
+has the next batch's rows before the last of one finish: `concurrent_batches`).
 A failing batch is bisected until each failing row stands alone: only those rows become
 errors. The batch board (shared memory) tells the router what runs now and since when, so that
 it can kill a stage that hangs. The outputs of batches run back to back go back together, as
@@ -23,6 +25,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, assert_never
@@ -143,6 +146,7 @@ def stage_main(
         run_rows = rows_callable(modelet, label) if config.spec.fanout else None
         run = None if config.spec.fanout else columns_callable(modelet, label)
         set_threads = getattr(modelet, "set_threads", None)
+        at_once = 1 if config.spec.fanout else int(getattr(modelet, "concurrent_batches", 1))
         set_progress = getattr(modelet, "set_progress", None)
         if callable(set_progress):
             set_progress(board.touch)  # an llm stage: its batch's timeout runs from its last token
@@ -158,12 +162,30 @@ def stage_main(
     try:
         outbox.send_bytes(frames.pack(Kind.READY, payload=os.getpid()))
         StageLoop(
-            config, run, inbox, outbox, board, run_rows=run_rows, set_threads=set_threads
+            config,
+            run,
+            inbox,
+            outbox,
+            board,
+            run_rows=run_rows,
+            set_threads=set_threads,
+            concurrent_batches=at_once,
         ).run()
     except (BrokenPipeError, ConnectionResetError):
         # The worker that spawned us died (its end of the pipe is closed): nobody is left
         # to tell anything, and nothing we hold can reach the output. Leave quietly.
         sys.exit(0)
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """What running a batch made: the outputs of its parts that went through, its rows
+    that failed, the metrics of earlier stages it carried round the modelet, its seconds."""
+
+    pieces: list[tuple[np.ndarray, Any]]
+    failed: list[tuple[int, str]]
+    carried: Any
+    seconds: float
 
 
 class StageLoop:
@@ -177,8 +199,17 @@ class StageLoop:
         *,
         run_rows: Callable[[list[Any]], list[Any]] | None = None,
         set_threads: Callable[[int], None] | None = None,
+        concurrent_batches: int = 1,
     ) -> None:
         spec = config.spec
+        self.concurrent = max(1, concurrent_batches)
+        """Batches run at once; above 1, each on a thread of `pool`."""
+        self.running: dict[Future[_Computed], Batch] = {}
+        self.pool = (
+            ThreadPoolExecutor(self.concurrent, thread_name_prefix=f"ebb:{spec.name}-batch")
+            if self.concurrent > 1
+            else None
+        )
         self.set_threads = set_threads
         """The model's thread count, changed between batches (Kind.THREADS)."""
         self.name = spec.name
@@ -189,12 +220,14 @@ class StageLoop:
         self.outbox = outbox
         self.board = board
         self.batcher = Batcher(
-            max_size=spec.batch_size,
+            max_size=spec.rows_per_batch,
             max_wait_s=spec.batch_wait_s,
             max_tokens=spec.batch_tokens,
             lengths=row_lengths(spec.length_column) if spec.length_column else None,
         )
-        self.sizer = AdaptiveBatchSize(max_size=spec.batch_size) if spec.adaptive_batch else None
+        self.sizer = (
+            AdaptiveBatchSize(max_size=spec.rows_per_batch) if spec.adaptive_batch else None
+        )
         if self.sizer is not None:
             self.batcher.max_size = self.sizer.size
         self.messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -227,6 +260,8 @@ class StageLoop:
             timeout = self.batcher.time_left(time.monotonic())
             if self.stopping:
                 timeout = 0.0
+            if self.running and (self.stopping or len(self.running) >= self.concurrent):
+                timeout = None  # a batch that ends wakes the loop (`_start`)
             try:
                 message = self.messages.get(timeout=timeout)
             except queue.Empty:
@@ -244,23 +279,59 @@ class StageLoop:
                 self.stopping = True
             if self.stopping:
                 self.batcher.flush()
-            while self.batcher.ready(time.monotonic()):
+            self._collect()
+            while len(self.running) < self.concurrent and self.batcher.ready(time.monotonic()):
                 batch = self.batcher.take()
-                messages = self._run(batch)
-                self.held.update(batch.segments)
+                if self.pool is not None:
+                    self._start(batch)
+                    continue
+                messages, segments = self._run(batch), batch.segments
                 del batch  # the last references to views of shared memory but the outputs'
-                for message in messages:
-                    self._send(message)
-                # Would the outputs held wait too long if the next batch took as long as this?
-                waited = time.monotonic() - self.outputs_since + self.batch_s
-                if self.output_rows >= _OUTPUT_ROWS or waited >= _OUTPUT_WAIT_S:
-                    self._flush()
-                self._check_memory()
+                self._ran(segments, messages)
             self._flush()
-            if self.stopping and not len(self.batcher):
+            if self.stopping and not len(self.batcher) and not self.running:
+                if self.pool is not None:
+                    self.pool.shutdown()
                 self.arena.close()
                 self.outbox.close()
                 return
+
+    def _ran(self, segments: Any, messages: list[bytes]) -> None:
+        """A batch's outcome sent (or held, to go with the next batches'); `segments`: the
+        shared memory its rows came in."""
+        self.held.update(segments)
+        for message in messages:
+            self._send(message)
+        # Would the outputs held wait too long if the next batch took as long as this?
+        waited = time.monotonic() - self.outputs_since + self.batch_s
+        if self.output_rows >= _OUTPUT_ROWS or waited >= _OUTPUT_WAIT_S:
+            self._flush()
+        self._check_memory()
+
+    def _start(self, batch: Batch) -> None:
+        """Run a batch on a thread of the pool while others run; `_collect` takes its end."""
+        if not len(batch):
+            return
+        assert self.pool is not None
+        future = self.pool.submit(self._compute, batch)
+        self.running[future] = batch
+        self._post_running()
+        future.add_done_callback(lambda _: self.messages.put(b""))  # wakes the loop
+
+    def _collect(self) -> None:
+        """The outcomes of the batches that ended on the pool's threads."""
+        for future in [f for f in self.running if f.done()]:
+            batch = self.running.pop(future)
+            self._post_running()
+            messages, segments = self._outcome(batch, future.result()), batch.segments
+            del batch  # the last references to views of shared memory but the outputs'
+            self._ran(segments, messages)
+
+    def _post_running(self) -> None:
+        """The board shows every batch running (their rows, since the latest began)."""
+        self.board.clear()
+        if self.running:
+            self.board.post(np.concatenate([b.uids for b in self.running.values()]))
 
     def _send(self, message: bytes) -> None:
         self.outbox.send_bytes(message)
@@ -342,18 +413,30 @@ class StageLoop:
 
     def _run(self, batch: Batch) -> list[bytes]:
         """Run a batch; the messages that tell its outcome."""
-        messages: list[bytes] = []
         if not len(batch):
-            return messages
+            return []
         self.board.post(batch.uids)
+        try:
+            computed = self._compute(batch)
+        finally:
+            self.board.clear()
+        return self._outcome(batch, computed)
+
+    def _compute(self, batch: Batch) -> _Computed:
+        """The batch through the modelet (bisected where it raises). On a pool's thread
+        when batches run at once: it touches nothing of the loop's."""
         started = time.perf_counter()
         # The metrics' values of earlier stages go round the modelet, not through it.
         columns, carried = split_metrics(batch.columns)
-        try:
-            pieces, failed = self._isolate(batch.uids, columns)
-        finally:
-            self.board.clear()
-        self.batch_s = time.perf_counter() - started
+        pieces, failed = self._isolate(batch.uids, columns)
+        return _Computed(pieces, failed, carried, time.perf_counter() - started)
+
+    def _outcome(self, batch: Batch, computed: _Computed) -> list[bytes]:
+        """The messages that tell a batch's outcome (its outputs held to go with the next
+        batches', but a suspect's)."""
+        messages: list[bytes] = []
+        pieces, failed, carried = computed.pieces, computed.failed, computed.carried
+        self.batch_s = computed.seconds
         if self.sizer is not None and not batch.solo:
             self.batcher.max_size = self.sizer.observe(len(batch), self.batch_s)
         flags = frames.SOLO if batch.solo else 0

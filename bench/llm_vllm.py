@@ -1,0 +1,305 @@
+"""Benchmark 21: LLM generation through vLLM, Ebb against vLLM alone.
+
+vLLM's CPU build (`make vllm`, .venv-vllm) serves the model of section 16 (4 layers, hidden
+256, built here), started once, as a user starts one. The same prompts go to it two ways:
+
+- vLLM alone: a plain asyncio client (aiohttp) sends every prompt's token ids to
+  `/v1/completions`, at most `concurrency` at once (the best of those tried is reported), and
+  nothing else runs.
+- Ebb through vLLM: the prompts as a whole job (`ebb run`'s embedded stack, prompts in JSONL),
+  its `llm` stage with `engine: endpoint` feeding that same server, every setting at its
+  default (`max_in_flight`, `batch_size`, the shards), with 1 worker and with 2 on the same
+  two cores.
+
+Tokens/s are the server's own: its `vllm:generation_tokens_total` counter, sampled every
+50 ms, from the first token to the last (steady state: the job's start and its workers'
+start-up are not in it; the job's whole time is a column of its own). Two shapes, as section
+16's: **spread** (four prompts in five short with short answers, a long tail of both) and
+**equal** (prompts of 24 tokens, answers of 48). Greedy; a random model seldom ends before
+its `max_tokens`.
+
+`engine: server` (the stage starting vLLM itself) runs the same way once the server answers:
+its start-up on this CPU is reported apart (`-O0`: no torch.compile warm-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .common import REPO, Context, Section, ebb_stack, interleaved, median, run_job, spread, table
+from .llm import _workload
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+PROMPTS = 384
+CONCURRENCY = (32, 64, 128)
+"""Requests in flight tried for vLLM alone; the best is the one compared."""
+
+
+class TokenMeter:
+    """The server's generated tokens, sampled on a thread: (when, total) at each change."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.changes: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def total(self) -> float:
+        with urllib.request.urlopen(self.url, timeout=5) as reply:
+            text = reply.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:generation_tokens_total")
+        )
+
+    def __enter__(self) -> TokenMeter:
+        self.changes = [(time.perf_counter(), self.total())]
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.changes.append((time.perf_counter(), self.total()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            now, total = time.perf_counter(), self.total()
+            if total != self.changes[-1][1]:
+                self.changes.append((now, total))
+
+    def steady(self) -> tuple[float, float]:
+        """(tokens made, seconds from the first sample that saw tokens to the last change)."""
+        base = self.changes[0][1]
+        moved = [(t, v) for t, v in self.changes if v != base]
+        if len(moved) < 2:
+            return (moved[-1][1] - base if moved else 0.0), float("nan")
+        first_t, first_v = moved[0]
+        last_t, last_v = moved[-1]
+        # The first sample that saw tokens counts from its own time: the tokens it saw were
+        # made in the 50 ms before it, so they are left out of both sides.
+        return last_v - base, (last_v - first_v) / max(last_t - first_t, 1e-9)
+
+
+class Server:
+    def __init__(self, model: Path, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.argv = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "bench",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "-O0",
+            "--kv-cache-memory-bytes",
+            str(2 << 30),
+        ]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> Server:
+        started = time.perf_counter()
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        self.startup_s = time.perf_counter() - started
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+async def _alone(url: str, rows: list[tuple[list[int], int]], concurrency: int) -> None:
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(prompt: list[int], max_tokens: int) -> None:
+            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens}
+            async with (
+                gate,
+                session.post(url + "/completions", json={**body, "temperature": 0}) as r,
+            ):
+                r.raise_for_status()
+                await r.read()
+
+        await asyncio.gather(*(one(p, m) for p, m in rows))
+
+
+async def _job(
+    ctx: Context, server: Server, tokenizer: Any, rows: list[tuple[list[int], int]], workers: int
+) -> float:
+    """The prompts as a whole job through the server; its seconds, submit to end."""
+    from ebb.common.job import parse_job
+
+    folder = ctx.dir("llmvllm") / f"job-{time.monotonic_ns()}"
+    folder.mkdir()
+    (folder / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "m": m}) + "\n" for p, m in rows)
+    )
+    spec = parse_job(
+        {
+            "name": "llm-vllm-bench",
+            "input": {"uri": str(folder / "prompts.jsonl")},
+            "pipeline": {
+                "stages": [
+                    {
+                        "name": "gen",
+                        "llm": {
+                            "model": str(server_model(ctx)),
+                            "engine": "endpoint",
+                            "endpoint": server.url,
+                            "served_model": "bench",
+                            "per_row": {"max_tokens": "m"},
+                        },
+                        "metrics": {"tokens": {"kind": "sum", "column": "output_tokens"}},
+                    }
+                ]
+            },
+            "output": {"uri": str(folder / "out")},
+            "resources": {"max_workers": workers},
+        }
+    )
+    async with ebb_stack(ctx, "llmvllm", max_workers=workers) as (_, client):
+        final, seconds = await run_job(client, spec)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"benchmark job failed: {final.reason}")
+    made = int(final.metrics["tokens"])
+    wanted = sum(m for _, m in rows)
+    if made != wanted:
+        print(f"  the job made {made} tokens of {wanted} asked", file=sys.stderr)
+    shutil.rmtree(folder, ignore_errors=True)
+    return seconds
+
+
+def server_model(ctx: Context) -> Path:
+    return ctx.dir("llmvllm") / "model"
+
+
+def run(ctx: Context) -> Section:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from transformers import AutoTokenizer
+
+    from tests.llm_model import build_tiny_llm
+
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"vLLM's venv is missing ({VLLM_PYTHON}): run `make vllm`")
+    hidden, layers = (128, 2) if ctx.smoke else (256, 4)
+    model_dir = build_tiny_llm(
+        server_model(ctx), layers=layers, hidden=hidden, vocab=2000, context=512
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    n = ctx.size(PROMPTS, 128)
+    from tests.helpers import free_port
+
+    tables: list[str] = []
+    summary: dict[str, float] = {}
+    notes: list[str] = []
+    with Server(model_dir, free_port(), ctx.dir("llmvllm") / "vllm.log") as server:
+        notes.append(f"vLLM's start-up (health check answers): {server.startup_s:.0f} s.")
+        for shape in ("spread", "equal"):
+            rows = _workload(tokenizer, shape, n, cap=8 if ctx.smoke else 1 << 30)
+            steady: dict[str, float] = {}
+            whole: dict[int, list[float]] = {1: [], 2: []}
+
+            def alone(c: int, rows: list[tuple[list[int], int]] = rows) -> Any:
+                def measure() -> float:
+                    with TokenMeter(server.port) as meter:
+                        asyncio.run(_alone(server.url, rows, c))
+                    return meter.steady()[1]
+
+                return measure
+
+            def ebb(
+                w: int,
+                rows: list[tuple[list[int], int]] = rows,
+                whole: dict[int, list[float]] = whole,
+            ) -> Any:
+                def measure() -> float:
+                    with TokenMeter(server.port) as meter:
+                        seconds = asyncio.run(_job(ctx, server, tokenizer, rows, w))
+                    tokens, rate = meter.steady()
+                    whole[w].append(tokens / seconds)
+                    return rate
+
+                return measure
+
+            variants = {f"vLLM alone, {c} in flight": alone(c) for c in CONCURRENCY}
+            variants["Ebb through vLLM, 1 worker"] = ebb(1)
+            variants["Ebb through vLLM, 2 workers"] = ebb(2)
+            alone(CONCURRENCY[0])()  # warm: the server's first batches at new shapes
+            ctx.log(f"  {shape}: {n} prompts")
+            results = interleaved(variants, ctx.repeats, ctx.log)
+            best = max(
+                (k for k in results if k.startswith("vLLM")), key=lambda k: median(results[k])
+            )
+            base = median(results[best])
+            rows_out = []
+            for k, v in results.items():
+                rows_out.append([k, spread(v), f"{median(v) / base:.2f}x"])
+                steady[k] = median(v)
+            tables.append(
+                f"**{shape}** (against {best})\n\n"
+                + table(["variant", "output tokens/s, steady", f"vs {best}"], rows_out)
+            )
+            tables.append(
+                f"**{shape}, whole jobs** (submit to end: the stack's and workers' start in it)"
+                "\n\n"
+                + table(
+                    ["workers", "output tokens/s", f"vs {best}, steady"],
+                    [[f"{w}", spread(v), f"{median(v) / base:.2f}x"] for w, v in whole.items()],
+                )
+            )
+            for k, rate in steady.items():
+                summary[f"{shape}: {k}"] = rate
+            summary[f"{shape}: Ebb 1 worker / vLLM alone"] = (
+                steady["Ebb through vLLM, 1 worker"] / base
+            )
+            summary[f"{shape}: Ebb 2 workers / vLLM alone"] = (
+                steady["Ebb through vLLM, 2 workers"] / base
+            )
+    notes.append(
+        f"{n} prompts, a {layers}-layer model of hidden size {hidden}, vLLM {'-O0'} in float32 "
+        "on the CPU (it binds its engine to one core and keeps the other); Ebb's job as a user "
+        "writes it: the stage's `max_in_flight`, `batch_size` and the job's shards at their "
+        "defaults."
+    )
+    return Section(
+        title="21. LLM generation through vLLM: Ebb against vLLM alone",
+        intro=__doc__ or "",
+        tables=tables,
+        slug="llmvllm",
+        summary=summary,
+        notes=notes,
+    )
