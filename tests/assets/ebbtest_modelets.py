@@ -553,3 +553,20 @@ class Overlapping:
             with self.lock:
                 self.running -= 1
         return [np.asarray([most], dtype=np.float32) for _ in rows]
+
+
+class OverlappingCrashOn:
+    """Two batches at once (`concurrent_batches`), each taking `seconds`; a row whose id is in
+    `ids` kills the whole process, whichever batch runs beside its own."""
+
+    concurrent_batches = 2
+
+    def __init__(self, ids: list[int], seconds: float = 0.02) -> None:
+        self.ids = set(ids)
+        self.seconds = seconds
+
+    def process_batch(self, rows: list[Any]) -> list[Any]:
+        if any(r["id"] in self.ids for r in rows):
+            os._exit(17)
+        time.sleep(self.seconds)
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]

@@ -135,6 +135,24 @@ async def test_a_modelet_that_takes_two_batches_at_once_gets_the_next_before_one
     assert set(seen) <= {1.0, 2.0}
 
 
+async def test_a_row_that_kills_a_process_running_two_batches_fails_alone() -> None:
+    # The batch beside the killer's is blamed with it once; its rows, and the killer, are
+    # then run alone (a suspect never beside another batch), and only the killer fails.
+    outcomes = await run_pipeline(
+        [
+            StageSpec(
+                name="crashy",
+                modelet="ebbtest_modelets:OverlappingCrashOn",
+                params={"ids": [123]},
+                batch_size=16,
+            )
+        ],
+        rows(400),
+    )
+    assert [i for i, (ok, _) in enumerate(outcomes) if not ok] == [123]
+    assert "exited with code 17" in outcomes[123][1]
+
+
 async def test_a_row_that_kills_its_process_fails_alone_and_the_stage_recovers() -> None:
     outcomes = await run_pipeline(
         [

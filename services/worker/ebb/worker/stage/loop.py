@@ -25,7 +25,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, assert_never
@@ -282,9 +282,14 @@ class StageLoop:
             self._collect()
             while len(self.running) < self.concurrent and self.batcher.ready(time.monotonic()):
                 batch = self.batcher.take()
-                if self.pool is not None:
+                if self.pool is not None and not batch.solo:
                     self._start(batch)
                     continue
+                if self.running:
+                    # A suspect (a row of a batch that killed a process) runs alone: should
+                    # it kill this one too, the board blames it, not another batch's rows.
+                    wait(self.running)
+                    self._collect()
                 messages, segments = self._run(batch), batch.segments
                 del batch  # the last references to views of shared memory but the outputs'
                 self._ran(segments, messages)
