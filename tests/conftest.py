@@ -112,9 +112,10 @@ def bos_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llm(tmp_path_factory.mktemp("llm") / "bos", hidden=128, bos=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(bos_llm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """vLLM serving `bos_llm`, started once for the session as a user starts one."""
+    """vLLM serving `bos_llm`, started once for a module as a user starts one (and stopped
+    after it: its gigabytes are not held through the rest of the suite)."""
     from .helpers import free_port
 
     server = VLLMServer(bos_llm, free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log")

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 VLLM_PYTHON = Path(
@@ -93,3 +94,13 @@ class VLLMServer:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 9)
             self.process.wait(timeout=60)
+
+
+def vllm_processes() -> set[int]:
+    """Every vLLM process on this machine: API servers, engine cores, their workers."""
+    found = set()
+    for p in psutil.process_iter(["name", "cmdline"]):
+        command = " ".join(p.info["cmdline"] or [])
+        if (p.info["name"] or "").startswith("VLLM::") or "vllm.entrypoints" in command:
+            found.add(p.pid)
+    return found

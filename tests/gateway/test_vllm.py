@@ -6,6 +6,7 @@ tokenizer's count of its prompt."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.request
 from pathlib import Path
@@ -17,7 +18,7 @@ from ebb.worker.llm.prompts import PromptCodec
 
 from ..helpers import command_line
 from ..llm_model import corpus
-from ..vllm_server import VLLMServer, vllm_command
+from ..vllm_server import VLLMServer, vllm_command, vllm_processes
 from .conftest import chat_line, client, create, gateway_config, jsonl, lines_of, started, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -77,6 +78,7 @@ async def test_a_batch_through_vllm_answers_every_request_once_though_vllm_is_ki
     }
     config = gateway_config(tmp_path, bos_llm, models=models)
     lines = [chat_line(f"q-{i}", text) for i, text in enumerate(corpus(40, seed=31))]
+    before = vllm_processes()  # the test's own server's
     async with started(tmp_path, bos_llm, prefix, config) as stack:
         oa = client(stack)
         uploaded = await asyncio.to_thread(
@@ -95,6 +97,14 @@ async def test_a_batch_through_vllm_answers_every_request_once_though_vllm_is_ki
         assert done.status == "completed", done
         output = lines_of(oa, done.output_file_id)
         assert lines_of(oa, done.error_file_id) == []
+    # The job's vLLMs (the one killed, the one started again) and their engine processes
+    # went with the job's worker: none holds its memory on.
+    left = []
+    for pid in vllm_processes() - before:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(left, timeout=60)
+    assert alive == []
     assert sorted(line["custom_id"] for line in output) == sorted(r["custom_id"] for r in lines)
     codec = PromptCodec(str(bos_llm))
     by_id = {line["custom_id"]: line["response"]["body"] for line in output}

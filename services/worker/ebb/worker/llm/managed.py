@@ -3,8 +3,9 @@
 stage's devices (its environment: CUDA_VISIBLE_DEVICES), watched, and stopped with the stage.
 
 The server is the stage process's child, in a session of its own: stopping it stops its whole
-process group (a vLLM server's engine processes too), and the kernel kills it if the stage
-process dies first (the parent-death signal), so no server outlives its stage. A server whose
+process group (a vLLM server's engine processes too), and the kernel tells it to stop if the
+stage process dies first (the parent-death signal, SIGTERM: the server stops its own engine
+processes), so no server outlives its stage. A server whose
 command cannot start, or that does not answer its health check within `startup_s`, is an
 `EngineError` at set-up: the stage cannot start, and the worker fails as a set-up failure
 (the node's, until it is everyone's).
@@ -50,10 +51,13 @@ def _free_port() -> int:
 
 
 def _die_with_stage() -> None:
-    """In the server's process, before it runs: killed when the stage process dies."""
+    """In the server's process, before it runs: told to stop (SIGTERM) when the stage
+    process dies. Not SIGKILL: a server killed outright leaves its engine processes (vLLM's
+    EngineCore and workers, each holding its KV cache) orphaned, alive; told to stop, it
+    stops them."""
     if sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
 
 
 class ManagedServer:
