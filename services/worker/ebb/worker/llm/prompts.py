@@ -17,6 +17,8 @@ class PromptCodec:
         config = AutoConfig.from_pretrained(model_dir)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         """Prompt tokens plus generated tokens that one sequence may hold."""
+        self.lead = str(self.tokenizer.decode(self.tokenizer("")["input_ids"]))
+        """What the tokenizer puts before any text, as text (`<s>`; "" for most)."""
 
     def _chat_template(self) -> None:
         if not self.tokenizer.chat_template:
@@ -49,8 +51,7 @@ class PromptCodec:
         text = self.render(prompt)
         if isinstance(prompt, str):
             return text  # tokenized here as the server will: the same tokens
-        lead = self.tokenizer.decode(self.tokenizer("")["input_ids"])
-        return text.removeprefix(lead) if lead else text
+        return text.removeprefix(self.lead) if self.lead else text
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))

@@ -8,6 +8,10 @@ engine sees it, and the others go on.
 
 Each row's seed is derived from the stage's seed and the row's prompt: a row retried,
 speculated or resumed generates the same text, at temperature 0 or sampled.
+
+One module past 400 lines: a row's request (its prompt, its sampling checked value by value)
+and the engine's life (made, restarted once for batches that fail together, its gauges) are
+the stage's one concept, a column of prompts through an engine.
 """
 
 from __future__ import annotations

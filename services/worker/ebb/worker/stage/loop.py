@@ -9,8 +9,9 @@ A failing batch is bisected until each failing row stands alone: only those rows
 errors. The batch board (shared memory) tells the router what runs now and since when, so that
 it can kill a stage that hangs. The outputs of batches run back to back go back together, as
 one message (the router's cost is per message), unless a batch is slow. The loop, its
-batches' outcomes and their bisection are one module (under 500 lines): each step reads the
-state the one before left.
+batches' outcomes and their bisection are one module (past 500 lines since batches may run
+two at once): each step reads the state the one before left, and the serial and concurrent
+paths share `_compute` and `_outcome`.
 """
 
 from __future__ import annotations
