@@ -18,10 +18,10 @@ from prometheus_client import REGISTRY
 from ebb.common.errors import SpecError
 from ebb.common.job import LLMSpec, SamplingSpec, StageSpec
 from ebb.worker.llm.engine import GenerationRequest, Sampling
-from ebb.worker.llm.hf import TransformersEngine
+from ebb.worker.llm.hf import TransformersEngine, padded_peak
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
-from ..llm_model import build_tiny_llm, corpus
+from ..llm_model import build_sliding_llm, build_tiny_llm, corpus
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,10 @@ def test_a_finished_sequence_s_place_is_taken_before_the_next_step(tiny_llm: Pat
     assert len(list(engine.generate(requests))) == len(requests)
     stats = engine.stats
     assert stats.steps > 0
-    waited = [s for s in range(stats.steps) if stats.waiting[s] > 0]
+    assert len(stats.recent) == stats.steps
+    waited = [s for s in stats.recent if s.waiting > 0]
     assert waited, "no step ran while requests waited: the test shows nothing"
-    assert [stats.in_flight[s] for s in waited] == [4] * len(waited)
+    assert [s.in_flight for s in waited] == [4] * len(waited)
     # Each admission came at the step of a retirement (or at the start), never later.
     retire_steps = {step for step, _ in stats.retired} | {0}
     assert {step for step, _ in stats.admitted} <= retire_steps
@@ -97,10 +98,47 @@ def test_kv_tokens_bound_what_is_in_flight_together(tiny_llm: Path) -> None:
     ]
     needs = {r.key: len(r.prompt_ids) + 20 for r in requests}
     assert len(list(engine.generate(requests))) == len(requests)
-    stats = engine.stats
-    assert max(stats.in_flight) < 8  # the token budget, not the places, bounded it
-    assert all(held <= 60 for held in stats.held_tokens)
+    steps = engine.stats.recent
+    assert max(s.in_flight for s in steps) < 8  # the token budget, not the places, bounded it
+    assert all(s.cache_slots <= s.held_tokens <= 60 for s in steps)
     assert sum(needs.values()) > 60
+
+
+def test_kv_tokens_bound_the_padded_cache_itself(tiny_llm: Path) -> None:
+    """Spread answers beside a long one: every row of a left-padded cache is as long as the
+    longest, so the cache holds rows x the longest, far more than the rows' own tokens. The
+    slots its keys really take stay within `kv_tokens` at every step."""
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=16, kv_tokens=300)
+    requests = [
+        GenerationRequest(
+            key=i, prompt_ids=engine.encode(p)[:8], sampling=Sampling(max_tokens=2 + (13 * i) % 60)
+        )
+        for i, p in enumerate(_prompts(32, seed=5))
+    ]
+    got = {g.key: g for g in engine.generate(requests)}
+    assert sorted(got) == [r.key for r in requests]
+    steps = engine.stats.recent
+    assert max(s.in_flight for s in steps) > 2  # the bound let rows run together
+    assert max(s.cache_slots for s in steps) <= 300
+    for r in requests:  # and the text is each prompt's own
+        assert got[r.key].token_ids == _greedy(engine, r.prompt_ids, r.sampling.max_tokens)
+
+
+def test_padded_peak_is_the_most_a_padded_cache_of_the_rows_holds() -> None:
+    # One row: its whole length. Two rows, the long one finishing last: both padded to the
+    # long one's length until the short one ends (2 x 12), then the long one alone (30).
+    assert padded_peak([(10, 30)]) == 30
+    assert padded_peak([(10, 30), (2, 6)]) == 30
+    assert padded_peak([(20, 30), (2, 6)]) == 2 * 24
+    # Simulated step by step: the cache is (rows running) x (the longest of them).
+    rows = [(7, 40), (3, 9), (12, 15), (1, 33), (5, 5)]
+    slots = [
+        sum(1 for length, need in rows if length + t <= need)
+        * max(length + t for length, need in rows if length + t <= need)
+        for t in range(40)
+        if any(length + t <= need for length, need in rows)
+    ]
+    assert padded_peak(rows) == max(slots)
 
 
 def test_sampled_text_depends_on_the_row_s_seed_alone(tiny_llm: Path) -> None:
@@ -321,3 +359,67 @@ def test_the_board_counts_a_batch_s_time_from_its_last_progress() -> None:
     assert board.started == posted  # the batch's start stands (its busy time counts from it)
     board.clear()
     assert board.last_progress == 0.0
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma2", "gemma3"])
+def test_a_sliding_window_model_generates_its_own_text(architecture: str, tmp_path: Path) -> None:
+    """Mistral's and Gemma's layers attend to their last 16 tokens only (Gemma 2 every other
+    layer); rows of up to 45 tokens, decoding beside others, padded and joined: each row's text
+    is what `model.generate` makes of it alone, past the window too."""
+    model = build_sliding_llm(tmp_path / architecture, architecture, window=16)
+    engine = TransformersEngine(str(model), max_in_flight=3)
+    requests = [
+        GenerationRequest(
+            key=i, prompt_ids=engine.encode(p)[:8], sampling=Sampling(max_tokens=12 + 5 * i)
+        )
+        for i, p in enumerate(_prompts(6, seed=3))
+    ]
+    assert max(len(r.prompt_ids) + r.sampling.max_tokens for r in requests) > 16 * 2
+    got = {g.key: g.token_ids for g in engine.generate(requests)}
+    for r in requests:
+        assert got[r.key] == _greedy(engine, r.prompt_ids, r.sampling.max_tokens), r.key
+
+
+def test_stop_strings_are_looked_for_in_the_newest_text_alone(tiny_llm: Path) -> None:
+    """A long answer with a stop string it never writes: the tokens turned into text stay a
+    few per step (the whole answer decoded at every step is quadratic in its length). A stop
+    string it does write still ends it, wherever the token boundaries fall."""
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=2)
+    prompt = engine.encode(_prompts(1, seed=6)[0])
+    never = GenerationRequest(
+        key=0, prompt_ids=prompt, sampling=Sampling(max_tokens=200, stop=("\x00never",))
+    )
+    (long,) = engine.generate([never])
+    assert long.output_tokens == 200
+    assert engine.stats.decoded_tokens <= 200 * (4 * len("\x00never") + 1) + 200
+    assert engine.stats.decoded_tokens < sum(range(200)) // 2
+    # Stop strings taken from the text greedy decoding writes: one inside a token, one across
+    # tokens; the answer ends at the first, cut before it.
+    text = engine.tokenizer.decode(_greedy(engine, prompt, 60), skip_special_tokens=True)
+    for stop in (text[20:23], text[30:41]):
+        engine.stats = type(engine.stats)()
+        (g,) = engine.generate(
+            [
+                GenerationRequest(
+                    key=1, prompt_ids=prompt, sampling=Sampling(max_tokens=60, stop=(stop,))
+                )
+            ]
+        )
+        assert g.finish_reason == "stop"
+        assert g.text == text[: text.find(stop)], stop
+
+
+def test_the_engine_s_stats_keep_the_latest_steps_alone(tiny_llm: Path) -> None:
+    """An engine runs as long as its stage: its per-step record is bounded, its counts go on."""
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=4)
+    engine.stats = type(engine.stats)(kept=25)
+    requests = [
+        GenerationRequest(key=i, prompt_ids=engine.encode(p), sampling=Sampling(max_tokens=6))
+        for i, p in enumerate(_prompts(40, seed=7))
+    ]
+    made = sum(g.output_tokens for g in engine.generate(requests))
+    stats = engine.stats
+    assert stats.steps > 25
+    assert len(stats.recent) == len(stats.admitted) == len(stats.retired) == 25
+    assert [s.step for s in stats.recent] == list(range(stats.steps - 25, stats.steps))
+    assert stats.output_tokens == made

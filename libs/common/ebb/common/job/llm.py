@@ -145,8 +145,10 @@ class LLMSpec:
     default of sequences it runs: it queues what it cannot run yet, and is never left short
     while Ebb waits on an answer)."""
     kv_tokens: int | None = None
-    """Most tokens (prompt plus `max_tokens`) of the rows in flight together: what the
-    engine's KV cache may hold. None: no bound beyond `max_in_flight`."""
+    """Most token slots the KV cache of the rows in flight together may come to hold, if each
+    runs to its `max_tokens`; a row alone is admitted if its prompt and `max_tokens` fit. The
+    transformers engine's cache is left-padded (each row as long as the longest): it counts
+    the padding. None: no bound beyond `max_in_flight`."""
     dtype: ModelDtype | None = None
     """The precision to run the model in; None: the model's own."""
     structured: StructuredSpec | None = None

@@ -60,8 +60,8 @@ class Engine(Protocol):
     in_flight: int
     """Requests it runs now."""
     held_tokens: int
-    """Prompt tokens plus `max_tokens` of the requests it runs now: what their KV cache may
-    grow to."""
+    """What the KV cache of the requests it runs now may grow to: their prompt tokens plus
+    `max_tokens`, and the padding where its cache is padded."""
 
     def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """A prompt's token ids (a chat rendered with the model's template)."""

@@ -2,10 +2,10 @@
 GPU, fed continuously by a step loop of its own.
 
 Each turn of the loop admits waiting requests while there is room (`max_in_flight` sequences,
-and `kv_tokens`: prompt plus `max_tokens` of those in flight), prefills them together, joins
-their KV cache to the batch's (`batch.BatchCache`), decodes one token for every sequence in
-flight, and retires those that finished: a finished sequence frees its place for the next
-turn, so no request waits for the longest answer of a batch. Waiting requests are taken
+and `kv_tokens`: the slots the padded cache may come to hold, `padded_peak`), prefills them
+together, joins their KV cache to the batch's (`batch.BatchCache`), decodes one token for every
+sequence in flight, and retires those that finished: a finished sequence frees its place for
+the next turn, so no request waits for the longest answer of a batch. Waiting requests are taken
 longest first (prompt plus `max_tokens`): the long ones start early and the short ones fill
 the places around them, so the last steps of a batch are not one long answer decoding alone
 (on the spread workload, a third fewer steps than taking them as they come). This engine
@@ -14,6 +14,11 @@ keeps no prefix cache, so the order of shared prefixes gains it nothing.
 transformers' own continuous batching (`generate_batch`, paged attention) is not used: on a
 CPU its paged path is several times slower than plain decoding (docs/benchmarks.md); this
 loop decodes with the model's ordinary forward pass and a left-padded cache.
+
+Sliding-window models (Mistral, Gemma 2 and 3) run with a full cache: the model's mask keeps
+each layer's window (by column, which left padding leaves equal to each sequence's own
+distance), so the text is the model's own; the cache holds whole sequences where the model
+would keep only its window.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from ebb.common import failpoints
 
@@ -36,24 +42,63 @@ from .structured import Guides
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+STATS_KEPT = 4096
+"""Decoding steps, admissions and retirements `EngineStats` keeps (the latest): an engine
+lives as long as its stage, through millions of steps."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decoding step."""
+
+    step: int
+    in_flight: int
+    """The sequences it decoded."""
+    waiting: int
+    """The requests still waiting for a place."""
+    held_tokens: int
+    """The slots the padded cache of the sequences in flight may come to (`padded_peak`)."""
+    cache_slots: int
+    """The token slots the cache held at this step: rows x columns of its keys."""
+
+
 @dataclass
 class EngineStats:
-    """What the loop did, for metrics and for tests that check it admits as places free."""
+    """What the loop did, for metrics and for tests that check it admits as places free:
+    counts since the engine started, and the latest `kept` steps, admissions, retirements."""
 
+    kept: int = STATS_KEPT
     steps: int = 0
     """Decoding steps (one token for every sequence in flight)."""
-    admitted: list[tuple[int, int]] = field(default_factory=list)
-    """(step, key): when each request joined the sequences in flight."""
-    retired: list[tuple[int, int]] = field(default_factory=list)
-    """(step, key): when each finished."""
-    in_flight: list[int] = field(default_factory=list)
-    """Per decoding step: the sequences it decoded."""
-    waiting: list[int] = field(default_factory=list)
-    """Per decoding step: the requests still waiting for a place."""
-    held_tokens: list[int] = field(default_factory=list)
-    """Per decoding step: prompt plus `max_tokens` of the sequences in flight."""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    decoded_tokens: int = 0
+    """Tokens turned into text: a sequence's stop strings are looked for in its newest text."""
+    recent: deque[Step] = field(init=False)
+    admitted: deque[tuple[int, int]] = field(init=False)
+    """(step, key): when each request joined the sequences in flight."""
+    retired: deque[tuple[int, int]] = field(init=False)
+    """(step, key): when each finished."""
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.kept)
+        self.admitted = deque(maxlen=self.kept)
+        self.retired = deque(maxlen=self.kept)
+
+
+def padded_peak(rows: Iterable[tuple[int, int]]) -> int:
+    """The most token slots a left-padded cache of these sequences comes to, each given as
+    (its length now, its prompt plus `max_tokens`), if each runs to its `max_tokens`.
+
+    Every sequence in the cache is padded to the longest one's length, so at a step t from now
+    the cache holds (sequences still running) x (the longest of their lengths now, plus t);
+    each term is largest at the last step of the sequence that finishes next."""
+    peak = longest = 0
+    by_end = sorted(rows, key=lambda r: r[1] - r[0], reverse=True)
+    for count, (length, need) in enumerate(by_end, start=1):
+        longest = max(longest, length)
+        peak = max(peak, count * (longest + need - length))
+    return peak
 
 
 @dataclass
@@ -64,6 +109,11 @@ class _Sequence:
     finish: FinishReason | None = None
     guide: Any = None
     """Its structured output's walk (outlines-core's `Guide`): the tokens it may take next."""
+    stop_chars: int = field(init=False)
+    """The length of its longest stop string: how far back a stop string can begin."""
+
+    def __post_init__(self) -> None:
+        self.stop_chars = max((len(t) for t in self.request.sampling.stop), default=0)
 
     @property
     def position(self) -> int:
@@ -73,6 +123,11 @@ class _Sequence:
     @property
     def need(self) -> int:
         return len(self.request.prompt_ids) + self.request.sampling.max_tokens
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        """(its length now, its length at most): what `padded_peak` takes."""
+        return len(self.request.prompt_ids) + len(self.tokens), self.need
 
 
 class TransformersEngine:
@@ -137,10 +192,18 @@ class TransformersEngine:
                 flight += joining
             else:
                 assert batch is not None
-                self.in_flight, self.held_tokens = len(flight), sum(s.need for s in flight)
-                self.stats.in_flight.append(self.in_flight)
-                self.stats.waiting.append(len(waiting))
-                self.stats.held_tokens.append(self.held_tokens)
+                self.in_flight = len(flight)
+                self.held_tokens = padded_peak(s.extent for s in flight)
+                keys = batch.cache.layers[0].keys
+                self.stats.recent.append(
+                    Step(
+                        step=self.stats.steps,
+                        in_flight=self.in_flight,
+                        waiting=len(waiting),
+                        held_tokens=self.held_tokens,
+                        cache_slots=int(keys.shape[0] * keys.shape[2]),
+                    )
+                )
                 self._decode(flight, batch)
             done = [k for k, s in enumerate(flight) if s.finish is not None]
             if done:
@@ -156,15 +219,18 @@ class TransformersEngine:
 
     def _admit(self, waiting: deque[GenerationRequest], flight: list[_Sequence]) -> list[_Sequence]:
         joining: list[_Sequence] = []
-        held = sum(s.need for s in flight)
-        while waiting and len(flight) + len(joining) < self.max_in_flight:
+        extents = [s.extent for s in flight]
+        while waiting and len(extents) < self.max_in_flight:
             request = waiting[0]
-            need = len(request.prompt_ids) + request.sampling.max_tokens
-            room = self.kv_tokens is None or held + need <= self.kv_tokens
-            if not room and (flight or joining):
+            joined = [
+                *extents,
+                (len(request.prompt_ids), len(request.prompt_ids) + request.sampling.max_tokens),
+            ]
+            room = self.kv_tokens is None or padded_peak(joined) <= self.kv_tokens
+            if not room and extents:
                 break
             waiting.popleft()
-            held += need
+            extents = joined
             sequence = _Sequence(request, RowSampler(request.sampling, self.device))
             if request.structure is not None:
                 sequence.guide = self.guides.guide(request.structure)
@@ -189,6 +255,9 @@ class TransformersEngine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
+            # A full cache even for a sliding-window model (its own would keep only the
+            # window, and could not be padded and joined): the mask keeps the window.
+            cache=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,  # the next token's alone, not every prompt position's
         )
@@ -235,13 +304,24 @@ class TransformersEngine:
                 if s.guide.get_tokens() == [self.guides.eos]:  # a whole match, and no longer
                     s.finish = "stop"
                     continue
-            stop = s.request.sampling.stop
-            if stop and any(t in self._text(s.tokens) for t in stop):
+            if s.stop_chars and self._stopped(s):
                 s.finish = "stop"
             elif len(s.tokens) >= s.request.sampling.max_tokens:
                 s.finish = "length"
 
+    def _stopped(self, s: _Sequence) -> bool:
+        """Whether its newest token completed one of its stop strings, looked for in the
+        text of its last tokens alone (the whole text decoded every step costs a step's
+        time over again for long answers): a stop string the newest token completes lies in
+        the last `stop_chars` characters, which come from at most 4 tokens each (a byte-level
+        tokenizer's bytes of one character), and one more whose text a cut can change (a
+        leading space)."""
+        return any(
+            t in self._text(s.tokens[-(4 * s.stop_chars + 1) :]) for t in s.request.sampling.stop
+        )
+
     def _text(self, tokens: list[int]) -> str:
+        self.stats.decoded_tokens += len(tokens)
         return self.codec.decode(tokens)
 
     def _generation(self, s: _Sequence) -> Generation:
