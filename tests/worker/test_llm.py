@@ -5,6 +5,7 @@ the model cannot take as error rows, and sequences admitted as others finish."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from ebb.common.errors import SpecError
 from ebb.common.job import LLMSpec, SamplingSpec, StageSpec
-from ebb.worker.llm.engine import GenerationRequest, Sampling
+from ebb.worker.llm.engine import Generation, GenerationRequest, Sampling
 from ebb.worker.llm.hf import TransformersEngine, padded_peak
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
@@ -423,3 +424,55 @@ def test_the_engine_s_stats_keep_the_latest_steps_alone(tiny_llm: Path) -> None:
     assert len(stats.recent) == len(stats.admitted) == len(stats.retired) == 25
     assert [s.step for s in stats.recent] == list(range(stats.steps - 25, stats.steps))
     assert stats.output_tokens == made
+
+
+def test_a_second_call_s_rows_take_the_places_the_first_call_s_free(tiny_llm: Path) -> None:
+    """The stage runs two batches at once: the second batch's rows wait behind the first's and
+    join as its rows finish, in the one step loop, so the engine never drains between
+    batches; never more than `max_in_flight` decode together; each row's text its own."""
+    engine = TransformersEngine(str(tiny_llm), max_in_flight=4)
+    prompts = _prompts(16, seed=8)
+
+    def requests(first: int) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                key=first + i,
+                prompt_ids=engine.encode(prompts[first + i]),
+                sampling=Sampling(max_tokens=4 + (7 * i) % 20),
+            )
+            for i in range(8)
+        ]
+
+    one, two = requests(0), requests(8)
+    first: dict[int, Generation] = {}
+    second: dict[int, Generation] = {}
+    submitted = threading.Event()
+
+    def hold() -> None:  # once a row of the first call is done, the loop waits for the second
+        if engine.stats.retired:
+            assert submitted.wait(30)
+
+    def run_second() -> None:
+        results = engine.generate(two)
+        submitted.set()
+        second.update((g.key, g) for g in results)
+
+    engine.on_progress = hold
+    thread = threading.Thread(target=run_second)
+    for g in engine.generate(one):
+        if not first:  # the first call is under way: the second joins it
+            thread.start()
+        first[g.key] = g
+    thread.join(timeout=60)
+    assert sorted(first) == [r.key for r in one] and sorted(second) == [r.key for r in two]
+    for r in one + two:
+        got = (first | second)[r.key]
+        assert got.token_ids == _greedy(engine, r.prompt_ids, r.sampling.max_tokens), r.key
+    steps = engine.stats.recent
+    assert max(s.in_flight for s in steps) <= 4
+    assert any(s.calls == 2 for s in steps)  # rows of both batches decoding together
+    # While rows of the second call waited, no step ran a place short.
+    assert all(s.in_flight == 4 for s in steps if s.waiting > 0)
+    first_of_two = min(step for step, key in engine.stats.admitted if key >= 8)
+    last_of_one = max(step for step, key in engine.stats.retired if key < 8)
+    assert first_of_two < last_of_one

@@ -163,11 +163,11 @@ class LLMSpec:
 
     @property
     def concurrent_batches(self) -> int:
-        """Batches the stage runs at once. A server's engine takes the next batch's rows
-        while the last of one finish (one queue of requests for both), so the server's own
-        continuous batching never drains between the stage's batches; the transformers engine
-        runs one batch at a time."""
-        return 2 if self.engine in ("server", "endpoint") else 1
+        """Batches the stage runs at once: every engine takes the next batch's rows while the
+        last of one finish (one queue of requests for both: the transformers engine's step
+        loop, a server's pool of requests), so generation never drains between the stage's
+        batches. A `tokenize_only` stage runs no engine: one at a time."""
+        return 1 if self.tokenize_only else 2
 
     def __post_init__(self) -> None:
         if not self.model:

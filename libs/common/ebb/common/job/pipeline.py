@@ -181,8 +181,10 @@ class StageSpec:
         if self.fanout and self.fanin:
             raise bad("fanin", "a stage cannot both fan out and fan in")
         if self.batch_size is None:
-            served = self.llm.in_flight if self.llm and self.llm.concurrent_batches > 1 else 0
-            object.__setattr__(self, "batch_size", served or 32)
+            # An llm stage's engine runs two batches at once: a batch fills its places.
+            generating = self.llm is not None and self.llm.concurrent_batches > 1
+            batch = self.llm.in_flight if self.llm is not None and generating else 32
+            object.__setattr__(self, "batch_size", batch)
         positive("batch_size", self.rows_per_batch)
         if not 0 <= self.batch_wait_s < math.inf:
             raise bad("batch_wait_s", f"must be >= 0, got {self.batch_wait_s}")

@@ -23,6 +23,10 @@ would keep only its window.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -60,6 +64,8 @@ class Step:
     """The slots the padded cache of the sequences in flight may come to (`padded_peak`)."""
     cache_slots: int
     """The token slots the cache held at this step: rows x columns of its keys."""
+    calls: int = 1
+    """The `generate` calls whose sequences it decoded (the stage's batches running at once)."""
 
 
 @dataclass
@@ -101,10 +107,23 @@ def padded_peak(rows: Iterable[tuple[int, int]]) -> int:
     return peak
 
 
-@dataclass
+class _Call:
+    """One `generate` call: its results, handed from the step loop's thread to the caller's."""
+
+    def __init__(self) -> None:
+        self.results: queue.SimpleQueue[Generation | EngineError] = queue.SimpleQueue()
+        self.left = 0
+        self.order = 0
+        """Its place among the calls: an earlier call's requests are admitted first."""
+        self.cancelled = False
+        """Its caller stopped reading (its batch failed): its rows are of no use any more."""
+
+
+@dataclass(eq=False)
 class _Sequence:
     request: GenerationRequest
     sampler: RowSampler
+    call: _Call
     tokens: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     guide: Any = None
@@ -123,6 +142,15 @@ class _Sequence:
     @property
     def need(self) -> int:
         return len(self.request.prompt_ids) + self.request.sampling.max_tokens
+
+    @property
+    def rank(self) -> tuple[int, int, int]:
+        """Its place among the waiting: its call's, then longest first (prompt plus
+        `max_tokens`; the long ones start early and the short fill the places around them)."""
+        return self.call.order, -self.need, self.request.key
+
+    def __lt__(self, other: _Sequence) -> bool:
+        return self.rank < other.rank
 
     @property
     def extent(self) -> tuple[int, int]:
@@ -167,6 +195,14 @@ class TransformersEngine:
         self.guides = Guides(self.tokenizer, self.eos)
         self.in_flight = 0
         self.held_tokens = 0
+        self._turn = threading.Condition()
+        """Guards the waiting requests between the callers and the step loop."""
+        self._waiting: list[tuple[tuple[int, int, int], _Sequence]] = []
+        """A heap, by `_Sequence.rank`."""
+        self._calls = itertools.count()
+        self._loop: threading.Thread | None = None
+        self._failed: EngineError | None = None
+        self._closed = False
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -174,15 +210,85 @@ class TransformersEngine:
     def render(self, prompt: Prompt) -> str:
         return self.codec.render(prompt)
 
-    @torch.inference_mode()
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Generation]:
-        waiting = deque(
-            sorted(requests, key=lambda r: (-len(r.prompt_ids) - r.sampling.max_tokens, r.key))
-        )
+        """Every request's generation, as each finishes. Calls from several threads (the
+        stage's batches running at once) share the step loop: a later call's requests wait
+        behind an earlier one's and take the places its finished rows free, so the engine
+        does not drain between batches. The requests wait from this call on, not from the
+        first result asked for."""
+        call = _Call()
+        sequences = [self._sequence(r, call) for r in requests]
+        call.left = len(sequences)
+        if not sequences:
+            return iter(())
+        with self._turn:
+            if self._failed is not None:
+                raise EngineError(f"the engine failed before: {self._failed}")
+            if self._closed:
+                raise EngineError("the engine is closed")
+            call.order = next(self._calls)
+            for sequence in sequences:
+                heapq.heappush(self._waiting, (sequence.rank, sequence))
+            if self._loop is None:
+                self._loop = threading.Thread(target=self._run, name="ebb:llm-engine", daemon=True)
+                self._loop.start()
+            self._turn.notify()
+        return self._results(call)
+
+    def _results(self, call: _Call) -> Iterator[Generation]:
+        try:
+            while call.left:
+                item = call.results.get()
+                if isinstance(item, EngineError):
+                    raise item
+                call.left -= 1
+                yield item
+        finally:
+            call.cancelled = True  # its rows still waiting are dropped, those running retired
+
+    def close(self) -> None:
+        """Stop the step loop and let go of the model (a restarted engine loads its own)."""
+        with self._turn:
+            self._closed = True
+            self._turn.notify()
+        if self._loop is not None and self._loop is not threading.current_thread():
+            self._loop.join(timeout=60)
+        self.model = None
+
+    def _sequence(self, request: GenerationRequest, call: _Call) -> _Sequence:
+        sequence = _Sequence(request, RowSampler(request.sampling, self.device), call=call)
+        if request.structure is not None:
+            sequence.guide = self.guides.guide(request.structure)
+        return sequence
+
+    def _run(self) -> None:
+        """The step loop, in a thread of its own: admit, prefill, decode, retire, until
+        closed. A failure fails every call with a request in it; the engine is not used
+        again (the stage makes another)."""
         flight: list[_Sequence] = []
+        try:
+            with torch.inference_mode():
+                self._steps(flight)
+        except BaseException as e:  # noqa: BLE001 - any failure is the engine's: no call waits on
+            failure = EngineError(f"the engine failed: {type(e).__name__}: {e}")
+            failure.__cause__ = e
+            with self._turn:
+                self._failed = failure
+                calls = {id(s.call): s.call for s in flight}
+                calls.update((id(s.call), s.call) for _, s in self._waiting)
+                self._waiting.clear()
+            for call in calls.values():
+                call.results.put(failure)
+
+    def _steps(self, flight: list[_Sequence]) -> None:
         batch: BatchCache | None = None
-        while waiting or flight:
-            joining = self._admit(waiting, flight)
+        while True:
+            with self._turn:
+                while not self._waiting and not flight and not self._closed:
+                    self._turn.wait()
+                if self._closed:
+                    return
+                joining = self._admit(flight)
             if joining:
                 new = self._prefill(joining)
                 if batch is None:
@@ -190,7 +296,7 @@ class TransformersEngine:
                 else:
                     batch.join(new)
                 flight += joining
-            else:
+            elif flight:
                 assert batch is not None
                 self.in_flight = len(flight)
                 self.held_tokens = padded_peak(s.extent for s in flight)
@@ -199,43 +305,48 @@ class TransformersEngine:
                     Step(
                         step=self.stats.steps,
                         in_flight=self.in_flight,
-                        waiting=len(waiting),
+                        waiting=len(self._waiting),
                         held_tokens=self.held_tokens,
                         cache_slots=int(keys.shape[0] * keys.shape[2]),
+                        calls=len({id(s.call) for s in flight}),
                     )
                 )
                 self._decode(flight, batch)
-            done = [k for k, s in enumerate(flight) if s.finish is not None]
-            if done:
-                for k in done:
-                    yield self._generation(flight[k])
-                kept = [k for k, s in enumerate(flight) if s.finish is None]
-                flight = [flight[k] for k in kept]
+            gone = [s for s in flight if s.finish is not None or s.call.cancelled]
+            if gone:
+                kept = [
+                    k for k, s in enumerate(flight) if s.finish is None and not s.call.cancelled
+                ]
+                flight[:] = [flight[k] for k in kept]
                 if flight:
                     assert batch is not None
                     batch.keep(kept)
                 else:
                     batch = None
+                # The gauges first: a caller that has its last row reads them as they are now.
+                self.in_flight = len(flight)
+                self.held_tokens = padded_peak(s.extent for s in flight)
+                for s in gone:
+                    if not s.call.cancelled:
+                        s.call.results.put(self._generation(s))
 
-    def _admit(self, waiting: deque[GenerationRequest], flight: list[_Sequence]) -> list[_Sequence]:
+    def _admit(self, flight: list[_Sequence]) -> list[_Sequence]:
+        """The waiting sequences that join those in flight now (called holding `_turn`)."""
         joining: list[_Sequence] = []
         extents = [s.extent for s in flight]
-        while waiting and len(extents) < self.max_in_flight:
-            request = waiting[0]
-            joined = [
-                *extents,
-                (len(request.prompt_ids), len(request.prompt_ids) + request.sampling.max_tokens),
-            ]
+        while self._waiting and len(extents) < self.max_in_flight:
+            sequence = self._waiting[0][1]
+            if sequence.call.cancelled:
+                heapq.heappop(self._waiting)
+                continue
+            joined = [*extents, (len(sequence.request.prompt_ids), sequence.need)]
             room = self.kv_tokens is None or padded_peak(joined) <= self.kv_tokens
             if not room and extents:
                 break
-            waiting.popleft()
+            heapq.heappop(self._waiting)
             extents = joined
-            sequence = _Sequence(request, RowSampler(request.sampling, self.device))
-            if request.structure is not None:
-                sequence.guide = self.guides.guide(request.structure)
             joining.append(sequence)
-            self.stats.admitted.append((self.stats.steps, request.key))
+            self.stats.admitted.append((self.stats.steps, sequence.request.key))
         return joining
 
     def _prefill(self, joining: list[_Sequence]) -> BatchCache:
