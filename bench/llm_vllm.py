@@ -20,6 +20,11 @@ its `max_tokens`.
 
 `engine: server` (the stage starting vLLM itself) runs the same way once the server answers:
 its start-up on this CPU is reported apart (`-O0`: no torch.compile warm-up).
+
+In-process or a server: vLLM's offline engine (`vllm.LLM`, what an `engine: vllm` in the
+stage's process would run; bench/vllm_offline.py, loaded once) is given all the prompts in
+one `generate` call, against the server fed by the plain client, both timed as whole calls
+(first request sent to last answer; the server's meter cannot see the offline engine).
 """
 
 from __future__ import annotations
@@ -89,6 +94,48 @@ class TokenMeter:
         # The first sample that saw tokens counts from its own time: the tokens it saw were
         # made in the 50 ms before it, so they are left out of both sides.
         return last_v - base, (last_v - first_v) / max(last_t - first_t, 1e-9)
+
+
+class Offline:
+    """vLLM's offline engine in a process of its own (bench/vllm_offline.py), loaded once."""
+
+    def __init__(self, model: Path, folder: Path) -> None:
+        self.folder = folder
+        self.process = subprocess.Popen(
+            [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_offline.py")), str(model)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=(folder / "offline.log").open("ab"),
+            text=True,
+        )
+        self.load_s = float(self._answer()["ready"])
+
+    def _answer(self) -> dict[str, float]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            log = (self.folder / "offline.log").read_text()[-2000:]
+            raise RuntimeError(f"vLLM's offline engine exited: {log}")
+        answer: dict[str, float] = json.loads(line)
+        return answer
+
+    def rate(self, rows: list[tuple[list[int], int]]) -> float:
+        """Output tokens/s of one `generate` call over the rows."""
+        assert self.process.stdin is not None
+        path = self.folder / "offline-rows.json"
+        path.write_text(json.dumps(rows))
+        self.process.stdin.write(f"{path}\n")
+        self.process.stdin.flush()
+        answer = self._answer()
+        return answer["tokens"] / answer["seconds"]
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 class Server:
@@ -226,18 +273,30 @@ def run(ctx: Context) -> Section:
     tables: list[str] = []
     summary: dict[str, float] = {}
     notes: list[str] = []
+    offline = None if ctx.smoke else Offline(model_dir, ctx.dir("llmvllm"))
     with Server(model_dir, free_port(), ctx.dir("llmvllm") / "vllm.log") as server:
         notes.append(f"vLLM's start-up (health check answers): {server.startup_s:.0f} s.")
+        if offline is not None:
+            notes.append(f"vLLM's offline engine's start-up (`LLM(...)`): {offline.load_s:.0f} s.")
         for shape in ("spread", "equal"):
             rows = _workload(tokenizer, shape, n, cap=8 if ctx.smoke else 1 << 30)
             steady: dict[str, float] = {}
             whole: dict[int, list[float]] = {1: [], 2: []}
+            calls: dict[str, list[float]] = {f"server, {c} in flight": [] for c in CONCURRENCY}
 
-            def alone(c: int, rows: list[tuple[list[int], int]] = rows) -> Any:
+            def alone(
+                c: int,
+                rows: list[tuple[list[int], int]] = rows,
+                calls: dict[str, list[float]] = calls,
+            ) -> Any:
                 def measure() -> float:
                     with TokenMeter(server.port) as meter:
+                        began = time.perf_counter()
                         asyncio.run(_alone(server.url, rows, c))
-                    return meter.steady()[1]
+                        seconds = time.perf_counter() - began
+                    tokens, rate = meter.steady()
+                    calls[f"server, {c} in flight"].append(tokens / seconds)
+                    return rate
 
                 return measure
 
@@ -258,9 +317,26 @@ def run(ctx: Context) -> Section:
             variants = {f"vLLM alone, {c} in flight": alone(c) for c in CONCURRENCY}
             variants["Ebb through vLLM, 1 worker"] = ebb(1)
             variants["Ebb through vLLM, 2 workers"] = ebb(2)
+            if offline is not None:
+                calls["in-process (offline `LLM.generate`)"] = []
+
+                def offline_call(
+                    rows: list[tuple[list[int], int]] = rows,
+                    calls: dict[str, list[float]] = calls,
+                    engine: Offline = offline,
+                ) -> float:
+                    rate = engine.rate(rows)
+                    calls["in-process (offline `LLM.generate`)"].append(rate)
+                    return rate
+
+                variants["vLLM in-process (whole calls only)"] = offline_call
+                offline.rate(rows)  # warm, as the server is
             alone(CONCURRENCY[0])()  # warm: the server's first batches at new shapes
+            for c in CONCURRENCY:
+                calls[f"server, {c} in flight"].clear()
             ctx.log(f"  {shape}: {n} prompts")
             results = interleaved(variants, ctx.repeats, ctx.log)
+            offline_runs = results.pop("vLLM in-process (whole calls only)", None)
             best = max(
                 (k for k in results if k.startswith("vLLM")), key=lambda k: median(results[k])
             )
@@ -281,6 +357,22 @@ def run(ctx: Context) -> Section:
                     [[f"{w}", spread(v), f"{median(v) / base:.2f}x"] for w, v in whole.items()],
                 )
             )
+            if offline_runs is not None:
+                fastest = max(
+                    (k for k in calls if k.startswith("server")), key=lambda k: median(calls[k])
+                )
+                served = median(calls[fastest])
+                tables.append(
+                    f"**{shape}, vLLM in-process or a server** (whole calls, against the "
+                    f"{fastest})\n\n"
+                    + table(
+                        ["vLLM", "output tokens/s", f"vs {fastest}"],
+                        [[k, spread(v), f"{median(v) / served:.2f}x"] for k, v in calls.items()],
+                    )
+                )
+                summary[f"{shape}: vLLM in-process / server"] = (
+                    median(calls["in-process (offline `LLM.generate`)"]) / served
+                )
             for k, rate in steady.items():
                 summary[f"{shape}: {k}"] = rate
             summary[f"{shape}: Ebb 1 worker / vLLM alone"] = (
@@ -289,6 +381,8 @@ def run(ctx: Context) -> Section:
             summary[f"{shape}: Ebb 2 workers / vLLM alone"] = (
                 steady["Ebb through vLLM, 2 workers"] / base
             )
+    if offline is not None:
+        offline.close()
     notes.append(
         f"{n} prompts, a {layers}-layer model of hidden size {hidden}, vLLM {'-O0'} in float32 "
         "on the CPU (it binds its engine to one core and keeps the other); Ebb's job as a user "
