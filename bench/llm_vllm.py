@@ -112,12 +112,12 @@ class Offline:
 
     def _answer(self) -> dict[str, float]:
         assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            log = (self.folder / "offline.log").read_text()[-2000:]
-            raise RuntimeError(f"vLLM's offline engine exited: {log}")
-        answer: dict[str, float] = json.loads(line)
-        return answer
+        for line in self.process.stdout:  # vLLM's own log lines among the answers
+            if line.startswith("ANSWER "):
+                answer: dict[str, float] = json.loads(line.removeprefix("ANSWER "))
+                return answer
+        log = (self.folder / "offline.log").read_text()[-2000:]
+        raise RuntimeError(f"vLLM's offline engine exited: {log}")
 
     def rate(self, rows: list[tuple[list[int], int]]) -> float:
         """Output tokens/s of one `generate` call over the rows."""

@@ -2,7 +2,8 @@
 in-process `engine: vllm` would run. Started with vLLM's venv's Python (it imports nothing of
 Ebb's); loads the model once, prints `{"ready": seconds}`, then for each line on stdin (a
 JSON file of [prompt token ids, max_tokens] rows) generates them all in one `LLM.generate`
-call, greedy, and prints `{"tokens": made, "seconds": the call's}`."""
+call, greedy, and prints `{"tokens": made, "seconds": the call's}`. Each answer is a line
+that begins with `ANSWER`: vLLM logs to stdout too."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def main(model: str) -> None:
         optimization_level=0,
         kv_cache_memory_bytes=2 << 30,
     )
-    print(json.dumps({"ready": time.perf_counter() - started}), flush=True)
+    print("ANSWER", json.dumps({"ready": time.perf_counter() - started}), flush=True)
     for line in sys.stdin:
         with open(line.strip()) as f:
             rows = json.load(f)
@@ -34,7 +35,7 @@ def main(model: str) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - began
         made = sum(len(o.outputs[0].token_ids) for o in outputs)
-        print(json.dumps({"tokens": made, "seconds": seconds}), flush=True)
+        print("ANSWER", json.dumps({"tokens": made, "seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":
