@@ -23,8 +23,10 @@ its start-up on this CPU is reported apart (`-O0`: no torch.compile warm-up).
 
 In-process or a server: vLLM's offline engine (`vllm.LLM`, what an `engine: vllm` in the
 stage's process would run; bench/vllm_offline.py, loaded once) is given all the prompts in
-one `generate` call, against the server fed by the plain client, both timed as whole calls
-(first request sent to last answer; the server's meter cannot see the offline engine).
+one `generate` call, against the server fed by the plain client at its best concurrency,
+both timed as whole calls (first request sent to last answer: the server's meter cannot see
+the offline engine). The offline engine starts once the comparisons above are done, not beside
+them.
 """
 
 from __future__ import annotations
@@ -250,6 +252,55 @@ async def _job(
     return seconds
 
 
+def _in_process(
+    ctx: Context,
+    server: Server,
+    model_dir: Path,
+    tokenizer: Any,
+    n: int,
+    best_concurrency: dict[str, int],
+    tables: list[str],
+    summary: dict[str, float],
+) -> None:
+    """vLLM's offline engine against the server at its best concurrency, whole calls; the
+    offline engine started only now, so that it is not beside the comparisons before."""
+    offline = Offline(model_dir, ctx.dir("llmvllm"))
+    try:
+        for shape, c in best_concurrency.items():
+            rows = _workload(tokenizer, shape, n, cap=1 << 30)
+
+            def served(rows: list[tuple[list[int], int]] = rows, c: int = c) -> float:
+                with TokenMeter(server.port) as meter:
+                    began = time.perf_counter()
+                    asyncio.run(_alone(server.url, rows, c))
+                    seconds = time.perf_counter() - began
+                return meter.steady()[0] / seconds
+
+            def in_process(rows: list[tuple[list[int], int]] = rows) -> float:
+                return offline.rate(rows)
+
+            offline.rate(rows)  # warm, as the server is
+            results = interleaved(
+                {f"server, {c} in flight": served, "in-process (`LLM.generate`)": in_process},
+                ctx.repeats,
+                ctx.log,
+            )
+            base = median(results[f"server, {c} in flight"])
+            tables.append(
+                f"**{shape}, vLLM in-process or a server** (whole calls; the offline engine's "
+                f"start-up: {offline.load_s:.0f} s)\n\n"
+                + table(
+                    ["vLLM", "output tokens/s", "vs the server"],
+                    [[k, spread(v), f"{median(v) / base:.2f}x"] for k, v in results.items()],
+                )
+            )
+            summary[f"{shape}: vLLM in-process / server"] = (
+                median(results["in-process (`LLM.generate`)"]) / base
+            )
+    finally:
+        offline.close()
+
+
 def server_model(ctx: Context) -> Path:
     return ctx.dir("llmvllm") / "model"
 
@@ -273,30 +324,19 @@ def run(ctx: Context) -> Section:
     tables: list[str] = []
     summary: dict[str, float] = {}
     notes: list[str] = []
-    offline = None if ctx.smoke else Offline(model_dir, ctx.dir("llmvllm"))
+    best_concurrency: dict[str, int] = {}
     with Server(model_dir, free_port(), ctx.dir("llmvllm") / "vllm.log") as server:
         notes.append(f"vLLM's start-up (health check answers): {server.startup_s:.0f} s.")
-        if offline is not None:
-            notes.append(f"vLLM's offline engine's start-up (`LLM(...)`): {offline.load_s:.0f} s.")
         for shape in ("spread", "equal"):
             rows = _workload(tokenizer, shape, n, cap=8 if ctx.smoke else 1 << 30)
             steady: dict[str, float] = {}
             whole: dict[int, list[float]] = {1: [], 2: []}
-            calls: dict[str, list[float]] = {f"server, {c} in flight": [] for c in CONCURRENCY}
 
-            def alone(
-                c: int,
-                rows: list[tuple[list[int], int]] = rows,
-                calls: dict[str, list[float]] = calls,
-            ) -> Any:
+            def alone(c: int, rows: list[tuple[list[int], int]] = rows) -> Any:
                 def measure() -> float:
                     with TokenMeter(server.port) as meter:
-                        began = time.perf_counter()
                         asyncio.run(_alone(server.url, rows, c))
-                        seconds = time.perf_counter() - began
-                    tokens, rate = meter.steady()
-                    calls[f"server, {c} in flight"].append(tokens / seconds)
-                    return rate
+                    return meter.steady()[1]
 
                 return measure
 
@@ -317,30 +357,14 @@ def run(ctx: Context) -> Section:
             variants = {f"vLLM alone, {c} in flight": alone(c) for c in CONCURRENCY}
             variants["Ebb through vLLM, 1 worker"] = ebb(1)
             variants["Ebb through vLLM, 2 workers"] = ebb(2)
-            if offline is not None:
-                calls["in-process (offline `LLM.generate`)"] = []
-
-                def offline_call(
-                    rows: list[tuple[list[int], int]] = rows,
-                    calls: dict[str, list[float]] = calls,
-                    engine: Offline = offline,
-                ) -> float:
-                    rate = engine.rate(rows)
-                    calls["in-process (offline `LLM.generate`)"].append(rate)
-                    return rate
-
-                variants["vLLM in-process (whole calls only)"] = offline_call
-                offline.rate(rows)  # warm, as the server is
             alone(CONCURRENCY[0])()  # warm: the server's first batches at new shapes
-            for c in CONCURRENCY:
-                calls[f"server, {c} in flight"].clear()
             ctx.log(f"  {shape}: {n} prompts")
             results = interleaved(variants, ctx.repeats, ctx.log)
-            offline_runs = results.pop("vLLM in-process (whole calls only)", None)
             best = max(
                 (k for k in results if k.startswith("vLLM")), key=lambda k: median(results[k])
             )
             base = median(results[best])
+            best_concurrency[shape] = int(best.split(", ")[1].split()[0])
             rows_out = []
             for k, v in results.items():
                 rows_out.append([k, spread(v), f"{median(v) / base:.2f}x"])
@@ -357,22 +381,6 @@ def run(ctx: Context) -> Section:
                     [[f"{w}", spread(v), f"{median(v) / base:.2f}x"] for w, v in whole.items()],
                 )
             )
-            if offline_runs is not None:
-                fastest = max(
-                    (k for k in calls if k.startswith("server")), key=lambda k: median(calls[k])
-                )
-                served = median(calls[fastest])
-                tables.append(
-                    f"**{shape}, vLLM in-process or a server** (whole calls, against the "
-                    f"{fastest})\n\n"
-                    + table(
-                        ["vLLM", "output tokens/s", f"vs {fastest}"],
-                        [[k, spread(v), f"{median(v) / served:.2f}x"] for k, v in calls.items()],
-                    )
-                )
-                summary[f"{shape}: vLLM in-process / server"] = (
-                    median(calls["in-process (offline `LLM.generate`)"]) / served
-                )
             for k, rate in steady.items():
                 summary[f"{shape}: {k}"] = rate
             summary[f"{shape}: Ebb 1 worker / vLLM alone"] = (
@@ -381,8 +389,8 @@ def run(ctx: Context) -> Section:
             summary[f"{shape}: Ebb 2 workers / vLLM alone"] = (
                 steady["Ebb through vLLM, 2 workers"] / base
             )
-    if offline is not None:
-        offline.close()
+        if not ctx.smoke:  # a second vLLM engine is more than the suite's smoke run needs
+            _in_process(ctx, server, model_dir, tokenizer, n, best_concurrency, tables, summary)
     notes.append(
         f"{n} prompts, a {layers}-layer model of hidden size {hidden}, vLLM {'-O0'} in float32 "
         "on the CPU (it binds its engine to one core and keeps the other); Ebb's job as a user "
