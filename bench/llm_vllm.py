@@ -21,9 +21,10 @@ its `max_tokens`.
 `engine: server` (the stage starting vLLM itself) runs the same way once the server answers:
 its start-up on this CPU is reported apart (`-O0`: no torch.compile warm-up).
 
-In-process or a server: vLLM's offline engine (`vllm.LLM`, what an `engine: vllm` in the
-stage's process would run; bench/vllm_offline.py, loaded once) is given all the prompts in
-one `generate` call, against the server fed by the plain client at its best concurrency,
+In-process or a server: vLLM's offline engine (`vllm.LLM`, what an `engine: vllm` stage runs,
+its engine core in the same process; bench/vllm_offline.py, loaded once; and again with the
+engine core in a process of its own, vLLM's default) is given all the prompts in one
+`generate` call, against the server fed by the plain client at its best concurrency,
 both timed as whole calls (first request sent to last answer: the server's meter cannot see
 the offline engine). The offline engine starts once the comparisons above are done, not beside
 them.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -101,7 +103,9 @@ class TokenMeter:
 class Offline:
     """vLLM's offline engine in a process of its own (bench/vllm_offline.py), loaded once."""
 
-    def __init__(self, model: Path, folder: Path) -> None:
+    def __init__(self, model: Path, folder: Path, *, core_process: bool = False) -> None:
+        """`core_process`: vLLM's engine core in a process of its own (vLLM's default), not
+        in this one (as `engine: vllm` runs it)."""
         self.folder = folder
         self.process = subprocess.Popen(
             [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_offline.py")), str(model)],
@@ -109,6 +113,7 @@ class Offline:
             stdout=subprocess.PIPE,
             stderr=(folder / "offline.log").open("ab"),
             text=True,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if core_process else "0"},
         )
         self.load_s = float(self._answer()["ready"])
 
@@ -265,6 +270,7 @@ def _in_process(
     """vLLM's offline engine against the server at its best concurrency, whole calls; the
     offline engine started only now, so that it is not beside the comparisons before."""
     offline = Offline(model_dir, ctx.dir("llmvllm"))
+    own_core = Offline(model_dir, ctx.dir("llmvllm"), core_process=True)
     try:
         for shape, c in best_concurrency.items():
             rows = _workload(tokenizer, shape, n, cap=1 << 30)
@@ -279,26 +285,36 @@ def _in_process(
             def in_process(rows: list[tuple[list[int], int]] = rows) -> float:
                 return offline.rate(rows)
 
+            def core_apart(rows: list[tuple[list[int], int]] = rows) -> float:
+                return own_core.rate(rows)
+
             offline.rate(rows)  # warm, as the server is
+            own_core.rate(rows)
             results = interleaved(
-                {f"server, {c} in flight": served, "in-process (`LLM.generate`)": in_process},
+                {
+                    f"server, {c} in flight": served,
+                    "in-process (`LLM.generate`), as `engine: vllm`": in_process,
+                    "in-process, the engine core in a process of its own": core_apart,
+                },
                 ctx.repeats,
                 ctx.log,
             )
             base = median(results[f"server, {c} in flight"])
             tables.append(
                 f"**{shape}, vLLM in-process or a server** (whole calls; the offline engine's "
-                f"start-up: {offline.load_s:.0f} s)\n\n"
+                f"start-up: {offline.load_s:.0f} s, {own_core.load_s:.0f} s with its engine "
+                "core apart)\n\n"
                 + table(
                     ["vLLM", "output tokens/s", "vs the server"],
                     [[k, spread(v), f"{median(v) / base:.2f}x"] for k, v in results.items()],
                 )
             )
             summary[f"{shape}: vLLM in-process / server"] = (
-                median(results["in-process (`LLM.generate`)"]) / base
+                median(results["in-process (`LLM.generate`), as `engine: vllm`"]) / base
             )
     finally:
         offline.close()
+        own_core.close()
 
 
 def server_model(ctx: Context) -> Path:

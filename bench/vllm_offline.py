@@ -1,18 +1,22 @@
 """vLLM's offline engine (`vllm.LLM`) in a process of its own, for section 21: what an
-in-process `engine: vllm` would run. Started with vLLM's venv's Python (it imports nothing of
-Ebb's); loads the model once, prints `{"ready": seconds}`, then for each line on stdin (a
-JSON file of [prompt token ids, max_tokens] rows) generates them all in one `LLM.generate`
-call, greedy, and prints `{"tokens": made, "seconds": the call's}`. Each answer is a line
-that begins with `ANSWER`: vLLM logs to stdout too."""
+`engine: vllm` stage runs. Started with vLLM's venv's Python (it imports nothing of Ebb's);
+loads the model once (its engine core in this process, as `engine: vllm` runs it, unless
+VLLM_ENABLE_V1_MULTIPROCESSING says otherwise), prints `{"ready": seconds}`, then for each
+line on stdin (a JSON file of [prompt token ids, max_tokens] rows) generates them all in one
+`LLM.generate` call, greedy, and prints `{"tokens": made, "seconds": the call's}`. Each answer
+is a line that begins with `ANSWER`: vLLM logs to stdout too."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 
 def main(model: str) -> None:
+    # As `engine: vllm` runs it (ebb.worker.llm.vllm_engine): the engine core in this process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -7,6 +7,7 @@ stage; the stage's server SIGKILLed mid-batch, started again, every row answered
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from typing import Any
@@ -20,8 +21,9 @@ from ebb.worker.chunks.columns import ROW_ERROR
 from ebb.worker.llm.prompts import PromptCodec
 from ebb.worker.llm.stage import LLMStage
 
+from ..helpers import ASSETS
 from ..llm_model import corpus
-from ..vllm_server import VLLMServer, vllm_command
+from ..vllm_server import KV_CACHE_BYTES, VLLM_PYTHON, VLLMServer, vllm_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -201,3 +203,75 @@ def test_text_for_a_server_tokenizes_to_the_stage_s_ids(bos_llm: Any, tmp_path: 
         for prompt in prompts:
             sent = codec.server_text(prompt)
             assert codec.tokenizer(sent)["input_ids"] == codec.encode(prompt), (model, prompt)
+
+
+def _in_process(model: Any, rows: list[dict[str, Any]], **settings: Any) -> list[Any]:
+    """The rows through an `engine: vllm` stage in a pipeline run by vLLM's venv's Python
+    (tests/assets/vllm_stage_run.py): each row's (ok, outcome)."""
+    asked = {
+        "model": str(model),
+        "rows": rows,
+        "engine_args": {"kv_cache_memory_bytes": KV_CACHE_BYTES, "optimization_level": 0},
+        "max_in_flight": 8,
+        "batch_size": 6,
+        **settings,
+    }
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ASSETS / "vllm_stage_run.py")],
+        check=False,
+        input=json.dumps(asked),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUTCOMES ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    outcomes: list[Any] = json.loads(lines[-1].removeprefix("OUTCOMES "))
+    return outcomes
+
+
+def test_the_in_process_engine_gives_vllm_s_own_answers(vllm_server: VLLMServer) -> None:
+    """`engine: vllm`: vLLM's engine in the stage's own process, fed by the stage's batches
+    (two at once, batches of 6 rows, 8 in flight). Greedy rows: the text vLLM's server makes
+    of the same token ids; prompt tokens the tokenizer's (one BOS); sampled rows: the same
+    text each run (the row's own seed), and not the greedy text."""
+    codec = PromptCodec(str(vllm_server.model))
+    prompts: list[Any] = [*corpus(9, seed=31), *[_chat(t) for t in corpus(9, seed=32)]]
+    rows = [
+        {"prompt": p, "m": 4 + (5 * i) % 17, "t": 0.0 if i % 3 else 0.9}
+        for i, p in enumerate(prompts)
+    ]
+    first = _in_process(vllm_server.model, rows)
+    assert all(ok for ok, _ in first), first
+    for row, (_, got) in zip(rows, first, strict=True):
+        ids = codec.encode(row["prompt"])
+        assert got["prompt_tokens"] == len(ids)
+        assert got["output_tokens"] <= row["m"]
+        if row["t"] == 0:
+            reply = vllm_server.post(
+                "/completions", {"prompt": ids, "max_tokens": row["m"], "temperature": 0}
+            )
+            assert got["text"] == reply["choices"][0]["text"], row
+            assert got["finish_reason"] == reply["choices"][0]["finish_reason"]
+    again = _in_process(vllm_server.model, list(reversed(rows)), max_in_flight=3)
+    for row, (_, got), (_, other) in zip(rows, first, reversed(again), strict=True):
+        assert other["text"] == got["text"], row  # in another order, beside other rows
+    sampled = [got["text"] for row, (_, got) in zip(rows, first, strict=True) if row["t"]]
+    greedy = [
+        vllm_server.post(
+            "/completions",
+            {"prompt": codec.encode(row["prompt"]), "max_tokens": row["m"], "temperature": 0},
+        )["choices"][0]["text"]
+        for row in rows
+        if row["t"]
+    ]
+    assert sampled != greedy
+
+
+def test_the_in_process_engine_enforces_the_stage_s_structure(bos_llm: Any) -> None:
+    """A random model, held to a choice by vLLM's structured outputs in the stage's process."""
+    rows = [{"prompt": p, "m": 8, "t": 0.8} for p in corpus(6, seed=33)]
+    choices = ["spam", "ham", "eggs"]
+    outcomes = _in_process(bos_llm, rows, structured={"choice": choices})
+    assert [ok for ok, _ in outcomes] == [True] * len(rows), outcomes
+    assert all(got["text"] in choices for _, got in outcomes)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from .fields import ModelDtype, bad, positive
 
-LLMEngine = Literal["transformers", "endpoint", "server"]
+LLMEngine = Literal["transformers", "vllm", "endpoint", "server"]
 PromptAs = Literal["ids", "text"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """The sampling fields a row may override from a column of its own (`per_row`)."""
@@ -100,9 +100,16 @@ class LLMSpec:
     render chats); the server runs the same model."""
     engine: LLMEngine = "transformers"
     """What runs the model: `transformers`, in the stage's own process, on its `device`;
-    `server`, an OpenAI-compatible server (`vllm serve`, SGLang's, `transformers serve`) the
-    stage starts beside it on its devices (`command`), restarts when it dies and stops with
-    it; or `endpoint`, such a server already running, fed over HTTP."""
+    `vllm`, vLLM's engine in the stage's own process (vLLM installed in the worker's
+    environment; `engine_args` given to `vllm.LLM`); `server`, an OpenAI-compatible server
+    (`vllm serve`, SGLang's, `transformers serve`) the stage starts beside it on its devices
+    (`command`), restarts when it dies and stops with it; or `endpoint`, such a server
+    already running, fed over HTTP."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """`engine: vllm`: vLLM's engine arguments, as `vllm.LLM` takes them
+    (`tensor_parallel_size`, `gpu_memory_utilization`, `max_model_len`, `kv_cache_memory_bytes`,
+    `enable_prefix_caching`...). `model`, `dtype` and `max_num_seqs` (`max_in_flight`) are the
+    stage's."""
     command: list[str] | None = None
     """`engine: server`: the server's command line, `{model}`, `{port}` and `{served_model}`
     filled in: `[vllm, serve, "{model}", --port, "{port}"]`."""
@@ -159,7 +166,7 @@ class LLMSpec:
         """`max_in_flight`, or the engine's default."""
         if self.max_in_flight is not None:
             return self.max_in_flight
-        return 256 if self.engine in ("server", "endpoint") else 32
+        return 32 if self.engine == "transformers" else 256
 
     @property
     def concurrent_batches(self) -> int:
@@ -191,10 +198,22 @@ class LLMSpec:
                 raise bad("command", "engine server needs a command line that names {port}")
         elif self.command is not None:
             raise bad("command", f"only engine server has a command, not {self.engine}")
-        if self.engine == "transformers" and self.served_model is not None:
+        in_process = self.engine in ("transformers", "vllm")
+        if in_process and self.served_model is not None:
             raise bad("served_model", "only a server's model has a served name")
-        if self.engine == "transformers" and self.prompt_as != "ids":
-            raise bad("prompt_as", "only a server is sent prompts: engine transformers runs ids")
+        if in_process and self.prompt_as != "ids":
+            raise bad("prompt_as", f"only a server is sent prompts: engine {self.engine} runs ids")
+        if self.engine_args and self.engine != "vllm":
+            raise bad("engine_args", f"only engine vllm takes engine_args, not {self.engine}")
+        for key in ("model", "dtype", "max_num_seqs"):
+            if key in self.engine_args:
+                raise bad(f"engine_args.{key}", "is the stage's own: set it on the stage")
+        if self.engine == "vllm" and self.kv_tokens is not None:
+            raise bad(
+                "kv_tokens",
+                "vLLM sizes its own KV cache: engine_args gpu_memory_utilization or "
+                "kv_cache_memory_bytes",
+            )
         positive("startup_s", self.startup_s)
         if self.max_in_flight is not None:
             positive("max_in_flight", self.max_in_flight)

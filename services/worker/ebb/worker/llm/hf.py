@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import queue
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,7 +36,7 @@ from transformers import DynamicCache
 from ebb.common import failpoints
 
 from .batch import BatchCache
-from .engine import EngineError, FinishReason, Generation, GenerationRequest
+from .engine import Call, EngineError, FinishReason, Generation, GenerationRequest, StepLoop
 from .prompts import Prompt, PromptCodec
 from .sampling import RowSampler
 from .structured import Guides
@@ -107,23 +105,11 @@ def padded_peak(rows: Iterable[tuple[int, int]]) -> int:
     return peak
 
 
-class _Call:
-    """One `generate` call: its results, handed from the step loop's thread to the caller's."""
-
-    def __init__(self) -> None:
-        self.results: queue.SimpleQueue[Generation | EngineError] = queue.SimpleQueue()
-        self.left = 0
-        self.order = 0
-        """Its place among the calls: an earlier call's requests are admitted first."""
-        self.cancelled = False
-        """Its caller stopped reading (its batch failed): its rows are of no use any more."""
-
-
 @dataclass(eq=False)
 class _Sequence:
     request: GenerationRequest
     sampler: RowSampler
-    call: _Call
+    call: Call
     tokens: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     guide: Any = None
@@ -158,7 +144,7 @@ class _Sequence:
         return len(self.request.prompt_ids) + len(self.tokens), self.need
 
 
-class TransformersEngine:
+class TransformersEngine(StepLoop):
     def __init__(
         self,
         model_dir: str,
@@ -195,14 +181,12 @@ class TransformersEngine:
         self.guides = Guides(self.tokenizer, self.eos)
         self.in_flight = 0
         self.held_tokens = 0
-        self._turn = threading.Condition()
-        """Guards the waiting requests between the callers and the step loop."""
+        super().__init__()
+        self._flight: list[_Sequence] = []
+        """The sequences decoding (the loop's alone)."""
         self._waiting: list[tuple[tuple[int, int, int], _Sequence]] = []
         """A heap, by `_Sequence.rank`."""
         self._calls = itertools.count()
-        self._loop: threading.Thread | None = None
-        self._failed: EngineError | None = None
-        self._closed = False
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -216,71 +200,40 @@ class TransformersEngine:
         behind an earlier one's and take the places its finished rows free, so the engine
         does not drain between batches. The requests wait from this call on, not from the
         first result asked for."""
-        call = _Call()
+        call = Call()
         sequences = [self._sequence(r, call) for r in requests]
         call.left = len(sequences)
-        if not sequences:
-            return iter(())
-        with self._turn:
-            if self._failed is not None:
-                raise EngineError(f"the engine failed before: {self._failed}")
-            if self._closed:
-                raise EngineError("the engine is closed")
+
+        def queue_them() -> None:
             call.order = next(self._calls)
             for sequence in sequences:
                 heapq.heappush(self._waiting, (sequence.rank, sequence))
-            if self._loop is None:
-                self._loop = threading.Thread(target=self._run, name="ebb:llm-engine", daemon=True)
-                self._loop.start()
-            self._turn.notify()
-        return self._results(call)
 
-    def _results(self, call: _Call) -> Iterator[Generation]:
-        try:
-            while call.left:
-                item = call.results.get()
-                if isinstance(item, EngineError):
-                    raise item
-                call.left -= 1
-                yield item
-        finally:
-            call.cancelled = True  # its rows still waiting are dropped, those running retired
+        return self._hand_in(call, queue_them)
 
     def close(self) -> None:
         """Stop the step loop and let go of the model (a restarted engine loads its own)."""
-        with self._turn:
-            self._closed = True
-            self._turn.notify()
-        if self._loop is not None and self._loop is not threading.current_thread():
-            self._loop.join(timeout=60)
+        self._stop_loop()
         self.model = None
 
-    def _sequence(self, request: GenerationRequest, call: _Call) -> _Sequence:
+    def _sequence(self, request: GenerationRequest, call: Call) -> _Sequence:
         sequence = _Sequence(request, RowSampler(request.sampling, self.device), call=call)
         if request.structure is not None:
             sequence.guide = self.guides.guide(request.structure)
         return sequence
 
-    def _run(self) -> None:
-        """The step loop, in a thread of its own: admit, prefill, decode, retire, until
-        closed. A failure fails every call with a request in it; the engine is not used
-        again (the stage makes another)."""
-        flight: list[_Sequence] = []
-        try:
-            with torch.inference_mode():
-                self._steps(flight)
-        except BaseException as e:  # noqa: BLE001 - any failure is the engine's: no call waits on
-            failure = EngineError(f"the engine failed: {type(e).__name__}: {e}")
-            failure.__cause__ = e
-            with self._turn:
-                self._failed = failure
-                calls = {id(s.call): s.call for s in flight}
-                calls.update((id(s.call), s.call) for _, s in self._waiting)
-                self._waiting.clear()
-            for call in calls.values():
-                call.results.put(failure)
+    def _abandon(self) -> list[Call]:
+        calls = [s.call for s in self._flight] + [s.call for _, s in self._waiting]
+        self._waiting.clear()
+        return calls
 
-    def _steps(self, flight: list[_Sequence]) -> None:
+    def _steps(self) -> None:
+        with torch.inference_mode():  # a thread's own: set in the loop's
+            self._decoding()
+
+    def _decoding(self) -> None:
+        """Admit, prefill, decode, retire, until closed."""
+        flight = self._flight
         batch: BatchCache | None = None
         while True:
             with self._turn:

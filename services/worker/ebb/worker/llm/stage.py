@@ -132,6 +132,15 @@ class LLMStage:
                 max_in_flight=self.llm.in_flight,
                 prompt_as=self.llm.prompt_as,
             )
+        if self.llm.engine == "vllm":
+            from .vllm_engine import VLLMEngine
+
+            return VLLMEngine(
+                self.model_dir,
+                dtype=self.llm.dtype,
+                max_in_flight=self.llm.in_flight,
+                engine_args=self.llm.engine_args,
+            )
         import torch
 
         from .hf import TransformersEngine
