@@ -111,12 +111,17 @@ def test_a_frame_goes_to_the_least_loaded_process_that_takes_work_and_has_room()
 
 def test_a_process_may_hold_two_batches_or_two_frames_whichever_is_more() -> None:
     """The next frame is there as one ends: a process idle while the router turns its output
-    round idles each frame. An llm stage's engine takes rows as they come: two batches."""
+    round idles each frame. An llm stage's engine takes rows as they come: the two batches it
+    runs at once and the next; a `tokenize_only` stage, one batch and the next."""
     model = StageSpec(name="m", model="m.onnx", batch_size=32)
     assert StagePool(0, model, frame_rows=256).cap == 512
     assert StagePool(0, replace(model, batch_size=1_024), frame_rows=1_024).cap == 2_048
     llm = StageSpec(name="g", llm=LLMSpec(model="/models/tiny"), batch_size=16)
-    assert StagePool(0, llm, frame_rows=256).cap == 32
+    assert StagePool(0, llm, frame_rows=256).cap == 48
+    tokenize = StageSpec(
+        name="t", llm=LLMSpec(model="/models/tiny", tokenize_only=True), batch_size=16
+    )
+    assert StagePool(0, tokenize, frame_rows=256).cap == 32
 
 
 def test_frames_go_out_while_a_process_has_room_a_broken_pipe_means_it_is_gone() -> None:
