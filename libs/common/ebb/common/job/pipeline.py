@@ -182,8 +182,8 @@ class StageSpec:
             raise bad("fanin", "a stage cannot both fan out and fan in")
         if self.batch_size is None:
             # An llm stage's engine runs two batches at once: a batch fills its places.
-            generating = self.llm is not None and self.llm.concurrent_batches > 1
-            batch = self.llm.in_flight if self.llm is not None and generating else 32
+            llm = self.llm
+            batch = llm.in_flight if llm is not None and llm.concurrent_batches > 1 else 32
             object.__setattr__(self, "batch_size", batch)
         positive("batch_size", self.rows_per_batch)
         if not 0 <= self.batch_wait_s < math.inf:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -109,7 +110,7 @@ class Call:
             self.cancelled = True  # rows still waiting are dropped, those running retired
 
 
-class StepLoop:
+class StepLoop(ABC):
     """The thread an in-process engine steps its model in, and the calls waiting on it.
 
     `generate` hands a call's requests in (`_hand_in`) and returns at once; the loop
@@ -162,10 +163,10 @@ class StepLoop:
             for call in calls.values():
                 call.results.put(failure)
 
+    @abstractmethod
     def _steps(self) -> None:
         """Run the requests handed in until closed (returns once `_closed` is set)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _abandon(self) -> list[Call]:
         """After a failure (holding `_turn`): drop every request, and the calls they were of."""
-        raise NotImplementedError

@@ -135,9 +135,6 @@ class _Sequence:
         `max_tokens`; the long ones start early and the short fill the places around them)."""
         return self.call.order, -self.need, self.request.key
 
-    def __lt__(self, other: _Sequence) -> bool:
-        return self.rank < other.rank
-
     @property
     def extent(self) -> tuple[int, int]:
         """(its length now, its length at most): what `padded_peak` takes."""
@@ -265,11 +262,9 @@ class TransformersEngine(StepLoop):
                     )
                 )
                 self._decode(flight, batch)
-            gone = [s for s in flight if s.finish is not None or s.call.cancelled]
-            if gone:
-                kept = [
-                    k for k, s in enumerate(flight) if s.finish is None and not s.call.cancelled
-                ]
+            kept = [k for k, s in enumerate(flight) if s.finish is None and not s.call.cancelled]
+            if len(kept) < len(flight):
+                gone = [s for s in flight if s.finish is not None or s.call.cancelled]
                 flight[:] = [flight[k] for k in kept]
                 if flight:
                     assert batch is not None
@@ -292,12 +287,12 @@ class TransformersEngine(StepLoop):
             if sequence.call.cancelled:
                 heapq.heappop(self._waiting)
                 continue
-            joined = [*extents, (len(sequence.request.prompt_ids), sequence.need)]
-            room = self.kv_tokens is None or padded_peak(joined) <= self.kv_tokens
-            if not room and extents:
-                break
+            if self.kv_tokens is not None:
+                joined = [*extents, (len(sequence.request.prompt_ids), sequence.need)]
+                if extents and padded_peak(joined) > self.kv_tokens:
+                    break
             heapq.heappop(self._waiting)
-            extents = joined
+            extents.append((len(sequence.request.prompt_ids), sequence.need))
             joining.append(sequence)
             self.stats.admitted.append((self.stats.steps, sequence.request.key))
         return joining

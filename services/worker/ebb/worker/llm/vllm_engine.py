@@ -17,15 +17,12 @@ or vLLM's CPU build); `engine_args` are given to `vllm.LLM` as they are.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .engine import Call, EngineError, Generation, GenerationRequest, StepLoop
 from .prompts import Prompt, PromptCodec
-
-log = logging.getLogger(__name__)
 
 ABORTS = 3
 """Times one request vLLM aborted is sent again before the engine has failed."""
@@ -77,6 +74,8 @@ class VLLMEngine(StepLoop):
         """By the request's id as vLLM's outputs name it: the request, its call, its aborts."""
         self._internal: dict[str, str] = {}
         """The id vLLM's engine keeps for each (what `abort_request` takes)."""
+        self._per_call: dict[Call, int] = {}
+        """Requests of each call in vLLM: a cancelled call is found among a few, each step."""
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.codec.encode(prompt)
@@ -109,6 +108,7 @@ class VLLMEngine(StepLoop):
         self._new.clear()
         self._running.clear()
         self._internal.clear()
+        self._per_call.clear()
         return calls
 
     def _steps(self) -> None:
@@ -125,8 +125,7 @@ class VLLMEngine(StepLoop):
             again: list[tuple[GenerationRequest, Call, int]] = []
             done: list[tuple[Call, Generation]] = []
             for output in finished:
-                request, call, aborts = self._running.pop(output.request_id)
-                del self._internal[output.request_id]
+                request, call, aborts = self._forget(output.request_id)
                 if call.cancelled:
                     continue
                 generation = self._generation(request, output)
@@ -137,16 +136,13 @@ class VLLMEngine(StepLoop):
                 else:
                     done.append((call, generation))
             self._send(again)
-            cancelled = [i for i, (_, c, _) in self._running.items() if c.cancelled]
-            if cancelled:
-                engine.abort_request([self._internal.pop(i) for i in cancelled], internal=True)
+            if any(c.cancelled for c in self._per_call):
+                cancelled = [i for i, (_, c, _) in self._running.items() if c.cancelled]
+                engine.abort_request([self._internal[i] for i in cancelled], internal=True)
                 for i in cancelled:
-                    del self._running[i]
+                    self._forget(i)
             # The gauges first: a caller that has its last row reads them as they are now.
             self.in_flight = len(self._running)
-            self.held_tokens = sum(
-                len(r.prompt_ids) + r.sampling.max_tokens for r, _, _ in self._running.values()
-            )
             for call, generation in done:
                 call.results.put(generation)
             if self.on_progress is not None:
@@ -169,8 +165,22 @@ class VLLMEngine(StepLoop):
             # unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION), and names its outputs by the id
             # given; `enqueue` answers with the one it keeps.
             given = internal.rsplit("-", 1)[0] if "-" in internal else internal
+            request, call, _ = item
             self._running[given] = item
             self._internal[given] = internal
+            self._per_call[call] = self._per_call.get(call, 0) + 1
+            self.held_tokens += len(request.prompt_ids) + request.sampling.max_tokens
+
+    def _forget(self, given: str) -> tuple[GenerationRequest, Call, int]:
+        """A request no longer in vLLM: out of the books, its tokens off the gauge."""
+        item = self._running.pop(given)
+        del self._internal[given]
+        request, call, _ = item
+        self._per_call[call] -= 1
+        if not self._per_call[call]:
+            del self._per_call[call]
+        self.held_tokens -= len(request.prompt_ids) + request.sampling.max_tokens
+        return item
 
     @staticmethod
     def _params(request: GenerationRequest) -> Any:
