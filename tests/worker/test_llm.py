@@ -18,8 +18,9 @@ from prometheus_client import REGISTRY
 
 from ebb.common.errors import SpecError
 from ebb.common.job import LLMSpec, SamplingSpec, StageSpec
+from ebb.worker.llm.batch import padded_peak
 from ebb.worker.llm.engine import Generation, GenerationRequest, Sampling
-from ebb.worker.llm.hf import TransformersEngine, padded_peak
+from ebb.worker.llm.hf import TransformersEngine
 from ebb.worker.pipeline.front import Pipeline, PipelineConfig
 
 from ..llm_model import build_sliding_llm, build_tiny_llm, corpus

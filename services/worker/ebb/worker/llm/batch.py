@@ -10,6 +10,7 @@ so a sequence's tokens are those it would get alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -63,3 +64,18 @@ class BatchCache:
         """The mask for one more token per sequence (the step's), kept as the new mask."""
         self.mask = F.pad(self.mask, (0, 1), value=1)
         return self.mask
+
+
+def padded_peak(rows: Iterable[tuple[int, int]]) -> int:
+    """The most token slots a left-padded cache of these sequences comes to, each given as
+    (its length now, its prompt plus `max_tokens`), if each runs to its `max_tokens`.
+
+    Every sequence in the cache is padded to the longest one's length, so at a step t from now
+    the cache holds (sequences still running) x (the longest of their lengths now, plus t);
+    each term is largest at the last step of the sequence that finishes next."""
+    peak = longest = 0
+    by_end = sorted(rows, key=lambda r: r[1] - r[0], reverse=True)
+    for count, (length, need) in enumerate(by_end, start=1):
+        longest = max(longest, length)
+        peak = max(peak, count * (longest + need - length))
+    return peak

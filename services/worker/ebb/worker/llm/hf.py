@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from ebb.common import failpoints
 
-from .batch import BatchCache
+from .batch import BatchCache, padded_peak
 from .engine import Call, EngineError, FinishReason, Generation, GenerationRequest, StepLoop
 from .prompts import Prompt, PromptCodec
 from .sampling import RowSampler
@@ -88,21 +88,6 @@ class EngineStats:
         self.recent = deque(maxlen=self.kept)
         self.admitted = deque(maxlen=self.kept)
         self.retired = deque(maxlen=self.kept)
-
-
-def padded_peak(rows: Iterable[tuple[int, int]]) -> int:
-    """The most token slots a left-padded cache of these sequences comes to, each given as
-    (its length now, its prompt plus `max_tokens`), if each runs to its `max_tokens`.
-
-    Every sequence in the cache is padded to the longest one's length, so at a step t from now
-    the cache holds (sequences still running) x (the longest of their lengths now, plus t);
-    each term is largest at the last step of the sequence that finishes next."""
-    peak = longest = 0
-    by_end = sorted(rows, key=lambda r: r[1] - r[0], reverse=True)
-    for count, (length, need) in enumerate(by_end, start=1):
-        longest = max(longest, length)
-        peak = max(peak, count * (longest + need - length))
-    return peak
 
 
 @dataclass(eq=False)
