@@ -173,8 +173,13 @@ class LLMSpec:
         """Batches the stage runs at once: every engine takes the next batch's rows while the
         last of one finish (one queue of requests for both: the transformers engine's step
         loop, a server's pool of requests), so generation never drains between the stage's
-        batches. A `tokenize_only` stage runs no engine: one at a time."""
-        return 1 if self.tokenize_only else 2
+        batches. vLLM in the stage's process four: it keeps `max_in_flight` rows running only
+        while more wait, and rows of spread lengths leave a batch fast (with four batches
+        queued, 4,450 tokens/s against 4,046 with two, 1,536 spread prompts; equal lengths
+        alike). A `tokenize_only` stage runs no engine: one at a time."""
+        if self.tokenize_only:
+            return 1
+        return 4 if self.engine == "vllm" else 2
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -53,7 +53,13 @@ class PipelineConfig:
     def inflight_limit(self) -> int:
         if self.max_inflight:
             return self.max_inflight
-        busy = sum(2 * (s.max_workers or s.workers) * s.rows_per_batch for s in self.stages)
+        # Each stage process's batch and the next; an llm stage's batches at once and the next.
+        busy = sum(
+            (s.llm.concurrent_batches + 1 if s.llm is not None else 2)
+            * (s.max_workers or s.workers)
+            * s.rows_per_batch
+            for s in self.stages
+        )
         return max(busy + 2 * self.frame_size(), 4 * self.frame_size())
 
     def frame_size(self) -> int:
