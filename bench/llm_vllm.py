@@ -28,6 +28,14 @@ engine core in a process of its own, vLLM's default) is given all the prompts in
 both timed as whole calls (first request sent to last answer: the server's meter cannot see
 the offline engine). The offline engine starts once the comparisons above are done, not beside
 them.
+
+Ebb with vLLM in the stage's process (once the server is stopped): four times the prompts
+(1,536) as whole jobs through `engine: vllm` (the
+stack and its workers run from vLLM's venv, where Ebb is installed too, as in a worker image
+with vLLM), 1 and 2 workers, against the same offline engine given every prompt in one
+`generate` call. Steady: tokens over the time from the first worker ready (its stage
+processes started, vLLM loaded: the master is told within half a second) to the job's end,
+the last shard's commit included; the start-up apart.
 """
 
 from __future__ import annotations
@@ -41,14 +49,23 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, Context, Section, ebb_stack, interleaved, median, run_job, spread, table
+from ebb.common.messaging.messages import JobStatus
+
+from .common import REPO, Context, Section, ebb_stack, interleaved, median, spread, table
 from .llm import _workload
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PROMPTS = 384
+IN_STAGE_TIMES = 4
+"""`engine: vllm` jobs run this many times the prompts: vLLM alone makes the 384 prompts' tokens
+in 2 to 3 s here, too short a run for a job's steady state (its first batch read and sent,
+its output written and committed, the master told, all inside the measure): measured so, the
+jobs came to 0.56x (spread) and 0.72x (equal) of vLLM alone. A batch job is thousands of
+prompts or more."""
 CONCURRENCY = (32, 64, 128)
 """Requests in flight tried for vLLM alone; the best is the one compared."""
 
@@ -211,10 +228,47 @@ async def _alone(url: str, rows: list[tuple[list[int], int]], concurrency: int) 
         await asyncio.gather(*(one(p, m) for p, m in rows))
 
 
+@dataclass(frozen=True)
+class JobRun:
+    """One whole job: output tokens, seconds from submit to the end, and from the first worker
+    ready (its stage processes and engine started, as the master was told) to the end."""
+
+    tokens: int
+    seconds: float
+    ready_seconds: float
+
+    @property
+    def whole(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def steady(self) -> float:
+        return self.tokens / self.ready_seconds
+
+
+def _llm(model: Path, engine: str, server_url: str = "") -> dict[str, Any]:
+    """The job's llm stage: through the server (`endpoint`), or vLLM in the stage's process
+    (`vllm`) started as the server is (float32, -O0, 2 GiB of KV cache)."""
+    llm: dict[str, Any] = {
+        "model": str(model),
+        "engine": engine,
+        "per_row": {"max_tokens": "m"},
+    }
+    if engine == "endpoint":
+        llm |= {"endpoint": server_url, "served_model": "bench"}
+    else:
+        llm |= {
+            "dtype": "float32",
+            "engine_args": {"optimization_level": 0, "kv_cache_memory_bytes": 2 << 30},
+        }
+    return llm
+
+
 async def _job(
-    ctx: Context, server: Server, tokenizer: Any, rows: list[tuple[list[int], int]], workers: int
-) -> float:
-    """The prompts as a whole job through the server; its seconds, submit to end."""
+    ctx: Context, llm: dict[str, Any], rows: list[tuple[list[int], int]], workers: int
+) -> JobRun:
+    """The prompts as a whole job on a fresh embedded stack, every other setting at its
+    default."""
     from ebb.common.job import parse_job
 
     folder = ctx.dir("llmvllm") / f"job-{time.monotonic_ns()}"
@@ -230,13 +284,7 @@ async def _job(
                 "stages": [
                     {
                         "name": "gen",
-                        "llm": {
-                            "model": str(server_model(ctx)),
-                            "engine": "endpoint",
-                            "endpoint": server.url,
-                            "served_model": "bench",
-                            "per_row": {"max_tokens": "m"},
-                        },
+                        "llm": llm,
                         "metrics": {"tokens": {"kind": "sum", "column": "output_tokens"}},
                     }
                 ]
@@ -245,8 +293,17 @@ async def _job(
             "resources": {"max_workers": workers},
         }
     )
+    ready_at: list[float] = []
+
+    def seen(status: JobStatus) -> None:
+        if status.workers_ready and not ready_at:
+            ready_at.append(time.perf_counter())
+
     async with ebb_stack(ctx, "llmvllm", max_workers=workers) as (_, client):
-        final, seconds = await run_job(client, spec)
+        started = time.perf_counter()
+        job_id = await client.submit(spec)
+        final = await client.wait(job_id, poll_s=0.1, on_update=seen)
+        ended = time.perf_counter()
     if final.state != "SUCCEEDED":
         raise RuntimeError(f"benchmark job failed: {final.reason}")
     made = int(final.metrics["tokens"])
@@ -254,7 +311,30 @@ async def _job(
     if made != wanted:
         print(f"  the job made {made} tokens of {wanted} asked", file=sys.stderr)
     shutil.rmtree(folder, ignore_errors=True)
-    return seconds
+    return JobRun(made, ended - started, ended - (ready_at[0] if ready_at else started))
+
+
+def _job_in_vllm_venv(
+    ctx: Context, model: Path, rows: list[tuple[list[int], int]], workers: int
+) -> JobRun:
+    """`_job` with `engine: vllm`, run by vLLM's venv's Python (where vLLM and Ebb are both
+    installed, as in a worker image with vLLM): the stack and its workers run from it."""
+    asked = ctx.dir("llmvllm") / f"asked-{time.monotonic_ns()}.json"
+    asked.write_text(
+        json.dumps({"model": str(model), "rows": rows, "workers": workers, "dir": str(ctx.workdir)})
+    )
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "bench.llm_vllm", str(asked)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    asked.unlink()
+    for line in done.stdout.splitlines():
+        if line.startswith("ANSWER "):
+            return JobRun(**json.loads(line.removeprefix("ANSWER ")))
+    raise RuntimeError(f"the engine: vllm job failed: {done.stderr[-3000:]}")
 
 
 def _in_process(
@@ -317,6 +397,64 @@ def _in_process(
         own_core.close()
 
 
+def _ebb_in_process(
+    ctx: Context,
+    offline: Offline,
+    model_dir: Path,
+    shape: str,
+    rows: list[tuple[list[int], int]],
+    tables: list[str],
+    summary: dict[str, float],
+) -> None:
+    """Whole `ebb run` jobs through `engine: vllm` (1 and 2 workers) against vLLM's offline
+    engine given every prompt in one `generate` call: tokens/s from the first worker ready
+    (its engine started) to the job's end, against the call's; the jobs' start-up apart."""
+    jobs: dict[int, list[JobRun]] = {1: [], 2: []}
+
+    def ebb(w: int) -> Any:
+        def measure() -> float:
+            job = _job_in_vllm_venv(ctx, model_dir, rows, w)
+            jobs[w].append(job)
+            return job.steady
+
+        return measure
+
+    alone = "vLLM alone, in-process (`LLM.generate`, one call)"
+    results = interleaved(
+        {
+            alone: lambda: offline.rate(rows),
+            "Ebb, `engine: vllm`, 1 worker": ebb(1),
+            "Ebb, `engine: vllm`, 2 workers": ebb(2),
+        },
+        ctx.repeats,
+        ctx.log,
+    )
+    base = median(results[alone])
+    out = [[alone, spread(results[alone]), "1.00x", "", f"{offline.load_s:.0f} s (load)"]]
+    for w, runs in jobs.items():
+        name = f"Ebb, `engine: vllm`, {w} worker{'s' if w > 1 else ''}"
+        out.append(
+            [
+                name,
+                spread(results[name]),
+                f"{median(results[name]) / base:.2f}x",
+                spread([j.whole for j in runs]),
+                f"{median([j.seconds - j.ready_seconds for j in runs]):.0f} s",
+            ]
+        )
+        summary[f"{shape}: Ebb engine: vllm {w} worker(s) / vLLM in-process"] = (
+            median(results[name]) / base
+        )
+    tables.append(
+        f"**{shape}, Ebb with vLLM in the stage's process** (steady: from the first worker "
+        "ready, its engine started, to the job's end; whole: from submit)\n\n"
+        + table(
+            ["variant", "output tokens/s, steady", "vs vLLM alone", "whole job", "start-up"],
+            out,
+        )
+    )
+
+
 def server_model(ctx: Context) -> Path:
     return ctx.dir("llmvllm") / "model"
 
@@ -362,11 +500,11 @@ def run(ctx: Context) -> Section:
                 whole: dict[int, list[float]] = whole,
             ) -> Any:
                 def measure() -> float:
+                    llm = _llm(server_model(ctx), "endpoint", server.url)
                     with TokenMeter(server.port) as meter:
-                        seconds = asyncio.run(_job(ctx, server, tokenizer, rows, w))
-                    tokens, rate = meter.steady()
-                    whole[w].append(tokens / seconds)
-                    return rate
+                        job = asyncio.run(_job(ctx, llm, rows, w))
+                    whole[w].append(job.whole)
+                    return meter.steady()[1]
 
                 return measure
 
@@ -407,6 +545,16 @@ def run(ctx: Context) -> Section:
             )
         if not ctx.smoke:  # a second vLLM engine is more than the suite's smoke run needs
             _in_process(ctx, server, model_dir, tokenizer, n, best_concurrency, tables, summary)
+    if not ctx.smoke:
+        # Once the server is gone: nothing runs beside these but what they are compared with.
+        offline = Offline(model_dir, ctx.dir("llmvllm"))
+        try:
+            for shape in best_concurrency:
+                rows = _workload(tokenizer, shape, n * IN_STAGE_TIMES, cap=1 << 30)
+                offline.rate(rows)  # warm
+                _ebb_in_process(ctx, offline, model_dir, shape, rows, tables, summary)
+        finally:
+            offline.close()
     notes.append(
         f"{n} prompts, a {layers}-layer model of hidden size {hidden}, vLLM {'-O0'} in float32 "
         "on the CPU (it binds its engine to one core and keeps the other); Ebb's job as a user "
@@ -421,3 +569,18 @@ def run(ctx: Context) -> Section:
         summary=summary,
         notes=notes,
     )
+
+
+def _main(asked_file: str) -> None:
+    """`python -m bench.llm_vllm ASKED.json`, by vLLM's venv's Python: one `engine: vllm`
+    job (`_job_in_vllm_venv`); prints `ANSWER {JobRun}`."""
+    asked = json.loads(Path(asked_file).read_text())
+    ctx = Context(quick=False, workdir=Path(asked["dir"]), docs=Path(asked["dir"]))
+    rows = [(list(p), int(m)) for p, m in asked["rows"]]
+    llm = _llm(Path(asked["model"]), "vllm")
+    job = asyncio.run(_job(ctx, llm, rows, int(asked["workers"])))
+    print("ANSWER " + json.dumps(job.__dict__), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
