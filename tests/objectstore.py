@@ -208,22 +208,25 @@ class MotoS3:
     """moto's S3 server on a free loopback port: in a thread of this process, or (`process`)
     as a process of its own, so that its work does not share this process's GIL."""
 
-    def __init__(self, *, process: bool = False) -> None:
+    def __init__(self, *, process: bool = False, host: str = "127.0.0.1") -> None:
+        """`host`: the address it listens on (another than loopback for pods on the suite's
+        nodes, which reach this host at their bridge's address)."""
+        self.host = host
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._process: subprocess.Popen[bytes] | None = None
         self._server: Any = None
         if not process:
             from moto.server import ThreadedMotoServer
 
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+            self._server = ThreadedMotoServer(ip_address=host, port=self.port, verbose=False)
 
     def start(self) -> MotoS3:
         if self._server is not None:
             self._server.start()
             return self
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -231,7 +234,7 @@ class MotoS3:
         while time.monotonic() < deadline:
             with (
                 contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
+                socket.create_connection((self.host, self.port), timeout=0.2),
             ):
                 return self
             time.sleep(0.05)

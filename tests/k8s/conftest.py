@@ -1,12 +1,14 @@
-"""Fixtures: a started fake API server, and a real client pointed at it; a real shard
-master, a client of it, and controller harnesses on the fake server.
+"""Fixtures: a control plane built from Kubernetes' own code (one per module that asks:
+`control_plane`); a started fake API server, and a real client pointed at it; a real
+shard master, a client of it, and controller harnesses on the fake server.
 
 `@pytest.mark.kube(run_kubelet=False, history_limit=5, ...)` passes options to FakeKubeAPI.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import shutil
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from nats.aio.client import Client as NATS
 from ebb.client.sdk import EbbClient
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.shard_master.service import MasterConfig
+from tests.controlplane import ControlPlane
 from tests.helpers import ASSETS
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, Harness
@@ -27,6 +30,21 @@ from tests.shard_master.test_master import Master
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kube(**options): options for the FakeKubeAPI fixture")
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, kube-controller-manager and kube-scheduler of one release, built
+    once per machine (tests/controlplane/build.sh, `make test`), with no nodes: one for each
+    module that asks (started in seconds), so that no module sees another's objects."""
+    if shutil.which("go") is None:
+        pytest.skip("go not found: the control plane cannot be built on this machine")
+    plane = ControlPlane(tmp_path_factory.mktemp("controlplane"))
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
-"""The Kubernetes backend against a real cluster. Skipped unless EBB_TEST_CLUSTER=1.
+"""The Kubernetes backend against a real cluster: the suite's control plane (built from
+Kubernetes' own code, tests/controlplane), or with EBB_TEST_CLUSTER=1 the cluster of the
+current kubeconfig context (or KUBECONFIG).
 
-It uses the current kubeconfig context (or KUBECONFIG) and works in a namespace of its own,
-deleted at the end. It needs rights to create namespaces, pods and leases there, and to list
-nodes and pods. The worker pod runs EBB_TEST_IMAGE (default ebb:latest) against no NATS: the
-test only needs it to exist, be seen, and be drained.
+It works in a namespace of its own, deleted at the end. On a cluster of yours it needs rights
+to create namespaces, pods and leases there, and to list nodes and pods. The worker pod runs
+EBB_TEST_IMAGE (default ebb:latest) against no NATS: the test only needs it to exist, be seen,
+and be drained.
 
     EBB_TEST_CLUSTER=1 EBB_TEST_IMAGE=registry.example/ebb:dev pytest tests/k8s/test_real_cluster.py
 """
@@ -25,15 +27,29 @@ from ebb.common.messaging.messages import JobStatus
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube.backend import KubeConfig, KubernetesBackend, pod_name
+from tests.controlplane import ControlPlane
 from tests.helpers import wait_until
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def plane(request: pytest.FixtureRequest) -> ControlPlane | None:
+    """The suite's control plane, unless EBB_TEST_CLUSTER names the kubeconfig's cluster."""
+    if os.environ.get("EBB_TEST_CLUSTER"):
+        return None
+    found: ControlPlane = request.getfixturevalue("control_plane")
+    return found
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[ApiClient]:
-    await kube_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-    async with ApiClient() as client:
+async def api(plane: ControlPlane | None) -> AsyncIterator[ApiClient]:
+    if plane is None:
+        await kube_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+        async with ApiClient() as client:
+            yield client
+        return
+    async with plane.api_client() as client:
         yield client
 
 
@@ -42,6 +58,18 @@ async def namespace(api: ApiClient) -> AsyncIterator[str]:
     name = f"ebb-test-{uuid.uuid4().hex[:8]}"
     core: Any = CoreV1Api(api)
     await core.create_namespace({"metadata": {"name": name}})
+
+    async def has_default_account() -> bool:
+        # Made by the controller manager a moment after the namespace: pods wait for it.
+        try:
+            await core.read_namespaced_service_account("default", name)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    await wait_until(has_default_account, timeout=60, what="the default ServiceAccount")
     try:
         yield name
     finally:
