@@ -52,20 +52,22 @@ def installed(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     (everything goes there), NATS's claim bound to a hostPath PersistentVolume."""
     plane = control_plane
     root = Path("/var/lib/ebb-test-kubelet") / uuid.uuid4().hex[:8]
-    with NodesThread(
-        plane,
-        make=lambda api: ProcessNodes(
-            api, {"node-a": {"ebb.io/pool": "offline"}}, root=root, apiserver_port=plane.port
-        ),
-    ):
-        try:
-            prepare_install(plane, root / "install", gateway_key=KEY)
-            _kubectl_ok(plane, "apply", "-k", str(OVERLAY))
-            yield plane
-        finally:
-            # Deleted while the node still runs them: each pod stopped in its grace period.
-            plane.kubectl("delete", "namespace", NS, "--timeout=120s", check=False)
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        with NodesThread(
+            plane,
+            make=lambda api: ProcessNodes(
+                api, {"node-a": {"ebb.io/pool": "offline"}}, root=root, apiserver_port=plane.port
+            ),
+        ):
+            try:
+                prepare_install(plane, root / "install", gateway_key=KEY)
+                _kubectl_ok(plane, "apply", "-k", str(OVERLAY))
+                yield plane
+            finally:
+                # Deleted while the node still runs them: each pod stopped in its grace period.
+                plane.kubectl("delete", "namespace", NS, "--timeout=120s", check=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
