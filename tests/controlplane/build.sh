@@ -10,7 +10,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 release="$(cd "$here" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
 cache="${EBB_CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ebb/controlplane}"
-bin="$cache/$release-$(sha256sum "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-12)/bin"
+bin="$cache/$release-$(cat "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-12)/bin"  # contents only: every clone shares it
 operator=github.com/prometheus-operator/prometheus-operator@v0.85.0
 wanted=(etcd kube-apiserver kube-controller-manager kube-scheduler)
 have=1
