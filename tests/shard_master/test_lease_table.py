@@ -480,6 +480,31 @@ async def test_status_comes_a_page_at_a_time_in_id_order(tmp_path: Path) -> None
     assert [j.id for j in last.jobs] == ["job-4"] and last.next == ""
 
 
+async def test_a_lease_renewed_without_a_write_still_expires_when_its_worker_goes_silent(
+    tmp_path: Path,
+) -> None:
+    """A renewal early in the lease is not written to KV (PERSISTED_PERIODS), but it still
+    moves the deadline the reaper waits for: a worker killed right after it loses the lease a
+    period later, not never (the shard would stay DOING and its job never end)."""
+    store, clock = MemoryStore(), Clock()
+    table = new_table(store, clock)
+    spec = make_job(tmp_path, shards=1, lease_s=30, max_attempts=3)
+    assert await table.intake.submit(spec)
+    job = table.jobs[spec.id]
+    held = await table.lease(spec.id, "w1")
+    written = store.shards[shard_key(spec.id, 0)][1]
+    clock.now += 10
+    await table.renew(held.token)  # a third of the way in: not written
+    assert store.shards[shard_key(spec.id, 0)][1] == written
+    clock.now += 20.1  # the first deadline passes: renewed, not due
+    assert await table.reaper.expire_due() == 0
+    assert table.expiries.next_expiry() == pytest.approx(clock.now + 9.9)
+    clock.now += 10  # the worker said nothing since: the renewed deadline passes
+    assert await table.reaper.expire_due() == 1
+    assert job.shards[0].record.state == "TODO"
+    assert job.shards[0].record.errors == ["lease of attempt 1 expired (worker w1)"]
+
+
 async def test_an_expiry_the_store_refuses_is_retried_later_not_at_once(tmp_path: Path) -> None:
     """A NATS server down or a stream electing its leader: the expiry is kept and tried
     again after a backoff that grows, not in a loop that spins the master."""
