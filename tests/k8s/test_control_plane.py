@@ -11,10 +11,11 @@ namespace, the NATS Secrets from k8s/make-secrets.sh, then `kubectl apply -k k8s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ebb.common.messaging.messages import JobStatus
 from ebb.common.messaging.natsconfig import NatsConfig
-from ebb.controller.kube.backend import KubeConfig, KubernetesBackend, pod_name
+from ebb.controller.kube.backend import REMOVED, KubeConfig, KubernetesBackend, pod_name
 from tests.controlplane import ControlPlane, prepare_install, rolled_out
 from tests.controlplane.nodes import NodesThread
 from tests.helpers import wait_until
@@ -138,6 +139,25 @@ def _backend_config(namespace: str = NS) -> KubeConfig:
     )
 
 
+@contextlib.asynccontextmanager
+async def _controller(plane: ControlPlane) -> AsyncIterator[tuple[KubernetesBackend, CoreV1Api]]:
+    """The controller's backend as the ebb-controller ServiceAccount (a token the API server
+    signed), its informers running and the nodes listed; and the admin's client."""
+    async with (
+        plane.api_client(_token(plane, CONTROLLER)) as api,
+        plane.api_client() as admin,
+    ):
+        backend = KubernetesBackend(_backend_config(), api)
+        agents = [asyncio.create_task(a) for a in backend.agents().values()]
+        try:
+            await wait_until(lambda: len(backend.nodes.items) == 3, timeout=60, what="nodes")
+            yield backend, CoreV1Api(admin)
+        finally:
+            for agent in agents:
+                agent.cancel()
+            await asyncio.gather(*agents, return_exceptions=True)
+
+
 async def test_the_controller_with_k8s_rbac_launches_sees_and_drains_a_worker(
     deployed: ControlPlane,
 ) -> None:
@@ -147,44 +167,75 @@ async def test_the_controller_with_k8s_rbac_launches_sees_and_drains_a_worker(
     plane = deployed
     worker = f"w-{uuid.uuid4().hex[:6]}"
     name = pod_name(worker)
-    async with (
-        plane.api_client(_token(plane, CONTROLLER)) as api,
-        plane.api_client() as admin,
-    ):
-        backend = KubernetesBackend(_backend_config(), api)
-        agents = [asyncio.create_task(a) for a in backend.agents().values()]
-        try:
-            await wait_until(lambda: len(backend.nodes.items) == 3, timeout=60, what="nodes")
-            job = JobStatus(id=f"t{uuid.uuid4().hex[:8]}", name="plane", state="RUNNING")
+    async with _controller(plane) as (backend, admin):
+        job = JobStatus(id=f"t{uuid.uuid4().hex[:8]}", name="plane", state="RUNNING")
+        await backend.launch(job, worker)
+
+        async def running() -> bool:
+            return any(w.id == name and w.phase == "running" for w in await backend.observe())
+
+        await wait_until(running, timeout=60, what="the worker pod running")
+        pod = await admin.read_namespaced_pod(name, NS)
+        assert pod.spec.node_name in ("offline-0", "offline-1")
+        assert pod.spec.priority_class_name == "ebb-batch"
+        assert pod.metadata.labels["ebb.io/job"] == job.id
+        await backend.terminate(name, grace_s=5)
+
+        async def gone() -> bool:
+            try:
+                await admin.read_namespaced_pod(name, NS)
+            except ApiException as e:
+                return e.status == 404
+            return False
+
+        await wait_until(gone, timeout=60, what="the worker pod deleted")
+        await wait_until(
+            lambda: not any(p["metadata"]["name"] == name for p in backend.workers.values()),
+            timeout=30,
+            what="the informer told of the deletion",
+        )
+
+
+async def test_a_worker_pod_deleted_by_force_is_reported_lost_once_and_one_forgotten_is_not(
+    deployed: ControlPlane,
+) -> None:
+    """`kubectl delete pod --grace-period=0 --force` removes a running worker's pod from the
+    API at once, with no terminal status: the backend reports the worker failed for want of
+    capacity (nobody's fault: the master frees its shards now, not when their leases run
+    out), once. A pod the controller deleted itself (`forget`, after it ended) is not news."""
+    plane = deployed
+    job = JobStatus(id=f"t{uuid.uuid4().hex[:8]}", name="plane", state="RUNNING")
+    forced, forgotten = f"w-{uuid.uuid4().hex[:6]}", f"w-{uuid.uuid4().hex[:6]}"
+    async with _controller(plane) as (backend, admin):
+        for worker in (forced, forgotten):
             await backend.launch(job, worker)
 
-            async def running() -> bool:
-                return any(w.id == name and w.phase == "running" for w in await backend.observe())
+        async def phases() -> dict[str, str]:
+            return {w.id: w.phase for w in await backend.observe() if w.job == job.id}
 
-            await wait_until(running, timeout=60, what="the worker pod running")
-            pod = await CoreV1Api(admin).read_namespaced_pod(name, NS)
-            assert pod.spec.node_name in ("offline-0", "offline-1")
-            assert pod.spec.priority_class_name == "ebb-batch"
-            assert pod.metadata.labels["ebb.io/job"] == job.id
-            await backend.terminate(name, grace_s=5)
+        async def both_running() -> bool:
+            found = await phases()
+            return found.get(pod_name(forced)) == found.get(pod_name(forgotten)) == "running"
 
-            async def gone() -> bool:
-                try:
-                    await CoreV1Api(admin).read_namespaced_pod(name, NS)
-                except ApiException as e:
-                    return e.status == 404
-                return False
+        await wait_until(both_running, timeout=60, what="both workers running")
+        await admin.delete_namespaced_pod(pod_name(forced), NS, grace_period_seconds=0)
+        await backend.forget(forgotten)
 
-            await wait_until(gone, timeout=60, what="the worker pod deleted")
-            await wait_until(
-                lambda: not any(p["metadata"]["name"] == name for p in backend.workers.values()),
-                timeout=30,
-                what="the informer told of the deletion",
+        reports: list[tuple[str, str, str | None, str]] = []
+
+        async def both_gone() -> bool:
+            reports.extend(
+                (w.id, w.phase, w.failure, w.reason)
+                for w in await backend.observe()
+                if w.job == job.id
             )
-        finally:
-            for agent in agents:
-                agent.cancel()
-            await asyncio.gather(*agents, return_exceptions=True)
+            names = {p["metadata"]["name"] for p in backend.workers.values()}
+            return not names & {pod_name(forced), pod_name(forgotten)}
+
+        await wait_until(both_gone, timeout=60, what="both pods gone from the informer")
+        reports.extend((w.id, w.phase, w.failure, w.reason) for w in await backend.observe())
+        lost = [r for r in reports if r[1] == "failed"]
+        assert lost == [(pod_name(forced), "failed", "capacity", REMOVED)]
 
 
 @pytest.fixture

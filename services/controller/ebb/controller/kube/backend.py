@@ -34,14 +34,14 @@ from ..backend import Capacity, Phase, WorkerInfo, job_environment
 from ..groups import group_key, job_spec, tier_resources
 from ..policy.avoidance import NodeAvoidance
 from ..policy.capacity import Bin, Resources, add
-from ..policy.failures import classify
+from ..policy.failures import Failure, classify
 from ..policy.pools import MIXED, OFFLINE
 from ..policy.tidal import LABEL as TIDAL
 from ..policy.tidal import ForecastTide, Tide
 from .config import KubeConfig
 from .credentials import CredentialIssuer
 from .harvest import TidalHarvester
-from .informer import Informer
+from .informer import Informer, Obj
 from .placement import Placement
 from .placer import Placer
 from .podspec import (
@@ -60,6 +60,8 @@ __all__ += ["KubernetesBackend"]
 __all__ += ["from_cluster", "pod_name", "repository", "running_image", "selector_matches"]
 
 log = logging.getLogger(__name__)
+
+REMOVED = "its pod was removed before it ended (deleted by force, or with its node)"
 
 
 def repository(image: str) -> str:
@@ -152,7 +154,13 @@ class KubernetesBackend:
             lambda **kw: self.core.list_namespaced_pod(ns, **kw),
             label_selector=f"{APP_LABEL}={APP}",
             on_change=self.changed.set,
+            on_delete=self._removed_pod,
         )
+        self._removed: dict[str, Obj] = {}
+        """Worker pods removed from the API since the last pass, as they last were, but those
+        this controller removed itself (`forget`)."""
+        self._forgotten: set[str] = set()
+        """Pods `forget` deleted, until their removal is seen."""
         self.harvester: TidalHarvester | None = None
         """The tide: lends and reclaims mixed nodes (None: no tidal config)."""
         if config.tidal is not None:
@@ -198,8 +206,23 @@ class KubernetesBackend:
         if self.credentials is not None:
             await self.credentials.repair(pods)
         self.placer.note_pods(pods, map(NodeView, self.nodes.values()))
-        for pod in pods:
+        # Pods removed since the last pass that it never saw end. One removed before it ended
+        # (deleted by force: its processes killed, or soon to be; or with its node) is lost
+        # to the cluster: its shards are nobody's fault, and the master frees them now rather
+        # than when their leases run out. One that drained and exited 0 is a drain. One that
+        # failed as it was told to go is left to its leases: its end says nothing sure.
+        current = {pod.name for pod in pods}
+        removed = [
+            PodView(o)
+            for name, o in self._removed.items()
+            if name not in current and PodView(o).phase != "Failed"
+        ]
+        gone = {pod.name for pod in removed}
+        self._removed.clear()
+        for pod in [*pods, *removed]:
             failure = classify(pod.obj)
+            if failure is None and pod.name in gone and pod.phase != "Succeeded":
+                failure = Failure("capacity", REMOVED)
             phase: Phase
             if pod.phase == "Succeeded":
                 phase = "succeeded"
@@ -342,7 +365,17 @@ class KubernetesBackend:
         await self.delete_pod(worker_id, grace_s=int(grace_s))
 
     async def forget(self, worker_id: str) -> None:
+        name = pod_name(worker_id)
+        if f"{self.config.namespace}/{name}" in self.workers.items:
+            self._forgotten.add(name)  # its removal is ours, not news
         await self.delete_pod(worker_id, grace_s=0)
+
+    def _removed_pod(self, obj: Obj) -> None:
+        name = PodView(obj).name
+        if name in self._forgotten:
+            self._forgotten.discard(name)
+        else:
+            self._removed[name] = obj
 
     async def close(self, *, grace_s: float) -> None:
         """Worker pods outlive the controller: the next one adopts them."""

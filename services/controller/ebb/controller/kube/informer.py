@@ -47,6 +47,7 @@ class Informer:
         label_selector: str | None = None,
         field_selector: str | None = None,
         on_change: Callable[[], None] = lambda: None,
+        on_delete: Callable[[Obj], None] = lambda obj: None,
         watch_timeout_s: int = 300,
         backoff: Backoff | None = None,
     ) -> None:
@@ -58,6 +59,9 @@ class Informer:
         if field_selector:
             self._selectors["field_selector"] = field_selector
         self._on_change = on_change
+        self._on_delete = on_delete
+        """Told of each object a watch says was deleted, as it was last (a relist after a
+        410 tells no one: what vanished meanwhile just leaves the cache)."""
         self._watch_timeout_s = watch_timeout_s
         self._backoff = backoff or Backoff(first_s=0.2, max_s=30.0)
         self.items: dict[str, Obj] = {}
@@ -144,6 +148,7 @@ class Informer:
             return
         if kind == "DELETED":
             self.items.pop(key(obj), None)
+            self._on_delete(obj)
         else:
             self.items[key(obj)] = obj
         self._on_change()
