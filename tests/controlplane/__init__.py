@@ -270,6 +270,13 @@ def prepare_install(plane: ControlPlane, folder: Path, *, gateway_key: str = "")
             raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr}")
 
     ok("create", "namespace", "ebb")
+    # The ServiceAccount controller makes the namespace's `default` account a moment later;
+    # until then the API server refuses pods that would run as it (as any cluster does).
+    deadline = time.monotonic() + 60
+    while plane.kubectl("-n", "ebb", "get", "serviceaccount", "default", check=False).returncode:
+        if time.monotonic() > deadline:
+            raise RuntimeError("namespace ebb got no default ServiceAccount in 60 s")
+        time.sleep(0.2)
     secrets = subprocess.run(
         ["sh", str(REPO / "k8s" / "make-secrets.sh")],
         env={**os.environ, "PYTHON": sys.executable},

@@ -96,6 +96,10 @@ def entrypoint(image: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+class _Missing(LookupError):
+    """A Secret or ConfigMap a pod needs does not exist (yet)."""
+
+
 @dataclass
 class _Container:
     spec: dict[str, Any]
@@ -206,9 +210,11 @@ class PodRun:
             data |= {k: base64.b64decode(v) for k, v in (found.binary_data or {}).items()}
             return data
         except ApiException as e:
-            if e.status == 404 and optional:
+            if e.status != 404:
+                raise
+            if optional:
                 return None
-            raise
+            raise _Missing(f"{kind} {self.meta['namespace']}/{name} not found") from None
 
     @staticmethod
     def _write_items(
@@ -355,6 +361,28 @@ class PodRun:
         path.write_text("\n".join(lines) + "\n")
         return path
 
+    async def _prepare(self) -> dict[str, Path]:
+        """Volumes and environment, then each container's start script. A Secret or ConfigMap
+        the pod needs (not `optional`) that does not exist yet keeps the pod waiting, tried
+        again each second, as a kubelet does (ContainerCreating, a FailedMount event): Ebb's
+        controller creates a worker's credential Secret only once the pod exists."""
+        waiting = False
+        while True:
+            try:
+                volumes = await self._volumes()
+                return {
+                    name: self._script(c.spec, volumes, await self._environment(c.spec))
+                    for name, c in self.containers.items()
+                }
+            except _Missing as e:
+                if not waiting:
+                    waiting = True
+                    for c in self.containers.values():
+                        c.waiting = "ContainerCreating"
+                    log.info("pod %s/%s waits: %s", *self.key, e)
+                    await self._status(phase="Pending")
+                await asyncio.sleep(1.0)
+
     async def _launch(self, c: _Container, script: Path) -> None:
         logfile = (self.root / f"{c.spec['name']}.log").open("ab")
         try:
@@ -389,11 +417,8 @@ class PodRun:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "hosts").write_text(self.node.proxy.hosts(self.meta["namespace"]))
         self._network()
-        volumes = await self._volumes()
-        scripts = {}
+        scripts = await self._prepare()
         for name, c in self.containers.items():
-            env = await self._environment(c.spec)
-            scripts[name] = self._script(c.spec, volumes, env)
             await self._launch(c, scripts[name])
         await self._status()
         policy = self.pod["spec"].get("restartPolicy", "Always")
