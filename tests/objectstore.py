@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import re
 import socket
@@ -20,9 +21,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+from ebb.common.data.layout import COMMITS_DIR, MANIFEST
 
 from .helpers import free_port
 
@@ -307,3 +313,40 @@ def s3(endpoint: str) -> Any:
         client_kwargs={"endpoint_url": endpoint, "region_name": REGION},
         skip_instance_cache=True,
     )
+
+
+def upload(fs: Any, local: Path, remote: str) -> None:
+    """Every file of the folder `local` to `remote` (bucket/prefix)."""
+    for path in sorted(local.iterdir()):
+        fs.pipe_file(f"{remote}/{path.name}", path.read_bytes())
+
+
+def _read(data: bytes, path: str) -> pa.Table:
+    if path.endswith(".jsonl"):
+        return pa.Table.from_pylist([json.loads(line) for line in data.splitlines()])
+    return pq.read_table(io.BytesIO(data))
+
+
+def _output(fs: Any, root: str) -> tuple[pa.Table, dict[str, Any]]:
+    manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
+    tables = [_read(fs.cat_file(f"{root}/{f['path']}"), f["path"]) for f in manifest["files"]]
+    return pa.concat_tables(tables, promote_options="default"), manifest
+
+
+def output_commits(fs: Any, root: str) -> list[dict[str, Any]]:
+    return [json.loads(fs.cat_file(p)) for p in fs.find(f"{root}/{COMMITS_DIR}")]
+
+
+def assert_exactly_once(fs: Any, root: str, rows: int) -> pa.Table:
+    """The job's output at `root` (bucket/prefix) holds ids 0..rows-1 each once, its manifest
+    lists exactly the committed files, each whole; the output as one table."""
+    fs.invalidate_cache()
+    table, manifest = _output(fs, root)
+    ids = [int(i) for i in table.column("id").to_pylist() if i is not None]
+    assert len(ids) == table.num_rows
+    assert sorted(ids) == list(range(rows)), "every id exactly once"
+    committed = {f["path"] for record in output_commits(fs, root) for f in record["files"]}
+    assert {f["path"] for f in manifest["files"]} == committed
+    for f in manifest["files"]:  # every listed object is whole
+        assert fs.info(f"{root}/{f['path']}")["size"] > 0
+    return table

@@ -22,7 +22,7 @@ import pytest
 from ebb.client.sdk import EbbClient
 from ebb.client.stack import LocalStack, StackConfig
 from ebb.common import envvars
-from ebb.common.data.layout import COMMITS_DIR, MANIFEST, OutputFile
+from ebb.common.data.layout import MANIFEST, OutputFile
 from ebb.common.data.output import OutputStore, new_commit
 from ebb.common.data.storage import STORE_RETRIES, RetryPolicy, StoreError, retrying
 from ebb.common.job import parse_job
@@ -35,10 +35,13 @@ from ..objectstore import (
     Fault,
     FaultyProxy,
     MotoS3,
+    assert_exactly_once,
     create_bucket,
     environment,
+    output_commits,
     s3,
     s3_environment,
+    upload,
 )
 
 
@@ -287,40 +290,6 @@ async def client(stack: LocalStack) -> AsyncIterator[EbbClient]:
         await c.close()
 
 
-def _upload(fs: Any, local: Path, remote: str) -> None:
-    for path in sorted(local.iterdir()):
-        fs.pipe_file(f"{remote}/{path.name}", path.read_bytes())
-
-
-def _read(data: bytes, path: str) -> pa.Table:
-    if path.endswith(".jsonl"):
-        return pa.Table.from_pylist([json.loads(line) for line in data.splitlines()])
-    return pq.read_table(io.BytesIO(data))
-
-
-def _output(fs: Any, root: str) -> tuple[pa.Table, dict[str, Any]]:
-    manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
-    tables = [_read(fs.cat_file(f"{root}/{f['path']}"), f["path"]) for f in manifest["files"]]
-    return pa.concat_tables(tables, promote_options="default"), manifest
-
-
-def _commits(fs: Any, root: str) -> list[dict[str, Any]]:
-    return [json.loads(fs.cat_file(p)) for p in fs.find(f"{root}/{COMMITS_DIR}")]
-
-
-def _assert_exactly_once(fs: Any, root: str, rows: int) -> pa.Table:
-    fs.invalidate_cache()
-    table, manifest = _output(fs, root)
-    ids = [int(i) for i in table.column("id").to_pylist() if i is not None]
-    assert len(ids) == table.num_rows
-    assert sorted(ids) == list(range(rows)), "every id exactly once"
-    committed = {f["path"] for record in _commits(fs, root) for f in record["files"]}
-    assert {f["path"] for f in manifest["files"]} == committed
-    for f in manifest["files"]:  # every listed object is whole
-        assert fs.info(f"{root}/{f['path']}")["size"] > 0
-    return table
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_parquet_job_from_s3_to_s3_under_faults_exactly_once(
@@ -329,7 +298,7 @@ async def test_a_parquet_job_from_s3_to_s3_under_faults_exactly_once(
     rows = 12_000
     fs = s3(proxy.url)
     write_dataset(tmp_path / "data", rows=rows, files=2, row_group_size=1_000)
-    _upload(fs, tmp_path / "data", f"{bucket}/in")
+    upload(fs, tmp_path / "data", f"{bucket}/in")
     write_model(tmp_path / "model.onnx")
     fs.pipe_file(f"{bucket}/models/model.onnx", (tmp_path / "model.onnx").read_bytes())
     spec = job_spec(
@@ -348,7 +317,7 @@ async def test_a_parquet_job_from_s3_to_s3_under_faults_exactly_once(
     final = await client.wait(await client.submit(parse_job(spec)))
     assert final.state == "SUCCEEDED", final.reason
     assert (final.rows_done, final.error_rows) == (rows, 0)
-    table = _assert_exactly_once(fs, f"{bucket}/out", rows)
+    table = assert_exactly_once(fs, f"{bucket}/out", rows)
     assert table.column("_error").null_count == rows
     assert all(f.hits == f.times for f in proxy.faults), "every fault was met and overcome"
     # Two workers loaded the model; the store served it once: the node's cache did the rest.
@@ -379,7 +348,7 @@ async def test_a_csv_job_from_s3_to_jsonl_files_on_s3_exactly_once(
     spec["output"].update(format="jsonl", max_rows_per_file=300)
     final = await client.wait(await client.submit(parse_job(spec)))
     assert final.state == "SUCCEEDED", final.reason
-    out = _assert_exactly_once(fs, f"{bucket}/out", rows)
+    out = assert_exactly_once(fs, f"{bucket}/out", rows)
     manifest = json.loads(fs.cat_file(f"{bucket}/out/{MANIFEST}"))
     assert all(f["path"].endswith(".jsonl") and f["rows"] <= 300 for f in manifest["files"])
     assert len(manifest["files"]) > final.shards["DONE"]  # shards of ~700 rows in parts
@@ -405,7 +374,7 @@ async def test_a_worker_killed_mid_upload_leaves_nothing_the_manifest_lists(
     rows = 8_000
     fs = s3(proxy.url)
     write_dataset(tmp_path / "data", rows=rows, row_group_size=1_000)
-    _upload(fs, tmp_path / "data", f"{bucket}/in")
+    upload(fs, tmp_path / "data", f"{bucket}/in")
     write_model(tmp_path / "model.onnx")
     spec = job_spec(
         tmp_path,
@@ -436,12 +405,12 @@ async def test_a_worker_killed_mid_upload_leaves_nothing_the_manifest_lists(
     proxy.release_stalled()
     assert final.state == "SUCCEEDED", final.reason
     root = f"{bucket}/out"
-    _assert_exactly_once(fs, root, rows)
+    assert_exactly_once(fs, root, rows)
     killed_path = f"data/shard={shard:05d}/attempt={attempt}/"
     manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
     assert not any(f["path"].startswith(killed_path) for f in manifest["files"])
     # No commit record for the killed attempt: its shard was won by another attempt.
-    records = {r["shard"]: r for r in _commits(fs, root)}
+    records = {r["shard"]: r for r in output_commits(fs, root)}
     assert (records[shard]["attempt"], records[shard]["worker"]) != (attempt, worker)
     assert not fs.exists(f"{root}/{killed_path}part-00000.parquet")
 
