@@ -1,12 +1,13 @@
-"""A Kubernetes backend wired to the fake API server and a shard master (a real one, or one
-whose answers a test scripts) over a real NATS server, for tests."""
+"""A Kubernetes backend wired to an API server (the fake one, or a control plane built from
+Kubernetes' own code) and a shard master (a real one, or one whose answers a test scripts)
+over a real NATS server, for tests."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kubernetes_asyncio.client import ApiClient
 from nats.aio.client import Client as NATS
@@ -50,20 +51,25 @@ class Harness:
 
     def __init__(
         self,
-        kube: FakeKubeAPI,
+        kube: FakeKubeAPI | ApiClient,
         nats: NatsConfig,
         nc: NATS,
         *,
         signer: WorkerSigner | None = None,
         **config: Any,
     ) -> None:
-        if kube.get("namespaces", NS) is None:
-            kube.add_namespace(NS)
-        if kube.get("priorityclasses", "ebb-batch") is None:
-            # The class k8s/ ships: worker pods name it, and admission refuses a missing one.
-            kube.add("priorityclasses", find("PriorityClass", "ebb-batch"))
-        self.kube = kube
-        self.client: ApiClient = kube.api_client()
+        """`kube`: the fake API server, or a client of a real one (whose namespace, priority
+        class and workers' ServiceAccount the caller made: `prepare_workers`)."""
+        self.fake = kube if isinstance(kube, FakeKubeAPI) else None
+        if self.fake is not None:
+            if self.fake.get("namespaces", NS) is None:
+                self.fake.add_namespace(NS)
+            if self.fake.get("priorityclasses", "ebb-batch") is None:
+                # The class k8s/ ships: worker pods name it, and admission refuses a missing one.
+                self.fake.add("priorityclasses", find("PriorityClass", "ebb-batch"))
+            self.client: ApiClient = self.fake.api_client()
+        else:
+            self.client = cast(ApiClient, kube)
         self.backend = KubernetesBackend(
             KubeConfig(namespace=NS, nats=nats, priority_class="ebb-batch", **config),
             self.client,
@@ -92,9 +98,22 @@ class Harness:
 
         return await wait_until(step, timeout=timeout, interval=0.05, what=what)
 
+    @property
+    def kube(self) -> FakeKubeAPI:
+        assert self.fake is not None, "a real API server: read it through the client"
+        return self.fake
+
     def pods(self, job: str | None = None, *, alive: bool = True) -> list[dict[str, Any]]:
-        selector = f"{APP_LABEL}=ebb-worker" + (f",{JOB_LABEL}={job}" if job else "")
-        pods = self.kube.list_pods(NS, label_selector=selector)
+        """Worker pods (of `job`): the fake's own, or as the backend's informer sees them."""
+        if self.fake is not None:
+            selector = f"{APP_LABEL}=ebb-worker" + (f",{JOB_LABEL}={job}" if job else "")
+            pods = self.fake.list_pods(NS, label_selector=selector)
+        else:
+            pods = [
+                p
+                for p in self.backend.workers.values()
+                if job is None or p["metadata"]["labels"].get(JOB_LABEL) == job
+            ]
         if alive:
             pods = [
                 p
@@ -110,7 +129,8 @@ class Harness:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.client.close()
+        if self.fake is not None:
+            await self.client.close()
 
 
 def tidal_state(kube: FakeKubeAPI, node: str) -> str | None:
