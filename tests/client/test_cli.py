@@ -724,7 +724,7 @@ def test_a_run_killed_leaves_no_process_behind_and_resume_finishes_it_exactly_on
         until_a_commit(first, commits)
         stack = psutil.Process(first.pid).children(recursive=True)
         names = " ".join(command_line(p) for p in stack)
-        for part in ("ebb.client.reaper", "nats-server", "ebb.shard_master", "ebb.controller"):
+        for part in ("ebb.common.reaper", "nats-server", "ebb.shard_master", "ebb.controller"):
             assert part in names
         assert "ebb.worker" in names
     finally:

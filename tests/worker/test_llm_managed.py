@@ -5,7 +5,9 @@ process that took the port."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -95,3 +97,56 @@ def test_a_server_that_finds_every_port_taken_fails_to_start(
     with pytest.raises(EngineError, match="port taken 3 times"):
         server.start()
     server.close()
+
+
+# A server with an engine process below it, in its group, as vLLM's EngineCore is: the engine
+# stops on nothing but SIGKILL and outlives the server (orphaned) if the server dies first.
+WITH_ENGINE = (
+    """
+import subprocess, sys
+engine = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print(engine.pid, flush=True)
+"""
+    + HEALTHY
+)
+
+# The stage process: it starts the server, says the server's pid, and waits to be killed.
+OWNER = """
+import sys, time
+from ebb.worker.llm.managed import ManagedServer
+server = ManagedServer(
+    [sys.executable, "-c", sys.argv[1], "{port}"], model=".", served_model="m", startup_s=60,
+    stop_grace_s=1,
+)
+server.start()
+print(server.process.pid, server.log_path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_servers_engine_processes_end_with_its_stage_though_the_server_died_first() -> None:
+    """The OOM killer takes the server, orphaning its engine process (which holds the
+    device's memory and ignores SIGTERM); then the stage process is SIGKILLed (its batch
+    timeout) before it could start the server again. Nothing of the server is left."""
+    owner = psutil.Popen(
+        [sys.executable, "-c", OWNER, WITH_ENGINE], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    with owner.stdout:
+        try:
+            pid, log_path = owner.stdout.readline().split()
+            server = psutil.Process(int(pid))
+            engine = psutil.Process(int(Path(log_path).read_text().split()[0]))
+            assert engine.ppid() == server.pid
+            server.kill()  # a zombie until its parent, asleep, reaps it: dead all the same
+            assert engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE
+            owner.kill()
+            owner.wait(timeout=30)
+            _, alive = psutil.wait_procs([engine], timeout=60)
+            assert alive == []
+        finally:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                owner.kill()
+            with contextlib.suppress(psutil.NoSuchProcess, UnboundLocalError):
+                engine.kill()

@@ -2,7 +2,7 @@
 
 Each service runs as its own process (`python -m ebb.shard_master`, `python -m ebb.controller`),
 exactly as it is deployed, only with loopback networking and local workers. Logs go to files
-under the state folder; `ebb run` prints where when a job fails. A reaper (ebb.client.reaper)
+under the state folder; `ebb run` prints where when a job fails. A reaper (ebb.common.reaper)
 watches every process the stack starts and ends them if the process that started the stack dies
 without stopping them (SIGKILLed, say).
 """
@@ -193,7 +193,7 @@ class LocalStack:
         self._reaper = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "ebb.client.reaper",
+            "ebb.common.reaper",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=self._log("reaper"),

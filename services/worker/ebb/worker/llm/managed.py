@@ -3,9 +3,11 @@
 stage's devices (its environment: CUDA_VISIBLE_DEVICES), watched, and stopped with the stage.
 
 The server is the stage process's child, in a session of its own: stopping it stops its whole
-process group (a vLLM server's engine processes too), and the kernel tells it to stop if the
-stage process dies first (the parent-death signal, SIGTERM: the server stops its own engine
-processes), so no server outlives its stage. A server whose
+process group (a vLLM server's engine processes too, even those a server killed by the OOM
+killer left orphaned), and no server outlives its stage: the kernel tells it to stop if the
+stage process dies first (the parent-death signal, SIGTERM), and a reaper
+(ebb.common.reaper) ends its group, orphans included, once the stage process is gone however
+it went (killed by its batch timeout, by the worker's shutdown). A server whose
 command cannot start, or that does not answer its health check within `startup_s`, is an
 `EngineError` at set-up: the stage cannot start, and the worker fails as a set-up failure
 (the node's, until it is everyone's).
@@ -62,14 +64,23 @@ def _die_with_stage() -> None:
 
 class ManagedServer:
     def __init__(
-        self, command: list[str], *, model: str, served_model: str, startup_s: float
+        self,
+        command: list[str],
+        *,
+        model: str,
+        served_model: str,
+        startup_s: float,
+        stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
         self.template = command
         self.model = model
         self.served_model = served_model
         self.startup_s = startup_s
+        self.stop_grace_s = stop_grace_s
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
+        """Ends the server's process group if this process dies without stopping it."""
         self.log_path = Path(tempfile.mkstemp(prefix="ebb-llm-server-", suffix=".log")[1])
         """The server's output: quoted when it cannot start."""
 
@@ -111,6 +122,7 @@ class ManagedServer:
                 )
             except OSError as e:
                 raise EngineError(f"the model server cannot start: {argv[0]}: {e}") from e
+        self._tell_reaper(f"group {self.process.pid}")
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             code = self.process.poll()
@@ -128,6 +140,21 @@ class ManagedServer:
         raise EngineError(
             f"the model server did not answer within {self.startup_s:.0f} s: {self._tail()}"
         )
+
+    def _tell_reaper(self, line: str) -> None:
+        """`line` to the reaper (started with the first server): ebb.common.reaper's words."""
+        if self.reaper is None:
+            self.reaper = subprocess.Popen(
+                [sys.executable, "-m", "ebb.common.reaper", str(self.stop_grace_s)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a signal to the stage's group misses it
+            )
+        assert self.reaper.stdin is not None
+        with contextlib.suppress(OSError):  # it died: nothing left to tell
+            self.reaper.stdin.write(f"{line}\n".encode())
+            self.reaper.stdin.flush()
 
     def _listens(self) -> bool:
         """Whether the port's listener is this server's process or one of its children."""
@@ -175,15 +202,24 @@ class ManagedServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=STOP_GRACE_S)
+            process.wait(timeout=self.stop_grace_s)
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+        # The group is gone: its number may name another's one day.
+        self._tell_reaper(f"forget {process.pid}")
 
     def close(self) -> None:
         self.stop()
+        reaper, self.reaper = self.reaper, None
+        if reaper is not None:
+            with contextlib.suppress(OSError):
+                assert reaper.stdin is not None
+                reaper.stdin.write(b"done\n")
+                reaper.stdin.close()
+            reaper.wait()
         self.log_path.unlink(missing_ok=True)
 
 
