@@ -31,6 +31,7 @@ T = TypeVar("T")
 
 LEASE_S = 40
 """A kubelet's node lease duration; it renews at a quarter of it."""
+NOT_READY = "node.kubernetes.io/not-ready"
 
 
 def _now() -> datetime.datetime:
@@ -76,6 +77,8 @@ class NodeAgent:
                 }
             )
             await self._ready(name)
+        for name in self.labels:
+            await self._schedulable(name)
         self._tasks = [
             asyncio.create_task(self._heartbeats(), name="node-leases"),
             asyncio.create_task(self._pods(), name="node-pods"),
@@ -114,6 +117,20 @@ class NodeAgent:
                 }
             },
         )
+
+    async def _schedulable(self, name: str, timeout_s: float = 60) -> None:
+        """Wait until the node lifecycle controller has lifted the `not-ready` taint that
+        admission puts on every new node: until then the scheduler places nothing there, and
+        a test's pods would all go to whichever node it freed first."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            node = await self.core.read_node(name)
+            taints = node.spec.taints or []
+            if not any(t.key == NOT_READY for t in taints):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"node {name} still tainted {NOT_READY} after {timeout_s:g}s")
+            await asyncio.sleep(0.1)
 
     async def _heartbeats(self) -> None:
         while True:
