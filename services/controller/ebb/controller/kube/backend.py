@@ -213,9 +213,9 @@ class KubernetesBackend:
         # failed as it was told to go is left to its leases: its end says nothing sure.
         current = {pod.name for pod in pods}
         removed = [
-            PodView(o)
-            for name, o in self._removed.items()
-            if name not in current and PodView(o).phase != "Failed"
+            pod
+            for pod in (PodView(o) for name, o in self._removed.items() if name not in current)
+            if pod.phase != "Failed"
         ]
         gone = {pod.name for pod in removed}
         self._removed.clear()

@@ -48,6 +48,13 @@ class ExpiryHeap:
     def push(self, entry: Expiry) -> None:
         heapq.heappush(self._heap, entry)
 
+    def set_deadline(self, deadlines: dict[str, float], entry: Expiry) -> None:
+        """Move a lease's deadline (`deadlines`: its shard's, by token) and schedule its
+        expiry, the two together: a deadline moved with no entry for it is a lease that
+        never expires (its old entry, when due, finds the deadline moved and drops)."""
+        deadlines[entry.token] = entry.deadline
+        self.push(entry)
+
     def next_expiry(self) -> float | None:
         """When the next expiry is due (monotonic), if any lease may expire."""
         return max(self._heap[0].deadline, self._retry_at) if self._heap else None

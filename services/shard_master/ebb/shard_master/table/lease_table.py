@@ -389,12 +389,10 @@ class LeaseTable:
             now = self.context.clock()
             if shard.persisted.get(token, now) - now >= lease_s:
                 # KV's record still covers a full period beyond now: what a master taking
-                # over would read is right as it is, so this renewal need not be written. The
-                # reaper must still hear of the new deadline: the old one's entry, when due,
-                # finds the deadline moved and drops, and a worker that dies now would hold
-                # the shard for ever.
-                shard.deadlines[token] = now + lease_s
-                self.expiries.push(Expiry(now + lease_s, job.id, shard.index, token))
+                # over would read is right as it is, so this renewal need not be written.
+                self.expiries.set_deadline(
+                    shard.deadlines, Expiry(now + lease_s, job.id, shard.index, token)
+                )
                 metrics.LEASE_RENEWALS.labels(job.id).inc()
                 return RenewReply(
                     lease_s=lease_s, split=split, renew_in_s=self._renew_in(job, shard, token)

@@ -109,10 +109,11 @@ class ShardMoves:
         if lease is not None:
             token, lease_s = lease
             now = self._context.clock()
-            shard.deadlines[token] = now + lease_s
+            self._expiries.set_deadline(
+                shard.deadlines, Expiry(now + lease_s, job.id, shard.index, token)
+            )
             shard.granted.setdefault(token, now)
             shard.persisted[token] = now + lease_s * PERSISTED_PERIODS
-            self._expiries.push(Expiry(now + lease_s, job.id, shard.index, token))
 
     async def read_commit(self, job: Job, shard: Shard) -> CommitRecord | None:
         """The shard's commit record in the job's output, if there is one; ForeignCommit if it
