@@ -62,6 +62,7 @@ class ControlPlane:
     admin_token: str = field(default_factory=lambda: uuid.uuid4().hex)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     port: int = 0
+    _args: dict[str, list[str]] = field(default_factory=dict)
     service_range: str = field(default_factory=lambda: f"10.{random.randint(96, 127)}.0.0/16")
     """Services' ClusterIPs: drawn, as nodes whose pods run put them on this host
     (tests/controlplane/kubelet.py), and two suites on one machine must not share them."""
@@ -208,7 +209,18 @@ current-context: admin
 """
         )
 
+    def crash_apiserver(self) -> None:
+        """kube-apiserver killed (SIGKILL, as a crash: no last bookmark to its watchers) and
+        started again on its port: every watch is cut, and its watch cache starts afresh at
+        the store's revision of then, so a watch resuming from an older one is told 410."""
+        process = self.processes["kube-apiserver"]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        self._run("kube-apiserver", self._args["kube-apiserver"])
+        self._healthy("kube-apiserver", f"{self.url}/readyz", token=self.admin_token)
+
     def _run(self, name: str, args: list[str]) -> None:
+        self._args[name] = args
         with (self.root / "logs" / f"{name}.log").open("ab") as log:  # the child keeps its own
             self.processes[name] = subprocess.Popen(
                 [str(self.bin / name), *args],
@@ -245,10 +257,12 @@ current-context: admin
         return (self.root / "logs" / f"{name}.log").read_text(errors="replace")[-tail:]
 
     def stop(self) -> None:
+        """Each process stopped in the reverse order of its start, and waited for: the API
+        server stops in a second with etcd still there to finish its requests, and waits
+        out its 20 s without it."""
         for process in reversed(self.processes.values()):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes.values():
             try:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:

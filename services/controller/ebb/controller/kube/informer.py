@@ -60,8 +60,8 @@ class Informer:
             self._selectors["field_selector"] = field_selector
         self._on_change = on_change
         self._on_delete = on_delete
-        """Told of each object a watch says was deleted, as it was last (a relist after a
-        410 tells no one: what vanished meanwhile just leaves the cache)."""
+        """Told of each object deleted, as it was last seen: one a watch says was deleted,
+        and one a fresh list (after a 410) no longer has, deleted while no watch ran."""
         self._watch_timeout_s = watch_timeout_s
         self._backoff = backoff or Backoff(first_s=0.2, max_s=30.0)
         self.items: dict[str, Obj] = {}
@@ -110,7 +110,11 @@ class Informer:
             body = json.loads(await response.read())
         finally:
             response.release()
-        self.items = {key(obj): obj for obj in body.get("items") or []}
+        items = {key(obj): obj for obj in body.get("items") or []}
+        if self.synced.is_set():  # a relist: what vanished since was deleted unseen
+            for name in self.items.keys() - items.keys():
+                self._on_delete(self.items[name])
+        self.items = items
         self.resource_version = str((body.get("metadata") or {}).get("resourceVersion", ""))
         self.relists += 1
         self.synced.set()
