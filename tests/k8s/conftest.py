@@ -7,6 +7,7 @@ shard master, a client of it, and controller harnesses on the fake server.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.controlplane import ControlPlane
 from tests.helpers import ASSETS
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import NS, Harness
-from tests.k8s.manifests import access, allowed
+from tests.k8s.manifests import access, allowed, find
 from tests.scripted_master import ScriptedMaster
 from tests.shard_master.test_master import Master
 
@@ -45,6 +46,28 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="module")
+def workers_plane(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> ControlPlane:
+    """The module's control plane with what worker pods need, as k8s/ makes it: the
+    namespace, the batch PriorityClass and the workers' ServiceAccount (admission refuses a pod
+    that names a class or an account that does not exist)."""
+    objects: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        find("PriorityClass", "ebb-batch"),
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "ebb-worker", "namespace": NS},
+        },
+    ]
+    path = tmp_path_factory.mktemp("workers") / "objects.json"
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    control_plane.kubectl("apply", "-f", str(path))
+    return control_plane
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ extended resource GPUs are counted in.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,32 +21,12 @@ from ebb.controller.policy.tidal import LABEL as TIDAL
 from tests.controlplane import ControlPlane
 from tests.controlplane.nodes import NodesThread, SimulatedNodes
 from tests.k8s.harness import NS, Harness
-from tests.k8s.manifests import find
 from tests.k8s.test_placement import A100, running, spec_of
 from tests.scripted_master import ScriptedMaster
 
 pytestmark = pytest.mark.timeout(180)
 
 ALLOCATABLE = {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "4", "pods": "110"}
-
-
-@pytest.fixture(scope="module")
-def plane(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> ControlPlane:
-    """The namespace, the batch PriorityClass and the workers' ServiceAccount, as k8s/ makes
-    them (admission refuses a pod that names a class or an account that does not exist)."""
-    objects: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        find("PriorityClass", "ebb-batch"),
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": "ebb-worker", "namespace": NS},
-        },
-    ]
-    path = tmp_path_factory.mktemp("placement") / "objects.json"
-    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
-    control_plane.kubectl("apply", "-f", str(path))
-    return control_plane
 
 
 def _nodes(plane: ControlPlane, labels: dict[str, dict[str, str]]) -> NodesThread:
@@ -144,6 +123,11 @@ async def test_kube_scheduler_puts_gpu_pods_on_their_gpu_type_past_a_taint_they_
         }
         (container,) = pod["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+@pytest.fixture
+def plane(workers_plane: ControlPlane) -> ControlPlane:
+    return workers_plane
 
 
 @pytest.fixture(autouse=True)

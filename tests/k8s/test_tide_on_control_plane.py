@@ -1,0 +1,207 @@
+"""The tide's signals as kube-scheduler itself gives them, on a control plane built from
+Kubernetes' own code with simulated nodes (test_tide_signals.py has the same on the fake API
+server, whose scheduler is a sketch). An online pod calls a lent node back only if the
+scheduler found no room for it that a mixed node could give: not one held by a scheduling
+gate (SchedulingGated), nor one whose nodeSelector no mixed node meets, nor one waiting for
+its volume's claim to bind (Unschedulable all the same, told apart by the scheduler's own
+message), and one the mixed pool's room would place does."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio.client import ApiClient, CoreV1Api
+from nats.aio.client import Client as NATS
+from prometheus_client import REGISTRY
+
+from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.controller.kube.harvest import TidalHarvester
+from ebb.controller.policy.tidal import LABEL as TIDAL
+from ebb.controller.policy.tidal import TidalConfig
+from tests.controlplane import ControlPlane
+from tests.controlplane.nodes import NodesThread, SimulatedNodes
+from tests.helpers import wait_until
+from tests.k8s.harness import NS, Harness
+from tests.k8s.test_placement import running, spec_of
+from tests.scripted_master import ScriptedMaster
+
+pytestmark = pytest.mark.timeout(240)
+
+MIXED = ("mix-0", "mix-1", "mix-2")
+SAMPLE_S = 0.05
+ONLINE_NS = "default"
+
+
+def _allocatable(cpu: str) -> dict[str, str]:
+    return {"cpu": cpu, "memory": "32Gi", "pods": "110"}
+
+
+@pytest.fixture
+def nodes(workers_plane: ControlPlane) -> Iterator[None]:
+    """An offline node of 4 cores and three mixed ones of 8, as test_tide_signals.py's."""
+    offline = NodesThread(
+        workers_plane,
+        make=lambda api: SimulatedNodes(
+            api, {"off-0": {"ebb.io/pool": "offline"}}, allocatable=_allocatable("4")
+        ),
+    )
+    mixed = NodesThread(
+        workers_plane,
+        make=lambda api: SimulatedNodes(
+            api, {n: {"ebb.io/pool": "mixed"} for n in MIXED}, allocatable=_allocatable("8")
+        ),
+    )
+    with offline, mixed:
+        yield
+    workers_plane.kubectl(
+        "-n", NS, "delete", "pods", "-l", "app.kubernetes.io/name=ebb-worker",
+        "--grace-period=0", "--force", "--wait=false", check=False,
+    )  # fmt: skip
+    workers_plane.kubectl(
+        "-n", ONLINE_NS, "delete", "pods,pvc", "--all", "--grace-period=0", "--force",
+        "--wait=false", check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def api(workers_plane: ControlPlane, nodes: None) -> AsyncIterator[ApiClient]:
+    async with workers_plane.api_client() as client:
+        yield client
+
+
+def threshold_tide() -> TidalConfig:
+    return TidalConfig(
+        policy="threshold",
+        sample_s=SAMPLE_S,
+        window=3,
+        cooldown_s=60.0,
+        lend_below=0.45,
+        reclaim_above=0.7,
+    )
+
+
+def lent(h: Harness) -> set[str]:
+    """The mixed nodes lent to batch work, as the controller's informer sees them."""
+    return {
+        node["metadata"]["name"]
+        for node in h.backend.nodes.items.values()
+        if (node["metadata"].get("labels") or {}).get(TIDAL) == "offline"
+    }
+
+
+def harvester(h: Harness) -> TidalHarvester:
+    assert h.backend.harvester is not None
+    return h.backend.harvester
+
+
+async def samples(h: Harness, n: int) -> None:
+    """Until the tide has taken `n` more samples."""
+    tide = harvester(h)
+    start = tide.last_sample or 0.0
+    await wait_until(
+        lambda: (tide.last_sample or 0.0) >= start + n * SAMPLE_S,
+        what=f"{n} samples of the tide",
+    )
+
+
+async def online_pod(core: Any, name: str, cpu: str, **spec: Any) -> None:
+    """An online pod for the mixed pool asking for `cpu` cores; `spec`: more of its spec."""
+    await core.create_namespaced_pod(
+        ONLINE_NS,
+        {
+            "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
+            "spec": {
+                "nodeSelector": {"ebb.io/pool": "mixed"},
+                "containers": [
+                    {"name": "web", "image": "web", "resources": {"requests": {"cpu": cpu}}}
+                ],
+                **spec,
+            },
+        },
+    )
+
+
+async def scheduled(core: Any, name: str) -> tuple[str, str, str]:
+    """The pod's PodScheduled condition: status, reason and message, as the scheduler set
+    them ("" while it has none)."""
+    pod = await core.read_namespaced_pod(name, ONLINE_NS)
+    for c in pod.status.conditions or []:
+        if c.type == "PodScheduled":
+            return c.status or "", c.reason or "", c.message or ""
+    return "", "", ""
+
+
+async def wait_scheduled(core: Any, name: str, reason: str) -> str:
+    """Until the scheduler has said `reason` (False) of the pod; its message."""
+    said: tuple[str, str, str] = ("", "", "")
+
+    async def check() -> bool:
+        nonlocal said
+        said = await scheduled(core, name)
+        return said[:2] == ("False", reason)
+
+    await wait_until(check, what=f"the scheduler's {reason} for {name}", timeout=60)
+    return said[2]
+
+
+async def test_only_online_pods_the_mixed_pools_room_would_place_call_a_lent_node_back(
+    api: ApiClient,
+    scripted: ScriptedMaster,
+    nc: NATS,
+    nats_config: NatsConfig,
+    tmp_path: Path,
+) -> None:
+    core: Any = CoreV1Api(api)  # plain JSON maps: the stubs know only models
+    job = "tide-signals"
+    scripted.set(running(spec_of(tmp_path / "job", workers=20), todo=40, job=job))
+    h = Harness(api, nats_config, nc, tidal=threshold_tide())
+    try:
+        await h.converge(lambda: len(lent(h)) == 2, what="two mixed nodes lent", timeout=90)
+        before = lent(h)
+        evictions = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0
+        reclaimed = harvester(h).reclaimed[job]
+
+        # Held by a scheduling gate; pinned to a pool with no node; waiting for a claim that
+        # no StorageClass will ever bind. The scheduler tries none of them in vain for lack
+        # of room: no mixed node's room would place them.
+        await online_pod(core, "gated", "6", schedulingGates=[{"name": "example.com/quota"}])
+        await online_pod(core, "pinned", "6", nodeSelector={"ebb.io/pool": "online"})
+        await core.create_namespaced_persistent_volume_claim(
+            ONLINE_NS,
+            {
+                "metadata": {"name": "data"},
+                "spec": {
+                    "storageClassName": "none-such",
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+        )
+        await online_pod(
+            core,
+            "claiming",
+            "6",
+            volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+        )
+        await wait_scheduled(core, "gated", "SchedulingGated")
+        await wait_scheduled(core, "pinned", "Unschedulable")
+        message = await wait_scheduled(core, "claiming", "Unschedulable")
+        assert "persistentvolumeclaim" in message.lower()  # what tells it apart
+        await samples(h, 10)
+        await h.converge(lambda: True, what="a reconcile pass")
+        assert lent(h) == before
+        assert (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0) == evictions
+        assert harvester(h).reclaimed[job] == reclaimed
+
+        # One the mixed pool's room would place: that one calls a lent node back.
+        await online_pod(core, "room", "6")
+        await h.converge(
+            lambda: bool(before - lent(h)),
+            what="a lent node reclaimed for the pod that needs room",
+            timeout=90,
+        )
+    finally:
+        await h.close()
