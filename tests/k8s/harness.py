@@ -87,14 +87,16 @@ class Harness:
         """Reconcile passes that failed (API errors in tests that inject them)."""
 
     async def converge(self, condition: Any, *, what: str, timeout: float = 30.0) -> Any:
-        """Reconcile until `condition()` holds (API errors included: the next pass retries)."""
+        """Reconcile until `condition()` (a function or a coroutine function) holds (API errors
+        included: the next pass retries)."""
 
         async def step() -> Any:
             try:
                 await self.reconciler.reconcile_once()
             except Exception as e:
                 self.errors.append(e)
-            return condition()
+            result = condition()
+            return await result if asyncio.iscoroutine(result) else result
 
         return await wait_until(step, timeout=timeout, interval=0.05, what=what)
 

@@ -25,7 +25,8 @@ from tests.controlplane import ControlPlane
 from tests.controlplane.nodes import NodesThread, SimulatedNodes
 from tests.helpers import wait_until
 from tests.k8s.harness import NS, Harness
-from tests.k8s.test_placement import running, spec_of
+from tests.k8s.test_placement import running as running_job
+from tests.k8s.test_placement import spec_of
 from tests.scripted_master import ScriptedMaster
 
 pytestmark = pytest.mark.timeout(240)
@@ -37,6 +38,20 @@ ONLINE_NS = "default"
 
 def _allocatable(cpu: str) -> dict[str, str]:
     return {"cpu": cpu, "memory": "32Gi", "pods": "110"}
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(workers_plane: ControlPlane) -> Iterator[None]:
+    """Each test's worker pods, online pods and claims removed after it."""
+    yield
+    workers_plane.kubectl(
+        "-n", NS, "delete", "pods", "-l", "app.kubernetes.io/name=ebb-worker",
+        "--grace-period=0", "--force", "--wait=false", check=False,
+    )  # fmt: skip
+    workers_plane.kubectl(
+        "-n", ONLINE_NS, "delete", "pods,pvc", "--all", "--grace-period=0", "--force",
+        "--wait=false", check=False,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -56,18 +71,10 @@ def nodes(workers_plane: ControlPlane) -> Iterator[None]:
     )
     with offline, mixed:
         yield
-    workers_plane.kubectl(
-        "-n", NS, "delete", "pods", "-l", "app.kubernetes.io/name=ebb-worker",
-        "--grace-period=0", "--force", "--wait=false", check=False,
-    )  # fmt: skip
-    workers_plane.kubectl(
-        "-n", ONLINE_NS, "delete", "pods,pvc", "--all", "--grace-period=0", "--force",
-        "--wait=false", check=False,
-    )  # fmt: skip
 
 
 @pytest.fixture
-async def api(workers_plane: ControlPlane, nodes: None) -> AsyncIterator[ApiClient]:
+async def api(workers_plane: ControlPlane) -> AsyncIterator[ApiClient]:
     async with workers_plane.api_client() as client:
         yield client
 
@@ -147,6 +154,7 @@ async def wait_scheduled(core: Any, name: str, reason: str) -> str:
     return said[2]
 
 
+@pytest.mark.usefixtures("nodes")
 async def test_only_online_pods_the_mixed_pools_room_would_place_call_a_lent_node_back(
     api: ApiClient,
     scripted: ScriptedMaster,
@@ -156,7 +164,7 @@ async def test_only_online_pods_the_mixed_pools_room_would_place_call_a_lent_nod
 ) -> None:
     core: Any = CoreV1Api(api)  # plain JSON maps: the stubs know only models
     job = "tide-signals"
-    scripted.set(running(spec_of(tmp_path / "job", workers=20), todo=40, job=job))
+    scripted.set(running_job(spec_of(tmp_path / "job", workers=20), todo=40, job=job))
     h = Harness(api, nats_config, nc, tidal=threshold_tide())
     try:
         await h.converge(lambda: len(lent(h)) == 2, what="two mixed nodes lent", timeout=90)
@@ -205,3 +213,168 @@ async def test_only_online_pods_the_mixed_pools_room_would_place_call_a_lent_nod
         )
     finally:
         await h.close()
+
+
+async def test_batch_pods_the_scheduler_preempts_for_an_online_pod_are_nobodys_fault(
+    workers_plane: ControlPlane,
+    api: ApiClient,
+    scripted: ScriptedMaster,
+    nc: NATS,
+    nats_config: NatsConfig,
+    tmp_path: Path,
+) -> None:
+    """A mixed node lent to batch work, full of a job's workers; an online pod (priority 0)
+    that finds no other room: kube-scheduler preempts two batch pods (the `ebb-batch`
+    PriorityClass of k8s/, -20), marks them `DisruptionTarget: PreemptionByScheduler` and
+    deletes them, and binds the online pod. The controller reports them lost to the cluster
+    (nobody's fault: no strike against the job or the node) with the scheduler's reason, and
+    counts them against the job's use of the mixed pool (its next pods go to the offline pool
+    first), even where they were gone before any pass saw them go."""
+    core: Any = CoreV1Api(api)
+    job = "preempted"
+    scripted.set(running_job(spec_of(tmp_path / "job", workers=4, pool="any"), todo=40, job=job))
+    lent_node = {"mix-0": {"ebb.io/pool": "mixed", TIDAL: "offline"}}
+    with NodesThread(
+        workers_plane,
+        make=lambda a: SimulatedNodes(a, lent_node, allocatable=_allocatable("8")),
+    ):
+        h = Harness(api, nats_config, nc, tidal=None)
+        try:
+
+            def four_placed() -> bool:
+                pods = h.pods(job)
+                return len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods)
+
+            await h.converge(four_placed, what="four workers on the lent node", timeout=90)
+            workers = {p["metadata"]["name"] for p in h.pods(job)}
+            await online_pod(core, "surge", "4")
+
+            async def bound() -> bool:
+                pod = await core.read_namespaced_pod("surge", ONLINE_NS)
+                return bool(pod.spec.node_name == "mix-0")
+
+            await wait_until(bound, what="the online pod bound after preemption", timeout=90)
+            reports: dict[str, tuple[str, str | None, str]] = {}
+
+            async def victims_reported() -> bool:
+                for w in await h.backend.observe():
+                    if w.phase == "failed":
+                        reports[w.id] = (w.phase, w.failure, w.reason)
+                return len(reports) == 2
+
+            await wait_until(victims_reported, what="two preempted workers reported", timeout=60)
+        finally:
+            await h.close()
+    assert reports.keys() <= workers
+    for phase, failure, reason in reports.values():
+        assert (phase, failure) == ("failed", "capacity")
+        assert reason.startswith("PreemptionByScheduler")
+    assert h.backend.placer.preempted[job] == 2
+
+
+GPU = "nvidia.com/gpu"
+GPU_NODES = ("gpu-0", "gpu-1")
+
+
+async def serve(core: Any, names: list[str]) -> None:
+    """Online model servers: 2 cores and a GPU each (the request defaults to the limit)."""
+    for name in names:
+        await core.create_namespaced_pod(
+            ONLINE_NS,
+            {
+                "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
+                "spec": {
+                    "nodeSelector": {"ebb.io/pool": "mixed"},
+                    "containers": [
+                        {
+                            "name": "serve",
+                            "image": "serve",
+                            "resources": {"requests": {"cpu": "2"}, "limits": {GPU: "1"}},
+                        }
+                    ],
+                },
+            },
+        )
+
+
+def batch_gpus(h: Harness, job: str) -> int:
+    """GPUs the job's live pods hold on the GPU nodes."""
+    return sum(
+        int(c["resources"]["limits"].get(GPU, 0))
+        for p in h.pods(job)
+        if p["spec"].get("nodeName") in GPU_NODES and not p["metadata"].get("deletionTimestamp")
+        for c in p["spec"]["containers"]
+    )
+
+
+async def test_the_tide_lends_idle_gpus_and_the_scheduler_takes_them_back_for_servers(
+    workers_plane: ControlPlane,
+    api: ApiClient,
+    scripted: ScriptedMaster,
+    nc: NATS,
+    nats_config: NatsConfig,
+    tmp_path: Path,
+) -> None:
+    """test_gpu_tide.py's day on kube-scheduler: two mixed nodes of 8 GPUs serve models by
+    day; by night the tide lends what they leave (a quarter kept free), and batch GPU pods
+    take it. At a surge no forecast saw, the scheduler preempts batch pods for the servers,
+    which run at once; the tide follows, and at noon every GPU serves."""
+    core: Any = CoreV1Api(api)
+
+    async def running(names: list[str]) -> bool:
+        for name in names:
+            pod = await core.read_namespaced_pod(name, ONLINE_NS)
+            if pod.status.phase != "Running":
+                return False
+        return True
+
+    job = "gpu-tide"
+    scripted.set(running_job(spec_of(tmp_path / "job", workers=16, gpu=1), todo=40, job=job))
+    offline = NodesThread(  # CPU only: the GPU job's workers cannot go there
+        workers_plane,
+        make=lambda a: SimulatedNodes(
+            a, {"off-0": {"ebb.io/pool": "offline"}}, allocatable=_allocatable("4")
+        ),
+    )
+    gpus = NodesThread(
+        workers_plane,
+        make=lambda a: SimulatedNodes(
+            a,
+            {n: {"ebb.io/pool": "mixed"} for n in GPU_NODES},
+            allocatable={"cpu": "32", "memory": "128Gi", GPU: "8", "pods": "110"},
+        ),
+    )
+    with offline, gpus:
+        night = [f"serve-{n}" for n in range(2)]
+        await serve(core, night)
+        tide = TidalConfig(sample_s=0.05, lead_s=0.5, headroom=0.25, window=3, min_online=0)
+        h = Harness(api, nats_config, nc, tidal=tide)
+        try:
+            # Night: 2 of 16 GPUs serve, a quarter (4) kept free: 10 are batch work's.
+            await h.converge(
+                lambda: batch_gpus(h, job) == 10,
+                what="10 batch GPU pods on the lent GPU nodes",
+                timeout=90,
+            )
+            assert await running(night)
+            assert lent(h) == set(GPU_NODES)
+            # Morning: 8 more servers at once, 10 GPUs online: 10 + 10 > 16.
+            morning = [f"serve-{n}" for n in range(2, 10)]
+            await serve(core, morning)
+            await h.converge(
+                lambda: running(night + morning), what="the servers running", timeout=90
+            )
+            assert h.backend.placer.preempted[job] >= 1
+            await h.converge(
+                lambda: batch_gpus(h, job) <= 6, what="batch GPUs within the forecast", timeout=90
+            )
+            # Noon: every GPU serves.
+            noon = [f"serve-{n}" for n in range(10, 16)]
+            await serve(core, noon)
+
+            async def all_serving() -> bool:
+                return batch_gpus(h, job) == 0 and await running(night + morning + noon)
+
+            await h.converge(all_serving, what="every GPU serving", timeout=120)
+        finally:
+            await h.close()

@@ -34,7 +34,7 @@ from ..backend import Capacity, Phase, WorkerInfo, job_environment
 from ..groups import group_key, job_spec, tier_resources
 from ..policy.avoidance import NodeAvoidance
 from ..policy.capacity import Bin, Resources, add
-from ..policy.failures import Failure, classify
+from ..policy.failures import Failure, classify, disruption
 from ..policy.pools import MIXED, OFFLINE
 from ..policy.tidal import LABEL as TIDAL
 from ..policy.tidal import ForecastTide, Tide
@@ -205,12 +205,12 @@ class KubernetesBackend:
         draining = self.harvester.forget_gone(pods) if self.harvester else set()
         if self.credentials is not None:
             await self.credentials.repair(pods)
-        self.placer.note_pods(pods, map(NodeView, self.nodes.values()))
         # Pods removed since the last pass that it never saw end. One removed before it ended
-        # (deleted by force: its processes killed, or soon to be; or with its node) is lost
-        # to the cluster: its shards are nobody's fault, and the master frees them now rather
-        # than when their leases run out. One that drained and exited 0 is a drain. One that
-        # failed as it was told to go is left to its leases: its end says nothing sure.
+        # (deleted by force: its processes killed, or soon to be; or with its node; or
+        # preempted, and gone before a pass saw it go) is lost to the cluster: its shards are
+        # nobody's fault, and the master frees them now rather than when their leases run
+        # out. One that drained and exited 0 is a drain. One that failed as it was told to go
+        # is left to its leases: its end says nothing sure.
         current = {pod.name for pod in pods}
         removed = [
             pod
@@ -219,10 +219,11 @@ class KubernetesBackend:
         ]
         gone = {pod.name for pod in removed}
         self._removed.clear()
+        self.placer.note_pods([*pods, *removed], map(NodeView, self.nodes.values()))
         for pod in [*pods, *removed]:
             failure = classify(pod.obj)
             if failure is None and pod.name in gone and pod.phase != "Succeeded":
-                failure = Failure("capacity", REMOVED)
+                failure = disruption(pod.obj) or Failure("capacity", REMOVED)
             phase: Phase
             if pod.phase == "Succeeded":
                 phase = "succeeded"

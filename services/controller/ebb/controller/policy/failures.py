@@ -66,6 +66,18 @@ def preempted(pod: dict[str, Any]) -> bool:
     )
 
 
+def disruption(pod: dict[str, Any]) -> Failure | None:
+    """The cluster's taking of the pod, as its DisruptionTarget condition says (preempted,
+    evicted, its node's taint or shutdown), if it says so: capacity, nobody's fault."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        disrupted = (
+            condition.get("type") == "DisruptionTarget" and condition.get("status") == "True"
+        )
+        if disrupted and condition.get("reason") in _DISRUPTIONS:
+            return Failure("capacity", f"{condition['reason']}: {condition.get('message', '')}")
+    return None
+
+
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
     status = pod.get("status") or {}
     return list(status.get("containerStatuses") or [])
@@ -91,12 +103,9 @@ def classify(pod: dict[str, Any], *, crashloop_restarts: int = 3) -> Failure | N
         return None
     if reason in _CAPACITY_REASONS:
         return Failure("capacity", f"{reason}: {message}".strip(": "))
-    for condition in status.get("conditions") or []:
-        disrupted = (
-            condition.get("type") == "DisruptionTarget" and condition.get("status") == "True"
-        )
-        if disrupted and condition.get("reason") in _DISRUPTIONS:
-            return Failure("capacity", f"{condition['reason']}: {condition.get('message', '')}")
+    disrupted = disruption(pod)
+    if disrupted is not None:
+        return disrupted
     for container in _containers(pod):
         terminated = (container.get("state") or {}).get("terminated") or {}
         if terminated.get("reason") == "OOMKilled":
