@@ -43,6 +43,7 @@ SECTIONS = {
     "onegroup": "one_group",
     "hostile": "hostile",
     "vllm": "llm_vllm",
+    "tidalplane": "tidal_plane",
 }
 ORDER = list(SECTIONS)
 

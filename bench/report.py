@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -186,8 +187,11 @@ def update(path: Path, sections: list[Section]) -> None:
 
 
 def _render(section: Section, images: Path) -> list[str]:
-    # A docstring's first line repeats the section's title.
-    intro = textwrap.dedent(section.intro).strip().split("\n", 1)[-1].strip()
+    # A docstring's first sentence ("Benchmark 6: tidal harvesting...") repeats the section's
+    # title, however many lines it takes.
+    intro = textwrap.dedent(section.intro).strip()
+    first = re.match(r"(?s).*?\.(?:\s+|$)", intro)
+    intro = intro[first.end() :].strip() if first else intro
     lines = [f"## {section.title}", "", intro, ""]
     for t in section.tables:
         lines += [t, ""]

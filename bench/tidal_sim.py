@@ -75,12 +75,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from kubernetes_asyncio.client import ApiClient
 
 from ebb.client.sdk import EbbClient
 from ebb.common.job import parse_job
@@ -94,7 +96,7 @@ from ebb.controller.reconcile import Reconciler, ReconcilerConfig
 from ebb.shard_master.service import MasterConfig, ShardMaster
 from ebb.worker.service import WorkerConfig
 from tests.k8s.fake_apiserver import FakeKubeAPI
-from tests.k8s.fake_store import PODS, TERMINAL_PHASES, Change, Obj
+from tests.k8s.fake_store import PODS, TERMINAL_PHASES, Change, Obj, ResourceType
 from tests.k8s.manifests import find
 
 from .common import Context, Section, table
@@ -175,20 +177,73 @@ class Drain:
     """When it was deleted (the event loop's clock)."""
 
 
+class PodStore(Protocol):
+    """Where the simulator reads pods: the fake API server's store, or a watch of a real
+    one (bench/tidal_plane.py)."""
+
+    def subscribe(self, listener: Callable[[Change], None]) -> Callable[[], None]: ...
+
+    def view(self, rt: ResourceType, namespace: str | None = None) -> list[Obj]: ...
+
+
+class OnlinePods(Protocol):
+    """How the trace's online load becomes online pods."""
+
+    async def scale(self, wanted: int) -> None: ...
+
+
+class FakeOnlinePods:
+    """Online pods added to the fake API server one by one (2 cores each, priority 0, on
+    the mixed pool), the newest removed first (the Pending ones, if any), gone at once:
+    load that left."""
+
+    def __init__(self, kube: FakeKubeAPI, cluster: Cluster) -> None:
+        self.kube = kube
+        self.cluster = cluster
+        self.online: list[str] = []
+        self._next = 0
+
+    async def scale(self, wanted: int) -> None:
+        while len(self.online) < wanted:
+            name = f"web-{self._next}"
+            self._next += 1
+            requests = dict(self.cluster.online_pod)
+            # An extended resource (a GPU) is asked as a limit; the request defaults to it.
+            limits = {k: v for k, v in requests.items() if "/" in k}
+            self.kube.add_pod(
+                {
+                    "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
+                    "spec": {
+                        "nodeSelector": {"ebb.io/pool": "mixed"},
+                        "containers": [
+                            {
+                                "name": "web",
+                                "image": "web",
+                                "resources": {"requests": requests, "limits": limits},
+                            }
+                        ],
+                    },
+                },
+                "online",
+            )
+            self.online.append(name)
+        while len(self.online) > wanted:
+            self.kube.store.remove(PODS, "online", self.online.pop())
+
+
 class Simulator:
     def __init__(
         self,
-        kube: FakeKubeAPI,
+        store: PodStore,
         namespace: str,
         *,
         minute_s: float,
         cluster: Cluster = CPU_CLUSTER,
     ) -> None:
-        self.kube = kube
+        self.store = store
         self.cluster = cluster
         self.namespace = namespace
         self.minute_s = minute_s
-        self.online: list[str] = []
         self.progress: dict[str, int] = {}
         """Running batch pod -> minutes on its current shard."""
         self.draining: dict[str, Drain] = {}
@@ -196,9 +251,8 @@ class Simulator:
         self.pending_for: dict[str, int] = {}
         """Online pod -> minutes it has been Pending."""
         self.result = RunResult()
-        self._next = 0
         self._clock = asyncio.get_running_loop().time
-        kube.store.subscribe(self._on_change)
+        store.subscribe(self._on_change)
 
     def _on_change(self, change: Change) -> None:
         if change.rt is not PODS or change.type == "ADDED":
@@ -271,34 +325,6 @@ class Simulator:
             self.result.rows_in_parts += drain.rows
         self.draining.clear()
 
-    def set_online_pods(self, wanted: int) -> None:
-        while len(self.online) < wanted:
-            name = f"web-{self._next}"
-            self._next += 1
-            requests = dict(self.cluster.online_pod)
-            # An extended resource (a GPU) is asked as a limit; the request defaults to it.
-            limits = {k: v for k, v in requests.items() if "/" in k}
-            self.kube.add_pod(
-                {
-                    "metadata": {"name": name, "labels": {"ebb.io/workload": "online"}},
-                    "spec": {
-                        "nodeSelector": {"ebb.io/pool": "mixed"},
-                        "containers": [
-                            {
-                                "name": "web",
-                                "image": "web",
-                                "resources": {"requests": requests, "limits": limits},
-                            }
-                        ],
-                    },
-                },
-                "online",
-            )
-            self.online.append(name)
-        while len(self.online) > wanted:
-            # The newest first (the Pending ones, if any), gone at once: load that left.
-            self.kube.store.remove(PODS, "online", self.online.pop())
-
     def minute(self, load: float) -> None:
         """Account one simulated minute; `load`: online demand, in the cluster's resource."""
         r, c = self.result, self.cluster
@@ -309,7 +335,7 @@ class Simulator:
         r.free_node_hours += max(0.0, pool - load) / c.per_node / 60
         pending = {
             p["metadata"]["name"]
-            for p in self.kube.store.view(PODS, "online")
+            for p in self.store.view(PODS, "online")
             if p["status"].get("phase") == "Pending"
         }
         self.pending_for = {name: self.pending_for.get(name, 0) + 1 for name in pending}
@@ -317,7 +343,7 @@ class Simulator:
         r.pending_beyond_latency += sum(1 for minutes in self.pending_for.values() if minutes > 1)
         running: dict[str, str] = {
             p["metadata"]["name"]: p["spec"].get("nodeName", "")
-            for p in self.kube.store.view(PODS, self.namespace)
+            for p in self.store.view(PODS, self.namespace)
             if p["metadata"].get("labels", {}).get(APP_LABEL) == APP
             and p["status"].get("phase") == "Running"
             and not p["metadata"].get("deletionTimestamp")
@@ -389,8 +415,13 @@ async def _run(
                 )
                 await client.submit(spec)
                 tide = _tidal_config(policy, minute_s)
-                sim = Simulator(kube, "ebb", minute_s=minute_s, cluster=trace.cluster)
-                result = await _drive(ctx, kube, client, config, tide, sim, loads)
+                sim = Simulator(kube.store, "ebb", minute_s=minute_s, cluster=trace.cluster)
+                online = FakeOnlinePods(kube, trace.cluster)
+                api = kube.api_client()
+                try:
+                    result = await drive(ctx, api, client, config, tide, sim, online, loads)
+                finally:
+                    await api.close()
             finally:
                 await client.close()
         master.request_stop()
@@ -400,17 +431,18 @@ async def _run(
         await asyncio.to_thread(nats.stop)
 
 
-async def _drive(
+async def drive(
     ctx: Context,
-    kube: FakeKubeAPI,
+    api: ApiClient,
     client: EbbClient,
     config: NatsConfig,
     tide: TidalConfig | None,
     sim: Simulator,
+    online: OnlinePods,
     loads: list[float],
 ) -> RunResult:
+    """The controller on `api` through the trace, a simulated minute at a time."""
     minute_s = sim.minute_s
-    api = kube.api_client()
     backend = KubernetesBackend(
         KubeConfig(
             namespace="ebb",
@@ -437,7 +469,7 @@ async def _drive(
         loop = asyncio.get_running_loop()
         start = loop.time()
         for minute, load in enumerate(loads):
-            sim.set_online_pods(round(load / sim.cluster.online_units))
+            await online.scale(round(load / sim.cluster.online_units))
             try:
                 if backend.harvester is not None:
                     await backend.harvester.step(minute * minute_s)
@@ -453,7 +485,6 @@ async def _drive(
         for task in agents:
             task.cancel()
         await asyncio.gather(*agents, return_exceptions=True)
-        await api.close()
     return sim.result
 
 

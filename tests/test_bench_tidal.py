@@ -29,7 +29,7 @@ async def test_a_graceful_end_commits_its_rows_and_only_a_kill_loses_them() -> N
     async with FakeKubeAPI(start_delay=0.0, terminate_delay=DRAIN_S / 60 * MINUTE_S) as kube:
         kube.add_namespace("ebb")
         kube.add_node("mixed-0", allocatable={"cpu": "8", "memory": "64Gi"})
-        sim = Simulator(kube, "ebb", minute_s=MINUTE_S)
+        sim = Simulator(kube.store, "ebb", minute_s=MINUTE_S)
         names = ["drained", "preempted", "deleted-at-once", "evicted", "cut-short", "last"]
         for name in names:
             kube.add_pod(_batch_pod(name), "ebb")

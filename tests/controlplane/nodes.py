@@ -186,17 +186,77 @@ class NodeAgent:
 
 class SimulatedNodes(NodeAgent):
     """Nodes that run nothing: a pod bound to one is reported Running (its containers
-    started, Ready) and, once deleted, removed at once."""
+    started, Ready) and, once deleted, ended (exit 0, as a drained worker ends) and removed.
+
+    `start_delay`: how long a pod takes to start; `terminate_delay`: how long a deleted pod
+    takes to end (at most its grace period), as a worker's drain does. Both 0 by default: at
+    once."""
+
+    def __init__(
+        self,
+        api: ApiClient,
+        nodes: dict[str, dict[str, Any]],
+        *,
+        allocatable: dict[str, str] | None = None,
+        start_delay: float = 0.0,
+        terminate_delay: float = 0.0,
+    ) -> None:
+        super().__init__(api, nodes, allocatable=allocatable)
+        self.start_delay = start_delay
+        self.terminate_delay = terminate_delay
+        self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
+        """Pods starting or stopping, by (namespace, name)."""
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._pending.values():
+            task.cancel()
+        await asyncio.gather(*self._pending.values(), return_exceptions=True)
+        await super().__aexit__(*exc)
 
     async def on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         key = (meta["namespace"], meta["name"])
         if kind == "DELETED":
             self.started.discard(key)
+            if (task := self._pending.pop(key, None)) is not None:
+                task.cancel()
         elif meta.get("deletionTimestamp"):
-            await self._stop(pod)
-        elif pod["status"].get("phase") == "Pending" and key not in self.started:
-            await self._start(pod)
+            starting = self._pending.get(key)
+            if starting is not None and starting.get_name() == "start":
+                starting.cancel()
+                del self._pending[key]
+            if key not in self._pending:
+                self._later(key, "stop", lambda: self._stop(pod), self._stop_delay(pod))
+        elif (
+            pod["status"].get("phase") == "Pending"
+            and key not in self.started
+            and key not in self._pending
+        ):
+            self._later(key, "start", lambda: self._start(pod), self.start_delay)
+
+    def _stop_delay(self, pod: dict[str, Any]) -> float:
+        grace = pod["metadata"].get("deletionGracePeriodSeconds")
+        return min(self.terminate_delay, float(grace)) if grace is not None else 0.0
+
+    def _later(
+        self,
+        key: tuple[str, str],
+        what: str,
+        work: Callable[[], Coroutine[Any, Any, None]],
+        delay: float,
+    ) -> None:
+        """`work()` after `delay` (0: as soon as the loop comes to it)."""
+
+        async def run() -> None:
+            try:
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await work()
+            finally:
+                if self._pending.get(key) is asyncio.current_task():
+                    del self._pending[key]
+
+        self._pending[key] = asyncio.create_task(run(), name=what)
 
     async def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
@@ -239,10 +299,36 @@ class SimulatedNodes(NodeAgent):
         self.started.add((meta["namespace"], meta["name"]))
 
     async def _stop(self, pod: dict[str, Any]) -> None:
-        """A deleted pod goes once its containers would have stopped: nothing runs here, so at
-        once."""
+        """A deleted pod's containers have stopped: its end posted (exit 0, Succeeded), then
+        the pod removed, as a kubelet does."""
         meta = pod["metadata"]
         self.started.discard((meta["namespace"], meta["name"]))
+        now = _stamp()
+        statuses = [
+            {
+                "name": c["name"],
+                "image": c["image"],
+                "imageID": "",
+                "ready": False,
+                "started": False,
+                "restartCount": 0,
+                "state": {
+                    "terminated": {
+                        "exitCode": 0,
+                        "reason": "Completed",
+                        "startedAt": now,
+                        "finishedAt": now,
+                    }
+                },
+            }
+            for c in pod["spec"]["containers"]
+        ]
+        with contextlib.suppress(ApiException):
+            await self.core.patch_namespaced_pod_status(
+                meta["name"],
+                meta["namespace"],
+                {"status": {"phase": "Succeeded", "containerStatuses": statuses}},
+            )
         await delete_now(self.core, pod)
 
 

@@ -18,7 +18,9 @@ from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
 from ebb.common.messaging.natsconfig import NatsConfig
+from ebb.controller.backend import WorkerInfo
 from ebb.controller.kube.harvest import TidalHarvester
+from ebb.controller.policy.failures import preempted
 from ebb.controller.policy.tidal import LABEL as TIDAL
 from ebb.controller.policy.tidal import TidalConfig
 from tests.controlplane import ControlPlane
@@ -225,18 +227,21 @@ async def test_batch_pods_the_scheduler_preempts_for_an_online_pod_are_nobodys_f
 ) -> None:
     """A mixed node lent to batch work, full of a job's workers; an online pod (priority 0)
     that finds no other room: kube-scheduler preempts two batch pods (the `ebb-batch`
-    PriorityClass of k8s/, -20), marks them `DisruptionTarget: PreemptionByScheduler` and
-    deletes them, and binds the online pod. The controller reports them lost to the cluster
-    (nobody's fault: no strike against the job or the node) with the scheduler's reason, and
-    counts them against the job's use of the mixed pool (its next pods go to the offline pool
-    first), even where they were gone before any pass saw them go."""
+    PriorityClass of k8s/, -20), marks them `DisruptionTarget: PreemptionByScheduler`, deletes
+    them with their grace period, and binds the online pod once they are gone. One drains and
+    exits 0: a drain. The other is deleted by force while it drains (its node gone, or an
+    operator in a hurry), leaving no end: lost to the cluster with the scheduler's reason,
+    nobody's fault. Both count against the job's use of the mixed pool (its next pods go to
+    the offline pool first)."""
     core: Any = CoreV1Api(api)
     job = "preempted"
     scripted.set(running_job(spec_of(tmp_path / "job", workers=4, pool="any"), todo=40, job=job))
     lent_node = {"mix-0": {"ebb.io/pool": "mixed", TIDAL: "offline"}}
     with NodesThread(
         workers_plane,
-        make=lambda a: SimulatedNodes(a, lent_node, allocatable=_allocatable("8")),
+        make=lambda a: SimulatedNodes(
+            a, lent_node, allocatable=_allocatable("8"), terminate_delay=5.0
+        ),
     ):
         h = Harness(api, nats_config, nc, tidal=None)
         try:
@@ -246,29 +251,39 @@ async def test_batch_pods_the_scheduler_preempts_for_an_online_pod_are_nobodys_f
                 return len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods)
 
             await h.converge(four_placed, what="four workers on the lent node", timeout=90)
-            workers = {p["metadata"]["name"] for p in h.pods(job)}
             await online_pod(core, "surge", "4")
+
+            def victims() -> list[str]:
+                return sorted(
+                    p["metadata"]["name"] for p in h.pods(job, alive=False) if preempted(p)
+                )
+
+            found = await wait_until(
+                lambda: len(victims()) == 2 and victims(), what="two batch pods preempted"
+            )
+            forced, drained = found
+            await core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
+            reports: dict[str, WorkerInfo] = {}
+
+            async def both_reported() -> bool:
+                for w in await h.backend.observe():
+                    if w.id in found and not w.alive and w.phase != "terminating":
+                        reports[w.id] = w
+                return len(reports) == 2
+
+            await wait_until(both_reported, what="both preempted workers reported", timeout=60)
 
             async def bound() -> bool:
                 pod = await core.read_namespaced_pod("surge", ONLINE_NS)
                 return bool(pod.spec.node_name == "mix-0")
 
             await wait_until(bound, what="the online pod bound after preemption", timeout=90)
-            reports: dict[str, tuple[str, str | None, str]] = {}
-
-            async def victims_reported() -> bool:
-                for w in await h.backend.observe():
-                    if w.phase == "failed":
-                        reports[w.id] = (w.phase, w.failure, w.reason)
-                return len(reports) == 2
-
-            await wait_until(victims_reported, what="two preempted workers reported", timeout=60)
         finally:
             await h.close()
-    assert reports.keys() <= workers
-    for phase, failure, reason in reports.values():
-        assert (phase, failure) == ("failed", "capacity")
-        assert reason.startswith("PreemptionByScheduler")
+    lost = reports[forced]
+    assert (lost.phase, lost.failure) == ("failed", "capacity")
+    assert lost.reason.startswith("PreemptionByScheduler")
+    assert (reports[drained].phase, reports[drained].drained) == ("succeeded", True)
     assert h.backend.placer.preempted[job] == 2
 
 
