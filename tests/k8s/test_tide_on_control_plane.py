@@ -19,7 +19,6 @@ from prometheus_client import REGISTRY
 
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.backend import WorkerInfo
-from ebb.controller.kube.harvest import TidalHarvester
 from ebb.controller.policy.failures import preempted
 from ebb.controller.policy.tidal import LABEL as TIDAL
 from ebb.controller.policy.tidal import TidalConfig
@@ -29,12 +28,12 @@ from tests.helpers import wait_until
 from tests.k8s.harness import NS, Harness
 from tests.k8s.test_placement import running as running_job
 from tests.k8s.test_placement import spec_of
+from tests.k8s.test_tide_signals import harvester, samples, threshold_tide
 from tests.scripted_master import ScriptedMaster
 
 pytestmark = pytest.mark.timeout(240)
 
 MIXED = ("mix-0", "mix-1", "mix-2")
-SAMPLE_S = 0.05
 ONLINE_NS = "default"
 
 
@@ -81,17 +80,6 @@ async def api(workers_plane: ControlPlane) -> AsyncIterator[ApiClient]:
         yield client
 
 
-def threshold_tide() -> TidalConfig:
-    return TidalConfig(
-        policy="threshold",
-        sample_s=SAMPLE_S,
-        window=3,
-        cooldown_s=60.0,
-        lend_below=0.45,
-        reclaim_above=0.7,
-    )
-
-
 def lent(h: Harness) -> set[str]:
     """The mixed nodes lent to batch work, as the controller's informer sees them."""
     return {
@@ -99,21 +87,6 @@ def lent(h: Harness) -> set[str]:
         for node in h.backend.nodes.items.values()
         if (node["metadata"].get("labels") or {}).get(TIDAL) == "offline"
     }
-
-
-def harvester(h: Harness) -> TidalHarvester:
-    assert h.backend.harvester is not None
-    return h.backend.harvester
-
-
-async def samples(h: Harness, n: int) -> None:
-    """Until the tide has taken `n` more samples."""
-    tide = harvester(h)
-    start = tide.last_sample or 0.0
-    await wait_until(
-        lambda: (tide.last_sample or 0.0) >= start + n * SAMPLE_S,
-        what=f"{n} samples of the tide",
-    )
 
 
 async def online_pod(core: Any, name: str, cpu: str, **spec: Any) -> None:
