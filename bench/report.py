@@ -188,10 +188,10 @@ def update(path: Path, sections: list[Section]) -> None:
 
 def _render(section: Section, images: Path) -> list[str]:
     # A docstring's first sentence ("Benchmark 6: tidal harvesting...") repeats the section's
-    # title, however many lines it takes.
-    intro = textwrap.dedent(section.intro).strip()
-    first = re.match(r"(?s).*?\.(?:\s+|$)", intro)
-    intro = intro[first.end() :].strip() if first else intro
+    # title, however many lines it takes; without one (a title alone), its first paragraph.
+    head, _, rest = textwrap.dedent(section.intro).strip().partition("\n\n")
+    first = re.match(r"(?s).*?[^\d\s]\.(?:\s+|$)", head)
+    intro = f"{head[first.end() :]}\n\n{rest}".strip() if first else rest.strip()
     lines = [f"## {section.title}", "", intro, ""]
     for t in section.tables:
         lines += [t, ""]
