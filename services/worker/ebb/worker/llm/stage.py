@@ -46,14 +46,11 @@ ENGINE_RESTARTS = 2
 def local_model_folder(model: str) -> str:
     """A local folder of the model: itself, or (a folder in an object store) its copy in the
     worker's model cache, each file through the node's cache when there is one."""
-    if "://" not in model or model.startswith("file://"):
-        return model.removeprefix("file://")
-    from ..modelcache.client import local_folder, worker_cache
+    from ..modelcache.client import local_model_folder as fetched
     from ..modelcache.store import ModelFetchError
 
-    cache_dir, cache_url = worker_cache()
     try:
-        return local_folder(model, cache_dir, cache_url=cache_url)
+        return fetched(model)
     except (ModelFetchError, OSError) as e:
         raise EngineError(f"cannot fetch the model folder {model}: {e}") from e
 

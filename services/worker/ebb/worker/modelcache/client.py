@@ -205,3 +205,13 @@ def local_folder(uri: str, cache_dir: str, *, cache_url: str | None) -> str:
         if not os.path.isdir(folder):
             raise
     return folder
+
+
+def local_model_folder(model: str) -> str:
+    """A local folder of the model: itself (a path, or `file://`), or (a folder in an object
+    store) its copy in the worker's model cache, each file through the node's cache when
+    there is one. Raises ModelFetchError or OSError when it cannot be fetched."""
+    if "://" not in model or model.startswith("file://"):
+        return model.removeprefix("file://")
+    cache_dir, cache_url = worker_cache()
+    return local_folder(model, cache_dir, cache_url=cache_url)

@@ -1,0 +1,332 @@
+"""`SentenceEncoder`: texts to sentence embeddings, from a model folder in the
+sentence-transformers layout, as `SentenceTransformer.encode` computes them.
+
+The folder is what `SentenceTransformer.save` writes and what the Hub holds: `modules.json`
+lists the modules in order, each in its own subfolder: the transformer itself (the folder's
+root: `config.json`, the weights, the tokenizer; `sentence_bert_config.json` its
+`max_seq_length`), `Pooling` (its `config.json`: CLS token, mean, max, mean over the square
+root of the length, weighted mean or last token), then optionally `Dense` (a linear layer and
+its activation) and `Normalize` (unit length). Any other module is refused at set-up, by name.
+
+The transformer runs on torch (`transformers.AutoModel`) or, `backend: onnx`, on ONNX Runtime
+from the folder's `onnx/model.onnx` (where sentence-transformers' own ONNX export puts it).
+Rows are encoded longest first in sub-batches of at most `batch_tokens` tokens (rows times
+the longest row: padding costs what it pads), so a batch of mixed lengths pads little. An
+empty text is an error of its row; a text over `max_seq_length` tokens is cut, as
+sentence-transformers cuts it.
+
+    - name: embed
+      modelet: ebb.worker.modelets:SentenceEncoder
+      params: {model: s3://models/all-MiniLM-L6-v2, column: text, output: embedding}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..chunks.columns import ROW_ERROR, Columns, num_rows
+from ..modelcache.client import local_model_folder
+from .api import Modelet
+
+MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+"""The modules run here, by the last part of their type in `modules.json`: sentence-transformers
+before 6 names them `sentence_transformers.models.Pooling`, 6 and later by their own module
+(`sentence_transformers.sentence_transformer.modules.pooling.Pooling`)."""
+POOLING_NAMES = {
+    "cls": "cls_token",
+    "mean": "mean_tokens",
+    "max": "max_tokens",
+    "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "weightedmean": "weightedmean_tokens",
+    "lasttoken": "lasttoken",
+}
+"""Pooling's `pooling_mode` (sentence-transformers 6 and later) -> the name of its older
+`pooling_mode_<name>: true` key."""
+
+POOLING_MODES = (
+    "cls_token",
+    "mean_tokens",
+    "max_tokens",
+    "mean_sqrt_len_tokens",
+    "weightedmean_tokens",
+    "lasttoken",
+)
+ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": np.tanh,
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.ReLU": lambda x: np.maximum(x, 0.0),
+    "torch.nn.modules.activation.Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+}
+
+
+class LayoutError(ValueError):
+    """The folder is not a sentence-transformers model this encoder can run."""
+
+
+@dataclass(frozen=True)
+class Dense:
+    weight: np.ndarray
+    """[out, in]"""
+    bias: np.ndarray | None
+    activation: Any
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x @ self.weight.T
+        if self.bias is not None:
+            y = y + self.bias
+        return np.asarray(self.activation(y), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What `modules.json` and the modules' configurations say."""
+
+    root: Path
+    max_tokens: int | None
+    """`max_seq_length` as sentence_bert_config.json says it (None: the tokenizer's
+    `model_max_length`, where sentence-transformers 6 keeps it)."""
+    lowercase: bool
+    pooling: str
+    """One of POOLING_MODES."""
+    dense: list[Dense]
+    normalize: bool
+
+    @classmethod
+    def read(cls, root: Path) -> Layout:
+        modules_file = root / "modules.json"
+        if not modules_file.is_file():
+            raise LayoutError(f"{root} has no modules.json: not a sentence-transformers folder")
+        modules = sorted(json.loads(modules_file.read_text()), key=lambda m: int(m["idx"]))
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+        for module, kind in zip(modules, kinds, strict=True):
+            if kind not in MODULES:
+                raise LayoutError(f"{root}: module {module.get('type')!r} is not supported here")
+        if not kinds or kinds[0] != "Transformer" or (modules[0].get("path") or "") != "":
+            raise LayoutError(f"{root}: the first module must be the Transformer at the root")
+        if len(kinds) < 2 or kinds[1] != "Pooling" or {"Transformer", "Pooling"} & set(kinds[2:]):
+            raise LayoutError(f"{root}: the Transformer, then Pooling, then Dense or Normalize")
+        settings: dict[str, Any] = {}
+        bert_config = root / "sentence_bert_config.json"
+        if bert_config.is_file():
+            settings = json.loads(bert_config.read_text())
+        pooling = _pooling_mode(json.loads((root / modules[1]["path"] / "config.json").read_text()))
+        dense = [
+            _dense(root / m["path"]) for m, k in zip(modules, kinds, strict=True) if k == "Dense"
+        ]
+        limit = settings.get("max_seq_length")
+        return cls(
+            root=root,
+            max_tokens=int(limit) if limit else None,
+            lowercase=bool(settings.get("do_lower_case", False)),
+            pooling=pooling,
+            dense=dense,
+            normalize="Normalize" in kinds,
+        )
+
+
+def _pooling_mode(config: dict[str, Any]) -> str:
+    if "pooling_mode" in config:  # sentence-transformers 6 and later
+        mode = config["pooling_mode"]
+        if not isinstance(mode, str) or mode not in POOLING_NAMES:
+            raise LayoutError(f"pooling: mode {mode!r} is not supported here")
+        return POOLING_NAMES[mode]
+    chosen = [m for m in POOLING_MODES if config.get(f"pooling_mode_{m}")]
+    if len(chosen) != 1:
+        raise LayoutError(f"pooling: exactly one mode must be on, not {chosen or 'none'}")
+    return chosen[0]
+
+
+def _dense(folder: Path) -> Dense:
+    config = json.loads((folder / "config.json").read_text())
+    activation_name = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if activation_name not in ACTIVATIONS:
+        raise LayoutError(f"Dense: activation {activation_name!r} is not supported here")
+    weights: dict[str, np.ndarray]
+    if (folder / "model.safetensors").is_file():
+        from safetensors.numpy import load_file
+
+        weights = load_file(str(folder / "model.safetensors"))
+    else:
+        import torch
+
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        weights = {k: v.float().numpy() for k, v in state.items()}
+    bias = weights.get("linear.bias") if config.get("bias", True) else None
+    return Dense(
+        weight=weights["linear.weight"].astype(np.float32),
+        bias=None if bias is None else bias.astype(np.float32),
+        activation=ACTIVATIONS[activation_name],
+    )
+
+
+def pool(tokens: np.ndarray, mask: np.ndarray, mode: str) -> np.ndarray:
+    """Token embeddings [rows, length, width] and the attention mask [rows, length] (right
+    padded) -> one vector per row, as sentence-transformers' Pooling computes it."""
+    pooled: np.ndarray = _pool(tokens, mask, mode)
+    return pooled
+
+
+def _pool(tokens: np.ndarray, mask: np.ndarray, mode: str) -> Any:
+    mask_f = mask[..., None].astype(np.float32)
+    lengths = np.maximum(mask.sum(axis=1, keepdims=True).astype(np.float32), 1e-9)
+    if mode == "cls_token":
+        return tokens[:, 0]
+    if mode == "lasttoken":
+        last = mask.sum(axis=1).astype(np.int64) - 1
+        return tokens[np.arange(len(tokens)), np.maximum(last, 0)]
+    if mode == "max_tokens":
+        return np.where(mask_f > 0, tokens, -1e9).max(axis=1)
+    if mode == "weightedmean_tokens":
+        weights = mask_f * np.arange(1, tokens.shape[1] + 1, dtype=np.float32)[None, :, None]
+        return (tokens * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+    summed = (tokens * mask_f).sum(axis=1)
+    if mode == "mean_sqrt_len_tokens":
+        return summed / np.sqrt(lengths)
+    return summed / lengths
+
+
+class SentenceEncoder(Modelet):
+    """A column of texts -> a column of embeddings (float32, one vector per row)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        column: str = "text",
+        output: str = "embedding",
+        backend: str = "torch",
+        device: str = "cpu",
+        batch_tokens: int = 16384,
+        max_tokens: int | None = None,
+        dimensions: int | None = None,
+    ) -> None:
+        if backend not in ("torch", "onnx"):
+            raise ValueError(f"backend must be torch or onnx, not {backend!r}")
+        if batch_tokens < 1:
+            raise ValueError("batch_tokens must be positive")
+        if dimensions is not None and dimensions < 1:
+            raise ValueError("dimensions must be positive")
+        self.model = model
+        self.column = column
+        self.output = output
+        self.backend = backend
+        self.device = device
+        self.batch_tokens = batch_tokens
+        self.max_tokens = max_tokens
+        self.dimensions = dimensions
+
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.layout = Layout.read(Path(local_model_folder(self.model)))
+        root = self.layout.root
+        self.tokenizer = AutoTokenizer.from_pretrained(str(root))
+        model_limit = self.layout.max_tokens or int(self.tokenizer.model_max_length)
+        self.limit = min(self.max_tokens or model_limit, model_limit)
+        if self.backend == "onnx":
+            import onnxruntime as ort
+
+            path = root / "onnx" / "model.onnx"
+            if not path.is_file():
+                raise LayoutError(f"backend onnx: {path} is missing")
+            self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            self.onnx_inputs = {i.name for i in self.session.get_inputs()}
+        else:
+            import torch
+            from transformers import AutoModel
+
+            self.torch = torch
+            self.encoder = AutoModel.from_pretrained(str(root)).to(self.device).eval()
+        width = self._encode(["a"]).shape[1]
+        if self.dimensions is not None and self.dimensions > width:
+            raise ValueError(f"dimensions {self.dimensions}: the model has {width}")
+
+    def set_threads(self, threads: int) -> None:
+        if self.backend == "torch":
+            self.torch.set_num_threads(threads)
+
+    def process_columns(self, batch: Columns) -> Columns:
+        if self.column not in batch:
+            raise KeyError(
+                f"no text column {self.column!r} among the rows' columns {sorted(batch)}"
+            )
+        texts = batch[self.column]
+        n = num_rows(batch)
+        errors: list[str | None] = [None] * n
+        good: list[int] = []
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                errors[i] = f"the text is not a string but {type(text).__name__}"
+            elif not text.strip():
+                errors[i] = "the text is empty"
+            else:
+                good.append(i)
+        width = None
+        vectors: np.ndarray | None = None
+        if good:
+            encoded = self._encode([str(texts[i]) for i in good])
+            width = encoded.shape[1]
+            vectors = np.zeros((n, width), dtype=np.float32)
+            vectors[good] = encoded
+        out: Columns = {
+            self.output: vectors if vectors is not None else np.full(n, None, dtype=object)
+        }
+        if any(e is not None for e in errors):
+            out[ROW_ERROR] = np.array(errors, dtype=object)
+        return out
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        """Embeddings of `texts`, in their order."""
+        if self.layout.lowercase:
+            texts = [t.lower() for t in texts]
+        ids = self.tokenizer(texts, truncation=True, max_length=self.limit)["input_ids"]
+        order = sorted(range(len(texts)), key=lambda i: -len(ids[i]))
+        result: np.ndarray | None = None
+        start = 0
+        while start < len(order):
+            longest = len(ids[order[start]])
+            rows = max(1, self.batch_tokens // max(longest, 1))
+            chunk = order[start : start + rows]
+            vectors = self._pooled([ids[i] for i in chunk])
+            if result is None:
+                result = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
+            result[chunk] = vectors
+            start += rows
+        assert result is not None
+        for dense in self.layout.dense:
+            result = dense(result)
+        if self.dimensions is not None:
+            result = result[:, : self.dimensions]
+        if self.layout.normalize:
+            norms = np.linalg.norm(result, axis=1, keepdims=True)
+            result = result / np.maximum(norms, 1e-12)
+        return np.ascontiguousarray(result, dtype=np.float32)
+
+    def _pooled(self, rows: list[list[int]]) -> np.ndarray:
+        """One sub-batch through the transformer and the pooling (before Dense and Normalize)."""
+        length = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = np.full((len(rows), length), pad, dtype=np.int64)
+        mask = np.zeros((len(rows), length), dtype=np.int64)
+        for k, r in enumerate(rows):
+            input_ids[k, : len(r)] = r
+            mask[k, : len(r)] = 1
+        if self.backend == "onnx":
+            feeds = {"input_ids": input_ids, "attention_mask": mask}
+            if "token_type_ids" in self.onnx_inputs:
+                feeds["token_type_ids"] = np.zeros_like(input_ids)
+            tokens = np.asarray(self.session.run(None, feeds)[0], dtype=np.float32)
+        else:
+            torch = self.torch
+            with torch.inference_mode():
+                hidden = self.encoder(
+                    input_ids=torch.from_numpy(input_ids).to(self.device),
+                    attention_mask=torch.from_numpy(mask).to(self.device),
+                ).last_hidden_state
+            tokens = hidden.float().cpu().numpy()
+        return pool(tokens, mask, self.layout.pooling)
