@@ -171,3 +171,43 @@ def test_the_onnx_backend_runs_the_folders_onnx_export_to_the_same_embeddings(
     assert cosines(out["embedding"], reference(minilm(), TEXTS)).min() >= 0.9999
     with pytest.raises(LayoutError, match="backend onnx"):
         encoder(minilm(), backend="onnx")
+
+
+def test_rows_of_many_inputs_texts_or_token_ids_each_with_its_dimensions() -> None:
+    """What `/v1/embeddings` asks: a row per request, each holding a list of inputs (texts,
+    or token ids of the model's tokenizer without special tokens), its own `dimensions`, the
+    tokens counted; an input over the model's context refused (not cut), in its row alone."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm()))
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS[:2]]
+    e = encoder(
+        minilm(),
+        inputs="many",
+        column="input",
+        ids_column="input_ids",
+        dimensions_column="dimensions",
+        truncate=False,
+        count_tokens=True,
+    )
+    batch = {
+        "input": np.array([TEXTS[:3], None, ["ok", TEXTS[3]], []], dtype=object),
+        "input_ids": np.array([None, ids, None, None], dtype=object),
+        "dimensions": np.array([None, 64, None, None], dtype=object),
+    }
+    out = e.process_columns(batch)
+    expected = reference(minilm(), TEXTS[:3])
+    first, second = out["embedding"][0], out["embedding"][1]
+    assert [v.shape for v in first] == [(384,)] * 3
+    assert cosines(np.stack(first), expected).min() >= 0.9999
+    # The token ids of the first two texts: their vectors, cut to 64 and normalized again.
+    head = expected[:2, :64] / np.linalg.norm(expected[:2, :64], axis=1, keepdims=True)
+    assert [v.shape for v in second] == [(64,)] * 2
+    np.testing.assert_allclose(np.stack(second), head, atol=1e-4)
+    tokens = [len(tokenizer(t)["input_ids"]) for t in TEXTS[:3]]
+    assert list(out["prompt_tokens"][:2]) == [sum(tokens), sum(tokens[:2])]
+    errors = list(out[ROW_ERROR])
+    assert errors[:2] == [None, None]
+    assert errors[2] is not None and "exceed the model's context of 256" in errors[2]
+    assert errors[3] == "the input is empty"
+    assert out["embedding"][2] is None and out["embedding"][3] is None
