@@ -46,3 +46,31 @@ def test_a_catalogue_model_names_its_llm_and_leaves_the_columns_to_the_gateway()
         CatalogueModel(stage={"llm": {"model": "/m", "prompt": "question"}})
     with pytest.raises(SpecError, match="max_in_flight"):
         CatalogueModel(stage={"llm": {"model": "/m", "max_in_flight": 0}})
+
+
+def test_an_embeddings_model_is_a_sentence_encoder_whose_columns_are_the_gateway_s() -> None:
+    encoder = "ebb.worker.modelets:SentenceEncoder"
+    model = CatalogueModel(
+        stage={"modelet": encoder, "params": {"model": "/models/minilm", "backend": "onnx"}},
+        dimensions=True,
+    )
+    assert model.embeds and model.endpoints == ("/v1/embeddings",)
+    spec = batch_job(
+        batch_id="batch_2",
+        owner="team",
+        model=model,
+        window=Window(seconds=86400),
+        input_uri="/data/gw/batches/team/batch_2/requests.parquet",
+        output_uri="/data/gw/batches/team/batch_2/output",
+    )
+    (stage,) = spec.pipeline.stages
+    assert stage.modelet == encoder and stage.name == "embed"
+    assert stage.params["model"] == "/models/minilm" and stage.params["backend"] == "onnx"
+    assert (stage.params["inputs"], stage.params["truncate"]) == ("many", False)
+    assert spec.output.carryover == ["custom_id", "line", "encoding_format"]
+    with pytest.raises(SpecError, match=r"stage\.params"):
+        CatalogueModel(stage={"modelet": encoder})
+    with pytest.raises(SpecError, match=r"stage\.params\.column"):
+        CatalogueModel(stage={"modelet": encoder, "params": {"model": "/m", "column": "q"}})
+    with pytest.raises(SpecError, match="dimensions"):
+        CatalogueModel(stage={"llm": {"model": "/m"}}, dimensions=True)

@@ -151,3 +151,81 @@ def test_a_completion_request_is_its_prompt_text() -> None:
         [{**request, "body": {"model": "m", "prompt": ["a", "b"]}}], endpoint="/v1/completions"
     )
     assert rows == [] and errors[0]["response"]["body"]["error"]["param"] == "prompt"
+
+
+class _Encoder:
+    """A catalogue model as the checks see it: what it serves, whether it takes dimensions."""
+
+    endpoints = ("/v1/embeddings",)
+
+    def __init__(self, dimensions: bool) -> None:
+        self.dimensions = dimensions
+
+
+def test_an_embeddings_request_is_its_inputs_as_texts_or_token_ids() -> None:
+    embeddings = "/v1/embeddings"
+
+    def request(custom_id: str, model: str = "enc", **body: Any) -> dict[str, Any]:
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": embeddings,
+            "body": {"model": model, **body},
+        }
+
+    chat_only = type("Chat", (), {"endpoints": ("/v1/chat/completions",)})()
+    models: dict[str, object] = {"enc": _Encoder(dimensions=False), "chat": chat_only}
+    rows: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    lines = [
+        request("text", input="hello"),
+        request("texts", input=["a", "b"], encoding_format="base64"),
+        request("ids", input=[1, 2, 3]),
+        request("many-ids", input=[[1, 2], [3]]),
+        request("empty-list", input=[]),
+        request("empty-text", input=["a", " "]),
+        request("mixed", input=["a", 1]),
+        request("too-many", input=["x"] * 2049),
+        request("format", input="a", encoding_format="float16"),
+        request("dimensions", input="a", dimensions=64),
+        request("chat-model", model="chat", input="a"),
+    ]
+    raw = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    found = validate(
+        split_lines([raw], max_bytes=1 << 20),
+        batch_id="batch_1",
+        endpoint=embeddings,
+        models=models,
+        max_requests=100,
+        max_line_bytes=1 << 20,
+        accept=lambda row, model: rows.append(row),
+        reject=errors.append,
+    )
+    assert (found.accepted, found.rejected) == (4, 7)
+    assert rows[0] == {
+        "custom_id": "text",
+        "line": 1,
+        "input": ["hello"],
+        "input_ids": None,
+        "dimensions": None,
+        "encoding_format": "float",
+    }
+    assert rows[1]["input"] == ["a", "b"] and rows[1]["encoding_format"] == "base64"
+    assert rows[2]["input"] is None and rows[2]["input_ids"] == [[1, 2, 3]]
+    assert rows[3]["input_ids"] == [[1, 2], [3]]
+    codes = {
+        e["custom_id"]: (
+            e["response"]["body"]["error"]["param"],
+            e["response"]["body"]["error"]["code"],
+        )
+        for e in errors
+    }
+    assert codes == {
+        "empty-list": ("input", "invalid_type"),
+        "empty-text": ("input", "invalid_value"),
+        "mixed": ("input", "invalid_type"),
+        "too-many": ("input", "invalid_value"),
+        "format": ("encoding_format", "invalid_value"),
+        "dimensions": ("dimensions", "unsupported_parameter"),
+        "chat-model": ("model", "unsupported_model"),
+    }

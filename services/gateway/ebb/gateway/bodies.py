@@ -55,7 +55,17 @@ SEED_LIMIT = 2**63
 """Seeds are 64-bit signed integers in the job's columns: 0 up to this, exclusive."""
 
 
-def model_of(body: dict[str, Any], models: Mapping[str, object], batch_model: str | None) -> str:
+EMBEDDINGS = "/v1/embeddings"
+MAX_INPUTS = 2048
+"""Inputs one embeddings request may hold, as the API allows."""
+
+
+def model_of(
+    body: dict[str, Any],
+    models: Mapping[str, object],
+    batch_model: str | None,
+    endpoint: str | None = None,
+) -> str:
     model = body.get("model")
     if model is None:
         raise RequestRefused(
@@ -70,6 +80,13 @@ def model_of(body: dict[str, Any], models: Mapping[str, object], batch_model: st
             code="model_not_found",
             status=404,
         )
+    endpoints: tuple[str, ...] | None = getattr(models[model], "endpoints", None)
+    if endpoint is not None and endpoints is not None and endpoint not in endpoints:
+        raise RequestRefused(
+            f"The model {model!r} serves {', '.join(endpoints)}, not {endpoint}.",
+            param="model",
+            code="unsupported_model",
+        )
     if batch_model is not None and model != batch_model:
         raise RequestRefused(
             f"A batch runs one model: this request names {model!r}, the batch's first "
@@ -82,7 +99,9 @@ def model_of(body: dict[str, Any], models: Mapping[str, object], batch_model: st
 
 def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     """The job's columns for one request: its prompt and its sampling (null: the
-    catalogue model's)."""
+    catalogue model's), or, an embeddings request, its inputs."""
+    if endpoint == EMBEDDINGS:
+        return embedding_row(body)
     if body.get("stream"):
         raise RequestRefused(
             "Streaming is not supported in the Batch API.",
@@ -244,3 +263,63 @@ def _stop(value: object) -> list[str] | None:
             code="invalid_value",
         )
     return list(items)
+
+
+def embedding_row(body: dict[str, Any]) -> dict[str, Any]:
+    """An embeddings request's columns: its inputs (texts, or token ids: one of the two
+    columns, the other null), its `dimensions` (null: the model's) and how its vectors are
+    written (`encoding_format`)."""
+    value = body.get("input")
+    if value is None:
+        raise RequestRefused(
+            "Input parameter is required.", param="input", code="missing_required_parameter"
+        )
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+    if isinstance(value, str):
+        texts = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        texts = list(value)
+    elif isinstance(value, list) and value and all(_token(v) for v in value):
+        ids = [[int(v) for v in value]]
+    elif (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, list) and v and all(_token(t) for t in v) for v in value)
+    ):
+        ids = [[int(t) for t in v] for v in value]
+    else:
+        raise RequestRefused(
+            "'input' must be a string, an array of strings, an array of token ids or an "
+            "array of arrays of token ids, none of them empty.",
+            param="input",
+            code="invalid_type",
+        )
+    count = len(texts if texts is not None else ids or [])
+    if count > MAX_INPUTS:
+        raise RequestRefused(
+            f"'input' holds {count} inputs; the most one request may have is {MAX_INPUTS}.",
+            param="input",
+            code="invalid_value",
+        )
+    if texts is not None and not all(t.strip() for t in texts):
+        raise RequestRefused(
+            "'input' cannot hold an empty string.", param="input", code="invalid_value"
+        )
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise RequestRefused(
+            f"'encoding_format' must be 'float' or 'base64', got {fmt!r}.",
+            param="encoding_format",
+            code="invalid_value",
+        )
+    return {
+        "input": texts,
+        "input_ids": ids,
+        "dimensions": _number(body.get("dimensions"), "dimensions", low=1, high=65536),
+        "encoding_format": fmt,
+    }
+
+
+def _token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31

@@ -10,6 +10,11 @@ models:
       device: cuda
     resources: {max_workers: 8, gpu: 1, pool: offline}
     rows_per_shard: 1000
+  minilm:                        # /v1/embeddings: a SentenceEncoder stage
+    stage:
+      modelet: ebb.worker.modelets:SentenceEncoder
+      params: {model: s3://batch/models/all-MiniLM-L6-v2, backend: onnx}
+    dimensions: false            # requests may not ask for fewer (not a Matryoshka model)
 keys:
   - {owner: team-a, sha256: 9f86d0...}   # the key's SHA-256 (hex), or `key:` itself
     max_active_batches: 10
@@ -42,6 +47,23 @@ OWNER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 GATEWAY_COLUMNS = ("prompt", "text")
 """The llm stage's prompt and output columns: the gateway's to name, not the catalogue's."""
 
+SENTENCE_ENCODER = "ebb.worker.modelets:SentenceEncoder"
+"""The modelet of a catalogue model that answers `/v1/embeddings`."""
+ENCODER_PARAMS = {
+    "column": "input",
+    "ids_column": "input_ids",
+    "output": "embedding",
+    "inputs": "many",
+    "dimensions_column": "dimensions",
+    "truncate": False,
+    "count_tokens": True,
+}
+"""The SentenceEncoder's parameters the requests set: a row per request, its inputs as texts
+or token ids, its own dimensions; an input over the model's context refused, as the API
+refuses it."""
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+EMBEDDING_ENDPOINTS = ("/v1/embeddings",)
+
 
 API_SAMPLING: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
 """What a request that omits them gets, as the OpenAI API means it (sampled at 1.0, up to
@@ -53,8 +75,10 @@ class CatalogueModel:
     """One model the gateway serves: the job a batch of requests naming it becomes."""
 
     stage: dict[str, Any]
-    """The llm stage (a pipeline stage's fields, `llm` among them). Its prompt, output and
-    per-row sampling are the requests': the gateway sets them."""
+    """The llm stage (a pipeline stage's fields, `llm` among them), whose prompt, output and
+    per-row sampling are the requests' (the gateway sets them); or a stage of the
+    SentenceEncoder modelet, for `/v1/embeddings` (its `params.model` the encoder's folder;
+    the columns are the gateway's to set)."""
     resources: ResourceSpec = field(default_factory=ResourceSpec)
     """Workers of a batch's job, and what each asks for."""
     rows_per_shard: int | None = None
@@ -65,16 +89,24 @@ class CatalogueModel:
     the error file, never a failed batch."""
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
+    dimensions: bool = False
+    """An embeddings model: requests may ask for fewer `dimensions` (a model trained so that
+    the first ones hold up on their own, Matryoshka-style)."""
+
+    @property
+    def embeds(self) -> bool:
+        """It answers `/v1/embeddings` (a SentenceEncoder stage), not the generative ones."""
+        return self.stage.get("modelet") == SENTENCE_ENCODER
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return EMBEDDING_ENDPOINTS if self.embeds else GENERATION_ENDPOINTS
 
     def __post_init__(self) -> None:
-        llm = self.stage.get("llm")
-        if not isinstance(llm, dict) or not llm.get("model"):
-            raise bad("stage.llm", "a catalogue model is an llm stage: it needs llm.model")
-        for key in ("prompt", "output", "per_row", "tokenize_only"):
-            if key in llm:
-                raise bad(f"stage.llm.{key}", "set by the gateway from the requests")
-        if not isinstance(llm.get("sampling", {}), dict):
-            raise bad("stage.llm.sampling", "must be a mapping of sampling fields")
+        if self.embeds:
+            self._check_encoder()
+        else:
+            self._check_llm()
         if "name" in self.stage:
             raise bad("stage.name", "set by the gateway")
         try:
@@ -83,8 +115,39 @@ class CatalogueModel:
         except SchemaError as e:
             raise SpecError(e.path, e.problem) from None
 
+    def _check_encoder(self) -> None:
+        params = self.stage.get("params")
+        if not isinstance(params, dict) or not params.get("model"):
+            raise bad("stage.params", "a SentenceEncoder needs params.model, its folder")
+        for key in ENCODER_PARAMS:
+            if key in params:
+                raise bad(f"stage.params.{key}", "set by the gateway from the requests")
+        if "llm" in self.stage:
+            raise bad("stage.llm", "a stage is an llm stage or a SentenceEncoder, not both")
+
+    def _check_llm(self) -> None:
+        if self.dimensions:
+            raise bad("dimensions", "only an embeddings model takes dimensions")
+        llm = self.stage.get("llm")
+        if not isinstance(llm, dict) or not llm.get("model"):
+            raise bad(
+                "stage.llm",
+                f"a catalogue model is an llm stage (it needs llm.model) or a {SENTENCE_ENCODER}"
+                " stage",
+            )
+        for key in ("prompt", "output", "per_row", "tokenize_only"):
+            if key in llm:
+                raise bad(f"stage.llm.{key}", "set by the gateway from the requests")
+        if not isinstance(llm.get("sampling", {}), dict):
+            raise bad("stage.llm.sampling", "must be a mapping of sampling fields")
+
     def stage_spec(self) -> StageSpec:
         """The stage a batch runs: the catalogue's, with the requests' columns."""
+        if self.embeds:
+            params = {**self.stage["params"], **ENCODER_PARAMS}
+            metrics = {"prompt_tokens": {"kind": "sum", "column": "prompt_tokens"}}
+            body = {"metrics": metrics, **self.stage, "name": "embed", "params": params}
+            return schema.load(StageSpec, body, path="stage")
         llm = {
             **self.stage["llm"],
             "sampling": {**API_SAMPLING, **self.stage["llm"].get("sampling", {})},

@@ -33,8 +33,24 @@ REQUEST_SCHEMA = pa.schema(_REQUEST_FIELDS)
 CHAT = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
+_EMBEDDING_FIELDS: list[pa.Field[Any]] = [
+    pa.field("custom_id", pa.string()),
+    pa.field("line", pa.int64()),
+    pa.field("input", pa.list_(pa.string())),
+    pa.field("input_ids", pa.list_(pa.list_(pa.int64()))),
+    pa.field("dimensions", pa.int64()),
+    pa.field("encoding_format", pa.string()),
+]
+EMBEDDING_SCHEMA = pa.schema(_EMBEDDING_FIELDS)
+"""An embeddings request's row: its texts or its token ids, its dimensions, and how its
+vectors are written (carried to the output)."""
+
+
 def request_schema(endpoint: str) -> pa.Schema:
-    """The job input's columns: a chat's messages, or a completion's prompt text."""
+    """The job input's columns: a chat's messages, a completion's prompt text, or an
+    embeddings request's inputs."""
+    if endpoint == "/v1/embeddings":
+        return EMBEDDING_SCHEMA
     prompt = CHAT if endpoint == "/v1/chat/completions" else pa.string()
     return REQUEST_SCHEMA.insert(2, pa.field("prompt", prompt))
 
@@ -53,12 +69,13 @@ def batch_job(
     output_uri: str,
 ) -> JobSpec:
     stage = schema.dump(model.stage_spec())
+    carryover = ["custom_id", "line", *(["encoding_format"] if model.embeds else [])]
     body: dict[str, Any] = {
         "name": f"batch {batch_id} ({owner})",
         "id": batch_id,
         "input": {"uri": input_uri, "format": "parquet", "rows_per_shard": rows_per_shard(model)},
         "pipeline": {"stages": [stage]},
-        "output": {"uri": output_uri, "format": "parquet", "carryover": ["custom_id", "line"]},
+        "output": {"uri": output_uri, "format": "parquet", "carryover": carryover},
         "resources": {
             **schema.dump(model.resources),
             **({"pool": window.pool} if window.pool is not None else {}),

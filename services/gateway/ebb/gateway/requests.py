@@ -28,8 +28,9 @@ from .bodies import SEED_LIMIT, RequestRefused, model_of, row_of
 from .records import BatchError
 from .store import Oversize
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-"""What a batch may ask for here: the generative endpoints an llm stage answers."""
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+"""What a batch may ask for here: the generative endpoints an llm stage answers, and the
+embeddings a SentenceEncoder stage computes."""
 
 MAX_REPORTED = 100
 """Lines named in a failed batch's errors at most (the count says how many there were)."""
@@ -159,9 +160,17 @@ def validate(
                     param=None,
                     code="invalid_value",
                 )
-            model = model_of(body, models, v.model)
+            model = model_of(body, models, v.model, endpoint)
             row = row_of(body, endpoint)
-            if row["seed"] is None:
+            if row.get("dimensions") is not None:
+                allowed = getattr(models[model], "dimensions", False)
+                if not allowed:
+                    raise RequestRefused(  # noqa: TRY301 - an error line, as the body's refusals
+                        f"The model {model!r} does not support 'dimensions'.",
+                        param="dimensions",
+                        code="unsupported_parameter",
+                    )
+            if "seed" in row and row["seed"] is None:
                 row["seed"] = default_seed(batch_id, custom_id)
         except RequestRefused as e:
             reject(

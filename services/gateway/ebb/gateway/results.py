@@ -7,16 +7,20 @@ that dies while writing them writes them again, and nothing is doubled."""
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from ebb.common.data.layout import CommitRecord
 from ebb.common.data.output import OutputStore
 
+from .bodies import EMBEDDINGS
 from .requests import error_line, request_ids
 from .store import FileStore, Writer
 
@@ -42,6 +46,15 @@ READ_COLUMNS = [
     "output_tokens",
     "_error",
 ]
+EMBEDDING_COLUMNS = ["custom_id", "line", "embedding", "prompt_tokens", "encoding_format", "_error"]
+
+
+_PROMPT_PARAM = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    EMBEDDINGS: "input",
+}
+_REFUSED_INPUT = re.compile(r"outside the model's vocabulary|^dimensions \d+: the model has")
 
 
 @dataclass
@@ -73,7 +86,8 @@ def write_results(
     store = OutputStore(job_output)
     for record in store.commits():
         for path in _files(record):
-            table = pq.read_table(store.full(path), columns=READ_COLUMNS, filesystem=store.fs)
+            columns = EMBEDDING_COLUMNS if endpoint == EMBEDDINGS else READ_COLUMNS
+            table = pq.read_table(store.full(path), columns=columns, filesystem=store.fs)
             for row in table.to_pylist():
                 line = int(row["line"])
                 if line >= len(done):
@@ -82,12 +96,16 @@ def write_results(
                 if row["_error"] is None:
                     tally.completed += 1
                     tally.input_tokens += int(row["prompt_tokens"] or 0)
-                    tally.output_tokens += int(row["output_tokens"] or 0)
-                    body = _answer(batch_id, endpoint, model, row, record)
+                    tally.output_tokens += int(row.get("output_tokens") or 0)
+                    if endpoint == EMBEDDINGS:
+                        body = _embeddings(batch_id, model, row)
+                    else:
+                        body = _answer(batch_id, endpoint, model, row, record)
                     output.write(_jsonl(body))
                 else:
                     tally.failed += 1
-                    errors.write(_jsonl(_failed(batch_id, row["custom_id"], row["_error"])))
+                    failed = _failed(batch_id, row["custom_id"], row["_error"], endpoint)
+                    errors.write(_jsonl(failed))
     for raw in rejected:
         if raw.strip():
             tally.failed += 1
@@ -172,6 +190,34 @@ def _answer(
     }
 
 
+def _embeddings(batch_id: str, model: str, row: dict[str, Any]) -> dict[str, Any]:
+    """An embeddings request's answer, as the API writes it: each input's vector as floats,
+    or (`encoding_format: base64`) its float32 bytes, little-endian, in base64."""
+    line_id, request_id = request_ids(batch_id, row["custom_id"])
+    tokens = int(row["prompt_tokens"])
+    as_base64 = row.get("encoding_format") == "base64"
+    data = []
+    for index, vector in enumerate(row["embedding"]):
+        value: Any
+        if as_base64:
+            value = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+        else:
+            value = vector
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    body = {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return {
+        "id": line_id,
+        "custom_id": row["custom_id"],
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
 def _fingerprint(record: CommitRecord) -> str | None:
     """What generated the text, short: the model's digest (or store version) in the commit
     record, as `fp_…`."""
@@ -182,7 +228,7 @@ def _fingerprint(record: CommitRecord) -> str | None:
     return None
 
 
-def _failed(batch_id: str, custom_id: str, why: str) -> dict[str, Any]:
+def _failed(batch_id: str, custom_id: str, why: str, endpoint: str) -> dict[str, Any]:
     """A request the job ran and could not answer (its row's `_error`)."""
     if "exceed the model's context" in why or "exceed kv_tokens" in why:
         return error_line(
@@ -190,8 +236,14 @@ def _failed(batch_id: str, custom_id: str, why: str) -> dict[str, Any]:
             custom_id,
             status=400,
             message=why,
-            param="messages",
+            param=_PROMPT_PARAM.get(endpoint, "messages"),
             code="context_length_exceeded",
+        )
+    if endpoint == EMBEDDINGS and _REFUSED_INPUT.search(why):
+        # What the encoder refuses of an input the gateway could not check (an id outside
+        # the model's vocabulary, dimensions beyond its width): the request's.
+        return error_line(
+            batch_id, custom_id, status=400, message=why, param="input", code="invalid_value"
         )
     # The request was valid (the gateway checked it): what failed was the model, its engine
     # or its worker, a server's fault as the API reports one.

@@ -230,7 +230,7 @@ class BatchSteps:
                 # requests of a megabyte each is held in memory once, not 500 MB of them).
                 nonlocal held
                 rows.append(row)
-                held += _prompt_bytes(row["prompt"])
+                held += _request_bytes(row)
                 if len(rows) >= rows_per_shard(self.config.models[model]) or (
                     held >= ROW_GROUP_BYTES
                 ):
@@ -426,10 +426,16 @@ class BatchSteps:
         return tally, made
 
 
-def _prompt_bytes(prompt: str | list[dict[str, str]]) -> int:
+def _request_bytes(row: dict[str, Any]) -> int:
+    """About what a request's row holds in memory: its prompt, or its inputs."""
+    prompt = row.get("prompt")
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(len(m["content"]) + len(m["role"]) for m in prompt)
+    if prompt is not None:
+        return sum(len(m["content"]) + len(m["role"]) for m in prompt)
+    texts = row.get("input") or []
+    ids = row.get("input_ids") or []
+    return sum(map(len, texts)) + 8 * sum(map(len, ids))
 
 
 def _jsonl(value: dict[str, Any]) -> bytes:
