@@ -305,8 +305,13 @@ class BatchApi:
                     code="missing_required_parameter",
                 )
         endpoint, window = body["endpoint"], body["completion_window"]
-        if endpoint not in ENDPOINTS:
-            listed = ", ".join(repr(e) for e in ENDPOINTS)
+        # The endpoints some model of the catalogue answers: an embeddings batch on a
+        # gateway of chat models only is refused here, not failed line by line.
+        served = [
+            e for e in ENDPOINTS if any(e in m.endpoints for m in self.config.models.values())
+        ]
+        if endpoint not in served:
+            listed = ", ".join(repr(e) for e in served)
             raise ApiError(
                 400,
                 f"Invalid value: {endpoint!r}. Supported values are: {listed}.",
