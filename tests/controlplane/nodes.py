@@ -413,6 +413,14 @@ class NodesThread:
             raise
         return self
 
+    @classmethod
+    def simulated(
+        cls, plane: ControlPlane, labels: dict[str, dict[str, Any]], **options: Any
+    ) -> NodesThread:
+        """Simulated nodes named and labelled by `labels`; `options`: SimulatedNodes' own
+        (allocatable, start and terminate delays)."""
+        return cls(plane, make=lambda api: SimulatedNodes(api, labels, **options))
+
     def __exit__(self, *_: object) -> None:
         assert self._stop is not None and self._running is not None
         self._loop.call_soon_threadsafe(self._stop.set)

@@ -21,7 +21,7 @@ from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
 from ebb.controller.kube.podspec import CREDENTIALS_KEY, mounted_credentials
 from tests.controlplane import ControlPlane
-from tests.controlplane.nodes import NodesThread, SimulatedNodes
+from tests.controlplane.nodes import NodesThread
 from tests.helpers import wait_until
 from tests.k8s.harness import NS, Harness
 from tests.k8s.test_placement import running, spec_of
@@ -66,7 +66,7 @@ async def test_a_worker_pods_credential_secret_goes_with_the_pod_by_the_garbage_
     status = running(spec_of(tmp_path / "job", workers=2), todo=40, job=job)
     scripted.set(status)
     node = {"off-0": {"ebb.io/pool": "offline"}}
-    with NodesThread(workers_plane, make=lambda api: SimulatedNodes(api, node)):
+    with NodesThread.simulated(workers_plane, node):
         async with workers_plane.api_client() as api:
             core: Any = CoreV1Api(api)  # plain JSON maps: the stubs know only models
             signer = identity.Trust.new("ebb").worker_signer()

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.policy.tidal import LABEL as TIDAL
 from tests.controlplane import ControlPlane
-from tests.controlplane.nodes import NodesThread, SimulatedNodes
+from tests.controlplane.nodes import NodesThread
 from tests.k8s.harness import NS, Harness
 from tests.k8s.test_placement import A100, running, spec_of
 from tests.scripted_master import ScriptedMaster
@@ -31,7 +31,7 @@ ALLOCATABLE = {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "4", "pods": "11
 
 def _nodes(plane: ControlPlane, labels: dict[str, dict[str, str]]) -> NodesThread:
     """Simulated nodes for one test (deleted when it ends), each with ALLOCATABLE."""
-    return NodesThread(plane, make=lambda api: SimulatedNodes(api, labels, allocatable=ALLOCATABLE))
+    return NodesThread.simulated(plane, labels, allocatable=ALLOCATABLE)
 
 
 async def _placed(h: Harness, job: str, count: int) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from ebb.controller.policy.failures import preempted
 from ebb.controller.policy.tidal import LABEL as TIDAL
 from ebb.controller.policy.tidal import TidalConfig
 from tests.controlplane import ControlPlane
-from tests.controlplane.nodes import NodesThread, SimulatedNodes
+from tests.controlplane.nodes import NodesThread
 from tests.helpers import wait_until
 from tests.k8s.harness import NS, Harness
 from tests.k8s.test_placement import running as running_job
@@ -58,19 +58,12 @@ def _nothing_left(workers_plane: ControlPlane) -> Iterator[None]:
 @pytest.fixture
 def nodes(workers_plane: ControlPlane) -> Iterator[None]:
     """An offline node of 4 cores and three mixed ones of 8, as test_tide_signals.py's."""
-    offline = NodesThread(
-        workers_plane,
-        make=lambda api: SimulatedNodes(
-            api, {"off-0": {"ebb.io/pool": "offline"}}, allocatable=_allocatable("4")
-        ),
-    )
-    mixed = NodesThread(
-        workers_plane,
-        make=lambda api: SimulatedNodes(
-            api, {n: {"ebb.io/pool": "mixed"} for n in MIXED}, allocatable=_allocatable("8")
-        ),
-    )
-    with offline, mixed:
+    offline = {"off-0": {"ebb.io/pool": "offline"}}
+    mixed = {n: {"ebb.io/pool": "mixed"} for n in MIXED}
+    with (
+        NodesThread.simulated(workers_plane, offline, allocatable=_allocatable("4")),
+        NodesThread.simulated(workers_plane, mixed, allocatable=_allocatable("8")),
+    ):
         yield
 
 
@@ -210,11 +203,8 @@ async def test_batch_pods_the_scheduler_preempts_for_an_online_pod_are_nobodys_f
     job = "preempted"
     scripted.set(running_job(spec_of(tmp_path / "job", workers=4, pool="any"), todo=40, job=job))
     lent_node = {"mix-0": {"ebb.io/pool": "mixed", TIDAL: "offline"}}
-    with NodesThread(
-        workers_plane,
-        make=lambda a: SimulatedNodes(
-            a, lent_node, allocatable=_allocatable("8"), terminate_delay=5.0
-        ),
+    with NodesThread.simulated(
+        workers_plane, lent_node, allocatable=_allocatable("8"), terminate_delay=5.0
     ):
         h = Harness(api, nats_config, nc, tidal=None)
         try:
@@ -318,21 +308,16 @@ async def test_the_tide_lends_idle_gpus_and_the_scheduler_takes_them_back_for_se
 
     job = "gpu-tide"
     scripted.set(running_job(spec_of(tmp_path / "job", workers=16, gpu=1), todo=40, job=job))
-    offline = NodesThread(  # CPU only: the GPU job's workers cannot go there
-        workers_plane,
-        make=lambda a: SimulatedNodes(
-            a, {"off-0": {"ebb.io/pool": "offline"}}, allocatable=_allocatable("4")
-        ),
-    )
-    gpus = NodesThread(
-        workers_plane,
-        make=lambda a: SimulatedNodes(
-            a,
-            {n: {"ebb.io/pool": "mixed"} for n in GPU_NODES},
+    offline = {"off-0": {"ebb.io/pool": "offline"}}  # CPU only: no GPU worker goes there
+    gpus = {n: {"ebb.io/pool": "mixed"} for n in GPU_NODES}
+    with (
+        NodesThread.simulated(workers_plane, offline, allocatable=_allocatable("4")),
+        NodesThread.simulated(
+            workers_plane,
+            gpus,
             allocatable={"cpu": "32", "memory": "128Gi", GPU: "8", "pods": "110"},
         ),
-    )
-    with offline, gpus:
+    ):
         night = [f"serve-{n}" for n in range(2)]
         await serve(core, night)
         tide = TidalConfig(sample_s=0.05, lead_s=0.5, headroom=0.25, window=3, min_online=0)

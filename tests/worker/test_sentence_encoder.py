@@ -14,7 +14,7 @@ import pytest
 
 from ebb.worker.chunks.columns import ROW_ERROR
 from ebb.worker.modelets import SentenceEncoder
-from ebb.worker.modelets.sentence import LayoutError
+from ebb.worker.modelets.sentence_layout import LayoutError
 
 TEXTS = [
     "A cat sat on the mat.",

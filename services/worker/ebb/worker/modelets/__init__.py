@@ -2,9 +2,9 @@
 
 `api` (the modelet protocols, `Modelet`, `hidden_column`, `StageError`), `builtins`
 (`Features`, `TopClass`, `Identity`, `Metrics`), `sentence` (`SentenceEncoder`: sentence
-embeddings from a sentence-transformers folder), `fetch` (`Fetch`, a reader stage for a column
-of URLs), `runtimes` (ONNX Runtime and TorchScript models), `multimodel` (several models in one
-stage). May use `modelcache`, `resources`, `chunks`."""
+embeddings from a sentence-transformers folder, read by `sentence_layout`), `fetch` (`Fetch`,
+a reader stage for a column of URLs), `runtimes` (ONNX Runtime and TorchScript models),
+`multimodel` (several models in one stage). May use `modelcache`, `resources`, `chunks`."""
 
 from .api import BatchModelet, ColumnsModelet, Modelet, StageError, hidden_column
 from .builtins import Features, Identity, Metrics, TopClass
