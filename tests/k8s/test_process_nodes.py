@@ -159,11 +159,21 @@ async def test_a_pod_gets_its_secret_config_map_downward_api_service_and_token(
         pod(
             "client",
             """
-            import os, sys, urllib.request
+            import os, sys, time, urllib.request
             token = open("/etc/s/token").read()
             sa = open("/var/run/secrets/kubernetes.io/serviceaccount/token").read()
             ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
-            body = urllib.request.urlopen("http://web/", timeout=10).read()
+            # A ready pod reaches the Service's EndpointSlice a moment later, in a real
+            # cluster too: a client retries its first connection, as real ones do.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    body = urllib.request.urlopen("http://web/", timeout=10).read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
             wanted = ("abc", "hi", "client", os.environ["NS"], b"pong")
             got = (token, os.environ["GREETING"], os.environ["ME"], ns, body)
             sys.exit(0 if got == wanted and sa.count(".") == 2 else 3)
