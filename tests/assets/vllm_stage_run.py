@@ -4,7 +4,8 @@ Run with the interpreter of vLLM's venv, where Ebb is installed too (`make vllm`
 tests/worker/test_llm_vllm.py.
 
 stdin: {"model": folder, "rows": [{"prompt", "m", "t"}...], "engine_args": {...},
-"max_in_flight": n, "batch_size": n, "structured": {...} (optional)}."""
+"max_in_flight": n, "batch_size": n, "structured": {...} (optional)}; a row's "shape" (a
+JSON text, or null) its own structured output."""
 
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ async def main() -> None:
             dtype="float32",
             engine_args=asked["engine_args"],
             max_in_flight=asked["max_in_flight"],
-            per_row={"max_tokens": "m", "temperature": "t"},
+            per_row={
+                "max_tokens": "m",
+                "temperature": "t",
+                **({"structured": "shape"} if any("shape" in r for r in asked["rows"]) else {}),
+            },
             structured=StructuredSpec(**asked["structured"]) if "structured" in asked else None,
         ),
         batch_size=asked["batch_size"],

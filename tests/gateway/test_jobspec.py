@@ -29,7 +29,14 @@ def test_a_batch_s_job_is_its_model_s_stage_over_the_requests() -> None:
     (stage,) = spec.pipeline.stages
     assert stage.llm is not None and stage.llm.model == "/models/m"
     assert (stage.llm.prompt, stage.llm.output) == ("prompt", "text")
-    assert set(stage.llm.per_row) == {"max_tokens", "temperature", "top_p", "seed", "stop"}
+    assert set(stage.llm.per_row) == {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "structured",
+    }
     assert stage.batch_size == 256 and stage.llm.max_in_flight == 64
     assert "output_tokens" in stage.metrics
     assert spec.id == "batch_1" and spec.priority == -10

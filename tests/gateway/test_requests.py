@@ -68,10 +68,49 @@ def test_a_request_becomes_a_row_with_its_sampling() -> None:
         "top_p": 0.5,
         "seed": 7,
         "stop": ["\n"],
+        "structured": None,
         "model": "m",
     }
     assert rows[1]["prompt"] == [{"role": "user", "content": "xy"}] and rows[1]["max_tokens"] == 3
     assert rows[1]["temperature"] is None and rows[1]["stop"] is None
+
+
+def test_a_response_format_becomes_its_row_s_structured_output() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    _, rows, errors = judged(
+        [
+            line("text", response_format={"type": "text"}),
+            line("object", response_format={"type": "json_object"}),
+            line(
+                "schema",
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": schema},
+                },
+            ),
+            line("any", response_format={"type": "json_schema", "json_schema": {"name": "any"}}),
+            line(
+                "bad-schema",
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": [1]},
+                },
+            ),
+            line("not-a-format", response_format="json"),
+        ]
+    )
+    shapes = {r["custom_id"]: r["structured"] for r in rows}
+    assert shapes == {
+        "text": None,
+        "object": json.dumps({"json": {"type": "object"}}),
+        "schema": json.dumps({"json": schema}, separators=(",", ":"), sort_keys=True),
+        "any": '{"json":{"type":"object"}}',
+    }
+    params = {e["custom_id"]: e["response"]["body"]["error"]["param"] for e in errors}
+    assert params == {
+        "bad-schema": "response_format.json_schema.schema",
+        "not-a-format": "response_format.type",
+    }
 
 
 def test_a_request_the_gateway_will_not_run_is_an_error_line_and_the_rest_run() -> None:

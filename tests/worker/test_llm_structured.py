@@ -142,3 +142,64 @@ def test_a_server_is_sent_the_shape_in_vllm_s_and_sglang_s_fields() -> None:
     assert re.fullmatch(fields["regex"], "a.b") and not re.fullmatch(fields["regex"], "axb")
     check = Structure.of(StructuredSpec(choice=["yes", "no"])).check
     assert check("yes") is None and "none of" in str(check("maybe"))
+
+
+async def test_each_row_may_bring_its_own_shape_and_a_bad_one_is_its_error_alone(
+    tiny_llm: Path,
+) -> None:
+    """`per_row.structured`: rows of one batch under a schema, a choice list, the stage's
+    shape (null) and shapes that cannot be enforced, each row held to its own."""
+    choices = {"choice": ["river", "stone"]}
+    shapes: list[str | None] = [
+        json.dumps({"json": LABELS}),
+        json.dumps(choices),
+        None,
+        "{not json",
+        json.dumps({"json": LABELS, "regex": "a"}),
+        json.dumps({"regex": "(?=a)a"}),  # Python's re reads a lookahead; the guide cannot
+        json.dumps({"json": LABELS}),
+        json.dumps(choices),
+    ]
+    rows: list[dict[str, Any]] = [
+        {"id": i, "prompt": p, "shape": shape}
+        for i, (p, shape) in enumerate(zip(corpus(len(shapes), seed=5), shapes, strict=True))
+    ]
+    stage = _stage(
+        tiny_llm,
+        structured=StructuredSpec(regex="[0-9]{3}"),
+        per_row={"structured": "shape"},
+        sampling=SamplingSpec(max_tokens=48),
+    )
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
+    try:
+        await pipeline.start()
+        outcomes = await pipeline.run(rows)
+    finally:
+        await pipeline.stop()
+    (ok0, labelled), (ok1, picked), (ok2, digits) = outcomes[:3]
+    assert ok0 and json.loads(labelled["text"])["label"] in ("spam", "ham"), labelled
+    assert ok1 and picked["text"] in ("river", "stone"), picked
+    assert ok2 and re.fullmatch("[0-9]{3}", digits["text"]), digits  # the stage's own
+    assert not outcomes[3][0] and "structured: " in str(outcomes[3][1])
+    assert not outcomes[4][0] and "exactly one of json, choice, regex" in str(outcomes[4][1])
+    assert not outcomes[5][0] and "the model's tokens cannot write it" in str(outcomes[5][1])
+    assert outcomes[6][0] and json.loads(outcomes[6][1]["text"])["label"] in ("spam", "ham")
+    assert outcomes[7][0] and outcomes[7][1]["text"] in ("river", "stone")
+
+
+def test_a_shape_too_slow_to_map_onto_the_vocabulary_is_refused_and_its_maker_killed(
+    tiny_llm: Path,
+) -> None:
+    """A request's shape is mapped onto the tokens by a child process given a time limit: a
+    top-level string of maxLength 256 takes outlines-core minutes on this vocabulary."""
+    import psutil
+
+    engine = TransformersEngine(str(tiny_llm))
+    slow = Structure.of(StructuredSpec(json={"type": "string", "maxLength": 256}))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match="took over 1 s"):
+        engine.guides.guide(slow, time_limit=1.0)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    quick = Structure.of(StructuredSpec(choice=["river", "stone"]))
+    guide = engine.guides.guide(quick, time_limit=60.0)  # made in the child, used here
+    assert guide.get_tokens()

@@ -7,6 +7,7 @@ stage; the stage's server SIGKILLed mid-batch, started again, every row answered
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -275,3 +276,28 @@ def test_the_in_process_engine_enforces_the_stage_s_structure(bos_llm: Any) -> N
     outcomes = _in_process(bos_llm, rows, structured={"choice": choices})
     assert [ok for ok, _ in outcomes] == [True] * len(rows), outcomes
     assert all(got["text"] in choices for _, got in outcomes)
+
+
+def test_the_in_process_engine_holds_each_row_to_its_own_shape(bos_llm: Any) -> None:
+    """`per_row.structured` with vLLM: rows of one batch under their own choice lists and
+    regexes, the stage's shape where null; one vLLM's backends cannot compile is that row's
+    error alone."""
+    shapes = [
+        None,
+        json.dumps({"choice": ["river", "stone"]}),
+        json.dumps({"regex": "[0-9]{2}-[0-9]{2}"}),
+        json.dumps({"regex": "(?=a)a"}),  # a lookahead: no grammar backend of vLLM's takes it
+        json.dumps({"choice": ["river", "stone"]}),
+        None,
+    ]
+    rows = [
+        {"prompt": p, "m": 8, "t": 0.8, "shape": shape}
+        for p, shape in zip(corpus(len(shapes), seed=34), shapes, strict=True)
+    ]
+    outcomes = _in_process(bos_llm, rows, structured={"choice": ["spam", "ham"]})
+    assert [ok for ok, _ in outcomes] == [True, True, True, False, True, True], outcomes
+    texts = [got["text"] if ok else got for ok, got in outcomes]
+    assert texts[0] in ("spam", "ham") and texts[5] in ("spam", "ham")
+    assert texts[1] in ("river", "stone") and texts[4] in ("river", "stone")
+    assert re.fullmatch("[0-9]{2}-[0-9]{2}", texts[2]), texts[2]
+    assert "structured" in texts[3] or "vLLM refused it" in texts[3], texts[3]

@@ -4,7 +4,9 @@ other requests run). Pure."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,14 +125,6 @@ def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
                 param=name,
                 code="unsupported_parameter",
             )
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise RequestRefused(
-            "'response_format' other than text is not supported per request by this "
-            "gateway (a catalogue model may set a structured output for all its requests).",
-            param="response_format",
-            code="unsupported_parameter",
-        )
     prompt = _messages(body) if endpoint == "/v1/chat/completions" else _prompt(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return {
@@ -140,7 +134,60 @@ def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
         "top_p": _float(body.get("top_p"), "top_p", low=0.0, high=1.0, open_low=True),
         "seed": _number(body.get("seed"), "seed", low=0, high=SEED_LIMIT - 1),
         "stop": _stop(body.get("stop")),
+        "structured": structured_of(body.get("response_format"), "response_format"),
     }
+
+
+JSON_OBJECT = {"type": "object"}
+"""`json_object`'s shape: any JSON object."""
+
+
+def structured_of(fmt: object, param: str) -> str | None:
+    """A request's `response_format` (chat) or `text.format` (responses) as its row's
+    `structured` column (the llm stage's `per_row.structured`: a JSON text of `{json:
+    schema}`); None for text, the catalogue model's own shape. The schema's enforceability
+    is the engine's to judge: one it cannot enforce is the request's error line."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"json": JSON_OBJECT})
+    if kind != "json_schema":
+        raise RequestRefused(
+            f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+            param=f"{param}.type",
+            code="invalid_value",
+        )
+    assert isinstance(fmt, dict)
+    # Chat nests the schema under `json_schema`; the Responses API puts it beside `type`.
+    holder = fmt.get("json_schema") if param == "response_format" else fmt
+    if not isinstance(holder, dict):
+        raise RequestRefused(
+            f"'{param}.json_schema' must be an object with a 'name' and a 'schema'.",
+            param=f"{param}.json_schema",
+            code="invalid_type",
+        )
+    where = f"{param}.json_schema" if param == "response_format" else param
+    name = holder.get("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise RequestRefused(
+            f"'{where}.name' must be 1-64 letters, digits, _ and -, got {name!r}.",
+            param=f"{where}.name",
+            code="invalid_value",
+        )
+    schema = holder.get("schema", JSON_OBJECT)
+    if not isinstance(schema, dict):
+        raise RequestRefused(
+            f"'{where}.schema' must be a JSON Schema object.",
+            param=f"{where}.schema",
+            code="invalid_type",
+        )
+    return json.dumps({"json": schema or JSON_OBJECT}, separators=(",", ":"), sort_keys=True)
+
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

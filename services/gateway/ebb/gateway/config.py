@@ -153,7 +153,9 @@ class CatalogueModel:
             "sampling": {**API_SAMPLING, **self.stage["llm"].get("sampling", {})},
             "prompt": "prompt",
             "output": "text",
-            "per_row": {k: k for k in ("max_tokens", "temperature", "top_p", "seed", "stop")},
+            "per_row": {
+                k: k for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "structured")
+            },
         }
         metrics = {"output_tokens": {"kind": "sum", "column": "output_tokens"}}
         body = {"metrics": metrics, **self.stage, "name": "generate", "llm": llm}

@@ -28,6 +28,7 @@ _REQUEST_FIELDS: list[pa.Field[Any]] = [
     pa.field("top_p", pa.float64()),
     pa.field("seed", pa.int64()),
     pa.field("stop", pa.list_(pa.string())),
+    pa.field("structured", pa.string()),
 ]
 REQUEST_SCHEMA = pa.schema(_REQUEST_FIELDS)
 CHAT = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

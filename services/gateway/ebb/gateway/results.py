@@ -49,6 +49,10 @@ READ_COLUMNS = [
 EMBEDDING_COLUMNS = ["custom_id", "line", "embedding", "prompt_tokens", "encoding_format", "_error"]
 
 
+_UNENFORCEABLE = re.compile(r"(^|: )structured( output)?: ")
+"""A row's error that says its schema could not be enforced (ebb.worker.llm.stage)."""
+_FORMAT_PARAM = {"/v1/responses": "text.format"}
+"""Where a request sets its structured output, where not `response_format`."""
 _PROMPT_PARAM = {
     "/v1/chat/completions": "messages",
     "/v1/completions": "prompt",
@@ -244,6 +248,21 @@ def _failed(batch_id: str, custom_id: str, why: str, endpoint: str) -> dict[str,
         # the model's vocabulary, dimensions beyond its width): the request's.
         return error_line(
             batch_id, custom_id, status=400, message=why, param="input", code="invalid_value"
+        )
+    if _UNENFORCEABLE.search(why):
+        # A request's schema the engine cannot enforce (its guide refused or too slow to make).
+        return error_line(
+            batch_id,
+            custom_id,
+            status=400,
+            message=why,
+            param=_FORMAT_PARAM.get(endpoint, "response_format"),
+            code="invalid_value",
+        )
+    if why.startswith("vLLM refused it: ") or ": vLLM refused it: " in why:
+        # vLLM's own validation of the request (its structured output's grammar, mostly).
+        return error_line(
+            batch_id, custom_id, status=400, message=why, param=None, code="invalid_value"
         )
     # The request was valid (the gateway checked it): what failed was the model, its engine
     # or its worker, a server's fault as the API reports one.

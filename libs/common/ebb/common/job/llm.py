@@ -19,6 +19,8 @@ LLMEngine = Literal["transformers", "vllm", "endpoint", "server"]
 PromptAs = Literal["ids", "text"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """The sampling fields a row may override from a column of its own (`per_row`)."""
+PER_ROW_FIELDS = (*SAMPLING_FIELDS, "structured")
+"""What a row may set from a column of its own: its sampling, and its structured output."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +147,10 @@ class LLMSpec:
     per_row: dict[str, str] = field(default_factory=dict)
     """Sampling fields overridden per row, each from a column: `{max_tokens: budget}` reads
     a row's `max_tokens` from its `budget` column (max_tokens, temperature, top_p, top_k,
-    seed; stop, a string or a list of them). A null value keeps the stage's."""
+    seed; stop, a string or a list of them). A null value keeps the stage's. `structured`:
+    the row's own structured output, a JSON text of a `structured` mapping
+    (`{"json": {...schema...}}`, `{"choice": [...]}` or `{"regex": "..."}`); one that is not,
+    or that the model's tokens cannot write, is an error row."""
     max_in_flight: int | None = None
     """Rows generating at once: as one finishes, the next waiting row takes its place.
     None: 32 for the transformers engine; 256 requests at once for a server (vLLM's own
@@ -189,10 +194,8 @@ class LLMSpec:
         if not self.output:
             raise bad("output", "must name a column")
         for key in self.per_row:
-            if key not in SAMPLING_FIELDS:
-                raise bad(
-                    f"per_row.{key}", f"not a sampling field a row may set: {SAMPLING_FIELDS}"
-                )
+            if key not in PER_ROW_FIELDS:
+                raise bad(f"per_row.{key}", f"not a field a row may set: {PER_ROW_FIELDS}")
         if self.engine == "endpoint":
             if not self.endpoint or not self.endpoint.startswith(("http://", "https://")):
                 raise bad("endpoint", "engine endpoint needs the server's http(s):// base URL")

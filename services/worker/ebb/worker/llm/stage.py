@@ -22,17 +22,20 @@ import json
 import logging
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ebb.common.job import LLMSpec, StageSpec
+from ebb.common import schema
+from ebb.common.errors import SchemaError
+from ebb.common.job import LLMSpec, StageSpec, StructuredSpec
 
 from ..chunks.columns import ROW_ERROR, Columns, num_rows
 from .engine import Engine, EngineError, Generation, GenerationRequest, Sampling
 from .prompts import Prompt
-from .structured import Structure
+from .structured import INDEX_BUILD_S, Structure
 
 if TYPE_CHECKING:
     from .managed import ManagedServer
@@ -41,6 +44,10 @@ log = logging.getLogger(__name__)
 
 ENGINE_RESTARTS = 2
 """Engines made again for one batch before it fails."""
+
+ROW_STRUCTURES = 256
+"""Rows' own structured outputs (`per_row.structured`) kept made, the most recently used: a
+batch API's requests repeat a few schemas, each made once."""
 
 
 def local_model_folder(model: str) -> str:
@@ -92,6 +99,9 @@ class LLMStage:
         self.report: Callable[..., None] | None = None
         """Posts the engine's gauges where the worker reads them (the stage's batch board)."""
         self.structure = Structure.of(self.llm.structured) if self.llm.structured else None
+        self._row_structures: OrderedDict[str, Structure] = OrderedDict()
+        self._structures_lock = threading.Lock()
+        """Batches run at once make their rows' structures into one cache."""
         self.model_dir = self.llm.model
         """The model's folder here: `model` itself, or its copy from an object store."""
         self._lock = threading.Lock()
@@ -223,15 +233,17 @@ class LLMStage:
         finish = np.full(n, None, dtype=object)
         prompt_tokens = np.zeros(n, dtype=np.int64)
         output_tokens = np.zeros(n, dtype=np.int64)
+        structures = {r.key: r.structure for r in requests}
         for g in self._generate(requests):
             if g.error is not None:
                 errors[g.key] = g.error
                 continue
-            if self.structure is not None:
-                wrong = self.structure.check(g.text)
+            structure = structures[g.key]
+            if structure is not None:
+                wrong = structure.check(g.text)
                 if wrong is not None:
                     errors[g.key] = (
-                        f"the text has not the stage's structured {self.structure.kind} "
+                        f"the text has not the row's structured {structure.kind} "
                         f"(finish_reason {g.finish_reason}): {wrong}"
                     )
             text[g.key], finish[g.key] = g.text, g.finish_reason
@@ -369,8 +381,40 @@ class LLMStage:
             prompt_ids=ids,
             sampling=sampling,
             prompt_text=text,
-            structure=self.structure,
+            structure=self._structure(i, batch),
         )
+
+    def _structure(self, i: int, batch: Columns) -> Structure | None:
+        """The row's structured output: its own (`per_row.structured`), else the stage's. One
+        that is not a `structured` mapping, or that the model's tokens cannot write, raises
+        ValueError (an error row): a request's schema never fails its batch."""
+        column = self.llm.per_row.get("structured")
+        if column is None:
+            return self.structure
+        if column not in batch:
+            raise ValueError(f"per_row.structured: no column {column!r} among the rows")
+        value = batch[column][i]
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return self.structure
+        if not isinstance(value, str):
+            raise TypeError(f"structured: a JSON text of a mapping, got {type(value).__name__}")
+        with self._structures_lock:
+            structure = self._row_structures.get(value)
+            if structure is not None:
+                self._row_structures.move_to_end(value)
+                return structure
+            try:
+                spec = schema.load(StructuredSpec, json.loads(value), path="structured")
+            except (ValueError, SchemaError) as e:
+                raise ValueError(f"structured: {e}") from None
+            structure = Structure.of(spec)
+            guides = getattr(self.engine, "guides", None)
+            if guides is not None:  # its index made now: one the tokens cannot write
+                guides.guide(structure, time_limit=INDEX_BUILD_S)
+            self._row_structures[value] = structure
+            if len(self._row_structures) > ROW_STRUCTURES:
+                self._row_structures.popitem(last=False)
+            return structure
 
     def _sampling(self, i: int, prompt: Any, batch: Columns, *, room: int) -> Sampling:
         """The row's sampling; `room`: the tokens its context leaves after its prompt,
@@ -385,6 +429,8 @@ class LLMStage:
             "stop": tuple(s.stop),
         }
         for key, column in self.llm.per_row.items():
+            if key == "structured":
+                continue
             if column not in batch:
                 raise ValueError(f"per_row.{key}: no column {column!r} among the rows")
             value = batch[column][i]

@@ -13,8 +13,11 @@ engine, the stage checks each row's finished text against the shape: a row cut b
 from __future__ import annotations
 
 import json
+import pickle
 import re
-from collections import defaultdict
+import subprocess
+import sys
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -22,6 +25,14 @@ from typing import Any
 from ebb.common.job import StructuredSpec
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~ ")
+
+INDEXES_KEPT = 256
+"""Shapes' indexes an engine keeps, the most recently used (rows' own shapes may be many)."""
+INDEX_BUILD_S = 30.0
+"""How long a row's own shape may take to be mapped onto the vocabulary. outlines-core's time
+is hard to foresee from a schema (a top-level string of `maxLength: 256` took minutes on a
+small vocabulary, one of 2,000 inside an object under a second): a request's schema that takes
+longer is an error row, and the child process making it is killed."""
 
 
 def _escape(text: str) -> str:
@@ -140,9 +151,11 @@ class Guides:
         self._tokenizer = tokenizer
         self._eos = min(eos) if eos else tokenizer.eos_token_id
         self._vocabulary: Any = None
-        self._indexes: dict[str, Any] = {}
+        self._indexes: OrderedDict[str, Any] = OrderedDict()
 
-    def guide(self, structure: Structure) -> Any:
+    def guide(self, structure: Structure, *, time_limit: float | None = None) -> Any:
+        """A new walk of `structure`'s index, made the first time (in a child process killed
+        past `time_limit` seconds, when given: a request's shape; in this one otherwise)."""
         from outlines_core import Guide, Index, Vocabulary
 
         if self._vocabulary is None:
@@ -151,16 +164,65 @@ class Guides:
                 self._eos, vocabulary_bytes(self._tokenizer, skip | {self._eos})
             )
         index = self._indexes.get(structure.regex)
-        if index is None:
-            try:
-                index = Index(structure.regex, self._vocabulary)
-            except ValueError as e:
-                raise ValueError(
-                    f"structured output: the model's tokens cannot write it: {e}"
-                ) from e
+        if index is not None:
+            self._indexes.move_to_end(structure.regex)
+        else:
+            if time_limit is not None:
+                index = _index_in_child(structure.regex, self._vocabulary, time_limit)
+            else:
+                try:
+                    index = Index(structure.regex, self._vocabulary)
+                except ValueError as e:
+                    raise ValueError(
+                        f"structured output: the model's tokens cannot write it: {e}"
+                    ) from e
             self._indexes[structure.regex] = index
+            if len(self._indexes) > INDEXES_KEPT:
+                self._indexes.popitem(last=False)
         return Guide(index)
 
     @property
     def eos(self) -> int:
         return int(self._eos)
+
+
+def _index_in_child(regex: str, vocabulary: Any, time_limit: float) -> Any:
+    """outlines-core's `Index` of `regex` over `vocabulary`, made by a child process (this
+    module run as a script) that is killed past `time_limit` seconds: the index's time is not
+    bounded by anything a request's schema can be checked for."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", __name__],
+            input=pickle.dumps((regex, vocabulary)),
+            capture_output=True,
+            timeout=time_limit,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"structured output: mapping it onto the model's tokens took over {time_limit:g} s "
+            "(bounds such as a string's maxLength make it slow): not enforced"
+        ) from None
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip().splitlines()
+        raise ValueError(
+            f"structured output: the model's tokens cannot write it: {why[-1] if why else ''}"
+        )
+    return pickle.loads(done.stdout)  # noqa: S301 (this module's own child wrote it)
+
+
+def _make_index() -> None:
+    """The child's side of `_index_in_child`: (regex, vocabulary) on stdin, the index out."""
+    from outlines_core import Index
+
+    regex, vocabulary = pickle.load(sys.stdin.buffer)  # noqa: S301 (its parent's)
+    try:
+        index = Index(regex, vocabulary)
+    except ValueError as e:
+        print(str(e).replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
+    sys.stdout.buffer.write(pickle.dumps(index))
+
+
+if __name__ == "__main__":
+    _make_index()

@@ -70,6 +70,8 @@ class VLLMEngine(StepLoop):
         self.held_tokens = 0
         super().__init__()
         self._new: list[tuple[GenerationRequest, Call]] = []
+        self._sending: list[Call] = []
+        """The calls of the requests being handed to vLLM."""
         self._running: dict[str, tuple[GenerationRequest, Call, int]] = {}
         """By the request's id as vLLM's outputs name it: the request, its call, its aborts."""
         self._internal: dict[str, str] = {}
@@ -105,6 +107,7 @@ class VLLMEngine(StepLoop):
 
     def _abandon(self) -> list[Call]:
         calls = [c for _, c, _ in self._running.values()] + [c for _, c in self._new]
+        calls += self._sending  # taken from the queue, not yet in vLLM's when it failed
         self._new.clear()
         self._running.clear()
         self._internal.clear()
@@ -150,11 +153,29 @@ class VLLMEngine(StepLoop):
 
     def _send(self, requests: list[tuple[GenerationRequest, Call, int]]) -> None:
         """The requests into vLLM's queue (its scheduler takes them as it has room)."""
-        from vllm.inputs import TokensPrompt
 
         requests = [(r, c, a) for r, c, a in requests if not c.cancelled]
         if not requests:
             return
+        refused = _refusals()
+        self._sending = [c for _, c, _ in requests]
+        try:
+            self._enqueue(requests)
+        except refused:
+            # One request vLLM refuses (a row's structured output its grammar backend cannot
+            # compile) refuses them all, none left queued: each again alone, the refused one
+            # its row's error.
+            for item in requests:
+                try:
+                    self._enqueue([item])
+                except refused as e:
+                    request, call, _ = item
+                    call.results.put(Generation(key=request.key, error=f"vLLM refused it: {e}"))
+        self._sending = []
+
+    def _enqueue(self, requests: list[tuple[GenerationRequest, Call, int]]) -> None:
+        from vllm.inputs import TokensPrompt
+
         ids = self.llm.enqueue(
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r, _, _ in requests],
             [self._params(r) for r, _, _ in requests],
@@ -217,3 +238,12 @@ class VLLMEngine(StepLoop):
             prompt_tokens=len(output.prompt_token_ids or request.prompt_ids),
             output_tokens=len(completion.token_ids),
         )
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it will not take (its own validation error, a client's
+    fault: not a ValueError), as against the engine failing."""
+    from vllm import exceptions
+
+    client_error = getattr(exceptions, "VLLMClientError", None)
+    return (ValueError, client_error) if client_error is not None else (ValueError,)
