@@ -262,6 +262,7 @@ async def _measure(
             spec = batch_job(
                 batch_id=f"bench-{time.monotonic_ns()}",
                 owner="bench",
+                endpoint="/v1/chat/completions",
                 model=catalogue.models[MODEL],
                 window=catalogue.windows["24h"],
                 input_uri=str(source),

@@ -139,6 +139,7 @@ async def direct_job(
     spec = batch_job(
         batch_id="direct-1",
         owner="alice",
+        endpoint="/v1/chat/completions",
         model=catalogue.models["tiny-chat"],
         window=catalogue.windows["24h"],
         input_uri=str(tmp / "direct-requests.parquet"),

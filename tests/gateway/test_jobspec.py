@@ -21,6 +21,7 @@ def test_a_batch_s_job_is_its_model_s_stage_over_the_requests() -> None:
     spec = batch_job(
         batch_id="batch_1",
         owner="team",
+        endpoint="/v1/chat/completions",
         model=model,
         window=Window(seconds=86400, priority=-10, pool="mixed"),
         input_uri="/data/gw/batches/team/batch_1/requests.parquet",
@@ -65,6 +66,7 @@ def test_an_embeddings_model_is_a_sentence_encoder_whose_columns_are_the_gateway
     spec = batch_job(
         batch_id="batch_2",
         owner="team",
+        endpoint="/v1/embeddings",
         model=model,
         window=Window(seconds=86400),
         input_uri="/data/gw/batches/team/batch_2/requests.parquet",

@@ -268,3 +268,55 @@ def test_an_embeddings_request_is_its_inputs_as_texts_or_token_ids() -> None:
         "dimensions": ("dimensions", "unsupported_parameter"),
         "chat-model": ("model", "unsupported_model"),
     }
+
+
+def test_a_responses_request_is_its_instructions_and_input_as_a_chat() -> None:
+    def responses_line(custom_id: str, **body: Any) -> dict[str, Any]:
+        body = {"model": "m", **body}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": body}
+
+    found, rows, errors = judged(
+        [
+            responses_line("text", input="hi", instructions="be brief", max_output_tokens=9),
+            responses_line(
+                "items",
+                input=[
+                    {"role": "developer", "content": "rules"},
+                    {
+                        "type": "message",
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "a"},
+                            {"type": "input_text", "text": "b"},
+                        ],
+                    },
+                ],
+                text={"format": {"type": "json_object"}},
+            ),
+            responses_line("truncated", input="hi", truncation="auto"),
+            responses_line("reasoning", input="hi", reasoning={"effort": "high"}),
+            responses_line("no-input"),
+            responses_line("call", input=[{"type": "function_call_output", "output": "x"}]),
+        ],
+        endpoint="/v1/responses",
+    )
+    by_id = {r["custom_id"]: r for r in rows}
+    assert by_id["text"]["prompt"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert by_id["text"]["max_tokens"] == 9 and by_id["text"]["structured"] is None
+    assert json.loads(by_id["text"]["echo"])["instructions"] == "be brief"
+    assert by_id["items"]["prompt"] == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "ab"},
+    ]
+    assert json.loads(by_id["items"]["structured"]) == {"json": {"type": "object"}}
+    codes = {e["custom_id"]: e["response"]["body"]["error"]["code"] for e in errors}
+    assert codes == {
+        "truncated": "unsupported_value",
+        "reasoning": "unsupported_parameter",
+        "no-input": "missing_required_parameter",
+        "call": "unsupported_value",
+    }
+    assert found.accepted == 2

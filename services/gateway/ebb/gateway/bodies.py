@@ -58,6 +58,8 @@ SEED_LIMIT = 2**63
 
 
 EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+CHAT = "/v1/chat/completions"
 MAX_INPUTS = 2048
 """Inputs one embeddings request may hold, as the API allows."""
 
@@ -104,6 +106,8 @@ def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     catalogue model's), or, an embeddings request, its inputs."""
     if endpoint == EMBEDDINGS:
         return embedding_row(body)
+    if endpoint == RESPONSES:
+        return response_row(body)
     if body.get("stream"):
         raise RequestRefused(
             "Streaming is not supported in the Batch API.",
@@ -125,7 +129,7 @@ def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
                 param=name,
                 code="unsupported_parameter",
             )
-    prompt = _messages(body) if endpoint == "/v1/chat/completions" else _prompt(body)
+    prompt = _messages(body) if endpoint == CHAT else _prompt(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return {
         "prompt": prompt,
@@ -188,6 +192,138 @@ def structured_of(fmt: object, param: str) -> str | None:
 
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+RESPONSES_UNSUPPORTED = {
+    "tools": "tool calls",
+    "tool_choice": "tool calls",
+    "previous_response_id": "stored conversations",
+    "conversation": "stored conversations",
+    "prompt": "stored prompts",
+    "reasoning": "reasoning",
+    "include": "included extras",
+    "background": "background responses",
+    "top_logprobs": "log probabilities",
+    "max_tool_calls": "tool calls",
+}
+"""Responses API parameters that would change the answer in a way the llm stage does not
+do: refused unless at their neutral value (null, empty, `none`/`auto` without tools)."""
+RESPONSES_NEUTRAL: tuple[Any, ...] = (None, [], {}, False, 0, "none", "auto")
+
+
+def response_row(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API request's columns: `instructions` then `input` (a string, or message
+    items) as a chat, its sampling, its `text.format` as the row's structured output, and
+    what its Response echoes (`echo`: a JSON text)."""
+    if body.get("stream"):
+        raise RequestRefused(
+            "Streaming is not supported in the Batch API.",
+            param="stream",
+            code="streaming_unsupported",
+        )
+    for name, what in RESPONSES_UNSUPPORTED.items():
+        if name in body and body[name] not in RESPONSES_NEUTRAL:
+            raise RequestRefused(
+                f"{name!r} ({what}) is not supported by this gateway.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if body.get("truncation") not in (None, "disabled"):
+        raise RequestRefused(
+            "'truncation' other than 'disabled' is not supported here: a prompt over the "
+            "model's context is refused.",
+            param="truncation",
+            code="unsupported_value",
+        )
+    chat = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestRefused(
+                "'instructions' must be a string.", param="instructions", code="invalid_type"
+            )
+        chat.append({"role": "system", "content": instructions})
+    chat += _input_items(body.get("input"))
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise RequestRefused("'text' must be an object.", param="text", code="invalid_type")
+    fmt = (text or {}).get("format")
+    row = {
+        "prompt": chat,
+        "max_tokens": _number(
+            body.get("max_output_tokens"), "max_output_tokens", low=1, high=SEED_LIMIT - 1
+        ),
+        "temperature": _float(body.get("temperature"), "temperature", low=0.0, high=2.0),
+        "top_p": _float(body.get("top_p"), "top_p", low=0.0, high=1.0, open_low=True),
+        "seed": None,
+        "stop": None,
+        "structured": structured_of(fmt, "text.format"),
+    }
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and len(metadata) <= 16
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise RequestRefused(
+            "'metadata' must map at most 16 keys to strings.", param="metadata", code="invalid_type"
+        )
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": row["max_tokens"],
+        "temperature": row["temperature"],
+        "top_p": row["top_p"],
+        "text": {"format": fmt if fmt is not None else {"type": "text"}},
+        "metadata": metadata or {},
+        "user": body.get("user") if isinstance(body.get("user"), str) else None,
+    }
+    return {**row, "echo": json.dumps(echo, separators=(",", ":"))}
+
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+"""A Responses input item's role as the chat template knows it (`developer` is the system's)."""
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _input_items(value: object) -> list[dict[str, str]]:
+    if value is None:
+        raise RequestRefused(
+            "Input parameter is required.", param="input", code="missing_required_parameter"
+        )
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RequestRefused(
+            "'input' must be a string or a non-empty array of message items.",
+            param="input",
+            code="invalid_type",
+        )
+    chat = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise RequestRefused(
+                f"{where}: only message items are supported here.",
+                param=where,
+                code="unsupported_value",
+            )
+        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise RequestRefused(
+                f"{where}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}.",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [
+                {**part, "type": "text"}
+                if isinstance(part, dict) and part.get("type") in _TEXT_PARTS
+                else part
+                for part in content
+            ]
+        chat.append({"role": role, "content": _content(content, where)})
+    return chat
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

@@ -61,7 +61,7 @@ ENCODER_PARAMS = {
 """The SentenceEncoder's parameters the requests set: a row per request, its inputs as texts
 or token ids, its own dimensions; an input over the model's context refused, as the API
 refuses it."""
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 EMBEDDING_ENDPOINTS = ("/v1/embeddings",)
 
 

@@ -16,6 +16,7 @@ from ebb.common.job import JobSpec
 
 from .config import CatalogueModel, Window
 
+RESPONSES = "/v1/responses"
 DEFAULT_ROWS_PER_SHARD = 500
 """Requests per shard when the catalogue does not say: small enough that a fleet shares a
 batch of thousands, big enough that a shard's set-up is a small part of it."""
@@ -47,13 +48,19 @@ EMBEDDING_SCHEMA = pa.schema(_EMBEDDING_FIELDS)
 vectors are written (carried to the output)."""
 
 
+EXTRA_CARRIED = {"/v1/embeddings": ["encoding_format"], RESPONSES: ["echo"]}
+
+
 def request_schema(endpoint: str) -> pa.Schema:
     """The job input's columns: a chat's messages, a completion's prompt text, or an
     embeddings request's inputs."""
     if endpoint == "/v1/embeddings":
         return EMBEDDING_SCHEMA
-    prompt = CHAT if endpoint == "/v1/chat/completions" else pa.string()
-    return REQUEST_SCHEMA.insert(2, pa.field("prompt", prompt))
+    prompt = pa.string() if endpoint == "/v1/completions" else CHAT
+    schema = REQUEST_SCHEMA.insert(2, pa.field("prompt", prompt))
+    if endpoint == RESPONSES:
+        schema = schema.append(pa.field("echo", pa.string()))
+    return schema
 
 
 def rows_per_shard(model: CatalogueModel) -> int:
@@ -64,13 +71,16 @@ def batch_job(
     *,
     batch_id: str,
     owner: str,
+    endpoint: str,
     model: CatalogueModel,
     window: Window,
     input_uri: str,
     output_uri: str,
 ) -> JobSpec:
     stage = schema.dump(model.stage_spec())
-    carryover = ["custom_id", "line", *(["encoding_format"] if model.embeds else [])]
+    # What the answers are written with, beside the model's columns: an embeddings request's
+    # encoding, a response's echoed parameters.
+    carryover = ["custom_id", "line", *EXTRA_CARRIED.get(endpoint, [])]
     body: dict[str, Any] = {
         "name": f"batch {batch_id} ({owner})",
         "id": batch_id,

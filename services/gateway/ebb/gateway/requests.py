@@ -28,7 +28,7 @@ from .bodies import SEED_LIMIT, RequestRefused, model_of, row_of
 from .records import BatchError
 from .store import Oversize
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 """What a batch may ask for here: the generative endpoints an llm stage answers, and the
 embeddings a SentenceEncoder stage computes."""
 

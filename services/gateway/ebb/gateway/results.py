@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from ebb.common.data.layout import CommitRecord
 from ebb.common.data.output import OutputStore
 
-from .bodies import EMBEDDINGS
+from .bodies import CHAT, EMBEDDINGS, RESPONSES
 from .requests import error_line, request_ids
 from .store import FileStore, Writer
 
@@ -47,6 +47,7 @@ READ_COLUMNS = [
     "_error",
 ]
 EMBEDDING_COLUMNS = ["custom_id", "line", "embedding", "prompt_tokens", "encoding_format", "_error"]
+COLUMNS_READ = {EMBEDDINGS: EMBEDDING_COLUMNS, RESPONSES: [*READ_COLUMNS, "echo"]}
 
 
 _UNENFORCEABLE = re.compile(r"(^|: )structured( output)?: ")
@@ -55,6 +56,7 @@ _FORMAT_PARAM = {"/v1/responses": "text.format"}
 """Where a request sets its structured output, where not `response_format`."""
 _PROMPT_PARAM = {
     "/v1/chat/completions": "messages",
+    RESPONSES: "input",
     "/v1/completions": "prompt",
     EMBEDDINGS: "input",
 }
@@ -90,7 +92,7 @@ def write_results(
     store = OutputStore(job_output)
     for record in store.commits():
         for path in _files(record):
-            columns = EMBEDDING_COLUMNS if endpoint == EMBEDDINGS else READ_COLUMNS
+            columns = COLUMNS_READ.get(endpoint, READ_COLUMNS)
             table = pq.read_table(store.full(path), columns=columns, filesystem=store.fs)
             for row in table.to_pylist():
                 line = int(row["line"])
@@ -152,7 +154,9 @@ def _answer(
     created = int(record.committed_at)
     fingerprint = _fingerprint(record)
     body: dict[str, Any]
-    if endpoint == "/v1/chat/completions":
+    if endpoint == RESPONSES:
+        body = _response(digest, created, model, row)
+    elif endpoint == CHAT:
         body = {
             "id": f"chatcmpl-{digest}",
             "object": "chat.completion",
@@ -191,6 +195,60 @@ def _answer(
         "custom_id": row["custom_id"],
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
+    }
+
+
+def _response(digest: str, created: int, model: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API request's answer: the Response object, its parameters echoed as the
+    API echoes them (with their defaults where the request left them out)."""
+    echo = json.loads(row["echo"])
+    cut = row["finish_reason"] == "length"
+    status = "incomplete" if cut else "completed"
+    input_tokens, output_tokens = int(row["prompt_tokens"]), int(row["output_tokens"])
+    return {
+        "id": f"resp_{digest}",
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "background": False,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "instructions": echo["instructions"],
+        "max_output_tokens": echo["max_output_tokens"],
+        "max_tool_calls": None,
+        "model": model,
+        "output": [
+            {
+                "type": "message",
+                "id": f"msg_{digest}",
+                "status": status,
+                "role": "assistant",
+                "content": [
+                    {"type": "output_text", "text": row["text"], "annotations": [], "logprobs": []}
+                ],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
+        "store": False,
+        "temperature": echo["temperature"] if echo["temperature"] is not None else 1.0,
+        "text": echo["text"],
+        "tool_choice": "auto",
+        "tools": [],
+        "top_logprobs": 0,
+        "top_p": echo["top_p"] if echo["top_p"] is not None else 1.0,
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens,
+        },
+        "user": echo["user"],
+        "metadata": echo["metadata"],
     }
 
 

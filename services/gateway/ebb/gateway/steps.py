@@ -308,6 +308,7 @@ class BatchSteps:
         spec = batch_job(
             batch_id=batch.job,
             owner=batch.owner,
+            endpoint=batch.endpoint,
             model=self.config.models[batch.model],
             window=self.config.windows[batch.completion_window],
             input_uri=self.store.url(f"{folder}/requests.parquet"),
