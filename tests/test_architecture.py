@@ -32,13 +32,15 @@ def test_import_contracts_hold() -> None:
 
 def test_no_pickle_on_the_wire() -> None:
     """DESIGN section 9: nothing that crosses NATS is pickled. Only the worker's own stage
-    processes exchange pickles (frames.py), over pipes between processes it spawned."""
+    processes exchange pickles (frames.py), over pipes between processes it spawned, as does
+    the llm stage with the child that maps a request's shape onto the vocabulary
+    (structured.py)."""
     offenders = []
     for root in SOURCE_ROOTS:
         for path in (ROOT / root).rglob("*.py"):
             text = path.read_text()
             pickling = "import pickle" in text or "from pickle" in text or "ForkingPickler" in text
-            if pickling and path.name != "frames.py":
+            if pickling and path.name not in ("frames.py", "structured.py"):
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
 
