@@ -44,6 +44,7 @@ SECTIONS = {
     "hostile": "hostile",
     "vllm": "llm_vllm",
     "tidalplane": "tidal_plane",
+    "gatewayembed": "gateway_embed",
 }
 ORDER = list(SECTIONS)
 

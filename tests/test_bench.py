@@ -47,6 +47,7 @@ def test_bench_smoke_writes_every_section_and_plot(tmp_path: Path) -> None:
         "## 16. LLM generation",
         "## 18. The Batch API",
         "## 19. One Parquet file of one row group",
+        "## 23. Embeddings through the Batch API",
     ):
         assert heading in report
     if shutil.which("go") is not None:  # the control plane is built where Go is
