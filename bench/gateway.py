@@ -24,6 +24,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,18 +63,26 @@ def _requests(n: int, seed: int, words: list[str]) -> list[dict[str, Any]]:
 
 
 def _config(ctx: Context, model_dir: Path, rows_per_shard: int) -> Path:
+    stage = {
+        "llm": {
+            "model": str(model_dir),
+            "max_in_flight": 32,
+            "sampling": {"temperature": 0.0},  # greedy, as the workload says
+        },
+        "batch_size": 128,
+    }
+    return gateway_config(ctx, "gateway", MODEL, stage, rows_per_shard)
+
+
+def gateway_config(
+    ctx: Context, name: str, model: str, stage: dict[str, Any], rows_per_shard: int
+) -> Path:
+    """A gateway's config of one catalogue model, `WORKERS` workers a batch, one key."""
     config = {
-        "root": str(ctx.dir("gateway") / "root"),
+        "root": str(ctx.dir(name) / "root"),
         "models": {
-            MODEL: {
-                "stage": {
-                    "llm": {
-                        "model": str(model_dir),
-                        "max_in_flight": 32,
-                        "sampling": {"temperature": 0.0},  # greedy, as the workload says
-                    },
-                    "batch_size": 128,
-                },
+            model: {
+                "stage": stage,
                 "resources": {"max_workers": WORKERS},
                 "rows_per_shard": rows_per_shard,
             }
@@ -82,12 +91,18 @@ def _config(ctx: Context, model_dir: Path, rows_per_shard: int) -> Path:
         "max_requests": 200_000,
         "max_file_bytes": 1024**3,
     }
-    path = ctx.dir("gateway") / "gateway.yaml"
+    path = ctx.dir(name) / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def _job_input(folder: Path, lines: list[dict[str, Any]], rows_per_shard: int) -> Path:
+def job_input(
+    folder: Path,
+    lines: list[dict[str, Any]],
+    rows_per_shard: int,
+    endpoint: str = "/v1/chat/completions",
+    model: str = MODEL,
+) -> Path:
     """The requests as the gateway writes a batch's job input: the same rows, the same
     Parquet layout."""
     import pyarrow as pa
@@ -96,13 +111,12 @@ def _job_input(folder: Path, lines: list[dict[str, Any]], rows_per_shard: int) -
     from ebb.gateway.jobspec import request_schema
     from ebb.gateway.requests import validate
 
-    schema = request_schema("/v1/chat/completions")
     rows: list[dict[str, Any]] = []
     found = validate(
         (json.dumps(line).encode() for line in lines),
         batch_id="bench",
-        endpoint="/v1/chat/completions",
-        models={MODEL: None},
+        endpoint=endpoint,
+        models={model: None},
         max_requests=len(lines),
         max_line_bytes=1 << 20,
         accept=lambda row, _model: rows.append(row),
@@ -110,8 +124,30 @@ def _job_input(folder: Path, lines: list[dict[str, Any]], rows_per_shard: int) -
     )
     assert found.accepted == len(lines), found
     path = folder / "requests.parquet"
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=rows_per_shard)
+    table_ = pa.Table.from_pylist(rows, schema=request_schema(endpoint))
+    pq.write_table(table_, path, row_group_size=rows_per_shard)
     return path
+
+
+def workers_settled(stack: Any) -> Callable[[], None]:
+    """A call that returns once the last run's workers are gone: each run starts on idle
+    cores."""
+    controller = psutil.Process(stack.processes["controller"].pid)
+
+    def a_worker(p: psutil.Process) -> bool:
+        try:
+            return "ebb.worker" in p.cmdline()
+        except psutil.NoSuchProcess:  # gone, or a zombie its parent has not reaped yet
+            return False
+
+    def settled() -> None:
+        deadline = time.monotonic() + 120
+        while any(a_worker(p) for p in controller.children(recursive=True)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the last run's workers did not exit")
+            time.sleep(0.1)
+
+    return settled
 
 
 class _Peak:
@@ -238,27 +274,13 @@ async def _measure(
         oa = openai.OpenAI(base_url=stack.gateway_url, api_key=KEY)
         loop = asyncio.get_running_loop()
 
-        controller = psutil.Process(stack.processes["controller"].pid)
-
-        def a_worker(p: psutil.Process) -> bool:
-            try:
-                return "ebb.worker" in p.cmdline()
-            except psutil.NoSuchProcess:  # gone, or a zombie its parent has not reaped yet
-                return False
-
-        def settled() -> None:
-            """Until the last run's workers are gone: each run starts on idle cores."""
-            deadline = time.monotonic() + 120
-            while any(a_worker(p) for p in controller.children(recursive=True)):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the last run's workers did not exit")
-                time.sleep(0.1)
+        settled = workers_settled(stack)
 
         def job() -> float:
             settled()
             folder = ctx.dir("gateway") / f"job-{time.monotonic_ns()}"
             folder.mkdir()
-            source = _job_input(folder, lines, rows_per_shard)
+            source = job_input(folder, lines, rows_per_shard)
             spec = batch_job(
                 batch_id=f"bench-{time.monotonic_ns()}",
                 owner="bench",

@@ -25,13 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-import yaml
-
 from .common import REPO, Context, Section, ebb_stack, interleaved, median, run_job, spread, table
+from .gateway import KEY, WORKERS, gateway_config, job_input, workers_settled
 
-KEY = "sk-bench"
 MODEL = "minilm"
-WORKERS = 2
 ENDPOINT: Final = "/v1/embeddings"
 
 
@@ -55,53 +52,12 @@ def _minilm() -> str:
 
 
 def _config(ctx: Context, rows_per_shard: int) -> Path:
-    config = {
-        "root": str(ctx.dir("gatewayembed") / "root"),
-        "models": {
-            MODEL: {
-                "stage": {
-                    "modelet": "ebb.worker.modelets:SentenceEncoder",
-                    "params": {"model": _minilm(), "batch_tokens": 4096},
-                    "batch_size": 256,
-                },
-                "resources": {"max_workers": WORKERS},
-                "rows_per_shard": rows_per_shard,
-            }
-        },
-        "keys": [{"owner": "bench", "key": KEY}],
-        "max_requests": 200_000,
-        "max_file_bytes": 1024**3,
+    stage = {
+        "modelet": "ebb.worker.modelets:SentenceEncoder",
+        "params": {"model": _minilm(), "batch_tokens": 4096},
+        "batch_size": 256,
     }
-    path = ctx.dir("gatewayembed") / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _job_input(folder: Path, lines: list[dict[str, Any]], rows_per_shard: int) -> Path:
-    """The requests as the gateway writes a batch's job input: the same rows, the same
-    Parquet layout."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from ebb.gateway.jobspec import request_schema
-    from ebb.gateway.requests import validate
-
-    rows: list[dict[str, Any]] = []
-    found = validate(
-        (json.dumps(line).encode() for line in lines),
-        batch_id="bench",
-        endpoint=ENDPOINT,
-        models={MODEL: None},
-        max_requests=len(lines),
-        max_line_bytes=1 << 20,
-        accept=lambda row, _model: rows.append(row),
-        reject=lambda line: None,
-    )
-    assert found.accepted == len(lines), found
-    path = folder / "requests.parquet"
-    table_ = pa.Table.from_pylist(rows, schema=request_schema(ENDPOINT))
-    pq.write_table(table_, path, row_group_size=rows_per_shard)
-    return path
+    return gateway_config(ctx, "gatewayembed", MODEL, stage, rows_per_shard)
 
 
 def run(ctx: Context) -> Section:
@@ -157,7 +113,6 @@ async def _measure(
     ctx: Context, config: Path, lines: list[dict[str, Any]], rows_per_shard: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     import openai
-    import psutil
 
     from ebb.gateway.config import load_config
     from ebb.gateway.jobspec import batch_job
@@ -175,26 +130,13 @@ async def _measure(
         assert stack.gateway_url is not None
         oa = openai.OpenAI(base_url=stack.gateway_url, api_key=KEY, timeout=600)
         loop = asyncio.get_running_loop()
-        controller = psutil.Process(stack.processes["controller"].pid)
-
-        def a_worker(p: psutil.Process) -> bool:
-            try:
-                return "ebb.worker" in p.cmdline()
-            except psutil.NoSuchProcess:
-                return False
-
-        def settled() -> None:
-            deadline = time.monotonic() + 120
-            while any(a_worker(p) for p in controller.children(recursive=True)):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the last run's workers did not exit")
-                time.sleep(0.1)
+        settled = workers_settled(stack)
 
         def job() -> float:
             settled()
             folder = ctx.dir("gatewayembed") / f"job-{time.monotonic_ns()}"
             folder.mkdir()
-            source = _job_input(folder, lines, rows_per_shard)
+            source = job_input(folder, lines, rows_per_shard, ENDPOINT, MODEL)
             spec = batch_job(
                 batch_id=f"bench-{time.monotonic_ns()}",
                 owner="bench",

@@ -89,6 +89,16 @@ def _stage(model: Path, **llm: Any) -> StageSpec:
     return StageSpec(name="gen", llm=LLMSpec(model=str(model), **llm), batch_size=16)
 
 
+async def _outcomes(stage: StageSpec, rows: list[dict[str, Any]]) -> list[Any]:
+    """Each row's (ok, outcome) through the stage in a pipeline of its own."""
+    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
+    try:
+        await pipeline.start()
+        return await pipeline.run(rows)
+    finally:
+        await pipeline.stop()
+
+
 async def test_the_stage_makes_a_row_cut_before_its_shape_is_whole_an_error_row(
     tiny_llm: Path,
 ) -> None:
@@ -102,12 +112,7 @@ async def test_the_stage_makes_a_row_cut_before_its_shape_is_whole_an_error_row(
         per_row={"max_tokens": "budget"},
         sampling=SamplingSpec(max_tokens=48),
     )
-    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
-    try:
-        await pipeline.start()
-        outcomes = await pipeline.run(rows)
-    finally:
-        await pipeline.stop()
+    outcomes = await _outcomes(stage, rows)
     for row, (ok, value) in zip(rows, outcomes, strict=True):
         if row["budget"] == 3:  # three tokens cannot write a whole object of the schema
             assert not ok
@@ -170,12 +175,7 @@ async def test_each_row_may_bring_its_own_shape_and_a_bad_one_is_its_error_alone
         per_row={"structured": "shape"},
         sampling=SamplingSpec(max_tokens=48),
     )
-    pipeline = Pipeline(PipelineConfig(stages=[stage], code_paths=[]))
-    try:
-        await pipeline.start()
-        outcomes = await pipeline.run(rows)
-    finally:
-        await pipeline.stop()
+    outcomes = await _outcomes(stage, rows)
     (ok0, labelled), (ok1, picked), (ok2, digits) = outcomes[:3]
     assert ok0 and json.loads(labelled["text"])["label"] in ("spam", "ham"), labelled
     assert ok1 and picked["text"] in ("river", "stone"), picked

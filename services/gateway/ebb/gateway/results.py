@@ -292,36 +292,10 @@ def _fingerprint(record: CommitRecord) -> str | None:
 
 def _failed(batch_id: str, custom_id: str, why: str, endpoint: str) -> dict[str, Any]:
     """A request the job ran and could not answer (its row's `_error`)."""
-    if "exceed the model's context" in why or "exceed kv_tokens" in why:
-        return error_line(
-            batch_id,
-            custom_id,
-            status=400,
-            message=why,
-            param=_PROMPT_PARAM.get(endpoint, "messages"),
-            code="context_length_exceeded",
-        )
-    if endpoint == EMBEDDINGS and _REFUSED_INPUT.search(why):
-        # What the encoder refuses of an input the gateway could not check (an id outside
-        # the model's vocabulary, dimensions beyond its width): the request's.
-        return error_line(
-            batch_id, custom_id, status=400, message=why, param="input", code="invalid_value"
-        )
-    if _UNENFORCEABLE.search(why):
-        # A request's schema the engine cannot enforce (its guide refused or too slow to make).
-        return error_line(
-            batch_id,
-            custom_id,
-            status=400,
-            message=why,
-            param=_FORMAT_PARAM.get(endpoint, "response_format"),
-            code="invalid_value",
-        )
-    if why.startswith("vLLM refused it: ") or ": vLLM refused it: " in why:
-        # vLLM's own validation of the request (its structured output's grammar, mostly).
-        return error_line(
-            batch_id, custom_id, status=400, message=why, param=None, code="invalid_value"
-        )
+    fault = _request_fault(why, endpoint)
+    if fault is not None:
+        param, code = fault
+        return error_line(batch_id, custom_id, status=400, message=why, param=param, code=code)
     # The request was valid (the gateway checked it): what failed was the model, its engine
     # or its worker, a server's fault as the API reports one.
     return error_line(
@@ -333,6 +307,24 @@ def _failed(batch_id: str, custom_id: str, why: str, endpoint: str) -> dict[str,
         code="server_error",
         kind="server_error",
     )
+
+
+def _request_fault(why: str, endpoint: str) -> tuple[str | None, str] | None:
+    """(param, code) where a row's error is its request's own, what the gateway could not
+    check before the model saw it; None where it is the server's."""
+    if "exceed the model's context" in why or "exceed kv_tokens" in why:
+        return _PROMPT_PARAM.get(endpoint, "messages"), "context_length_exceeded"
+    if endpoint == EMBEDDINGS and _REFUSED_INPUT.search(why):
+        # An input the encoder refuses (an id outside the model's vocabulary, dimensions
+        # beyond its width).
+        return "input", "invalid_value"
+    if _UNENFORCEABLE.search(why):
+        # A schema the engine cannot enforce (its guide refused, or too slow to make).
+        return _FORMAT_PARAM.get(endpoint, "response_format"), "invalid_value"
+    if why.startswith("vLLM refused it: ") or ": vLLM refused it: " in why:
+        # vLLM's own validation of the request (its structured output's grammar, mostly).
+        return None, "invalid_value"
+    return None
 
 
 def job_rows(store: FileStore, relpath: str) -> Iterator[tuple[str, int]]:
