@@ -34,6 +34,7 @@ def test_a_batch_s_job_is_its_model_s_stage_over_the_requests() -> None:
         "max_tokens",
         "temperature",
         "top_p",
+        "top_k",
         "seed",
         "stop",
         "structured",

@@ -26,7 +26,9 @@ from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 from . import metrics
 from .apierror import ApiError, not_found
 from .batches import BatchRunner
+from .bodies import MESSAGES
 from .config import ApiKey, GatewayConfig
+from .messages import MessageBatches, anthropic_error
 from .params import expires_after, listing, metadata, not_json, page, read_field
 from .quota import Busy, QuotaExceeded, Quotas
 from .records import ENDED, BatchRecord, Conflict, FileRecord, Records, RecordsUnavailable, new_id
@@ -58,6 +60,7 @@ class BatchApi:
             web.get("/batches", self.list_batches),
             web.get("/batches/{id}", self.get_batch),
             web.post("/batches/{id}/cancel", self.cancel_batch),
+            *MessageBatches(self).routes(),
         ]
         for prefix in ("/v1", ""):
             app.router.add_routes([web.route(r.method, prefix + r.path, r.handler) for r in routes])
@@ -74,7 +77,7 @@ class BatchApi:
         try:
             response = await handler(request)
         except ApiError as e:
-            response = e.response()
+            response = anthropic_error(e) if _anthropic(request) else e.response()
         except HTTPRequestEntityTooLarge as e:
             response = ApiError(413, f"The request body is too large: {e.text}").response()
         except web.HTTPException as e:
@@ -103,16 +106,26 @@ class BatchApi:
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         found = self.config.owner_of(key.strip()) if scheme.lower() == "bearer" else None
+        anthropic_key = request.headers.get("x-api-key")  # Anthropic's clients send it so
+        if found is None and anthropic_key is not None and not header:
+            found = self.config.owner_of(anthropic_key.strip())
         if found is None:
             raise ApiError(
                 401,
                 "Incorrect API key provided."
-                if header
-                else "No API key provided: send Authorization: Bearer <key>.",
+                if header or anthropic_key
+                else "No API key provided: send Authorization: Bearer <key> (or x-api-key).",
                 code="invalid_api_key",
             )
+        if _anthropic(request) and not request.headers.get("anthropic-version"):
+            raise ApiError(400, "anthropic-version: header is required.")
         request[KEY] = found
         return await handler(request)
+
+    @staticmethod
+    def key_of(request: web.Request) -> ApiKey:
+        """The key the request was let in with."""
+        return request[KEY]
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -129,13 +142,13 @@ class BatchApi:
             # The room this upload may fill, reserved before a byte is stored: uploads at
             # once share what is left (the body's length bounds the file's).
             want = min(limit, request.content_length or limit)
-            limit = await self._quota(
+            limit = await self.quota(
                 self.quotas.reserve_bytes(
                     key.owner,
                     file_id,
                     limit=key.max_stored_bytes,
                     want=want,
-                    stored=lambda: self._stored(key.owner),
+                    stored=lambda: self.stored(key.owner),
                 )
             )
         try:
@@ -145,7 +158,7 @@ class BatchApi:
                 with contextlib.suppress(Exception):
                     await self.quotas.release_bytes(key.owner, file_id)
 
-    async def _stored(self, owner: str) -> int:
+    async def stored(self, owner: str) -> int:
         return sum(f.bytes for f in await self.records.files(owner))
 
     async def _upload(
@@ -349,12 +362,12 @@ class BatchApi:
             )
         batch_id = new_id("batch")
         if key.max_active_batches is not None:
-            await self._quota(
+            await self.quota(
                 self.quotas.take_batch_place(
                     key.owner,
                     batch_id,
                     limit=key.max_active_batches,
-                    still_active=lambda held: self._still_active(key.owner, held),
+                    still_active=lambda held: self.still_active(key.owner, held),
                 )
             )
         now = int(time.time())
@@ -381,11 +394,11 @@ class BatchApi:
         self.runner.poke(record.owner, record.id)
         return web.json_response(record.api())
 
-    async def _still_active(self, owner: str, batch_id: str) -> bool | None:
+    async def still_active(self, owner: str, batch_id: str) -> bool | None:
         found = await self.records.get_batch(owner, batch_id)
         return None if found is None else found[0].status not in ENDED
 
-    async def _quota(self, taking: Awaitable[Any]) -> Any:
+    async def quota(self, taking: Awaitable[Any]) -> Any:
         """A quota's answer as the API gives it: 429 past it, 503 when its ledger is busy."""
         try:
             return await taking
@@ -399,7 +412,7 @@ class BatchApi:
     async def _batch(self, request: web.Request) -> tuple[BatchRecord, int]:
         batch_id = request.match_info["id"]
         found = await self.records.get_batch(request[KEY].owner, batch_id)
-        if found is None:
+        if found is None or found[0].endpoint == MESSAGES:  # a Message Batch is Anthropic's
             raise not_found("Batch", batch_id)
         return found
 
@@ -407,7 +420,9 @@ class BatchApi:
         return web.json_response((await self._batch(request))[0].api())
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        batches = [b for b, _ in await self.records.batches(request[KEY].owner)]
+        batches = [
+            b for b, _ in await self.records.batches(request[KEY].owner) if b.endpoint != MESSAGES
+        ]
         shown, more = page(request, batches, default=20, most=100, order="desc")
         return listing([b.api() for b in shown], more)
 
@@ -426,3 +441,11 @@ class BatchApi:
             self.runner.poke(changed.owner, changed.id)
             return web.json_response(changed.api())
         raise ApiError(409, "The batch keeps changing; try again.", retry=True)
+
+
+def _anthropic(request: web.Request) -> bool:
+    """A request of Anthropic's Message Batches: answered in Anthropic's error shape."""
+    return request.path.startswith(("/v1/messages/", "/messages/")) or request.path in (
+        "/v1/messages/batches",
+        "/messages/batches",
+    )

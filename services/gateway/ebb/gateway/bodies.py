@@ -60,6 +60,8 @@ SEED_LIMIT = 2**63
 EMBEDDINGS = "/v1/embeddings"
 RESPONSES = "/v1/responses"
 CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+"""Anthropic's Messages API, the endpoint of a Message Batch's requests."""
 MAX_INPUTS = 2048
 """Inputs one embeddings request may hold, as the API allows."""
 
@@ -108,6 +110,8 @@ def row_of(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
         return embedding_row(body)
     if endpoint == RESPONSES:
         return response_row(body)
+    if endpoint == MESSAGES:
+        return message_row(body)
     if body.get("stream"):
         raise RequestRefused(
             "Streaming is not supported in the Batch API.",
@@ -167,6 +171,8 @@ def structured_of(fmt: object, param: str) -> str | None:
     assert isinstance(fmt, dict)
     # Chat nests the schema under `json_schema`; the Responses API puts it beside `type`.
     holder = fmt.get("json_schema") if param == "response_format" else fmt
+    if param == "output_format" and "name" not in fmt:  # Anthropic's has no name
+        holder = {**fmt, "name": "output"}
     if not isinstance(holder, dict):
         raise RequestRefused(
             f"'{param}.json_schema' must be an object with a 'name' and a 'schema'.",
@@ -211,6 +217,18 @@ do: refused unless at their neutral value (null, empty, `none`/`auto` without to
 RESPONSES_NEUTRAL: tuple[Any, ...] = (None, [], {}, False, 0, "none", "auto")
 
 
+def _refuse_any_set(body: dict[str, Any], unsupported: Mapping[str, str]) -> None:
+    """Refuse a request that sets one of `unsupported` (name: what it does) to anything but
+    a neutral value."""
+    for name, what in unsupported.items():
+        if name in body and body[name] not in RESPONSES_NEUTRAL:
+            raise RequestRefused(
+                f"{name!r} ({what}) is not supported by this gateway.",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
 def response_row(body: dict[str, Any]) -> dict[str, Any]:
     """A Responses API request's columns: `instructions` then `input` (a string, or message
     items) as a chat, its sampling, its `text.format` as the row's structured output, and
@@ -221,13 +239,7 @@ def response_row(body: dict[str, Any]) -> dict[str, Any]:
             param="stream",
             code="streaming_unsupported",
         )
-    for name, what in RESPONSES_UNSUPPORTED.items():
-        if name in body and body[name] not in RESPONSES_NEUTRAL:
-            raise RequestRefused(
-                f"{name!r} ({what}) is not supported by this gateway.",
-                param=name,
-                code="unsupported_parameter",
-            )
+    _refuse_any_set(body, RESPONSES_UNSUPPORTED)
     if body.get("truncation") not in (None, "disabled"):
         raise RequestRefused(
             "'truncation' other than 'disabled' is not supported here: a prompt over the "
@@ -278,6 +290,94 @@ def response_row(body: dict[str, Any]) -> dict[str, Any]:
         "user": body.get("user") if isinstance(body.get("user"), str) else None,
     }
     return {**row, "echo": json.dumps(echo, separators=(",", ":"))}
+
+
+MESSAGES_UNSUPPORTED = {
+    "tools": "tool use",
+    "tool_choice": "tool use",
+    "mcp_servers": "MCP servers",
+    "container": "code execution",
+    "context_management": "context management",
+}
+"""Messages API parameters the llm stage does not do: refused unless neutral."""
+
+
+def message_row(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages request's columns: `system` then `messages` as a chat,
+    `max_tokens` (required, as the API has it), `temperature` (0 to 1), `top_p`, `top_k`,
+    `stop_sequences`."""
+    if body.get("stream"):
+        raise RequestRefused(
+            "Streaming is not supported in Message Batches.", param="stream", code="invalid_value"
+        )
+    _refuse_any_set(body, MESSAGES_UNSUPPORTED)
+    thinking = body.get("thinking")
+    if thinking is not None and not (
+        isinstance(thinking, dict) and thinking.get("type") == "disabled"
+    ):
+        raise RequestRefused(
+            "thinking: extended thinking is not supported by this gateway.",
+            param="thinking",
+            code="unsupported_parameter",
+        )
+    if body.get("max_tokens") is None:
+        raise RequestRefused(
+            "max_tokens: Field required", param="max_tokens", code="missing_required_parameter"
+        )
+    chat = []
+    system = body.get("system")
+    if system is not None:
+        chat.append({"role": "system", "content": _blocks(system, "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused(
+            "messages: must be a non-empty list of messages.",
+            param="messages",
+            code="invalid_type",
+        )
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise RequestRefused(
+                f"{where}.role: must be 'user' or 'assistant', got {role!r}.",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        chat.append({"role": role, "content": _blocks(message.get("content"), where)})
+    stop = body.get("stop_sequences")
+    if stop is not None and not (
+        isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+    ):
+        raise RequestRefused(
+            "stop_sequences: must be a list of non-empty strings.",
+            param="stop_sequences",
+            code="invalid_type",
+        )
+    return {
+        "prompt": chat,
+        "max_tokens": _number(body["max_tokens"], "max_tokens", low=1, high=SEED_LIMIT - 1),
+        "temperature": _float(body.get("temperature"), "temperature", low=0.0, high=1.0),
+        "top_p": _float(body.get("top_p"), "top_p", low=0.0, high=1.0, open_low=True),
+        "top_k": _number(body.get("top_k"), "top_k", low=0, high=2**31 - 1),
+        "seed": None,
+        "stop": list(stop) if stop else None,
+        "structured": structured_of(body.get("output_format"), "output_format"),
+    }
+
+
+def _blocks(content: object, where: str) -> str:
+    """A Messages content: a string, or text blocks (anything else refused)."""
+    if isinstance(content, list):
+        for i, block in enumerate(content):
+            if not isinstance(block, dict) or block.get("type") != "text":
+                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+                raise RequestRefused(
+                    f"{where}.content.{i}: only text blocks are supported here, got {kind!r}.",
+                    param=f"{where}.content.{i}",
+                    code="unsupported_value",
+                )
+    return _content(content, where)
 
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

@@ -61,7 +61,12 @@ ENCODER_PARAMS = {
 """The SentenceEncoder's parameters the requests set: a row per request, its inputs as texts
 or token ids, its own dimensions; an input over the model's context refused, as the API
 refuses it."""
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 EMBEDDING_ENDPOINTS = ("/v1/embeddings",)
 
 
@@ -154,7 +159,16 @@ class CatalogueModel:
             "prompt": "prompt",
             "output": "text",
             "per_row": {
-                k: k for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "structured")
+                k: k
+                for k in (
+                    "max_tokens",
+                    "temperature",
+                    "top_p",
+                    "top_k",
+                    "seed",
+                    "stop",
+                    "structured",
+                )
             },
         }
         metrics = {"output_tokens": {"kind": "sum", "column": "output_tokens"}}

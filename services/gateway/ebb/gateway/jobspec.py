@@ -27,6 +27,7 @@ _REQUEST_FIELDS: list[pa.Field[Any]] = [
     pa.field("max_tokens", pa.int64()),
     pa.field("temperature", pa.float64()),
     pa.field("top_p", pa.float64()),
+    pa.field("top_k", pa.int64()),
     pa.field("seed", pa.int64()),
     pa.field("stop", pa.list_(pa.string())),
     pa.field("structured", pa.string()),

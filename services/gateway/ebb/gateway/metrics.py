@@ -27,9 +27,16 @@ BATCHES = Gauge(
 )
 BATCH_REQUESTS = Counter(
     "ebb_gateway_batch_requests_total",
-    "Requests of batches: accepted at validation, then completed or failed when it ended",
-    ["outcome"],
+    "Requests of batches: accepted at validation, then completed or failed when it ended; "
+    "by API (openai: /v1/batches, anthropic: /v1/messages/batches)",
+    ["api", "outcome"],
 )
+
+
+def api_of(endpoint: str) -> str:
+    """Whose Batch API a batch of `endpoint` came through."""
+    return "anthropic" if endpoint == "/v1/messages" else "openai"
+
 
 STATUSES: tuple[BatchStatus, ...] = tuple(s for s in get_args(BatchStatus) if s not in ENDED)
 

@@ -151,6 +151,8 @@ class BatchRecord:
     """The catalogue model its requests name (None until validated, or if none did)."""
     rejected: int = 0
     """Requests refused at validation (lines of the error file before the job ran)."""
+    unrun: int = 0
+    """Of the failed, those the batch ended (cancelled, expired) before they ran."""
     job: str | None = None
     """Its Ebb job, once submitted."""
     output_expires_s: int | None = None
@@ -351,6 +353,10 @@ class Records:
             with contextlib.suppress(RecordsUnavailable):
                 await self.drop_live(record.owner, record.id)
         return revision
+
+    async def delete_batch(self, record: BatchRecord) -> None:
+        """Forget an ended batch (Anthropic's Message Batches may be deleted)."""
+        await self._purge(self._batches_bucket, record.key)
 
     # -- the index of live batches: `live.<owner>.<id>` (three tokens: no list of records
     # sees it), written before the batch's record and dropped once it ends, so that a pass

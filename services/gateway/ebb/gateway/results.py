@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from ebb.common.data.layout import CommitRecord
 from ebb.common.data.output import OutputStore
 
-from .bodies import CHAT, EMBEDDINGS, RESPONSES
+from .bodies import CHAT, EMBEDDINGS, MESSAGES, RESPONSES
 from .requests import error_line, request_ids
 from .store import FileStore, Writer
 
@@ -67,6 +67,8 @@ _REFUSED_INPUT = re.compile(r"outside the model's vocabulary|^dimensions \d+: th
 class Tally:
     completed: int = 0
     failed: int = 0
+    unrun: int = 0
+    """Of the failed, those never run: the batch ended (cancelled, expired) before them."""
     input_tokens: int = 0
     output_tokens: int = 0
 
@@ -89,6 +91,7 @@ def write_results(
     `ending` says). `requests`: every (custom_id, line) the job was given. Blocking."""
     tally = Tally()
     done = bytearray()
+    emit = _jsonl if endpoint != MESSAGES else lambda line: _jsonl(anthropic_result(line))
     store = OutputStore(job_output)
     for record in store.commits():
         for path in _files(record):
@@ -107,20 +110,22 @@ def write_results(
                         body = _embeddings(batch_id, model, row)
                     else:
                         body = _answer(batch_id, endpoint, model, row, record)
-                    output.write(_jsonl(body))
+                    output.write(emit(body))
                 else:
                     tally.failed += 1
                     failed = _failed(batch_id, row["custom_id"], row["_error"], endpoint)
-                    errors.write(_jsonl(failed))
+                    errors.write(emit(failed))
     for raw in rejected:
         if raw.strip():
             tally.failed += 1
-            errors.write(raw if raw.endswith(b"\n") else raw + b"\n")
+            kept = emit(json.loads(raw)) if endpoint == MESSAGES else raw
+            errors.write(kept if kept.endswith(b"\n") else kept + b"\n")
     code, message = ENDED_SHORT[ending]
     for custom_id, line in requests:
         if line < len(done) and done[line]:
             continue
         tally.failed += 1
+        tally.unrun += 1
         line_id, _ = request_ids(batch_id, custom_id)
         missing = {
             "id": line_id,
@@ -128,7 +133,7 @@ def write_results(
             "response": None,
             "error": {"code": code, "message": message.format(reason=reason or "no reason given")},
         }
-        errors.write(_jsonl(missing))
+        errors.write(emit(missing))
     return tally
 
 
@@ -156,7 +161,7 @@ def _answer(
     body: dict[str, Any]
     if endpoint == RESPONSES:
         body = _response(digest, created, model, row)
-    elif endpoint == CHAT:
+    elif endpoint in (CHAT, MESSAGES):  # a Message Batch's, made a Message as it is written
         body = {
             "id": f"chatcmpl-{digest}",
             "object": "chat.completion",
@@ -333,3 +338,63 @@ def job_rows(store: FileStore, relpath: str) -> Iterator[tuple[str, int]]:
         parquet = pq.ParquetFile(f)
         for batch in parquet.iter_batches(columns=["custom_id", "line"], batch_size=4096):
             yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+"""Anthropic's error `type` for each status (any other: `api_error`)."""
+
+
+def anthropic_result(line: dict[str, Any]) -> dict[str, Any]:
+    """A result line of a Message Batch, from the line the OpenAI batch would have: a
+    Message (`succeeded`), the request's error (`errored`), or `canceled`/`expired` for a
+    request the batch ended before."""
+    response = line.get("response")
+    result: dict[str, Any]
+    if response is None:
+        code = (line.get("error") or {}).get("code")
+        if code in ("batch_cancelled", "batch_expired"):
+            result = {"type": "canceled" if code == "batch_cancelled" else "expired"}
+        else:
+            message = (line.get("error") or {}).get("message", "not run")
+            result = _errored("api_error", message)
+    elif response["status_code"] == 200:
+        body = response["body"]
+        choice = body["choices"][0]
+        usage = body["usage"]
+        result = {
+            "type": "succeeded",
+            "message": {
+                "id": "msg_" + response["request_id"].removeprefix("req_"),
+                "type": "message",
+                "role": "assistant",
+                "model": body["model"],
+                "content": [{"type": "text", "text": choice["message"]["content"]}],
+                "stop_reason": "max_tokens" if choice["finish_reason"] == "length" else "end_turn",
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": usage["prompt_tokens"],
+                    "output_tokens": usage["completion_tokens"],
+                    "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": 0,
+                },
+            },
+        }
+    else:
+        error = response["body"]["error"]
+        kind = ANTHROPIC_ERROR_TYPES.get(response["status_code"], "api_error")
+        result = _errored(kind, error["message"])
+    return {"custom_id": line["custom_id"], "result": result}
+
+
+def _errored(kind: str, message: str) -> dict[str, Any]:
+    return {
+        "type": "errored",
+        "error": {"type": "error", "error": {"type": kind, "message": message}},
+    }

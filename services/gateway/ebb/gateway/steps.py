@@ -206,7 +206,8 @@ class BatchSteps:
             self.poke(batch.owner, batch.id)
             return
         await self.records.update_batch(counted.moved("in_progress", job=batch.id), last=revision)
-        metrics.BATCH_REQUESTS.labels("accepted").inc(found.accepted)
+        api = metrics.api_of(batch.endpoint)
+        metrics.BATCH_REQUESTS.labels(api, "accepted").inc(found.accepted)
         self.poke(batch.owner, batch.id)  # submit its job at once
 
     def _check_and_write(self, batch: BatchRecord, source: FileRecord) -> Validation:
@@ -366,6 +367,7 @@ class BatchSteps:
                 final,
                 completed=tally.completed,
                 failed=tally.failed,
+                unrun=tally.unrun,
                 input_tokens=tally.input_tokens,
                 output_tokens=tally.output_tokens,
                 output_file_id=output,
@@ -377,8 +379,9 @@ class BatchSteps:
         # Its copy of the requests and its job's output are in the files now: let them go
         # (a replica that dies first leaves them; the batch's record says it ended).
         await asyncio.to_thread(self.store.delete, batch_dir(batch), recursive=True)
-        metrics.BATCH_REQUESTS.labels("completed").inc(tally.completed)
-        metrics.BATCH_REQUESTS.labels("failed").inc(tally.failed)
+        api = metrics.api_of(batch.endpoint)
+        metrics.BATCH_REQUESTS.labels(api, "completed").inc(tally.completed)
+        metrics.BATCH_REQUESTS.labels(api, "failed").inc(tally.failed)
 
     def _write_results(
         self, batch: BatchRecord, ending: str, reason: str
