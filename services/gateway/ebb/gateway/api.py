@@ -445,7 +445,4 @@ class BatchApi:
 
 def _anthropic(request: web.Request) -> bool:
     """A request of Anthropic's Message Batches: answered in Anthropic's error shape."""
-    return request.path.startswith(("/v1/messages/", "/messages/")) or request.path in (
-        "/v1/messages/batches",
-        "/messages/batches",
-    )
+    return request.path.removeprefix("/v1").startswith("/messages/batches")

@@ -1,6 +1,10 @@
 """A request's body as its job's row: its prompt and its sampling, each checked as the API
 defines it, or the reason it is refused (`RequestRefused`: a line of the error file, the
-other requests run). Pure."""
+other requests run). Pure.
+
+One concept past 400 lines: every endpoint's body (chat, completions, responses, Anthropic's
+messages, embeddings) becomes the same row through the same checks of a value (`_number`,
+`_float`, `_content`, `structured_of`), and reads best beside them."""
 
 from __future__ import annotations
 
