@@ -132,6 +132,19 @@ class BrokenSetup:
         return row
 
 
+class GatedSetup:
+    """Features, once its set-up has waited for the file `gate` (models that load slowly)."""
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+
+    def setup(self) -> None:
+        _wait_for(self.gate)
+
+    def process_batch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        return [np.asarray(r["features"], dtype=np.float32) for r in rows]
+
+
 class Pid:
     """Each row -> the pid of the process that handled it."""
 

@@ -16,11 +16,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ebb.common.job import InputSpec
+from ebb.common.job import InputSpec, parse_job
 from ebb.common.messaging.messages import ShardSpec
 from ebb.shard_master.errors import PlanningError
 from ebb.shard_master.planning.planner import list_input_files, plan_input, plan_shards
-from ebb.shard_master.planning.sizing import few_shards_advice, fleet_shard_rows
+from ebb.shard_master.planning.sizing import (
+    AUTO_MIN_ROWS,
+    GENERATION_MIN_ROWS,
+    few_shards_advice,
+    fleet_shard_rows,
+    least_rows,
+)
 from ebb.worker.shardio.reader import ShardReader, read_shard
 
 
@@ -273,6 +279,36 @@ def test_shards_sized_for_the_fleet_give_each_worker_four_within_bounds(
     total: int, workers: int, rows: int
 ) -> None:
     assert fleet_shard_rows(total, workers) == rows
+
+
+def _job_of(tmp_path: Path, stages: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "name": "sized",
+        "input": {"uri": str(tmp_path / "prompts.jsonl")},
+        "pipeline": {"stages": stages},
+        "output": {"uri": str(tmp_path / "out")},
+    }
+
+
+def test_a_job_that_generates_text_gets_shards_of_fewer_rows(tmp_path: Path) -> None:
+    """1,536 prompts on two workers: a shard of an engine's batch for each, not one shard of
+    them all (at AUTO_MIN_ROWS) that left the second worker idle."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(1536)))
+    generates = parse_job(_job_of(tmp_path, [{"llm": {"model": str(tmp_path)}}]))
+    tokenizes = parse_job(
+        _job_of(tmp_path, [{"llm": {"model": str(tmp_path), "tokenize_only": True}}])
+    )
+    scores = parse_job(_job_of(tmp_path, [{"modelet": "m:M"}]))
+    assert least_rows(generates) == GENERATION_MIN_ROWS
+    assert least_rows(tokenizes) == least_rows(scores) == AUTO_MIN_ROWS
+    spec = generates.input
+    shards = plan_input(spec, workers=2, least_rows=least_rows(generates)).shards
+    assert len(shards) >= 4
+    assert all(s.rows <= 2 * GENERATION_MIN_ROWS for s in shards)
+    assert [s.byte_start for s in shards[1:]] == [s.byte_end for s in shards[:-1]]
+    assert (shards[0].byte_start, shards[-1].byte_end) == (0, path.stat().st_size)
+    assert len(plan_input(spec, workers=2, least_rows=least_rows(scores)).shards) <= 2
 
 
 @pytest.mark.parametrize(("workers", "shards"), [(1, 4), (2, 10), (10, 20)])

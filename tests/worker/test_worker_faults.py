@@ -133,19 +133,56 @@ async def test_a_worker_whose_pipeline_cannot_start_hands_its_shards_back_unharm
     await client.submit(spec)
     async with worker_process(nats_config, spec.id, tmp_path) as worker:
 
-        async def both_shards_held() -> bool:
+        async def a_shard_held() -> bool:
             status = (await client.master.status(spec.id, include_leases=True)).jobs[0]
-            return sorted(lease.worker for lease in status.leases) == ["w1", "w1"]
+            return [lease.worker for lease in status.leases] == ["w1"]
 
-        await wait_until(both_shards_held, timeout=60, what="the worker to lease both shards")
+        # One shard while the models load: the next is leased once they have.
+        await wait_until(a_shard_held, timeout=60, what="the worker to lease a shard")
         gate.touch()  # now its stage fails to set up
         code = await asyncio.wait_for(worker.wait(), 60)
     assert code == EXIT_SETUP, (tmp_path / "w1.log").read_text()
     assert "weights not found" in (tmp_path / "w1.termination").read_text()
     # Not the shards' fault: back in the queue, no attempt counted against them.
-    for record in await shard_records(client, spec.id, 2):
+    records = await shard_records(client, spec.id, 2)
+    for record in records:
         assert (record.state, record.failures) == ("TODO", 0)
-        assert record.attempts >= 1  # it was leased
+    assert sorted(record.attempts for record in records) == [0, 1]  # the one it leased
+
+
+async def test_a_worker_leases_its_next_shard_once_its_models_have_loaded(
+    tmp_path: Path, nats_config: NatsConfig, client: EbbClient
+) -> None:
+    """Two shards, two workers, models that load slowly: the second worker, started a
+    moment after the first, gets the second shard. Leased at once as the first worker's
+    next, it sat behind the first one's while the second worker had nothing to do."""
+    write_dataset(tmp_path / "data", rows=2_000, row_group_size=1_000)
+    gate = tmp_path / "gate"
+    stages = [
+        {"name": "slow", "modelet": "ebbtest_modelets:GatedSetup", "params": {"gate": str(gate)}}
+    ]
+    spec = parse_job(job_spec(tmp_path, rows_per_shard=1_000, stages=stages)).with_id()
+    await client.submit(spec)
+
+    async def holders_are(expected: list[str]) -> bool:
+        status = (await client.master.status(spec.id, include_leases=True)).jobs[0]
+        return sorted(lease.worker for lease in status.leases) == expected
+
+    async with worker_process(nats_config, spec.id, tmp_path, worker_id="w1") as first:
+        await wait_until(
+            lambda: holders_are(["w1"]), timeout=60, what="the first worker to lease a shard"
+        )
+        async with worker_process(nats_config, spec.id, tmp_path, worker_id="w2") as second:
+            await wait_until(
+                lambda: holders_are(["w1", "w2"]),
+                timeout=60,
+                what="each worker to hold a shard while the models load",
+            )
+            gate.touch()
+            codes = await asyncio.wait_for(asyncio.gather(first.wait(), second.wait()), 120)
+    assert list(codes) == [EXIT_OK, EXIT_OK], (tmp_path / "w2.log").read_text()
+    final = await client.master.job(spec.id)
+    assert (final.state, final.rows_done) == ("SUCCEEDED", 2_000)
 
 
 async def test_a_worker_whose_pipeline_cannot_start_says_so_with_no_shard_to_work_on(

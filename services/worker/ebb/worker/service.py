@@ -2,7 +2,8 @@
 
 Agents (tasks of one supervisor):
 - leaser:  leases shards and runs each in its own task, up to `shards_in_flight` at once, so
-           the next shard is leased and read while the current one computes (prefetch).
+           the next shard is leased and read while the current one computes (prefetch),
+           once the models have loaded (before, it would only wait behind the first).
            One shard's attempt is `attempt.run_attempt`; its commit is then reported here.
 - renewer: renews every held lease at about a third of its period, telling the rows done;
            a lease the master refuses (expired, superseded, job over) is lost, and its
@@ -218,6 +219,14 @@ class Worker:
             await sleep_or_stop(pause, self.draining)
         try:
             while not self.draining.is_set():
+                if self._tasks and not session.ready:
+                    # The next shard is leased once the models have loaded: leased before,
+                    # it would only wait behind the first, and a worker of the job starting
+                    # beside this one would find nothing left (a job of two shards on two
+                    # workers ran on one).
+                    await until(session.started(), self.draining)
+                    if not session.ready:
+                        break  # the start failed (the worker drains), or a drain began
                 if not await until(slots.acquire(), self.draining):
                     break
                 if self.draining.is_set():

@@ -100,6 +100,11 @@ class JobSession:
         if error is not None:
             self._on_failed_start(error)
 
+    async def started(self) -> None:
+        """Returns once the stage processes have started, or failed to (the failure is
+        `on_failed_start`'s to tell)."""
+        await asyncio.wait([self._starting])
+
     async def run_columns(
         self,
         rows: pa.Table,

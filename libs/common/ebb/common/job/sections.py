@@ -33,7 +33,8 @@ class InputSpec:
     rows_per_shard: int | None = None
     """Target rows in one shard, the unit of leasing, retry and commit. None (the default):
     sized for the fleet: four shards or more for each of the job's `max_workers`, of 1,000
-    to 1,048,576 rows (Parquet: whole row groups, never cut). A worker told to go commits the
+    (256 for a job that generates text: an `llm` stage) to 1,048,576 rows (Parquet: whole
+    row groups, never cut). A worker told to go commits the
     rows it has done and a straggler's rest moves to an idle worker (a split), so big shards
     lose nothing."""
     column_types: dict[str, str] = field(default_factory=dict)

@@ -43,7 +43,7 @@ from ebb.common.job import FORMAT_SUFFIXES, InputFormat, InputSpec
 from ebb.common.messaging.messages import ShardSpec
 
 from ..errors import MissingColumns, PlanningError
-from .sizing import fleet_shard_rows, pack
+from .sizing import AUTO_MIN_ROWS, fleet_shard_rows, pack
 
 _SAMPLE_BYTES = 256 * 1024
 _WINDOW_BYTES = 64 * 1024
@@ -114,13 +114,19 @@ class Plan:
     """CSV: every column's Arrow type (the spec's own, and those typed from samples)."""
 
 
-def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = (), workers: int = 1) -> Plan:
+def plan_input(
+    spec: InputSpec,
+    *,
+    required_columns: Sequence[str] = (),
+    workers: int = 1,
+    least_rows: int = AUTO_MIN_ROWS,
+) -> Plan:
     """Every shard of the input, numbered from 0 in file order, and the CSV column types.
 
     required_columns: columns every Parquet file must have (checked in each footer), so that a
     misspelt column is refused at submission rather than failing every shard later.
     workers: the most the job runs at once, for shards sized for the fleet (no
-    `rows_per_shard` given).
+    `rows_per_shard` given), of at least `least_rows` rows (`sizing.least_rows`).
     """
     shards: list[ShardSpec] = []
     samples = _Samples()
@@ -129,7 +135,9 @@ def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = (), workers
     if rows_per_shard is None and spec.fmt == "parquet":
         rows_per_shard = 1  # a row group each, packed below
     elif rows_per_shard is None:
-        rows_per_shard = fleet_shard_rows(_estimate_text_rows(files, spec.fmt), workers)
+        rows_per_shard = fleet_shard_rows(
+            _estimate_text_rows(files, spec.fmt), workers, least=least_rows
+        )
     for path in files:
 
         def plan_file(path: str = path) -> list[ShardSpec]:
@@ -152,7 +160,7 @@ def plan_input(spec: InputSpec, *, required_columns: Sequence[str] = (), workers
     if not shards:
         raise PlanningError(f"input {spec.uri!r} holds no rows")
     if spec.rows_per_shard is None and spec.fmt == "parquet":
-        target = fleet_shard_rows(sum(s.rows for s in shards), workers)
+        target = fleet_shard_rows(sum(s.rows for s in shards), workers, least=least_rows)
         shards = [replace(s, index=i) for i, s in enumerate(pack(shards, target))]
     types = samples.column_types(spec) if spec.fmt == "csv" else {}
     return Plan(shards, types)

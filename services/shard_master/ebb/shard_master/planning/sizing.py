@@ -4,6 +4,8 @@ Without `rows_per_shard`, a shard gets `fleet_shard_rows` rows: at least `SHARDS
 shards for each of the job's workers, so that each has work from the start and the tail is
 short, and at most `AUTO_MAX_ROWS` (minutes of work at the rates of
 common models), so that the master's work per row stays small however many rows there are.
+Not fewer than `least_rows(spec)`: `AUTO_MIN_ROWS`, or `GENERATION_MIN_ROWS` for a job that
+generates text, whose rows each cost an engine tens of tokens.
 Parquet is cut into its row groups, packed into such shards (`pack`); text is cut by the
 rows that its files' sizes and the first file's lines promise. Big shards are safe: a worker
 that must go commits the rows it has done (a split), and a straggler's rest goes elsewhere.
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ebb.common.job import JobSpec
 from ebb.common.messaging.messages import ShardSpec
 
 AUTO_MIN_ROWS = 1_000
@@ -21,14 +24,26 @@ AUTO_MIN_ROWS = 1_000
 rows cost a worker."""
 AUTO_MAX_ROWS = 1_048_576
 """Most rows of a shard sized for the fleet: a row group as pyarrow writes by default."""
+GENERATION_MIN_ROWS = 256
+"""Fewest rows of a shard sized for the fleet when the job generates text (an `llm` stage
+that is not `tokenize_only`): one of its rows is a whole answer of the engine's, and a shard of
+AUTO_MIN_ROWS rows left a job of 1,536 prompts one shard for two workers. An engine's batch
+(`max_in_flight`, 256 unless set) a shard, at least: the stage feeds the next shard's rows to
+the engine while one finishes, so smaller shards would only cost the master."""
 SHARDS_PER_WORKER = 4
 
 
-def fleet_shard_rows(total_rows: int, workers: int) -> int:
+def least_rows(spec: JobSpec) -> int:
+    """The fewest rows of a shard sized for the fleet, for this job."""
+    generates = any(s.llm is not None and not s.llm.tokenize_only for s in spec.pipeline.stages)
+    return GENERATION_MIN_ROWS if generates else AUTO_MIN_ROWS
+
+
+def fleet_shard_rows(total_rows: int, workers: int, *, least: int = AUTO_MIN_ROWS) -> int:
     """Rows a shard of a job of `total_rows` rows on `workers` workers: SHARDS_PER_WORKER
-    shards for each worker, within [AUTO_MIN_ROWS, AUTO_MAX_ROWS]."""
+    shards for each worker, within [least, AUTO_MAX_ROWS] (`least_rows`)."""
     per_shard = -(-total_rows // max(1, workers * SHARDS_PER_WORKER))
-    return max(AUTO_MIN_ROWS, min(AUTO_MAX_ROWS, per_shard))
+    return max(least, min(AUTO_MAX_ROWS, per_shard))
 
 
 def pack(pieces: Sequence[ShardSpec], rows_per_shard: int) -> list[ShardSpec]:

@@ -22,7 +22,7 @@ from ebb.common.messaging.messages import JobEvent
 
 from ..errors import BadRequest, MissingColumns, OutputTaken, PlanningError
 from ..planning.planner import plan_input
-from ..planning.sizing import few_shards_advice
+from ..planning.sizing import few_shards_advice, least_rows
 from .context import TableContext
 from .jobs import Job
 from .lifecycle import JobLifecycle
@@ -126,6 +126,7 @@ class JobIntake:
                 spec.input,
                 required_columns=list(dict.fromkeys(required)),
                 workers=first_workers,
+                least_rows=least_rows(spec),
             )
         except MissingColumns as e:
             named = [

@@ -25,7 +25,7 @@ import math
 import statistics
 
 from .. import metrics
-from ..planning.sizing import fleet_shard_rows
+from ..planning.sizing import fleet_shard_rows, least_rows
 from .jobs import Job, Shard, Tier
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,9 @@ def workers_usable(
     usable = tier.counts["TODO"] + tier.counts["DOING"]
     if usable >= most:
         return usable
-    target = job.spec.input.rows_per_shard or fleet_shard_rows(job.record.rows_total, most)
+    target = job.spec.input.rows_per_shard or fleet_shard_rows(
+        job.record.rows_total, most, least=least_rows(job.spec)
+    )
     rates = {shard.index: rate for shard, rate in _holder_rates(job, tier, now=now)}
     piece_s = HALVE_COST_S + min_halve_gain_s
     for index in {*tier.doing, *tier.todo}:  # the queue may name a shard gone from TODO
