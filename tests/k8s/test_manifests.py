@@ -6,6 +6,7 @@ with the credential the controller mints, and the image is built the way the pro
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import yaml
 
 from ebb.common import schema
 from ebb.common.errors import BusError
-from ebb.common.messaging import auth, bus, identity
+from ebb.common.messaging import auth, bus, identity, installation
 from ebb.common.messaging.embedded import EmbeddedNats, find_nats_server
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.kube.backend import KubeConfig
@@ -40,7 +41,12 @@ def secrets_made() -> list[Obj]:
         capture_output=True,
         text=True,
         check=True,
-        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+        # The interpreter running the tests, with the source roots it imports Ebb from.
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHON": sys.executable,
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+        },
     ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
@@ -135,6 +141,7 @@ def test_make_secrets_makes_fresh_keys_and_gives_each_role_its_credentials() -> 
     assert set(first) == {
         "ebb-nats-auth",
         "ebb-nats-worker-signer",
+        "ebb-nats-tenant-signer",
         *(f"ebb-nats-{r}" for r in roles),
     }
     for role in roles:
@@ -149,6 +156,11 @@ def test_make_secrets_makes_fresh_keys_and_gives_each_role_its_credentials() -> 
     assert "resolver: MEMORY" in conf and f"  {signer['account']}: " in conf
     assert conf != second["ebb-nats-auth"]["auth.conf"]
     assert signer["signing_key"] not in conf  # the server knows the public key only
+    # The tenants' key signs teams' credentials: a key of the same account, no pod's (the
+    # server trusting it: below, a team connects).
+    tenants = first["ebb-nats-tenant-signer"]
+    assert tenants["account"] == signer["account"]
+    assert tenants["signing_key"] not in conf and tenants["signing_key"] != signer["signing_key"]
 
 
 def test_each_service_connects_with_its_own_credentials() -> None:
@@ -229,9 +241,18 @@ async def test_nats_runs_that_configuration_and_lets_each_role_and_worker_in(k8s
     )
     assert nc.is_connected
     await nc.close()
+    tenants = installation.read_signer(
+        yaml.safe_dump({"stringData": made["ebb-nats-tenant-signer"]})
+    )
+    nc = await bus.connect(
+        dataclasses.replace(base, creds=tenants.credentials("team-a")), name="team"
+    )
+    assert nc.is_connected
+    await nc.close()
     stranger = identity.Trust.new("ebb").worker_signer().credentials("w-1")
     for refused in (
         dataclasses.replace(base, creds=stranger),
+        dataclasses.replace(base, creds=identity.Trust.new("ebb").team_signer().credentials("a")),
         dataclasses.replace(base, user="ebb-worker", password="not-the-secret"),
     ):
         with pytest.raises(BusError, match="refused"):

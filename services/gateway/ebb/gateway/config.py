@@ -40,9 +40,12 @@ from ebb.common.job.fields import Pool, bad, positive
 from ebb.common.job.paths import is_url
 from ebb.common.job.pipeline import StageSpec
 from ebb.common.job.sections import FaultPolicy, ResourceSpec
+from ebb.common.messaging.subjects import OWNER_RE
 
-OWNER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-"""An owner is one NATS subject token: the records' keys are `<owner>.<id>`."""
+# An owner is one NATS subject token (the records' keys are `<owner>.<id>`) and the name of
+# the team whose NATS identity reads its batches' jobs (ebb.common.messaging.subjects): one
+# rule for both, OWNER_RE.
+
 
 GATEWAY_COLUMNS = ("prompt", "text")
 """The llm stage's prompt and output columns: the gateway's to name, not the catalogue's."""
@@ -181,7 +184,9 @@ class ApiKey:
     """A key the gateway accepts, whose owner's files and batches it sees (and no other's)."""
 
     owner: str
-    """Whose files and batches: 1-64 letters, digits, - and _."""
+    """Whose files and batches: 1-64 letters, digits, - and _. Also the NATS team its
+    batches' jobs are submitted under: that team's credential (`python -m
+    ebb.common.messaging.installation team <owner>`) reads them with `ebb status`."""
     key: str | None = None
     """The key itself (a file only its operator reads), or"""
     sha256: str | None = None
@@ -192,7 +197,7 @@ class ApiKey:
     """Bytes of files kept at once (uploads and results); an upload past it is refused (429)."""
 
     def __post_init__(self) -> None:
-        if not OWNER_RE.match(self.owner):
+        if not OWNER_RE.fullmatch(self.owner):
             raise bad("owner", f"must match {OWNER_RE.pattern}, got {self.owner!r}")
         if (self.key is None) == (self.sha256 is None):
             raise bad("key", "give exactly one of key and sha256")

@@ -33,14 +33,18 @@ from .messages import (
     WorkerEndedRequest,
 )
 from .natsconfig import NatsConfig
-from .subjects import Subjects
+from .subjects import OWNER_OPS, Subjects, check_owner
 
 M = TypeVar("M", bound=Message)
 
 
 class MasterClient:
     """Requests to the master. Each retries timeouts and "no responders" (a master restarting
-    or failing over) on `backoff`; an error reply raises RemoteError at once."""
+    or failing over) on `backoff`; an error reply raises RemoteError at once.
+
+    With an `owner` (a team), status, cancel and resume are asked on that owner's subjects
+    (`Subjects.owner_op`), where the master answers of its jobs alone: what a team's
+    credential may ask, and what the gateway asks for a batch's owner."""
 
     def __init__(
         self,
@@ -48,11 +52,18 @@ class MasterClient:
         config: NatsConfig,
         *,
         backoff: Backoff | None = None,
+        owner: str = "",
     ) -> None:
         self.nc = nc
+        self.config = config
         self.subjects = Subjects(config.prefix)
         self.timeout_s = config.request_timeout_s
         self.backoff = backoff or Backoff(first_s=0.2, max_s=5.0, attempts=0)
+        self.owner = check_owner(owner) if owner else ""
+
+    def for_owner(self, owner: str) -> MasterClient:
+        """This client asking on `owner`'s subjects ("": on those without an owner)."""
+        return MasterClient(self.nc, self.config, backoff=self.backoff, owner=owner)
 
     async def lease(
         self, job: str, worker: str, *, ready: bool = False, tier: str = ""
@@ -159,9 +170,15 @@ class MasterClient:
         return await self._call("resume", request, ResumeReply)
 
     async def _call(self, op: str, message: Message, reply_type: type[M], *, worker: str = "") -> M:
+        if worker:
+            subject = self.subjects.worker_op(op, worker)
+        elif self.owner and op in OWNER_OPS:
+            subject = self.subjects.owner_op(op, self.owner)
+        else:
+            subject = self.subjects.master(op)
         return await request(
             self.nc,
-            self.subjects.worker_op(op, worker) if worker else self.subjects.master(op),
+            subject,
             message,
             reply_type,
             timeout_s=self.timeout_s,

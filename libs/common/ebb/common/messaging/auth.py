@@ -6,9 +6,16 @@
   workers that ended badly; hears job events.
 - worker: the lease protocol only (lease, renew, commit, release, status). Workers run user
   code, so they get the least: no job submission, no JetStream API, no KV.
-- client: submits jobs, reads their status, cancels and resumes them; hears job events.
-- gateway: the Batch API gateway, a client (submits, reads status, cancels) that also keeps
+- client: the operator's (admin's) identity: submits jobs without an owner, reads every
+  job's status, cancels and resumes any job; hears every job's events.
+- gateway: the Batch API gateway, which submits each batch's job under the batch's owner and
+  reads (status, cancel) every owner's, trusted to authenticate its API keys; it also keeps
   its files' and batches' records in two KV buckets of its own, and nothing else of JetStream.
+- a team (an owner): not a role of one user but one identity per team, minted with the
+  tenants' scoped signing key (ebb.common.messaging.identity) whose template, `team_template`,
+  binds every subject to the team's name: it submits jobs as itself, asks status, cancel and
+  resume of its own jobs only, and hears only their events. nats-server enforces it; the
+  master checks in addition that the job a team names is its own (another's is not found).
 
 Each role also gets its own inbox prefix, so that one role cannot read the replies meant for
 another (a worker cannot see the master's KV reads, nor a client's job listings); a
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from .. import envvars
-from .subjects import WORKER_OPS, Subjects
+from .subjects import OWNER_OPS, WORKER_OPS, Subjects
 
 Role = Literal["master", "controller", "worker", "client", "gateway"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -49,6 +56,11 @@ def user_name(prefix: str, role: Role) -> str:
 
 def inbox_prefix(prefix: str, role: Role) -> str:
     return f"_INBOX.{prefix}.{role}"
+
+
+def team_inbox(prefix: str, team: str) -> str:
+    """One team's own inbox prefix: no other team (nor any role) hears its replies."""
+    return f"_INBOX.{prefix}.team.{team}"
 
 
 def worker_inbox(prefix: str, worker: str) -> str:
@@ -85,7 +97,7 @@ def permissions(prefix: str, role: Role) -> Permissions:
     if role == "master":
         streams = [s.jobs_stream] + [f"KV_{b}" for b in (s.jobs_bucket, s.shards_bucket)]
         streams.append(f"KV_{s.leader_bucket}")
-        publish = ["$JS.API.INFO", f"{prefix}.jobs.*.events"]
+        publish = ["$JS.API.INFO", *s.every_event]
         for stream in streams:
             publish += _jetstream_api(stream)
         publish += [f"$KV.{b}.>" for b in (s.jobs_bucket, s.shards_bucket, s.leader_bucket)]
@@ -102,7 +114,7 @@ def permissions(prefix: str, role: Role) -> Permissions:
                 s.master("worker_ended"),
                 s.master("placement"),
             ),
-            subscribe=(s.all_events, inbox),
+            subscribe=(*s.every_event, inbox),
         )
     if role == "worker":
         # Any worker's subjects: with one user for every worker, NATS cannot tell them
@@ -112,14 +124,23 @@ def permissions(prefix: str, role: Role) -> Permissions:
         return Permissions(publish=(*ops, s.master("status")), subscribe=(inbox,))
     if role == "gateway":
         buckets = (s.gateway_files_bucket, s.gateway_batches_bucket)
-        publish = [s.submit, s.master("status"), s.master("cancel"), "$JS.API.INFO"]
+        # Each batch's job under its owner, followed on that owner's subjects; the subjects
+        # without an owner only for the jobs of batches from before jobs had owners.
+        publish = [
+            s.owners_submit,
+            s.owner_op("status", "*"),
+            s.owner_op("cancel", "*"),
+            s.master("status"),
+            s.master("cancel"),
+            "$JS.API.INFO",
+        ]
         for bucket in buckets:
             publish += _jetstream_api(f"KV_{bucket}")
         publish += [f"$KV.{b}.>" for b in buckets]
-        return Permissions(publish=tuple(publish), subscribe=(s.all_events, inbox))
+        return Permissions(publish=tuple(publish), subscribe=(*s.every_event, inbox))
     return Permissions(
         publish=(s.submit, s.master("status"), s.master("cancel"), s.master("resume")),
-        subscribe=(s.all_events, inbox),
+        subscribe=(*s.every_event, inbox),
     )
 
 
@@ -136,6 +157,27 @@ def worker_template(prefix: str) -> Permissions:
     return Permissions(
         publish=(*ops, s.master("status")),
         subscribe=(f"{worker_inbox(prefix, WORKER_NAME)}.>",),
+    )
+
+
+TEAM_NAME = WORKER_NAME
+"""In the tenants' signing key's template, the team's name its JWT gives."""
+
+
+def team_template(prefix: str) -> Permissions:
+    """One team's permissions, templated on its name: submit as itself, ask status, cancel
+    and resume on its own subjects, hear its own jobs' events, replies on its own inbox.
+    Nothing of any other team's, nor of the jobs without an owner."""
+    s = Subjects(prefix)
+    return Permissions(
+        publish=(
+            s.owner_submit(TEAM_NAME),
+            *(s.owner_op(op, TEAM_NAME) for op in OWNER_OPS),
+        ),
+        subscribe=(
+            s.events("*", owner=TEAM_NAME),
+            f"{team_inbox(prefix, TEAM_NAME)}.>",
+        ),
     )
 
 

@@ -22,8 +22,8 @@ from .. import schema
 from ..aio import until
 from ..errors import BusError, ErrorCode, RemoteError, SchemaError
 from ..schema import Message
-from .auth import inbox_for_user
-from .identity import credentials_name
+from .auth import inbox_for_user, team_inbox
+from .identity import credentials_name, credentials_team
 from .messages import ErrorReply
 from .natsconfig import NatsConfig
 
@@ -109,9 +109,12 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
     if config.user is not None:
         options["user"] = config.user
         options["password"] = config.password
-    # Ebb's roles may subscribe only to their own inboxes (see ebb.common.messaging.auth).
+    # Ebb's roles and teams may subscribe only to their own inboxes (ebb.common.messaging.auth).
+    team = connection_owner(config)
     user = config.user or _credentials_user(config)
     inbox = inbox_for_user(config.prefix, user) if user else None
+    if team:
+        inbox = team_inbox(config.prefix, team)
     if inbox is not None:
         options["inbox_prefix"] = inbox
     if config.inbox_prefix is not None:
@@ -168,15 +171,28 @@ async def connect(config: NatsConfig, *, name: str, stop: asyncio.Event | None =
     return nc
 
 
+def _credentials_text(config: NatsConfig) -> str | None:
+    """This connection's .creds text, if it has one that can be read."""
+    if config.creds is not None or config.creds_file is None:
+        return config.creds
+    try:
+        return Path(config.creds_file).read_text()
+    except OSError:
+        return None  # nats-py says why, when it reads the file to connect
+
+
 def _credentials_user(config: NatsConfig) -> str | None:
     """The user name the JWT of this connection's credentials gives, if it has one."""
-    creds = config.creds
-    if creds is None and config.creds_file is not None:
-        try:
-            creds = Path(config.creds_file).read_text()
-        except OSError:
-            return None  # nats-py says why, when it reads the file to connect
+    creds = _credentials_text(config)
     return credentials_name(creds) if creds else None
+
+
+def connection_owner(config: NatsConfig) -> str:
+    """The team a connection with `config` is (its credential a team's, `TeamSigner`), whose
+    subjects its submissions and requests must use; "" for any other identity (the admin's
+    client role, a service, no credential at all)."""
+    creds = _credentials_text(config)
+    return (credentials_team(creds) or "") if creds else ""
 
 
 def _refused(e: BaseException) -> bool:

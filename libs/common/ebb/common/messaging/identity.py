@@ -1,4 +1,5 @@
-"""One NATS identity per worker: decentralised (JWT) authentication with a scoped signing key.
+"""One NATS identity per worker and per team: decentralised (JWT) authentication with scoped
+signing keys.
 
 With one shared `worker` user, NATS cannot tell two workers apart: any of them could listen to
 the replies meant for another (which carry lease tokens) or ask in its name. Here every worker
@@ -13,18 +14,25 @@ gets a credential of its own, minted by the controller that launches it:
   `{{name()}}` is the user's name: the worker id. So a worker may publish only on
   `<prefix>.master.<op>.<its id>` and subscribe only to `_INBOX.<prefix>.worker.<its id>.>`,
   whatever it asks for; and the key, held by the controller, can mint nothing else.
+- Teams (owners: the tenants of one installation) are users signed by a second scoped
+  signing key, the tenants', whose template binds every subject to `{{name()}}`, the team's
+  name: it submits on `<prefix>.submit.<team>`, asks `<prefix>.master.<op>.<team>`, hears
+  `<prefix>.jobs.*.events.<team>` and replies on `_INBOX.<prefix>.team.<team>`, and nothing
+  else. The operator mints each team's credential (`python -m ebb.common.messaging.installation
+  team <name>`) with that key, which no service holds.
 
 Everything is checked by nats-server itself (its memory resolver, preloaded with the operator
-and account JWTs); the master checks in addition that a lease token is used by its holder.
+and account JWTs); the master checks in addition that a lease token is used by its holder,
+and that a job a team asks about is its own.
 JWTs follow nats-io/jwt v2 (header `ed25519-nkey`, claims under `nats`); keys are NATS nkeys.
 
-On Kubernetes the keys are made once, by `python -m ebb.common.messaging.identity k8s` (see
-`kubernetes_secrets`), and kept in Secrets; in the embedded stack, at each start.
+On Kubernetes the keys are made once, by `python -m ebb.common.messaging.installation k8s`
+(see `ebb.common.messaging.installation`), and kept in Secrets; in the embedded stack, at each
+start.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import json
@@ -34,10 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import nkeys
-import yaml
 
-from .auth import Permissions, Role, permissions, user_name, worker_template
-from .subjects import check_worker_id
+from .auth import Permissions, Role, permissions, team_template, user_name, worker_template
+from .subjects import check_owner, check_worker_id
 
 _KINDS = {
     "operator": nkeys.PREFIX_BYTE_OPERATOR,
@@ -46,6 +53,10 @@ _KINDS = {
 }
 _UNLIMITED = {"subs": -1, "data": -1, "payload": -1}
 _WORKER_ROLE = "worker"
+_TEAM_ROLE = "team"
+TEAM_TAG = "ebb-team"
+"""The tag of a team's JWT: how a client tells that its credential is a team's (and so which
+subjects it must use). nats-server needs no tag: the key that signed the JWT decides."""
 
 
 @dataclass(frozen=True)
@@ -111,16 +122,35 @@ def _permission_claims(p: Permissions) -> dict[str, Any]:
     return claims
 
 
-def credentials_name(creds: str) -> str | None:
-    """The user name a .creds text's JWT gives (a role's user, or a worker's id)."""
+def credentials_claims(creds: str) -> dict[str, Any] | None:
+    """The claims of a .creds text's JWT (not verified); None if it has none to read."""
     lines = creds.splitlines()
     for i, line in enumerate(lines[:-1]):
         if "BEGIN NATS USER JWT" in line:
             try:
-                name = decode_jwt(lines[i + 1].strip()).get("name")
+                return decode_jwt(lines[i + 1].strip())
             except (ValueError, IndexError):
                 return None
-            return name if isinstance(name, str) else None
+    return None
+
+
+def credentials_name(creds: str) -> str | None:
+    """The user name a .creds text's JWT gives (a role's user, a worker's id, a team)."""
+    claims = credentials_claims(creds)
+    name = claims.get("name") if claims is not None else None
+    return name if isinstance(name, str) else None
+
+
+def credentials_team(creds: str) -> str | None:
+    """The team a team's .creds text is for (`TeamSigner`); None for any other credential."""
+    claims = credentials_claims(creds)
+    if claims is None:
+        return None
+    nats_claims = claims.get("nats")
+    tags = nats_claims.get("tags") if isinstance(nats_claims, dict) else None
+    name = claims.get("name")
+    if isinstance(tags, list) and TEAM_TAG in tags and isinstance(name, str):
+        return name
     return None
 
 
@@ -136,6 +166,21 @@ def credentials(jwt: str, seed: str) -> str:
     )
 
 
+def _scoped_credentials(
+    account: str, signing_key: Key, name: str, *, ttl_s: float | None, tags: tuple[str, ...] = ()
+) -> str:
+    """A .creds text for a user `name` signed by a scoped signing key (a fresh user key each
+    time): no permissions of its own, the key's template gives them, bound to the name."""
+    user = Key.new("user")
+    nats_claims: dict[str, Any] = {"issuer_account": account, "type": "user", "version": 2}
+    if tags:
+        nats_claims["tags"] = list(tags)
+    claims: dict[str, Any] = {"sub": user.public, "name": name, "nats": nats_claims}
+    if ttl_s is not None:
+        claims["exp"] = int(time.time() + ttl_s)
+    return credentials(encode_jwt(claims, signing_key), user.seed)
+
+
 @dataclass(frozen=True)
 class WorkerSigner:
     """Mints workers' credentials: holds the account's scoped signing key (what the
@@ -149,15 +194,26 @@ class WorkerSigner:
         """A .creds text for `worker` alone (a fresh user key each time): its JWT names it,
         and the template binds its permissions to that name. `ttl_s`: it expires after."""
         check_worker_id(worker)
-        user = Key.new("user")
-        claims: dict[str, Any] = {
-            "sub": user.public,
-            "name": worker,
-            "nats": {"issuer_account": self.account, "type": "user", "version": 2},
-        }
-        if ttl_s is not None:
-            claims["exp"] = int(time.time() + ttl_s)
-        return credentials(encode_jwt(claims, self.signing_key), user.seed)
+        return _scoped_credentials(self.account, self.signing_key, worker, ttl_s=ttl_s)
+
+
+@dataclass(frozen=True)
+class TeamSigner:
+    """Mints teams' credentials: holds the tenants' scoped signing key (the operator's, kept
+    in a Secret no service reads), which can sign users with the team template's permissions
+    only."""
+
+    account: str
+    """The public key of Ebb's account."""
+    signing_key: Key
+
+    def credentials(self, team: str, *, ttl_s: float | None = None) -> str:
+        """A .creds text for `team`: its JWT names the team (and is tagged TEAM_TAG), and the
+        template binds its permissions to that name. `ttl_s`: it expires after."""
+        check_owner(team)
+        return _scoped_credentials(
+            self.account, self.signing_key, team, ttl_s=ttl_s, tags=(TEAM_TAG,)
+        )
 
 
 @dataclass(frozen=True)
@@ -169,6 +225,7 @@ class Trust:
     system: Key
     account: Key
     worker_signing_key: Key
+    tenant_signing_key: Key
 
     @classmethod
     def new(cls, prefix: str) -> Trust:
@@ -178,10 +235,14 @@ class Trust:
             system=Key.new("account"),
             account=Key.new("account"),
             worker_signing_key=Key.new("account"),
+            tenant_signing_key=Key.new("account"),
         )
 
     def worker_signer(self) -> WorkerSigner:
         return WorkerSigner(account=self.account.public, signing_key=self.worker_signing_key)
+
+    def team_signer(self) -> TeamSigner:
+        return TeamSigner(account=self.account.public, signing_key=self.tenant_signing_key)
 
     def role_credentials(self, role: Role) -> str:
         """A .creds text for one of Ebb's roles (the worker role has none: see
@@ -224,14 +285,22 @@ class Trust:
             },
             self.operator,
         )
-        template = worker_template(self.prefix)
-        scope = {
-            "kind": "user_scope",
-            "key": self.worker_signing_key.public,
-            "role": _WORKER_ROLE,
-            "template": {**_permission_claims(template), **_UNLIMITED},
-            "description": "one worker: only its own subjects",
-        }
+        scopes = [
+            {
+                "kind": "user_scope",
+                "key": self.worker_signing_key.public,
+                "role": _WORKER_ROLE,
+                "template": {**_permission_claims(worker_template(self.prefix)), **_UNLIMITED},
+                "description": "one worker: only its own subjects",
+            },
+            {
+                "kind": "user_scope",
+                "key": self.tenant_signing_key.public,
+                "role": _TEAM_ROLE,
+                "template": {**_permission_claims(team_template(self.prefix)), **_UNLIMITED},
+                "description": "one team: only its own jobs",
+            },
+        ]
         jetstream = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
         account = encode_jwt(
             {
@@ -239,7 +308,7 @@ class Trust:
                 "name": self.prefix,
                 "nats": {
                     "limits": {**limits, **jetstream},
-                    "signing_keys": [scope],
+                    "signing_keys": scopes,
                     "type": "account",
                     "version": 2,
                 },
@@ -255,91 +324,3 @@ class Trust:
             f"  {self.account.public}: {account}\n"
             "}\n"
         )
-
-
-SERVER_SECRET = "nats-auth"  # noqa: S105 - a Secret's name
-"""The Secret (after the prefix) with nats-server's operator and accounts: `auth.conf`."""
-SERVER_SECRET_KEY = "auth.conf"  # noqa: S105 - a key's name
-SIGNER_SECRET = "nats-worker-signer"  # noqa: S105 - a Secret's name
-"""The Secret (after the prefix) with the key that signs workers' credentials: only the
-controller reads it."""
-CREDS_KEY = "creds"
-"""The key of a role's Secret (`<prefix>-nats-<role>`) that holds its .creds text."""
-_SECRET_ROLES: tuple[Role, ...] = ("master", "controller", "client", "gateway")
-
-
-def kubernetes_secrets(
-    trust: Trust, *, namespace: str, name_prefix: str = "ebb"
-) -> list[dict[str, Any]]:
-    """The Secrets of one installation on Kubernetes, from `trust`:
-
-    - `<name_prefix>-nats-auth`: `auth.conf`, which nats-server's configuration includes
-      (operator, system account, Ebb's account with the workers' scoped signing key);
-    - `<name_prefix>-nats-{master,controller,client,gateway}`: `creds`, each role's
-      credentials;
-    - `<name_prefix>-nats-worker-signer`: `signing_key` (a seed) and `account` (a public key),
-      with which the controller mints each worker pod a credential of its own.
-    """
-
-    def secret(name: str, data: dict[str, str]) -> dict[str, Any]:
-        return {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": f"{name_prefix}-{name}",
-                "namespace": namespace,
-                "labels": {"app.kubernetes.io/part-of": "ebb"},
-            },
-            "type": "Opaque",
-            "stringData": data,
-        }
-
-    return [
-        secret(SERVER_SECRET, {SERVER_SECRET_KEY: trust.server_config()}),
-        *(
-            secret(f"nats-{role}", {CREDS_KEY: trust.role_credentials(role)})
-            for role in _SECRET_ROLES
-        ),
-        secret(
-            SIGNER_SECRET,
-            {"signing_key": trust.worker_signing_key.seed, "account": trust.account.public},
-        ),
-    ]
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m ebb.common.messaging.identity",
-        description="Make the NATS keys of a new Ebb installation (an operator, its accounts, "
-        "each role's credentials and the key that signs workers' credentials) and print them.",
-    )
-    commands = p.add_subparsers(dest="command", required=True)
-    k8s = commands.add_parser(
-        "k8s",
-        help="as Kubernetes Secrets, for `kubectl create -f -` (create, never apply: "
-        "running it again makes new keys, which would lock out running pods)",
-    )
-    k8s.add_argument("--namespace", default="ebb")
-    k8s.add_argument("--prefix", default="ebb", help="Ebb's subject prefix (EBB_PREFIX)")
-    k8s.add_argument("--name-prefix", default="ebb", help="what the Secrets' names start with")
-    args = p.parse_args(argv)
-    trust = Trust.new(args.prefix)
-    secrets = kubernetes_secrets(trust, namespace=args.namespace, name_prefix=args.name_prefix)
-    text = yaml.dump_all(secrets, Dumper=_BlockDumper, sort_keys=False, explicit_start=True)
-    print(text, end="")
-
-
-class _BlockDumper(yaml.SafeDumper):
-    """Multi-line strings (a .creds text, a configuration) as YAML block literals, readable."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_BlockDumper.add_representer(str, _represent_str)
-
-
-if __name__ == "__main__":
-    main()

@@ -223,6 +223,9 @@ class JobStatus(Message):
     name: str
     state: JobState
     reason: str = ""
+    owner: str = ""
+    """The team whose job it is (the subject it was submitted on named it); "" for a job
+    submitted without an owner."""
     priority: int = 0
     shards_total: int = 0
     shards: dict[str, int] = field(default_factory=dict)
@@ -442,11 +445,15 @@ class ResumeReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class JobEvent(Message):
-    """Published on `<prefix>.jobs.<job>.events`: a hint to look, never the source of truth."""
+    """Published on `<prefix>.jobs.<job>.events` (an owned job's: `.<owner>` after it, where
+    only that owner and the roles that see every job hear it): a hint to look, never the
+    source of truth."""
 
     KIND: ClassVar[str] = "job_event"
     job: str
     kind: Literal["accepted", "rejected", "progress", "state"]
+    owner: str = ""
+    """The job's owner, whose subject it is published on; "" for a job without one."""
     state: str = ""
     reason: str = ""
     shards_done: int = 0

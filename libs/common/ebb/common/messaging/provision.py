@@ -3,6 +3,8 @@ key-value buckets."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
@@ -20,7 +22,8 @@ async def ensure_jetstream(
     may go down, for an upgrade or for good, without losing or stopping anything)."""
     stream = StreamConfig(
         name=subjects.jobs_stream,
-        subjects=[subjects.submit],
+        # Jobs without an owner, and each owner's on a subject naming it.
+        subjects=[subjects.submit, subjects.owners_submit],
         storage=StorageType.FILE,
         # A submitted job is work to do exactly once: acked messages are removed.
         retention=RetentionPolicy.WORK_QUEUE,
@@ -34,9 +37,16 @@ async def ensure_jetstream(
         num_replicas=replicas,
     )
     try:
-        await js.stream_info(subjects.jobs_stream)
+        info = await js.stream_info(subjects.jobs_stream)
     except nats.js.errors.NotFoundError:
         await js.add_stream(stream)
+    else:
+        had = list(info.config.subjects or [])
+        missing = [s for s in stream.subjects or [] if s not in had]
+        if missing:
+            # Made by a version before owners' subjects: it takes them from now on, its
+            # messages kept (only the subjects change).
+            await js.update_stream(replace(info.config, subjects=[*had, *missing]))
     for bucket, ttl in (
         (subjects.jobs_bucket, None),
         (subjects.shards_bucket, None),

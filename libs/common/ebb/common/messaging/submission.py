@@ -49,24 +49,26 @@ async def submit_job(
     *,
     accept_timeout_s: float = 120.0,
     replace_output_of: str = "",
+    owner: str = "",
 ) -> str:
     """Publish the job and wait until the master has accepted (planned and persisted) it.
 
     Raises SubmitError with the master's reason if it refuses the job, and SubmitPending
     if no master accepted it within `accept_timeout_s`: it is queued, and runs once one
     does (a master that restarts takes it up at once). `replace_output_of`: the job whose
-    output in the spec's root this one replaces (REPLACE_OUTPUT_HEADER).
+    output in the spec's root this one replaces (REPLACE_OUTPUT_HEADER). `owner`: the team
+    whose job it is, submitted on its subject (`Subjects.owner_submit`); "": no owner's.
     """
     subjects = Subjects(config.prefix)
     spec = spec.with_id()
-    headers = {"Nats-Msg-Id": spec.id}
+    headers = {"Nats-Msg-Id": message_id(spec.id, owner)}
     if replace_output_of:
         headers[REPLACE_OUTPUT_HEADER] = replace_output_of
-    events = await nc.subscribe(subjects.events(spec.id))
+    events = await nc.subscribe(subjects.events(spec.id, owner))
     try:
         try:
             ack = await nc.jetstream().publish(
-                subjects.submit,
+                subjects.owner_submit(owner) if owner else subjects.submit,
                 schema.pack(spec),
                 headers=headers,
                 stream=subjects.jobs_stream,
@@ -78,7 +80,7 @@ async def submit_job(
                 f"{subjects.jobs_stream} (is a shard master running there, with "
                 f"prefix {config.prefix!r}?)"
             ) from None
-        probe = MasterClient(nc, config, backoff=Backoff(attempts=1))
+        probe = MasterClient(nc, config, backoff=Backoff(attempts=1), owner=owner)
         if ack.duplicate:
             # Submitted before: no new event is coming, but the status answers at once.
             with contextlib.suppress(RemoteError, BusError):
@@ -88,6 +90,22 @@ async def submit_job(
     finally:
         with contextlib.suppress(nats.errors.Error):
             await events.unsubscribe()
+
+
+def message_id(job_id: str, owner: str = "") -> str:
+    """A submission's `Nats-Msg-Id`: the job id, after its owner's name for an owned job (a
+    dot between: no job id has one), so that the stream's duplicate window repeats no other
+    team's submission of the same id, which the master refuses with the reason instead."""
+    return f"{owner}.{job_id}" if owner else job_id
+
+
+def job_id_of(message_id: str, owner: str = "") -> str:
+    """The job id a submission's `Nats-Msg-Id` names (`message_id`); "" if it names none for
+    this owner."""
+    if not owner:
+        return message_id
+    head, dot, job_id = message_id.partition(".")
+    return job_id if dot and head == owner else ""
 
 
 async def _await_acceptance(
