@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
+import pytest
 from nats.aio.client import Client as NATS
-from nats.js.api import KeyValueConfig
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 
 from ebb.common.messaging import provision
 from ebb.common.messaging.messages import ShardSpec
@@ -97,3 +99,30 @@ async def test_a_job_stored_before_pools_were_placed_reads_as_its_pool_meant_the
     await store.update_job(before, last=revision)
     raw = await (await nc.jetstream().key_value(subjects.jobs_bucket)).get("before")
     assert raw.value is not None and b"offline" not in raw.value
+
+
+async def test_a_jobs_stream_from_before_owners_takes_their_subjects_and_keeps_its_jobs(
+    nc: NATS,
+) -> None:
+    subjects = Subjects("before")
+    js = nc.jetstream()
+    # As the previous version made it: one subject, a submission waiting in it.
+    await js.add_stream(
+        StreamConfig(
+            name=subjects.jobs_stream,
+            subjects=[subjects.submit],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+        )
+    )
+    await js.publish(subjects.submit, b"waiting", headers={"Nats-Msg-Id": "j1"})
+    with pytest.raises(nats.js.errors.NoStreamResponseError):
+        await js.publish(subjects.owner_submit("team-a"), b"nobody takes it", timeout=1)
+    await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0)
+    info = await js.stream_info(subjects.jobs_stream)
+    assert info.config.subjects == [subjects.submit, subjects.owners_submit]
+    assert info.state.messages == 1  # the one waiting, kept
+    ack = await js.publish(subjects.owner_submit("team-a"), b"a team's")
+    assert ack.stream == subjects.jobs_stream and ack.seq == 2
+    await provision.ensure_jetstream(js, subjects, leader_ttl_s=5.0)  # once is enough
+    assert (await js.stream_info(subjects.jobs_stream)).config.subjects == info.config.subjects

@@ -87,7 +87,8 @@ class Controller:
         async def on_event(_msg: Any) -> None:
             self._wake.set()
 
-        subscription = await nc.subscribe(subjects.all_events, cb=on_event)
+        # Every job's events, a team's as well as those without an owner.
+        subscriptions = [await nc.subscribe(s, cb=on_event) for s in subjects.every_event]
         try:
             if self.elector is not None and not await self._lead(self.elector):
                 return  # asked to stop while standing by
@@ -100,8 +101,9 @@ class Controller:
                 sup.spawn("reconciler", self.reconcile_forever())
                 await sup.wait()
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await subscription.unsubscribe()
+            for subscription in subscriptions:
+                with contextlib.suppress(nats.errors.Error):
+                    await subscription.unsubscribe()
             await self.backend.close(grace_s=self.config.shutdown_grace_s)
             if self.elector is not None and self.leading.is_set():
                 await self.elector.release()

@@ -4,7 +4,12 @@ The lease protocol (lease, renew, commit, release) is asked on `<prefix>.master.
 id>`: the subject names the caller, and a lease token is honoured only from the worker it was
 granted to. A lease-protocol op asked on the subject without a worker is answered with where
 to ask instead. The rest (status, cancel, fail, resume, worker_ended, placement) is asked on
-`<prefix>.master.<op>`.
+`<prefix>.master.<op>`, where every job is answered (the admin's client role, the services).
+
+A team asks status, cancel and resume on `<prefix>.master.<op>.<owner>`: its own jobs alone
+are answered, listed and acted on; another owner's job is not found, in the very words of one
+that does not exist. NATS lets a team publish on its own subjects alone; the owner is read
+from the subject, never from the request.
 
 Every answer is counted by op and outcome. A request that finds this master deposed (another
 master writes its state) is refused, and `on_deposed` ends this round of leadership.
@@ -36,7 +41,7 @@ from ebb.common.messaging.messages import (
     StatusRequest,
     WorkerEndedRequest,
 )
-from ebb.common.messaging.subjects import WORKER_ID_RE, WORKER_OPS, Subjects
+from ebb.common.messaging.subjects import OWNER_RE, WORKER_ID_RE, WORKER_OPS, Subjects
 from ebb.common.schema import Message
 
 from . import metrics
@@ -80,6 +85,15 @@ class MasterRequests:
         for op in WORKER_OPS:
             # The subject without a worker: answered with where to ask instead.
             await server.add(self.subjects.master(op), self._moved(op))
+        await server.add(
+            self.subjects.owner_op("status", "*"), self._handler(StatusRequest, self._owned_status)
+        )
+        await server.add(
+            self.subjects.owner_op("cancel", "*"), self._handler(CancelRequest, self._owned_cancel)
+        )
+        await server.add(
+            self.subjects.owner_op("resume", "*"), self._handler(ResumeRequest, self._owned_resume)
+        )
         await server.add(self.subjects.master("status"), self._handler(StatusRequest, self._status))
         await server.add(self.subjects.master("cancel"), self._handler(CancelRequest, self._cancel))
         await server.add(self.subjects.master("fail"), self._handler(FailRequest, self._fail))
@@ -173,6 +187,17 @@ class MasterRequests:
     async def _resume(self, r: ResumeRequest, subject: str) -> Message:
         return await self.table.lifecycle.resume(r.job, key=r.key)
 
+    # -- an owner's own jobs: the owner is the subject's last token -------------------------
+
+    async def _owned_status(self, r: StatusRequest, subject: str) -> Message:
+        return self.table.status(r, owner=_owner(subject))
+
+    async def _owned_cancel(self, r: CancelRequest, subject: str) -> Message:
+        return await self.table.lifecycle.cancel(r.job, r.reason, owner=_owner(subject))
+
+    async def _owned_resume(self, r: ResumeRequest, subject: str) -> Message:
+        return await self.table.lifecycle.resume(r.job, key=r.key, owner=_owner(subject))
+
     async def _worker_ended(self, r: WorkerEndedRequest, subject: str) -> Message:
         return await self.table.reaper.worker_ended(
             r.job, r.worker, kind=r.kind, blame=r.blame, reason=r.reason
@@ -185,6 +210,14 @@ class MasterRequests:
         if not job.ended:
             job.wait_for_placement(r.tier, r.reason)
         return PlacementReply()
+
+
+def _owner(subject: str) -> str:
+    """The owner an owner's subject names (its last token)."""
+    owner = subject.rsplit(".", 1)[-1]
+    if not OWNER_RE.fullmatch(owner):
+        raise BadRequest(f"bad owner {owner!r} in subject {subject}")
+    return owner
 
 
 def _caller(subject: str) -> str:

@@ -284,6 +284,9 @@ class ShardMaster:
         while True:
             event = await self._events.get()
             try:
-                await nc.publish(self.subjects.events(event.job), schema.encode(event))
+                # An owned job's events where only its owner (and those who see every job)
+                # may listen.
+                subject = self.subjects.events(event.job, event.owner)
+                await nc.publish(subject, schema.encode(event))
             except nats.errors.Error as e:
                 log.debug("could not publish event: %s", e)

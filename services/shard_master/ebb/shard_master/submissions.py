@@ -26,7 +26,7 @@ from ebb.common.aio import sleep_or_stop
 from ebb.common.errors import SchemaError, SpecError
 from ebb.common.job import JOB_ID_RE, JobSpec, check_roots, parse_job
 from ebb.common.messaging.subjects import Subjects
-from ebb.common.messaging.submission import REPLACE_OUTPUT_HEADER
+from ebb.common.messaging.submission import REPLACE_OUTPUT_HEADER, job_id_of
 
 from . import metrics
 from .errors import Deposed, PlanningError
@@ -69,6 +69,8 @@ class Submissions:
             durable=_INTAKE_CONSUMER,
             stream=self.subjects.jobs_stream,
             config=ConsumerConfig(
+                # Jobs without an owner, and every owner's.
+                filter_subjects=[self.subjects.submit, self.subjects.owners_submit],
                 ack_policy=AckPolicy.EXPLICIT,
                 ack_wait=120.0,
                 # A message that keeps failing without being acked or terminated (a crash
@@ -100,9 +102,18 @@ class Submissions:
 
     async def _take_job(self, msg: Msg) -> None:
         table = self.table
-        claimed_id = _claimed_job_id(msg)
         try:
-            spec = _decode_job(msg)
+            owner = self.subjects.submission_owner(msg.subject)
+        except ValueError as e:
+            # Not a subject the stream takes (nor could a team publish on it): no owner to
+            # tell, nobody to answer.
+            metrics.INVALID_MESSAGES.labels("submit").inc()
+            log.warning("a submission on %s dropped: %s", msg.subject, e)
+            await msg.term()
+            return
+        claimed_id = _claimed_job_id(msg, owner)
+        try:
+            spec = _decode_job(msg, owner)
             replace_output_of = _replace_output_of(msg)
             check_roots(spec, self.data_roots)
             _check_tracking(spec)
@@ -113,14 +124,16 @@ class Submissions:
             reason = str(e) if isinstance(e, SchemaError) else f"{type(e).__name__}: {e}"
             log.warning("job %s rejected: %s", claimed_id or "<no id>", reason)
             if claimed_id:
-                table.intake.reject(claimed_id, reason)
+                table.intake.reject(claimed_id, reason, owner=owner)
             await msg.term()
             return
         try:
-            accepted = await table.intake.submit(spec, replace_output_of=replace_output_of)
+            accepted = await table.intake.submit(
+                spec, replace_output_of=replace_output_of, owner=owner
+            )
         except PlanningError as e:
             log.warning("job %s rejected: %s", spec.id, e)
-            table.intake.reject(spec.id, str(e))
+            table.intake.reject(spec.id, str(e), owner=owner)
             await msg.term()
             return
         except Deposed:
@@ -131,7 +144,7 @@ class Submissions:
             if delivered >= _MAX_SUBMIT_DELIVERIES:
                 log.exception("job %s: giving up after %d tries", spec.id, delivered)
                 await table.intake.abandon(
-                    spec.id, f"could not be planned after {delivered} tries: {e}"
+                    spec.id, f"could not be planned after {delivered} tries: {e}", owner=owner
                 )
                 await msg.term()
             else:
@@ -143,7 +156,7 @@ class Submissions:
         await msg.ack()
 
 
-def _decode_job(msg: Msg) -> JobSpec:
+def _decode_job(msg: Msg, owner: str) -> JobSpec:
     headers = msg.headers or {}
     if headers.get("Content-Type", "").startswith("application/json"):
         try:
@@ -158,7 +171,7 @@ def _decode_job(msg: Msg) -> JobSpec:
     schema.check_version(body)
     spec = parse_job(body)
     if not spec.id:
-        claimed = headers.get("Nats-Msg-Id", "")
+        claimed = job_id_of(headers.get("Nats-Msg-Id", ""), owner)
         spec = parse_job({**spec.to_dict(), "id": claimed}) if claimed else spec.with_id()
     return spec
 
@@ -181,9 +194,10 @@ def _replace_output_of(msg: Msg) -> str:
     return named
 
 
-def _claimed_job_id(msg: Msg) -> str:
-    """The job id a message claims, if one can be read at all: for rejection notices."""
-    candidates: list[Any] = [(msg.headers or {}).get("Nats-Msg-Id")]
+def _claimed_job_id(msg: Msg, owner: str) -> str:
+    """The job id a message of `owner`'s claims, if one can be read at all: for rejection
+    notices."""
+    candidates: list[Any] = [job_id_of((msg.headers or {}).get("Nats-Msg-Id", ""), owner)]
     try:
         body = schema.unpack(msg.data)
         candidates.insert(0, body.get("id"))

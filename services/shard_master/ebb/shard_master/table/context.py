@@ -12,7 +12,7 @@ from ebb.common.messaging.messages import JobEvent
 
 from .. import metrics
 from ..errors import JobNotFound
-from .jobs import Job
+from .jobs import Job, visible
 from .records import RecordStore, ShardRecord
 from .status import EventKind, job_event
 from .transitions import JOB_STATES
@@ -37,9 +37,11 @@ class TableContext:
     lease_grace_s: float
     """A lease this master finds in a record lives this long past the deadline it had."""
 
-    def find(self, job_id: str) -> Job:
+    def find(self, job_id: str, *, owner: str | None = None) -> Job:
+        """The job `job_id`, if `owner` may see it (`jobs.visible`): another owner's job is
+        not found, in the very words of one that does not exist."""
         job = self.jobs.get(job_id)
-        if job is None:
+        if job is None or not visible(job, owner):
             raise JobNotFound(f"no job {job_id!r}")
         return job
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from ebb.common.data.layout import OutputOwner
@@ -45,30 +44,36 @@ REASON_CHARS = 512
 below NATS's largest message (1 MiB) in the status reply that carries them."""
 
 
-class RejectionLog(Mapping[str, str]):
-    """Refused submissions by job id, oldest first, and why each was refused: the newest
-    REJECTIONS_KEPT, each reason cut to REASON_CHARS (a reason may quote the spec, and every
-    unpaged `status` reply carries them all)."""
+class RejectionLog:
+    """Refused submissions by owner and job id, oldest first, and why each was refused: the
+    newest REJECTIONS_KEPT, each reason cut to REASON_CHARS (a reason may quote the spec, and
+    every unpaged `status` reply carries them all). An owner sees its own alone (`seen_by`):
+    a reason may quote its spec."""
 
     def __init__(self) -> None:
-        self._reasons: OrderedDict[str, str] = OrderedDict()
+        self._reasons: OrderedDict[tuple[str, str], str] = OrderedDict()
 
-    def add(self, job_id: str, reason: str) -> str:
+    def add(self, job_id: str, reason: str, *, owner: str = "") -> str:
         """Remember a refusal; returns the reason as kept."""
         if len(reason) > REASON_CHARS:  # the middle goes: a quoted value, most likely
             half = REASON_CHARS // 2
             reason = reason[: half - 1] + "…" + reason[-half:]
-        self._reasons.pop(job_id, None)  # refused again: the newest again
-        self._reasons[job_id] = reason
+        key = (owner, job_id)
+        self._reasons.pop(key, None)  # refused again: the newest again
+        self._reasons[key] = reason
         while len(self._reasons) > REJECTIONS_KEPT:
             self._reasons.popitem(last=False)
         return reason
 
-    def __getitem__(self, job_id: str) -> str:
-        return self._reasons[job_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._reasons)
+    def seen_by(self, owner: str | None) -> dict[str, str]:
+        """The refusals `owner` may see, by job id, oldest first: its own; None: everyone's
+        (one id refused for two owners: the newest)."""
+        seen: dict[str, str] = {}
+        for (whose, job_id), reason in self._reasons.items():
+            if owner is None or whose == owner:
+                seen.pop(job_id, None)
+                seen[job_id] = reason
+        return seen
 
     def __len__(self) -> int:
         return len(self._reasons)
@@ -87,27 +92,32 @@ class JobIntake:
         self._lifecycle = lifecycle
         self.rejected = RejectionLog()
 
-    def reject(self, job_id: str, reason: str) -> None:
-        """Remember a refused submission for a while, so `status` can say why."""
-        reason = self.rejected.add(job_id, reason)
-        self._context.emit(JobEvent(job=job_id, kind="rejected", reason=reason))
+    def reject(self, job_id: str, reason: str, *, owner: str = "") -> None:
+        """Remember a refused submission of `owner`'s for a while, so `status` can say why
+        (to that owner, and to those who see every job)."""
+        reason = self.rejected.add(job_id, reason, owner=owner)
+        self._context.emit(JobEvent(job=job_id, kind="rejected", reason=reason, owner=owner))
 
-    async def abandon(self, job_id: str, reason: str) -> None:
+    async def abandon(self, job_id: str, reason: str, *, owner: str = "") -> None:
         """A submission that could not be completed: a job left SUBMITTED is marked FAILED."""
         job = self._context.jobs.get(job_id)
-        if job is None:
-            self.reject(job_id, reason)
+        if job is None or job.record.owner != owner:
+            self.reject(job_id, reason, owner=owner)
             return
         async with job.lock:
             if job.state == "SUBMITTED":
                 await self._lifecycle.end(job, "FAILED", reason)
 
-    async def submit(self, spec: JobSpec, *, replace_output_of: str = "") -> bool:
-        """Plan and persist a validated job. False if it was known already (a resubmission).
-        `replace_output_of`: a job whose output in the spec's root is removed (it must have
-        ended FAILED or CANCELLED, and own the root still) for this one to compute anew."""
+    async def submit(self, spec: JobSpec, *, replace_output_of: str = "", owner: str = "") -> bool:
+        """Plan and persist a validated job of `owner`'s ("": of no owner). False if it was
+        known already (a resubmission). `replace_output_of`: a job whose output in the spec's
+        root is removed (it must have ended FAILED or CANCELLED, and own the root still) for
+        this one to compute anew. An id that is another owner's job's is refused: a job is
+        never taken over, nor completed, by another's submission."""
         jobs, store = self._context.jobs, self._context.store
         job = jobs.get(spec.id)
+        if job is not None and job.record.owner != owner:
+            raise PlanningError(f"job id {spec.id!r} is taken: submit the job under another id")
         if job is not None and job.state != "SUBMITTED":
             return False
         # Plan before writing anything: input that cannot be planned is refused with no trace.
@@ -141,7 +151,7 @@ class JobIntake:
             # The spec workers get says how to type each column: every shard alike.
             spec = replace(spec, input=replace(spec.input, column_types=plan.column_types))
         # The output root becomes this job's, atomically: no other job can write into it.
-        await self._claim_output(submitted, replace_output_of=replace_output_of)
+        await self._claim_output(submitted, replace_output_of=replace_output_of, submitter=owner)
         if job is None:
             submitted_at = self._context.wall_clock()
             advice = few_shards_advice(
@@ -153,6 +163,7 @@ class JobIntake:
             record = JobRecord(
                 id=spec.id,
                 spec=spec.to_dict(),
+                owner=owner,
                 submitted_at=submitted_at,
                 pools_placed=True,
                 advice=advice,
@@ -163,6 +174,10 @@ class JobIntake:
                 if found is None:
                     raise BadRequest(f"job {spec.id} vanished during submission")
                 record, revision = found
+                if record.owner != owner:
+                    raise PlanningError(
+                        f"job id {spec.id!r} is taken: submit the job under another id"
+                    )
                 if record.state != "SUBMITTED":
                     return False
             job = Job(record, revision, spec)
@@ -185,17 +200,26 @@ class JobIntake:
         self._context.event(job, "accepted")
         return True
 
-    async def _claim_output(self, spec: JobSpec, *, replace_output_of: str = "") -> None:
+    async def _claim_output(
+        self, spec: JobSpec, *, replace_output_of: str = "", submitter: str = ""
+    ) -> None:
         """Make the spec's output root this job's, or raise OutputTaken saying whose it is
         and what the user can do. A job that carries on in its own root (a resume on a new
         stack: the same id) must compute the rows it committed there. A job told to replace
         another's output (`replace_output_of`) removes it, if that job ended FAILED or
-        CANCELLED."""
+        CANCELLED. `submitter`: the team submitting ("": none), told whose a root is only
+        if it is one of its own jobs."""
         uri = spec.output.uri
         fields = spec.output_fields()
         output = self._context.open_output(uri)
         try:
             owner, taken_from = await asyncio.to_thread(output.claim, spec.id, fields=fields)
+            if owner.job != spec.id and not self._seen_by(owner.job, submitter):
+                # Another team's job (or one this master cannot tell is the team's): its id,
+                # state and progress are not this team's to read.
+                raise OutputTaken(
+                    f"{uri} holds the output of another owner's job: choose another output.uri"
+                )
             if owner.job != spec.id and replace_output_of:
                 view = await self._owner_view(owner, output)
                 refusal = replace_refusal(uri, view, replace_output_of)
@@ -245,6 +269,14 @@ class JobIntake:
                 await asyncio.to_thread(output.reclaim, spec.id)
         except (NotADirectoryError, IsADirectoryError, PermissionError) as e:
             raise OutputTaken(f"cannot write to {uri}: {e}") from e
+
+    def _seen_by(self, job_id: str, submitter: str) -> bool:
+        """Whether `submitter` may be told of the job `job_id` (that owns a root): a team, of
+        its own jobs this master knows; the admin ("", no owner), of any."""
+        if not submitter:
+            return True
+        job = self._context.jobs.get(job_id)
+        return job is not None and job.record.owner == submitter
 
     async def _owner_view(self, owner: OutputOwner, output: OutputStore) -> OwnerView:
         """The job that owns a root, as this master knows it, or else as the root tells."""

@@ -123,6 +123,12 @@ class Tier:
         return statistics.median(self.durations) if self.durations else 0.0
 
 
+def visible(job: Job, owner: str | None) -> bool:
+    """Whether the job is one `owner` may see: every job for None (the subjects without an
+    owner: the admin, the services), else its own jobs alone."""
+    return owner is None or job.record.owner == owner
+
+
 class Job:
     def __init__(self, record: JobRecord, revision: int, spec: JobSpec) -> None:
         self.record = record

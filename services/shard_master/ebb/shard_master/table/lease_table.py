@@ -151,12 +151,15 @@ class LeaseTable:
     def running_jobs(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state == "RUNNING"]
 
-    def status(self, request: StatusRequest) -> StatusReply:
+    def status(self, request: StatusRequest, *, owner: str | None = None) -> StatusReply:
+        """The status `request` asks, as `owner` (a team) may see it: its own jobs and
+        refusals alone; None: everyone's."""
         return status_reply(
             self.jobs,
-            self.intake.rejected,
+            self.intake.rejected.seen_by(owner),
             request,
             now=self.context.clock(),
+            owner=owner,
             halves=self._split_halves,
             min_halve_gain_s=self._speculate_after_s,
         )

@@ -26,7 +26,7 @@ from ..errors import Deposed, JobNotFound, NotResumable
 from . import jobmetrics
 from .context import TableContext
 from .finish import failure_reason, write_manifest
-from .jobs import Job
+from .jobs import Job, visible
 from .moves import load_with_successors
 from .records import JobRecord, ShardRecord
 from .tracking import PENDING
@@ -157,11 +157,12 @@ class JobLifecycle:
             log.info("job %s committed nothing: %s is free for another job", job.id, uri)
 
     async def cancel(
-        self, job_id: str, reason: str, *, state: JobState = "CANCELLED"
+        self, job_id: str, reason: str, *, state: JobState = "CANCELLED", owner: str | None = None
     ) -> CancelReply:
         """End a job that has not ended: CANCELLED (a user's wish) or FAILED (the controller
-        found it cannot run). Its leases are void from now on."""
-        job = self._context.find(job_id)
+        found it cannot run). Its leases are void from now on. `owner`: the team asking,
+        whose own jobs alone it finds (None: any job)."""
+        job = self._context.find(job_id, owner=owner)
         async with job.lock:
             if not job.ended:
                 await self.end(job, state, reason)
@@ -169,7 +170,7 @@ class JobLifecycle:
 
     # -- a second run ----------------------------------------------------------------------
 
-    async def resume(self, job_id: str, *, key: str = "") -> ResumeReply:
+    async def resume(self, job_id: str, *, key: str = "", owner: str | None = None) -> ResumeReply:
         """Re-open a FAILED or CANCELLED job: its DONE shards stay done (their output is
         never redone); every other shard, QUARANTINED ones included, is queued again with
         its failures forgotten (a fresh max_attempts). The job is RUNNING once more.
@@ -185,9 +186,12 @@ class JobLifecycle:
         Idempotent under `key`: the job's record keeps the key of the request that resumed
         it, so a retry of that request (its reply lost, or the master replaced before it
         could answer) is told what happened instead of being refused as a running job's.
+
+        `owner`: the team asking, which finds its own jobs alone; another's is not found, in
+        the words of one never submitted (None: any job).
         """
         job = self._context.jobs.get(job_id)
-        if job is None:
+        if job is None or not visible(job, owner):
             raise JobNotFound(
                 f"no job {job_id!r} (never submitted here, or forgotten: a job that ended "
                 "leaves the master job_retention_s after; its output is still there)"

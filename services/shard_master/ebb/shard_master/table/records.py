@@ -102,6 +102,10 @@ class JobRecord:
     id: str
     spec: dict[str, Any]
     state: JobState = "SUBMITTED"
+    owner: str = ""
+    """The team whose job it is: the subject it was submitted on named it (never the
+    message, which anyone can write). "" for a job submitted without an owner (the admin's
+    client role), and for every record written before jobs had owners."""
     reason: str = ""
     shards_total: int = 0
     rows_total: int = 0

@@ -18,7 +18,7 @@ from ebb.common.messaging.messages import (
 
 from ..errors import BadRequest, JobNotFound
 from . import jobmetrics
-from .jobs import Job, Tier
+from .jobs import Job, Tier, visible
 from .tail import workers_usable
 
 EventKind = Literal["accepted", "rejected", "progress", "state"]
@@ -33,18 +33,21 @@ def status_reply(
     request: StatusRequest,
     *,
     now: float,
+    owner: str | None = None,
     halves: bool = True,
     min_halve_gain_s: float = 5.0,
 ) -> StatusReply:
     """One job (`request.job`), or a page of them in id order; `rejected`: refused
-    submissions by id. `now` is the master's monotonic clock; `halves`, `min_halve_gain_s`:
-    how the liquid tail cuts rests for idle workers (`tail.workers_usable`)."""
+    submissions by id (those `owner` may see). `owner`: the team asking, which sees its own
+    jobs alone (another's is not found, as one that does not exist); None: every job. `now`
+    is the master's monotonic clock; `halves`, `min_halve_gain_s`: how the liquid tail cuts
+    rests for idle workers (`tail.workers_usable`)."""
     job_id, limit, after = request.job, request.limit, request.after
     if limit < 0:
         raise BadRequest(f"limit must be 0 (the page size) or more, not {limit}")
     if job_id:
         job = jobs.get(job_id)
-        if job is None:
+        if job is None or not visible(job, owner):
             if job_id in rejected:
                 return StatusReply(jobs=[], rejected={job_id: rejected[job_id]})
             raise JobNotFound(f"no job {job_id!r}")
@@ -53,7 +56,7 @@ def status_reply(
     else:
         # A page at a time, in id order: every job in one reply would outgrow NATS's
         # largest message once a few thousand jobs are kept.
-        ids = sorted(i for i in jobs if i > after)
+        ids = sorted(i for i in jobs if i > after and visible(jobs[i], owner))
         listed = [jobs[i] for i in ids if not (request.active_only and jobs[i].ended)]
         chosen, more = listed[: limit or STATUS_PAGE], listed[limit or STATUS_PAGE :]
     return StatusReply(
@@ -116,6 +119,7 @@ def describe(
         name=job.spec.name,
         state=record.state,
         reason=record.reason,
+        owner=record.owner,
         priority=job.spec.priority,
         shards_total=job.shards_total,
         shards=shards,
@@ -210,6 +214,7 @@ def job_event(job: Job, kind: EventKind) -> JobEvent:
     return JobEvent(
         job=job.id,
         kind=kind,
+        owner=job.record.owner,
         state=job.state,
         reason=job.record.reason,
         shards_done=job.counts["DONE"],
