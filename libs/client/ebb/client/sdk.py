@@ -3,6 +3,11 @@
 async with await EbbClient.connect(NatsConfig(url="nats://ebb-nats:4222")) as ebb:
     job_id = await ebb.submit(load_job_file("job.yaml"))
     final = await ebb.wait(job_id)
+
+Connected with a team's credential (ebb.common.messaging.identity.TeamSigner: its JWT names
+the team and is tagged so), the client is that team's: it submits its jobs under the team
+and asks of them on the team's subjects, where the master answers of the team's own jobs
+alone. With any other credential it is the admin's client role, which sees every job.
 """
 
 from __future__ import annotations
@@ -40,7 +45,11 @@ class EbbClient:
         self.nc = nc
         self.config = config
         self.subjects = Subjects(config.prefix)
-        self.master = MasterClient(nc, config, backoff=Backoff(first_s=0.2, max_s=2.0, attempts=8))
+        self.owner = bus.connection_owner(config)
+        """The team this client is ("": the admin's client role, or no auth at all)."""
+        self.master = MasterClient(
+            nc, config, backoff=Backoff(first_s=0.2, max_s=2.0, attempts=8), owner=self.owner
+        )
 
     @classmethod
     async def connect(cls, config: NatsConfig) -> EbbClient:
@@ -80,6 +89,7 @@ class EbbClient:
             spec,
             accept_timeout_s=accept_timeout_s,
             replace_output_of=replace_output_of,
+            owner=self.owner,
         )
 
     async def status(self, job: str = "") -> StatusReply:
@@ -111,7 +121,12 @@ class EbbClient:
         async def on_event(_msg: object) -> None:
             woken.set()
 
-        events = await self.nc.subscribe(self.subjects.events(job), cb=on_event)
+        # A team hears its own job's events; the admin, whoever's job it is.
+        owners = [self.owner] if self.owner else ["", "*"]
+        subscriptions = [
+            await self.nc.subscribe(self.subjects.events(job, owner), cb=on_event)
+            for owner in owners
+        ]
         try:
             while True:
                 status = await self.master.job(job)
@@ -122,5 +137,6 @@ class EbbClient:
                 woken.clear()
                 await wait_any([woken], timeout_s=poll_s)
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await events.unsubscribe()
+            for events in subscriptions:
+                with contextlib.suppress(nats.errors.Error):
+                    await events.unsubscribe()

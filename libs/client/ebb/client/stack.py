@@ -128,9 +128,22 @@ class LocalStack:
             inbox_prefix=auth.worker_inbox(self.config.prefix, worker),
         )
 
-    def client_environment(self) -> dict[str, str]:
-        """EBB_* variables with which `ebb submit/status/cancel` reach this stack."""
-        return nats_environment(self.nats_config)
+    def team_nats_config(self, team: str) -> NatsConfig:
+        """How the team `team` connects: with a credential of its own (minted now, with the
+        stack's tenants' key), which submits, reads and acts on its own jobs alone. A stack
+        without auth has no teams."""
+        if self.trust is None:
+            raise StackError("a stack without NATS auth has no teams' identities")
+        return NatsConfig(
+            url=self.nats.url,
+            prefix=self.config.prefix,
+            creds=self.trust.team_signer().credentials(team),
+        )
+
+    def client_environment(self, team: str = "") -> dict[str, str]:
+        """EBB_* variables with which `ebb submit/status/cancel` reach this stack: as its
+        admin (sees every job), or as `team` (its own jobs alone)."""
+        return nats_environment(self.team_nats_config(team) if team else self.nats_config)
 
     @property
     def masters(self) -> list[str]:
