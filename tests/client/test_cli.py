@@ -353,14 +353,18 @@ def test_demo(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def stack_up(tmp_path: Path, prefix: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`ebb up` in `tmp_path` (state in `state/`), up; stopped with Ctrl-C after, cleanly."""
+def stack_up(
+    tmp_path: Path, prefix: str, *more: str
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`ebb up` in `tmp_path` (state in `state/`), up; stopped with Ctrl-C after, cleanly.
+    `more`: its options beside."""
     port = free_port()
     up = subprocess.Popen(
         [
             *EBB,
             *("up", "--port", str(port), "--state-dir", "state", "--prefix", prefix),
             *("--data-root", str(Path(__file__).parent.parent)),
+            *more,
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -418,6 +422,50 @@ def test_up_submit_status_cancel(tmp_path: Path, prefix: str) -> None:
         missing = ebb("status", "no-such-job", *creds, cwd=tmp_path)
         assert missing.returncode == 1 and "no job 'no-such-job'" in missing.stderr
     assert not os.path.exists(tmp_path / "state" / "nats" / "LOCK")
+
+
+def test_up_writes_teams_credentials_each_of_which_sees_its_own_jobs_alone(
+    tmp_path: Path, prefix: str
+) -> None:
+    write_dataset(tmp_path / "data", rows=2_000, row_group_size=1_000)
+    write_model(tmp_path / "model.onnx")
+    stages = [
+        {"modelet": "ebbtest_modelets:Slow", "params": {"seconds_per_batch": 1.0}, "batch_size": 10}
+    ]
+    job_spec(tmp_path, rows_per_shard=1_000, stages=stages)
+    with stack_up(tmp_path, prefix, "--team", "team-a", "--team", "team-b") as (up, _):
+        assert up.stdout is not None
+        told = [up.stdout.readline() for _ in range(3)]
+        teams = tmp_path / "state" / "teams"
+        assert "client.env" in told[0], told
+        for line, team in zip(told[1:], ("team-a", "team-b"), strict=True):
+            assert f"as team {team}" in line and str(teams / f"{team}.env") in line, line
+        a, b = (["--credentials", str(teams / f"{t}.env")] for t in ("team-a", "team-b"))
+        admin = ["--credentials", str(tmp_path / "state" / "client.env")]
+
+        submitted = ebb("submit", "job.yaml", *a, cwd=tmp_path)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.split()[1]
+        mine = ebb("status", job_id, *a, cwd=tmp_path)
+        assert mine.returncode == 0 and "team-a" in mine.stdout, mine.stderr
+        assert job_id in ebb("status", *a, cwd=tmp_path).stdout
+
+        # Team B: no such job, in the words of one that does not exist; nothing listed.
+        for command in (("status", job_id), ("cancel", job_id), ("resume", job_id)):
+            refused = ebb(*command, *b, cwd=tmp_path)
+            assert refused.returncode == 1, refused.stdout
+            assert f"no job '{job_id}'" in refused.stderr and "not_found" in refused.stderr
+        listing = ebb("status", *b, cwd=tmp_path)
+        assert listing.returncode == 0 and job_id not in listing.stdout
+
+        # The admin lists it, with its owner; its team cancels it.
+        everyone = ebb("status", *admin, cwd=tmp_path)
+        assert everyone.returncode == 0 and "owner" in everyone.stdout
+        assert job_id in everyone.stdout and "team-a" in everyone.stdout
+        cancelled = ebb("cancel", job_id, *a, cwd=tmp_path)
+        assert cancelled.returncode == 0 and "CANCELLED" in cancelled.stdout
+    bad = ebb("up", "--team", "a.b", cwd=tmp_path)
+    assert bad.returncode == 2 and "bad owner" in bad.stderr
 
 
 JS_CLIENT = Path(__file__).parent.parent / "js"

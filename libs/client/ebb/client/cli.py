@@ -22,6 +22,7 @@ from ebb.common import envvars
 from ebb.common import log as logsetup
 from ebb.common.errors import BusError, EbbError, RemoteError, SpecError
 from ebb.common.job import reference
+from ebb.common.messaging.subjects import check_owner
 from ebb.common.runner import EXIT_FAILED, EXIT_OK, EXIT_USAGE, run
 
 from .display import console
@@ -121,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the OpenAI Batch API too, with this catalogue and keys (docs/batch-api.md)",
     )
     c.add_argument("--gateway-port", type=int, default=8080)
+    c.add_argument(
+        "--team",
+        action="append",
+        default=[],
+        metavar="NAME",
+        type=_team_name,
+        help="write a team's credentials too (STATE_DIR/teams/NAME.env): its jobs alone, "
+        "as a team's credential on a shared NATS (repeatable)",
+    )
     c.set_defaults(handler=cmd_up)
 
     c = sub.add_parser("submit", help="submit a job to a running stack")
@@ -146,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     remote_options(c)
     c.set_defaults(handler=cmd_resume)
     return p
+
+
+def _team_name(value: str) -> str:
+    try:
+        return check_owner(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 async def cmd_spec(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from ebb.common.runner import EXIT_FAILED, EXIT_OK
 
 from .display import ProgressView, console, out, summarize
 from .remote import replaced_owner
-from .runs import CLIENT_ENV, RUNS_KEPT, RunFolder, runs_home
+from .runs import CLIENT_ENV, RUNS_KEPT, TEAMS_DIR, RunFolder, runs_home
 from .sdk import EbbClient, SubmitError, SubmitPending
 from .stack import LocalStack, StackConfig, StackError
 
@@ -257,6 +257,11 @@ async def cmd_up(args: argparse.Namespace) -> int:
             credentials = write_credentials(stack.config.state_dir / CLIENT_ENV, stack)
             out.print(f"Ebb is up: NATS at {stack.nats.url}; logs in {stack.logs}")
             out.print(f"  ebb submit job.yaml --credentials {credentials}")
+            for team in dict.fromkeys(getattr(args, "team", None) or []):
+                teams = stack.config.state_dir / TEAMS_DIR
+                teams.mkdir(mode=0o700, exist_ok=True)
+                path = write_credentials(teams / f"{team}.env", stack, team=team)
+                out.print(f"  as team {team} (its jobs alone): --credentials {path}")
             if stack.gateway_url is not None:
                 out.print(f"  the OpenAI Batch API at {stack.gateway_url} (OpenAI(base_url=...))")
             out.print("Ctrl-C stops it (unfinished jobs resume at the next `ebb up`).")
@@ -291,9 +296,10 @@ def _stack(
     )
 
 
-def write_credentials(path: Path, stack: LocalStack) -> Path:
-    """The client's connection settings for this stack, readable by its owner only."""
-    environment = stack.client_environment()
+def write_credentials(path: Path, stack: LocalStack, *, team: str = "") -> Path:
+    """The client's connection settings for this stack (the admin's, or `team`'s), readable
+    by its owner only."""
+    environment = stack.client_environment(team)
     creds = environment.pop(envvars.NATS_CREDENTIALS, None)
     if creds is not None:
         # A .creds text spans lines: it goes in a file of its own, named by the variables.

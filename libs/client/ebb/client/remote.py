@@ -167,6 +167,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ("id", status.id),
                 ("name", status.name),
                 ("state", status.state),
+                ("owner", status.owner),
                 ("reason", status.reason),
                 # A job with tiers says it per tier, below.
                 ("waiting", "" if status.tiers else status.waiting),
@@ -191,10 +192,14 @@ async def cmd_status(args: argparse.Namespace) -> int:
             out.print(table)
             return EXIT_OK
         reply = await client.status()
-        table = Table("job", "state", "rows", "errors", "shards done", "submitted")
+        # The owner's column where it tells something: the admin's listing of teams' jobs.
+        owners = any(job.owner for job in reply.jobs)
+        columns = ["job", *(["owner"] if owners else []), "state", "rows", "errors"]
+        table = Table(*columns, "shards done", "submitted")
         for job in sorted(reply.jobs, key=lambda j: j.submitted_at):
             table.add_row(
                 job.id,
+                *([job.owner] if owners else []),
                 job.state,
                 f"{job.rows_done + job.rows_in_flight:,}/{job.rows_total:,}",
                 f"{job.error_rows:,}",

@@ -26,6 +26,9 @@ from ebb.common import envvars
 CLIENT_ENV = "client.env"
 """A stack's client credentials (KEY=VALUE lines) in its state folder: `ebb run` and `ebb up`
 write them, the remote commands read them (`--stack DIR`)."""
+TEAMS_DIR = "teams"
+"""Where `ebb up --team NAME` writes a team's credentials in the state folder (NAME.env, and
+the .creds file it names): what that team's `ebb` commands connect with."""
 RUNS_KEPT = 5
 """Runs whose state is kept, the newest (failed ones, and those run with --keep-state); older
 ones are removed as runs end."""
