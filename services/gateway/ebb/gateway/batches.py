@@ -110,16 +110,20 @@ class BatchRunner:
         """Until `stop` is set: a full pass each `poll_s` (the level-triggered truth:
         whatever was missed, a replica's work, windows that ran out), the batches poked
         between them, and now and then a sweep of expired files."""
-        events = await self.nc.subscribe(Subjects(self.nats.prefix).all_events, cb=self._heard)
+        # Every job's events: batches' jobs are their owners' (those of batches from before
+        # jobs had owners have none).
+        subjects = Subjects(self.nats.prefix).every_event
+        subscriptions = [await self.nc.subscribe(s, cb=self._heard) for s in subjects]
         try:
             await self._passes(stop)
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await events.unsubscribe()
+            for events in subscriptions:
+                with contextlib.suppress(nats.errors.Error):
+                    await events.unsubscribe()
             await self._stop_steps()
 
     async def _heard(self, msg: Any) -> None:
-        job = msg.subject.rsplit(".", 2)[-2]
+        job = Subjects.event_job(msg.subject)
         found = self.active.get(job)
         if found is not None:
             self.poke(found[0], job)

@@ -155,6 +155,11 @@ class BatchRecord:
     """Of the failed, those the batch ended (cancelled, expired) before they ran."""
     job: str | None = None
     """Its Ebb job, once submitted."""
+    job_owned: bool = False
+    """Its job is (to be) submitted under the batch's owner, and asked of on that owner's
+    subjects, where the owner's own NATS identity reads it too. False: a batch that went
+    in_progress before jobs had owners, whose job has none (asked of on the subjects without
+    an owner), until it must be submitted again."""
     output_expires_s: int | None = None
     """How long its output and error files are kept (`output_expires_after`); None: kept
     until deleted."""

@@ -110,6 +110,12 @@ class BatchSteps:
             except (Conflict, RecordsUnavailable, StoreError, BusError) as again:
                 log.warning("batch %s: cannot record its failed step: %s", record.id, again)
 
+    def _master(self, batch: BatchRecord) -> MasterClient:
+        """Whom to ask of the batch's job: the master on its owner's subjects (where the
+        gateway's role may ask for any owner), or, for a job from before jobs had owners, on
+        those without one."""
+        return self.master.for_owner(batch.owner) if batch.job_owned else self.master
+
     async def _step_failed(self, batch: BatchRecord, revision: int, error: Exception) -> None:
         failures = batch.step_failures + 1
         if failures < MAX_STEP_FAILURES:
@@ -123,7 +129,7 @@ class BatchSteps:
         )
         if batch.job is not None:
             with contextlib.suppress(RemoteError, BusError):
-                await self.master.cancel(batch.job, "its batch failed in the gateway")
+                await self._master(batch).cancel(batch.job, "its batch failed in the gateway")
         await self.records.update_batch(
             batch.moved("failed", errors=[*batch.errors, failed], step_failures=failures),
             last=revision,
@@ -205,7 +211,9 @@ class BatchSteps:
             )
             self.poke(batch.owner, batch.id)
             return
-        await self.records.update_batch(counted.moved("in_progress", job=batch.id), last=revision)
+        await self.records.update_batch(
+            counted.moved("in_progress", job=batch.id, job_owned=True), last=revision
+        )
         api = metrics.api_of(batch.endpoint)
         metrics.BATCH_REQUESTS.labels(api, "accepted").inc(found.accepted)
         self.poke(batch.owner, batch.id)  # submit its job at once
@@ -266,9 +274,14 @@ class BatchSteps:
             self.poke(batch.owner, batch.id)
             return
         try:
-            status = await self.master.job(job)
+            status = await self._master(batch).job(job)
         except RemoteError as e:
             if e.code == ErrorCode.NOT_FOUND:
+                if not batch.job_owned:
+                    # A batch from before jobs had owners: its job is submitted (again) under
+                    # its owner, and asked of there from now on.
+                    batch = replace(batch, job_owned=True)
+                    revision = await self.records.update_batch(batch, last=revision)
                 await self._submit(batch, revision)
                 return
             if e.code == ErrorCode.REJECTED:
@@ -286,7 +299,7 @@ class BatchSteps:
             revision = await self.records.update_batch(batch, last=revision)
         if batch.ending and status.state not in TERMINAL_JOB_STATES:
             try:
-                await self.master.cancel(job, f"batch {batch.ending}")
+                await self._master(batch).cancel(job, f"batch {batch.ending}")
             except RemoteError as e:
                 log.info("batch %s: cancel of job %s: %s", batch.id, job, e)
         counted = self._counted(batch, status)
@@ -316,7 +329,7 @@ class BatchSteps:
             output_uri=self.store.url(f"{folder}/output"),
         )
         try:
-            await submit_job(self.nc, self.nats, spec, accept_timeout_s=10.0)
+            await submit_job(self.nc, self.nats, spec, accept_timeout_s=10.0, owner=batch.owner)
         except SubmitPending:
             log.info("batch %s: job %s queued, no master has taken it yet", batch.id, batch.job)
         except SubmitError as e:
@@ -332,7 +345,7 @@ class BatchSteps:
         state, reason = "SUCCEEDED", ""
         if batch.job is not None:
             try:
-                status = await self.master.job(batch.job)
+                status = await self._master(batch).job(batch.job)
                 state, reason = status.state, status.reason
             except RemoteError as e:
                 if e.code != ErrorCode.NOT_FOUND:
