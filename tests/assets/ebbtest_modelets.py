@@ -371,11 +371,23 @@ class KillsItsWorker:
 
 class Placement:
     """Each row -> "pid GPU device": the process, the GPU its environment shows it, and the
-    device Ebb told it (EBB_DEVICE)."""
+    device Ebb told it (EBB_DEVICE). Given a `folder`, each process writes the same, once set
+    up, into a file of its own there: which replica got which GPU, whichever computed rows."""
 
-    def process(self, row: Any) -> Any:
+    def __init__(self, folder: str = "") -> None:
+        self.folder = folder
+
+    def _where(self) -> str:
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
         return f"{os.getpid()} {gpu} {os.environ.get('EBB_DEVICE', '-')}"
+
+    def setup(self) -> None:
+        if self.folder:
+            with open(os.path.join(self.folder, str(os.getpid())), "w") as f:
+                f.write(self._where())
+
+    def process(self, row: Any) -> Any:
+        return self._where()
 
 
 class Weighted:

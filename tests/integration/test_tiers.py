@@ -23,6 +23,7 @@ from ebb.common.data.layout import TIERS_DIR
 from ebb.common.job import parse_job
 from ebb.common.messaging.bus import connect
 from ebb.common.messaging.messages import JobStatus
+from ebb.common.messaging.snapshot import kv_snapshot
 from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.table.records import ShardRecord
 
@@ -168,13 +169,12 @@ async def shard_records(stack: LocalStack, job: str) -> list[ShardRecord]:
     config = stack.nats_config_for("master")
     nc = await connect(config, name="ebb-test-records")
     try:
-        kv = await nc.jetstream().key_value(Subjects(config.prefix).shards_bucket)
-        records = []
-        for key in await kv.keys():
-            if key.startswith(f"{job}."):
-                entry = await kv.get(key)
-                assert entry.value is not None
-                records.append(schema.decode(ShardRecord, entry.value))
+        # As the master reads them: nats.py's `keys()` can end its read early and find none
+        # (nats-io/nats.py#842, seen here under load).
+        entries = await kv_snapshot(
+            nc.jetstream(), Subjects(config.prefix).shards_bucket, f"{job}.*"
+        )
+        records = [schema.decode(ShardRecord, e.value) for e in entries]
     finally:
         await nc.close()
     return sorted(records, key=lambda r: r.spec.index)
