@@ -447,6 +447,37 @@ async def test_a_worker_asking_for_a_next_shard_while_its_own_computes_is_not_id
     assert back.shard is not None and back.shard.index == 1
 
 
+async def test_a_third_shard_goes_to_a_worker_only_while_two_stay_for_each_other_it_may_have(
+    tmp_path: Path,
+) -> None:
+    """A worker whose small shards leave its pipeline short asks for more than two: it gets
+    them while the queue keeps two for each of the tier's other workers (its `max_workers`)
+    that hold none yet, not the shards a worker still loading its models would find."""
+    write_dataset(tmp_path / "data", rows=600, row_group_size=100)
+    write_model(tmp_path / "model.onnx")
+    body = job_spec(tmp_path, rows_per_shard=100, workers=(1, 2))
+    spec = parse_job(body).with_id()
+    table = new_table(MemoryStore(), Clock())
+    assert await table.intake.submit(spec)
+    a = [await table.lease(spec.id, "a") for _ in range(2)]
+    assert all(r.status == "granted" for r in a)
+    # Four queued: two of them kept for a second worker.
+    more = [(await table.lease(spec.id, "a")).status for _ in range(3)]
+    assert more == ["granted", "granted", "wait"]
+    assert (await table.lease(spec.id, "b")).status == "granted"
+    # Every worker the tier may have holds some: the rest to whoever asks.
+    assert (await table.lease(spec.id, "a")).status == "granted"
+    alone = {
+        **body,
+        "resources": {**body["resources"], "max_workers": 1},
+        "output": {**body["output"], "uri": str(tmp_path / "alone")},
+    }
+    one = parse_job(alone).with_id()
+    assert await table.intake.submit(one)
+    held = [await table.lease(one.id, "a") for _ in range(6)]
+    assert [r.status for r in held] == ["granted"] * 6  # no other worker to keep any for
+
+
 async def test_one_shard_for_two_workers_is_cut_in_halves_for_both_each_row_once(
     tmp_path: Path,
 ) -> None:

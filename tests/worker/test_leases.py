@@ -16,6 +16,7 @@ from ebb.worker.leases import (
     LeaseState,
     StopCause,
 )
+from ebb.worker.service import shards_to_hold
 
 HELD, COMMITTED, LOST, RELEASED = LeaseState
 
@@ -213,3 +214,20 @@ def test_the_first_reason_to_stop_is_the_one_kept() -> None:
     active.split(StopCause.DRAIN)
     active.split(StopCause.STRAGGLER)
     assert active.stop.is_set() and active.stop_cause is StopCause.DRAIN
+
+
+@pytest.mark.parametrize(
+    ("least", "pipeline_rows", "shard_rows", "held"),
+    [
+        (2, 1_280, 25_000, 2),  # shards larger than the pipeline: one computing, one read
+        (2, 1_280, 1_000, 3),
+        (2, 1_280, 384, 4),  # a short LLM job's shards: the pipeline's rows and one more
+        (2, 2_816, 256, 4),  # never more than a worker's share of the fleet's shards
+        (1, 2_816, 256, 1),  # no prefetch asked for: none
+        (3, 1_280, 25_000, 3),
+    ],
+)
+def test_a_worker_holds_shards_enough_to_fill_its_pipeline_within_its_share(
+    least: int, pipeline_rows: int, shard_rows: int, held: int
+) -> None:
+    assert shards_to_hold(least=least, pipeline_rows=pipeline_rows, shard_rows=shard_rows) == held

@@ -3,7 +3,8 @@
 Agents (tasks of one supervisor):
 - leaser:  leases shards and runs each in its own task, up to `shards_in_flight` at once, so
            the next shard is leased and read while the current one computes (prefetch),
-           once the models have loaded (before, it would only wait behind the first).
+           once the models have loaded (before, it would only wait behind the first); more
+           where shards are smaller than the pipeline's rows in flight (`shards_to_hold`).
            One shard's attempt is `attempt.run_attempt`; its commit is then reported here.
 - renewer: renews every held lease at about a third of its period, telling the rows done;
            a lease the master refuses (expired, superseded, job over) is lost, and its
@@ -78,7 +79,8 @@ class WorkerConfig:
     tier: str = ""
     """The tier of the job this worker runs (`JobSpec.tiers`); "" for a job without tiers."""
     shards_in_flight: int = 2
-    """Shards held at once: one computing while the next is leased and read."""
+    """Shards held at once: one computing while the next is leased and read; more while
+    shards this small leave the pipeline without rows (`shards_to_hold`). 1: no prefetch."""
     chunk_rows: int = CHUNK_ROWS
     """Rows of a shard read (and in the pipeline) at once: a shard of any size, a Parquet row
     group of a million rows, say, goes through in chunks, its memory bounded."""
@@ -97,6 +99,24 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_worker_id(self.id)
+
+
+MOST_SHARDS = 4
+"""Shards a worker holds at most: the planner sizes a job's shards four to a worker, so
+holding more would take its fleet's share."""
+
+
+def shards_to_hold(*, least: int, pipeline_rows: int, shard_rows: int) -> int:
+    """Shards to hold at once: `least` (two: one computing, the next read ahead), or as many
+    as fill the pipeline's rows in flight (`PipelineConfig.inflight_limit`) and one more
+    where the job's shards are that small, up to MOST_SHARDS. An llm stage keeps its engine
+    fed from the rows it holds: two shards of a 1,536-prompt job (384 rows each) left vLLM
+    short of rows while their longest answers ran, each shard committing only with its last
+    row. `least` 1 (no prefetch) stays 1."""
+    if least < 2:
+        return least
+    filling = -(-pipeline_rows // max(1, shard_rows)) + 1
+    return max(least, min(MOST_SHARDS, filling))
 
 
 class Worker:
@@ -212,7 +232,8 @@ class Worker:
     # -- leasing ---------------------------------------------------------------------------
 
     async def leaser(self, session: JobSession) -> None:
-        slots = asyncio.Semaphore(self.config.shards_in_flight)
+        held_at_most = self.config.shards_in_flight
+        slots = asyncio.Semaphore(held_at_most)
         loop = asyncio.get_running_loop()
         if self.config.start_jitter_s > 0:
             pause = random.uniform(0, self.config.start_jitter_s)  # noqa: S311
@@ -251,6 +272,15 @@ class Worker:
                     pause = reply.retry_after_s * random.uniform(0.8, 1.2)  # noqa: S311
                     await sleep_or_stop(pause, self.draining)
                     continue
+                if reply.shard is not None:
+                    wanted = shards_to_hold(
+                        least=self.config.shards_in_flight,
+                        pipeline_rows=session.pipeline.config.inflight_limit(),
+                        shard_rows=reply.shard.rows,
+                    )
+                    for _ in range(wanted - held_at_most):
+                        slots.release()  # room for shards this small: more may be held
+                    held_at_most = max(held_at_most, wanted)
                 task = asyncio.create_task(
                     self._work(session, reply, sent_at),
                     name=f"shard-{reply.shard.index if reply.shard else '?'}",

@@ -62,7 +62,7 @@ from .moves import PERSISTED_PERIODS, ShardMoves, load_with_successors
 from .reaper import LeaseReaper
 from .records import FencedStore, LeaseRecord, RecordStore
 from .status import status_reply
-from .tail import ask_split, pace_wait, pick_speculative, renew_in, untold
+from .tail import ask_split, pace_wait, pick_speculative, renew_in, room_beyond_two, untold
 from .tracking import MlflowRuns
 
 log = logging.getLogger(__name__)
@@ -226,6 +226,11 @@ class LeaseTable:
             after = job.tiers[job.tiers.index(tier) + 1]
             wait = pace_wait(after, most=self._wait_retry_s)
             return LeaseReply(status="wait", retry_after_s=wait)
+        if len(held) >= 2 and not room_beyond_two(job, tier):
+            # A worker whose shards are small for its pipeline asks for more than the two
+            # it holds (ebb.worker.service.shards_to_hold): not while the tier's other
+            # workers, those it may yet have, would find less than two each.
+            return LeaseReply(status="wait", retry_after_s=self._wait_retry_s)
         shard = self._pick(job, tier, worker, alone=not held)
         speculative = False
         if shard is None:

@@ -297,3 +297,13 @@ def pace_wait(other: Tier, *, most: float) -> float:
     if not other.durations:
         return most
     return min(most, max(PACE_WAIT_MIN_S, statistics.median(other.durations) / 4))
+
+
+def room_beyond_two(job: Job, tier: Tier) -> bool:
+    """Whether a worker holding two shards of the tier may lease a third: only while the
+    queue keeps two for each worker the tier may yet have beyond those holding some (up to
+    its `max_workers`), so that a worker whose models loaded first does not take a small
+    job's shards from those still loading theirs."""
+    holders = {lease.worker for i in tier.doing for lease in job.shards[i].record.leases}
+    most = job.spec.tier_resources(tier.name).max_workers
+    return tier.counts["TODO"] > 2 * max(0, most - len(holders))
