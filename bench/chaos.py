@@ -40,8 +40,10 @@ hide a healthy shard quarantined by faults not its own.
 - drain         SIGTERM of a worker holding a lease with rows done (a node drained, a spot
                 notice): with the stack's short grace it commits the rows it has done as a part
                 of the shard, and the rest is a shard of its own
-- split_kill    a drain, with the leading master SIGKILLed exactly between writing the part's
-                DONE and creating its rest's record (a failpoint); the standby creates the rest
+- split_kill    a drain of a worker of the first stage, that stage slowed meanwhile so that
+                its shards cannot finish within the drain's wait, with the leading master
+                SIGKILLed exactly between writing the part's DONE and creating its rest's
+                record (a failpoint); the standby creates the rest
 - successor_kill  SIGKILL of the leading master exactly between a DONE that names a new shard
                 (a hand-off to the next tier, a split's rest) and that shard's record
 - kv_answer_lost  the leading master's next write of a DONE lands in KV and its answer is lost
@@ -122,6 +124,7 @@ from ebb.shard_master.table.records import ShardRecord, shard_key
 
 from . import docblock, lost_worker, slowfs, soak
 from .chaos_modelets import FLAKY_MARKER, TAKEN_PREFIX, arm_flaky, taken_by
+from .modelets import SLOW_MARKER
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = (
@@ -166,6 +169,8 @@ DISK_MB = 256
 BALLAST = ".ballast"
 TIERED_P = 0.5
 """The share of runs whose job is in two tiers."""
+FIRST_TIER = "cpu"
+"""The tier of the first stage (the features) in a job of two tiers."""
 LEFT_BEHIND_WAIT_S = 15.0
 """How long a process of a stopped stack may take to end before it counts as left behind."""
 
@@ -305,7 +310,7 @@ def write_job(
     if tiered:
         each = {"min_workers": 1, "max_workers": 1}
         job["tiers"] = [
-            {"name": "cpu", "stages": ["prep"], "resources": each},
+            {"name": FIRST_TIER, "stages": ["prep"], "resources": each},
             {"name": "infer", "stages": ["model", "top"], "resources": each},
         ]
     return job
@@ -350,12 +355,22 @@ def _cmdline_has(p: psutil.Process, word: str) -> bool:
         return False
 
 
-def _worker_id(p: psutil.Process) -> str:
+def _worker_option(p: psutil.Process, option: str) -> str:
+    """The value of a worker's command-line `option`, "" without it (or a process gone)."""
     try:
         cmd = p.cmdline()
     except psutil.Error:
         return ""
-    return cmd[cmd.index("--id") + 1] if "--id" in cmd else ""
+    return cmd[cmd.index(option) + 1] if option in cmd else ""
+
+
+def _worker_id(p: psutil.Process) -> str:
+    return _worker_option(p, "--id")
+
+
+def _worker_tier(p: psutil.Process) -> str:
+    """The tier a worker serves, "" for a job without tiers."""
+    return _worker_option(p, "--tier")
 
 
 def _stages(worker: psutil.Process) -> list[psutil.Process]:
@@ -541,11 +556,28 @@ class Injector:
         self.ended = asyncio.Event()
         self.probe = MasterClient(client.nc, client.config, backoff=Backoff(attempts=1))
 
-    async def _victim(self, rng: random.Random) -> tuple[psutil.Process, set[int]] | None:
-        """A worker holding a lease, and the shards it holds."""
+    async def _drain_first_tier(self, rng: random.Random) -> psutil.Process | None:
+        """SIGTERM to a worker of the first stage's tier holding a lease (the stage a
+        split_kill slows); the worker, or None if none held one."""
+        found = await self._victim(rng, tiers=("", FIRST_TIER))
+        if found is None:
+            return None
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found[0].send_signal(signal.SIGTERM)
+        return found[0]
+
+    async def _victim(
+        self, rng: random.Random, *, tiers: tuple[str, ...] | None = None
+    ) -> tuple[psutil.Process, set[int]] | None:
+        """A worker holding a lease (of one of `tiers`, "" for a job without tiers, if
+        given), and the shards it holds."""
         for _ in range(100):
             held = await _leases(self.client, self.job)
-            by_id = {_worker_id(p): p for p in _workers(self.stack)}
+            by_id = {
+                _worker_id(p): p
+                for p in _workers(self.stack)
+                if tiers is None or _worker_tier(p) in tiers
+            }
             choices = sorted(w for w in held if w in by_id)
             if choices:
                 chosen = rng.choice(choices)
@@ -815,24 +847,36 @@ class Injector:
                 # one that dies is restarted here, once the job has recovered without it.
                 self.stack.held.update(self.stack.masters)
             failpoints.arm(self.failpoints, point, when=when)
-            if kind == "split_kill":  # a drain, whose part the master dies recording
-                found = await self._victim(rng)
-                if found is None:
+            slow = self.hang_dir / SLOW_MARKER
+            draining: psutil.Process | None = None
+            if kind == "split_kill":
+                # A drain, whose part the master dies recording. The first stage is slowed
+                # while it runs: a shard that finished within the drain's wait (a fast
+                # machine's, a few hundred rows) would leave no part, and nothing to hurt.
+                slow.write_text("")
+                draining = await self._drain_first_tier(rng)
+                if draining is None:
+                    slow.unlink(missing_ok=True)
                     (self.failpoints / point).unlink(missing_ok=True)
                     self.stack.held.difference_update(self.stack.masters)
                     return None, "no worker held a lease"
-                found[0].send_signal(signal.SIGTERM)
             # The DONE count just before the kill: the master's own, for master_commit_kill
             # (the shard it recorded at the failpoint is in what the next master counts).
             last = before
             deadline = time.monotonic() + 30
             while (pid := failpoints.fired(self.failpoints, point)) is None:
                 if time.monotonic() > deadline or self.ended.is_set():
+                    slow.unlink(missing_ok=True)
                     (self.failpoints / point).unlink(missing_ok=True)
                     self.stack.held.difference_update(self.stack.masters)
                     return None, f"no {'commit' if 'commit' in kind else 'successor'} came by"
+                if draining is not None and not draining.is_running():
+                    # Gone with no part (what it held had finished, or had not started):
+                    # the next worker of the tier is drained in its turn.
+                    draining = await self._drain_first_tier(rng)
                 last = max(last, await self.done_count())
                 await asyncio.sleep(0.05)
+            slow.unlink(missing_ok=True)
             started = time.monotonic()
             shard = int(failpoints.detail(self.failpoints, point, pid).split()[0])
             for fired in self.failpoints.glob(f"{point}.fired-*"):

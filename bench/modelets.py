@@ -187,11 +187,18 @@ def hash_word(word: str) -> int:
     return h
 
 
+SLOW_MARKER = "slow"
+"""While a file of this name is in a ChaosFeatures' `hang_dir`, each of its batches takes
+SLOW_BATCH_S more (below the chaos job's batch timeout)."""
+SLOW_BATCH_S = 1.0
+
+
 class ChaosFeatures:
     """The `features` vector, `seconds_per_batch` slower per batch (so that a small job is in
     flight long enough to be hurt), and hanging once whenever the chaos campaign drops a file
     named `hang` into `hang_dir`: the process that takes the file (a rename, so exactly one
-    does) sleeps until the pipeline's batch timeout kills it."""
+    does) sleeps until the pipeline's batch timeout kills it. Slower still while the campaign
+    leaves SLOW_MARKER there (a drain whose shards must not finish within its wait)."""
 
     def __init__(self, seconds_per_batch: float, hang_dir: str) -> None:
         self.seconds = seconds_per_batch
@@ -205,5 +212,6 @@ class ChaosFeatures:
             pass
         else:
             time.sleep(3600)
-        time.sleep(self.seconds)
+        slowed = os.path.exists(os.path.join(self.hang_dir, SLOW_MARKER))
+        time.sleep(self.seconds + (SLOW_BATCH_S if slowed else 0.0))
         return [np.asarray(r["features"], dtype=np.float32) for r in rows]

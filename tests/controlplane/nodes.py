@@ -89,9 +89,13 @@ class NodeAgent:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._watching_stopped()
         for name in self.labels:
             with contextlib.suppress(ApiException):
                 await self.core.delete_node(name)
+
+    async def _watching_stopped(self) -> None:
+        """Called on exit once no pod event can come: the place to end work they began."""
 
     async def _ready(self, name: str) -> None:
         """The node's status as a kubelet posts it: capacity and a Ready condition."""
@@ -206,12 +210,14 @@ class SimulatedNodes(NodeAgent):
         self.terminate_delay = terminate_delay
         self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
         """Pods starting or stopping, by (namespace, name)."""
+        self._unfinished: set[asyncio.Task[None]] = set()
+        """Every task not yet done, those cancelled and replaced in `_pending` too: each is
+        awaited on exit, so none is left for the garbage collector once the loop has gone."""
 
-    async def __aexit__(self, *exc: object) -> None:
-        for task in self._pending.values():
+    async def _watching_stopped(self) -> None:
+        for task in self._unfinished:
             task.cancel()
-        await asyncio.gather(*self._pending.values(), return_exceptions=True)
-        await super().__aexit__(*exc)
+        await asyncio.gather(*self._unfinished, return_exceptions=True)
 
     async def on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
@@ -248,15 +254,21 @@ class SimulatedNodes(NodeAgent):
         """`work()` after `delay` (0: as soon as the loop comes to it)."""
 
         async def run() -> None:
-            try:
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                await work()
-            finally:
-                if self._pending.get(key) is asyncio.current_task():
-                    del self._pending[key]
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await work()
 
-        self._pending[key] = asyncio.create_task(run(), name=what)
+        def done(task: asyncio.Task[None]) -> None:
+            # A callback, not a `finally` in run(): that would call into the loop even when
+            # the coroutine is closed by the garbage collector, after the loop has gone.
+            self._unfinished.discard(task)
+            if self._pending.get(key) is task:
+                del self._pending[key]
+
+        task = asyncio.create_task(run(), name=what)
+        task.add_done_callback(done)
+        self._pending[key] = task
+        self._unfinished.add(task)
 
     async def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

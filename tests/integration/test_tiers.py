@@ -26,6 +26,7 @@ from ebb.common.messaging.messages import JobStatus
 from ebb.common.messaging.snapshot import kv_snapshot
 from ebb.common.messaging.subjects import Subjects
 from ebb.shard_master.table.records import ShardRecord
+from ebb.worker.service import MOST_SHARDS
 
 from ..helpers import (
     embedded_stack,
@@ -259,8 +260,9 @@ async def test_a_slow_tier_holds_the_one_before_back_within_its_bound(
     assert final.state == "SUCCEEDED", final.reason
     assert held >= 1, "the prep tier was never held back"
     # The bound is on leasing: the prep shards leased before it was reached still hand on
-    # after it, as many as the prep workers hold (2 workers, 2 shards in flight each).
-    assert max(waiting) <= 2 * 1 + 2 * 2
+    # after it, as many as the prep workers hold (2 workers, each up to MOST_SHARDS where
+    # its shards are small for its pipeline, as these are).
+    assert max(waiting) <= 2 * 1 + 2 * MOST_SHARDS
     table, _ = read_output(tmp_path / "out")
     assert table.num_rows == ROWS
 
