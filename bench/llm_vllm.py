@@ -1,41 +1,31 @@
 """Benchmark 21: LLM generation through vLLM, Ebb against vLLM alone.
 
-vLLM's CPU build (`make vllm`, .venv-vllm) serves the model of section 16 (4 layers, hidden
-256, built here), started once, as a user starts one. The same prompts go to it two ways:
+vLLM's CPU build (`make vllm`, .venv-vllm) runs the model of section 16 (4 layers, hidden
+256, built here). The same prompts go through it six ways, every one in one table:
 
-- vLLM alone: a plain asyncio client (aiohttp) sends every prompt's token ids to
-  `/v1/completions`, at most `concurrency` at once (the best of those tried is reported), and
-  nothing else runs.
-- Ebb through vLLM: the prompts as a whole job (`ebb run`'s embedded stack, prompts in JSONL),
-  its `llm` stage with `engine: endpoint` feeding that same server, every setting at its
-  default (`max_in_flight`, `batch_size`, the shards), with 1 worker and with 2 on the same
-  two cores.
+- vLLM alone, as a server: started as a user starts one; a plain asyncio client (aiohttp)
+  sends every prompt's token ids to `/v1/completions`, at most `concurrency` at once (the
+  best of those tried is the one compared), and nothing else runs.
+- vLLM alone, in-process: vLLM's offline engine (`vllm.LLM`, its engine core in the same
+  process, as an `engine: vllm` stage runs it; bench/vllm_offline.py) given every prompt in
+  one `generate` call; and again with its engine core in a process of its own (vLLM's
+  default).
+- Ebb through vLLM's server: the prompts as a whole job (`ebb run`'s embedded stack, prompts
+  in JSONL), its `llm` stage with `engine: endpoint` feeding that same server, with 1 worker
+  and with 2 on the same two cores.
+- Ebb with vLLM in the stage's process: the same job with `engine: vllm` (the stack and its
+  workers run from vLLM's venv, where Ebb is installed too, as in a worker image with vLLM),
+  1 and 2 workers.
 
-Tokens/s are the server's own: its `vllm:generation_tokens_total` counter, sampled every
-50 ms, from the first token to the last (steady state: the job's start and its workers'
-start-up are not in it; the job's whole time is a column of its own). Two shapes, as section
-16's: **spread** (four prompts in five short with short answers, a long tail of both) and
-**equal** (prompts of 24 tokens, answers of 48). Greedy; a random model seldom ends before
-its `max_tokens`.
-
-`engine: server` (the stage starting vLLM itself) runs the same way once the server answers:
-its start-up on this CPU is reported apart (`-O0`: no torch.compile warm-up).
-
-In-process or a server: vLLM's offline engine (`vllm.LLM`, what an `engine: vllm` stage runs,
-its engine core in the same process; bench/vllm_offline.py, loaded once; and again with the
-engine core in a process of its own, vLLM's default) is given all the prompts in one
-`generate` call, against the server fed by the plain client at its best concurrency,
-both timed as whole calls (first request sent to last answer: the server's meter cannot see
-the offline engine). The offline engine starts once the comparisons above are done, not beside
-them.
-
-Ebb with vLLM in the stage's process (once the server is stopped): four times the prompts
-(1,536) as whole jobs through `engine: vllm` (the
-stack and its workers run from vLLM's venv, where Ebb is installed too, as in a worker image
-with vLLM), 1 and 2 workers, against the same offline engine given every prompt in one
-`generate` call. Steady: tokens over the time from the first worker ready (its stage
-processes started, vLLM loaded: the master is told within half a second) to the job's end,
-the last shard's commit included; the start-up apart.
+Every Ebb job is as a user writes it: the stage's `max_in_flight`, `batch_size` and the job's
+shards at their defaults. Steady state, the engine's start-up apart: for the server, tokens by
+its own `vllm:generation_tokens_total` counter, sampled every 50 ms, from the first token to
+the last; for vLLM in-process, the `generate` call; for Ebb with vLLM in-process, from the
+first worker ready (its stage processes started, vLLM loaded: the master is told within half a
+second) to the job's end, the last shard's commit included. The jobs' whole time, submit to
+end, is a table of its own. Two shapes, as section 16's: **spread** (four prompts in five
+short with short answers, a long tail of both) and **equal** (prompts of 24 tokens, answers
+of 48). Greedy; a random model seldom ends before its `max_tokens`.
 """
 
 from __future__ import annotations
@@ -55,19 +45,18 @@ from typing import Any
 
 from ebb.common.messaging.messages import JobStatus
 
-from .common import REPO, Context, Section, ebb_stack, interleaved, median, spread, table
+from .common import REPO, Context, Section, ebb_stack, median, spread, table
 from .llm import _workload
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-PROMPTS = 384
-IN_STAGE_TIMES = 4
-"""`engine: vllm` jobs run this many times the prompts: vLLM alone makes the 384 prompts' tokens
-in 2 to 3 s here, too short a run for a job's steady state (its first batch read and sent,
-its output written and committed, the master told, all inside the measure): measured so, the
-jobs came to 0.56x (spread) and 0.72x (equal) of vLLM alone. A batch job is thousands of
-prompts or more."""
-CONCURRENCY = (32, 64, 128)
-"""Requests in flight tried for vLLM alone; the best is the one compared."""
+PROMPTS = 1_536
+"""Prompts a shape: vLLM alone makes 384 prompts' tokens in 2 to 3 s here, too short a run for
+a job's steady state (its first batch read and sent, its output written and committed, the
+master told, all inside the measure): measured so, jobs came to 0.56x (spread) and 0.72x
+(equal) of vLLM alone. A batch job is thousands of prompts or more."""
+CONCURRENCY = (64, 128, 256)
+"""Requests in flight tried for vLLM's server alone; the best is the one compared."""
+WORKERS = (1, 2)
 
 
 class TokenMeter:
@@ -337,122 +326,118 @@ def _job_in_vllm_venv(
     raise RuntimeError(f"the engine: vllm job failed: {done.stderr[-3000:]}")
 
 
-def _in_process(
-    ctx: Context,
-    server: Server,
-    model_dir: Path,
-    tokenizer: Any,
-    n: int,
-    best_concurrency: dict[str, int],
-    tables: list[str],
-    summary: dict[str, float],
-) -> None:
-    """vLLM's offline engine against the server at its best concurrency, whole calls; the
-    offline engine started only now, so that it is not beside the comparisons before."""
-    offline = Offline(model_dir, ctx.dir("llmvllm"))
-    own_core = Offline(model_dir, ctx.dir("llmvllm"), core_process=True)
-    try:
-        for shape, c in best_concurrency.items():
-            rows = _workload(tokenizer, shape, n, cap=1 << 30)
+SERVER_ALONE = "vLLM alone: server, plain client"
+IN_PROCESS_ALONE = "vLLM alone: in-process `LLM.generate`, one call"
+CORE_APART_ALONE = "vLLM alone: `LLM.generate`, its engine core in a process of its own"
 
-            def served(rows: list[tuple[list[int], int]] = rows, c: int = c) -> float:
+
+def _ebb_name(engine: str, workers: int) -> str:
+    return f"Ebb, `engine: {engine}`, {workers} worker{'s' if workers > 1 else ''}"
+
+
+@dataclass
+class _Shape:
+    """One shape's prompts and what its variants measured, round after round."""
+
+    rows: list[tuple[list[int], int]]
+    steady: dict[str, list[float]]
+    jobs: dict[str, list[JobRun]]
+
+    def record(self, name: str, value: float, log: Any) -> None:
+        self.steady.setdefault(name, []).append(value)
+        log(f"  {name}: {value:,.0f} tokens/s")
+
+
+def _server_round(
+    ctx: Context, model_dir: Path, shapes: dict[str, _Shape], startups: list[float]
+) -> None:
+    """One round with vLLM's server up: the plain client at each concurrency, then Ebb's jobs
+    through it (`engine: endpoint`), each shape in turn; tokens/s by the server's meter."""
+    from tests.helpers import free_port
+
+    log_file = ctx.dir("llmvllm") / "vllm.log"
+    with Server(model_dir, free_port(), log_file) as server:
+        startups.append(server.startup_s)
+        for shape_name, shape in shapes.items():
+            ctx.log(f"  {shape_name}, vLLM's server:")
+            rows = shape.rows
+            asyncio.run(_alone(server.url, rows, CONCURRENCY[0]))  # warm: new shapes
+            for c in CONCURRENCY:
                 with TokenMeter(server.port) as meter:
-                    began = time.perf_counter()
                     asyncio.run(_alone(server.url, rows, c))
-                    seconds = time.perf_counter() - began
-                return meter.steady()[0] / seconds
-
-            def in_process(rows: list[tuple[list[int], int]] = rows) -> float:
-                return offline.rate(rows)
-
-            def core_apart(rows: list[tuple[list[int], int]] = rows) -> float:
-                return own_core.rate(rows)
-
-            offline.rate(rows)  # warm, as the server is
-            own_core.rate(rows)
-            results = interleaved(
-                {
-                    f"server, {c} in flight": served,
-                    "in-process (`LLM.generate`), as `engine: vllm`": in_process,
-                    "in-process, the engine core in a process of its own": core_apart,
-                },
-                ctx.repeats,
-                ctx.log,
-            )
-            base = median(results[f"server, {c} in flight"])
-            tables.append(
-                f"**{shape}, vLLM in-process or a server** (whole calls; the offline engine's "
-                f"start-up: {offline.load_s:.0f} s, {own_core.load_s:.0f} s with its engine "
-                "core apart)\n\n"
-                + table(
-                    ["vLLM", "output tokens/s", "vs the server"],
-                    [[k, spread(v), f"{median(v) / base:.2f}x"] for k, v in results.items()],
-                )
-            )
-            summary[f"{shape}: vLLM in-process / server"] = (
-                median(results["in-process (`LLM.generate`), as `engine: vllm`"]) / base
-            )
-    finally:
-        offline.close()
-        own_core.close()
+                shape.record(f"{SERVER_ALONE}, {c} in flight", meter.steady()[1], ctx.log)
+            for workers in WORKERS:
+                name = _ebb_name("endpoint", workers)
+                llm = _llm(server_model(ctx), "endpoint", server.url)
+                with TokenMeter(server.port) as meter:
+                    job = asyncio.run(_job(ctx, llm, rows, workers))
+                shape.jobs.setdefault(name, []).append(job)
+                shape.record(name, meter.steady()[1], ctx.log)
 
 
-def _ebb_in_process(
-    ctx: Context,
-    offline: Offline,
-    model_dir: Path,
-    shape: str,
-    rows: list[tuple[list[int], int]],
-    tables: list[str],
-    summary: dict[str, float],
+def _in_process_round(
+    ctx: Context, model_dir: Path, shapes: dict[str, _Shape], loads: list[float]
 ) -> None:
-    """Whole `ebb run` jobs through `engine: vllm` (1 and 2 workers) against vLLM's offline
-    engine given every prompt in one `generate` call: tokens/s from the first worker ready
-    (its engine started) to the job's end, against the call's; the jobs' start-up apart."""
-    jobs: dict[int, list[JobRun]] = {1: [], 2: []}
+    """One round with no server: vLLM's offline engine given each shape's prompts in one
+    `generate` call (loaded for the round, gone before the jobs), then Ebb's jobs with vLLM in
+    the stage's process (`engine: vllm`), from the first worker ready to the job's end."""
+    for name, core_apart in ((IN_PROCESS_ALONE, False), (CORE_APART_ALONE, True)):
+        offline = Offline(model_dir, ctx.dir("llmvllm"), core_process=core_apart)
+        try:
+            if not core_apart:
+                loads.append(offline.load_s)
+            for shape_name, shape in shapes.items():
+                ctx.log(f"  {shape_name}, {name}:")
+                offline.rate(shape.rows)  # warm, as the server is
+                shape.record(name, offline.rate(shape.rows), ctx.log)
+        finally:
+            offline.close()
+    for shape in shapes.values():
+        for workers in WORKERS:
+            name = _ebb_name("vllm", workers)
+            job = _job_in_vllm_venv(ctx, model_dir, shape.rows, workers)
+            shape.jobs.setdefault(name, []).append(job)
+            shape.record(name, job.steady, ctx.log)
 
-    def ebb(w: int) -> Any:
-        def measure() -> float:
-            job = _job_in_vllm_venv(ctx, model_dir, rows, w)
-            jobs[w].append(job)
-            return job.steady
 
-        return measure
-
-    alone = "vLLM alone, in-process (`LLM.generate`, one call)"
-    results = interleaved(
-        {
-            alone: lambda: offline.rate(rows),
-            "Ebb, `engine: vllm`, 1 worker": ebb(1),
-            "Ebb, `engine: vllm`, 2 workers": ebb(2),
-        },
-        ctx.repeats,
-        ctx.log,
-    )
-    base = median(results[alone])
-    out = [[alone, spread(results[alone]), "1.00x", "", f"{offline.load_s:.0f} s (load)"]]
-    for w, runs in jobs.items():
-        name = f"Ebb, `engine: vllm`, {w} worker{'s' if w > 1 else ''}"
-        out.append(
-            [
-                name,
-                spread(results[name]),
-                f"{median(results[name]) / base:.2f}x",
-                spread([j.whole for j in runs]),
-                f"{median([j.seconds - j.ready_seconds for j in runs]):.0f} s",
-            ]
-        )
-        summary[f"{shape}: Ebb engine: vllm {w} worker(s) / vLLM in-process"] = (
-            median(results[name]) / base
-        )
-    tables.append(
-        f"**{shape}, Ebb with vLLM in the stage's process** (steady: from the first worker "
-        "ready, its engine started, to the job's end; whole: from submit)\n\n"
-        + table(
-            ["variant", "output tokens/s, steady", "vs vLLM alone", "whole job", "start-up"],
-            out,
-        )
-    )
+def _tables(shape_name: str, shape: _Shape, summary: dict[str, float]) -> list[str]:
+    """The shape's variants side by side, against vLLM's server at its best concurrency and
+    against vLLM in-process; and Ebb's jobs whole, with their start-up."""
+    served = [k for k in shape.steady if k.startswith(SERVER_ALONE)]
+    best = max(served, key=lambda k: median(shape.steady[k]))
+    base = median(shape.steady[best])
+    in_process = shape.steady.get(IN_PROCESS_ALONE)
+    headers = ["variant", "output tokens/s, steady", "vs vLLM's server alone (best)"]
+    if in_process:
+        headers.append("vs vLLM in-process alone")
+    out = []
+    for name, values in shape.steady.items():
+        row = [name, spread(values), f"{median(values) / base:.2f}x"]
+        if in_process:
+            row.append(f"{median(values) / median(in_process):.2f}x")
+        out.append(row)
+        summary[f"{shape_name}: {name}"] = median(values)
+    for name in shape.jobs:
+        summary[f"{shape_name}: {name} / vLLM's server alone"] = median(shape.steady[name]) / base
+        if in_process:
+            summary[f"{shape_name}: {name} / vLLM in-process alone"] = median(
+                shape.steady[name]
+            ) / median(in_process)
+    whole = [
+        [
+            name,
+            spread([j.whole for j in runs]),
+            f"{median([j.seconds - j.ready_seconds for j in runs]):.0f} s",
+        ]
+        for name, runs in shape.jobs.items()
+    ]
+    return [
+        f"**{shape_name}** (steady; against {best.removeprefix(SERVER_ALONE + ', ')}, the "
+        "server's best)\n\n" + table(headers, out),
+        f"**{shape_name}, Ebb's jobs whole** (submit to end: the stack's and the workers' "
+        "start-up in it)\n\n"
+        + table(["variant", "output tokens/s, whole job", "start-up (submit to ready)"], whole),
+    ]
 
 
 def server_model(ctx: Context) -> Path:
@@ -472,95 +457,36 @@ def run(ctx: Context) -> Section:
         server_model(ctx), layers=layers, hidden=hidden, vocab=2000, context=512
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    n = ctx.size(PROMPTS, 128)
-    from tests.helpers import free_port
-
+    n = ctx.size(PROMPTS, 256)
+    cap = 8 if ctx.smoke else 1 << 30
+    shapes = {
+        shape: _Shape(_workload(tokenizer, shape, n, cap=cap), {}, {})
+        for shape in ("spread", "equal")
+    }
+    startups: list[float] = []
+    loads: list[float] = []
+    for r in range(ctx.repeats):
+        ctx.log(f"  round {r + 1}/{ctx.repeats}")
+        _server_round(ctx, model_dir, shapes, startups)
+        # Once the server is gone: nothing runs beside these but what they are compared
+        # with. A second vLLM engine is more than the suite's smoke run needs.
+        if not ctx.smoke:
+            _in_process_round(ctx, model_dir, shapes, loads)
     tables: list[str] = []
     summary: dict[str, float] = {}
-    notes: list[str] = []
-    best_concurrency: dict[str, int] = {}
-    with Server(model_dir, free_port(), ctx.dir("llmvllm") / "vllm.log") as server:
-        notes.append(f"vLLM's start-up (health check answers): {server.startup_s:.0f} s.")
-        for shape in ("spread", "equal"):
-            rows = _workload(tokenizer, shape, n, cap=8 if ctx.smoke else 1 << 30)
-            steady: dict[str, float] = {}
-            whole: dict[int, list[float]] = {1: [], 2: []}
-
-            def alone(c: int, rows: list[tuple[list[int], int]] = rows) -> Any:
-                def measure() -> float:
-                    with TokenMeter(server.port) as meter:
-                        asyncio.run(_alone(server.url, rows, c))
-                    return meter.steady()[1]
-
-                return measure
-
-            def ebb(
-                w: int,
-                rows: list[tuple[list[int], int]] = rows,
-                whole: dict[int, list[float]] = whole,
-            ) -> Any:
-                def measure() -> float:
-                    llm = _llm(server_model(ctx), "endpoint", server.url)
-                    with TokenMeter(server.port) as meter:
-                        job = asyncio.run(_job(ctx, llm, rows, w))
-                    whole[w].append(job.whole)
-                    return meter.steady()[1]
-
-                return measure
-
-            variants = {f"vLLM alone, {c} in flight": alone(c) for c in CONCURRENCY}
-            variants["Ebb through vLLM, 1 worker"] = ebb(1)
-            variants["Ebb through vLLM, 2 workers"] = ebb(2)
-            alone(CONCURRENCY[0])()  # warm: the server's first batches at new shapes
-            ctx.log(f"  {shape}: {n} prompts")
-            results = interleaved(variants, ctx.repeats, ctx.log)
-            best = max(
-                (k for k in results if k.startswith("vLLM")), key=lambda k: median(results[k])
-            )
-            base = median(results[best])
-            best_concurrency[shape] = int(best.split(", ")[1].split()[0])
-            rows_out = []
-            for k, v in results.items():
-                rows_out.append([k, spread(v), f"{median(v) / base:.2f}x"])
-                steady[k] = median(v)
-            tables.append(
-                f"**{shape}** (against {best})\n\n"
-                + table(["variant", "output tokens/s, steady", f"vs {best}"], rows_out)
-            )
-            tables.append(
-                f"**{shape}, whole jobs** (submit to end: the stack's and workers' start in it)"
-                "\n\n"
-                + table(
-                    ["workers", "output tokens/s", f"vs {best}, steady"],
-                    [[f"{w}", spread(v), f"{median(v) / base:.2f}x"] for w, v in whole.items()],
-                )
-            )
-            for k, rate in steady.items():
-                summary[f"{shape}: {k}"] = rate
-            summary[f"{shape}: Ebb 1 worker / vLLM alone"] = (
-                steady["Ebb through vLLM, 1 worker"] / base
-            )
-            summary[f"{shape}: Ebb 2 workers / vLLM alone"] = (
-                steady["Ebb through vLLM, 2 workers"] / base
-            )
-        if not ctx.smoke:  # a second vLLM engine is more than the suite's smoke run needs
-            _in_process(ctx, server, model_dir, tokenizer, n, best_concurrency, tables, summary)
-    if not ctx.smoke:
-        # Once the server is gone: nothing runs beside these but what they are compared with.
-        offline = Offline(model_dir, ctx.dir("llmvllm"))
-        try:
-            for shape in best_concurrency:
-                rows = _workload(tokenizer, shape, n * IN_STAGE_TIMES, cap=1 << 30)
-                offline.rate(rows)  # warm
-                _ebb_in_process(ctx, offline, model_dir, shape, rows, tables, summary)
-        finally:
-            offline.close()
-    notes.append(
-        f"{n} prompts, a {layers}-layer model of hidden size {hidden}, vLLM {'-O0'} in float32 "
-        "on the CPU (it binds its engine to one core and keeps the other); Ebb's job as a user "
-        "writes it: the stage's `max_in_flight`, `batch_size` and the job's shards at their "
-        "defaults."
-    )
+    for shape_name, shape in shapes.items():
+        tables += _tables(shape_name, shape, summary)
+    notes = [
+        f"{n:,} prompts a shape, a {layers}-layer model of hidden size {hidden}, vLLM -O0 in "
+        "float32 on the CPU; the server binds its engine to one core and keeps the other, the "
+        "in-process engine uses both. vLLM's server's start-up (its health check answers): "
+        f"{median(startups):.0f} s"
+        + (f"; the in-process engine's load: {median(loads):.0f} s" if loads else "")
+        + ". Ebb's jobs as a user writes them: the stage's `max_in_flight`, `batch_size` and "
+        "the job's shards at their defaults. Each round starts vLLM's server, measures every "
+        "variant that uses it, stops it, then measures the in-process variants; "
+        f"{ctx.repeats} rounds, medians (min-max)."
+    ]
     return Section(
         title="21. LLM generation through vLLM: Ebb against vLLM alone",
         intro=__doc__ or "",

@@ -40,9 +40,9 @@ class VLLMEngine(StepLoop):
         engine_args: dict[str, Any] | None = None,
     ) -> None:
         # vLLM's engine core in this very process, not a process of its own (unless the
-        # worker's environment says otherwise): on a CPU 1.07-1.22x the tokens/s and a sixth
-        # of the start-up (4 s against 25, docs/benchmarks.md section 21), and no engine
-        # process is left behind when the stage is killed.
+        # worker's environment says otherwise): on a CPU 1.3-1.5x the tokens/s of a core in
+        # a process of its own, loaded in 2 s where vLLM's server takes 27 (docs/benchmarks.md
+        # section 21), and no engine process is left behind when the stage is killed.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
