@@ -719,7 +719,7 @@ def test_a_jobs_lost_workers_are_summed_up_by_kind() -> None:
 
 def test_a_tier_waiting_for_a_node_says_why() -> None:
     tier = TierStatus(name="gpu", shards={"TODO": 4}, waiting="gpu_type H100: no node has it")
-    assert tier_text(tier) == "TODO 4; 0 rows; waiting for a node: gpu_type H100: no node has it"
+    assert tier_text(tier) == "TODO 4; 0 rows; waiting: gpu_type H100: no node has it"
     assert "waiting" not in tier_text(TierStatus(name="gpu", shards={"TODO": 4}))
 
 

@@ -120,7 +120,7 @@ def tier_text(tier: TierStatus) -> str:
     """A tier of a job in a line: its shards by state, its rows, whether it is held back."""
     shards = ", ".join(f"{state} {n}" for state, n in tier.shards.items() if n) or "no shards yet"
     held = " (held back: the next tier has enough waiting)" if tier.held_back else ""
-    waiting = f"; waiting for a node: {tier.waiting}" if tier.waiting else ""
+    waiting = f"; waiting: {tier.waiting}" if tier.waiting else ""
     flight = f" (+{tier.rows_in_flight:,} in flight)" if tier.rows_in_flight else ""
     return f"{shards}; {tier.rows_done:,} rows{flight}{held}{waiting}"
 

@@ -21,6 +21,16 @@ THIS_MACHINE = "local"
 """The one place the local backend runs workers: its capacity's bin and its workers' node."""
 
 
+class LaunchRefused(Exception):
+    """The cluster refused to start a worker for a reason no retry of ours mends (the
+    controller lacks a permission): its job waits, and its status says why, until an
+    operator mends it and a launch goes through."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerInfo:
     id: str

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ebb.common.errors import SpecError
@@ -249,14 +250,17 @@ def told_waiting(group: Group) -> str:
     return next((t.waiting for t in group.job.tiers if t.name == group.tier), "")
 
 
-def placement_news(decided: Plan, capacity: Capacity) -> dict[str, str]:
+def placement_news(
+    decided: Plan, capacity: Capacity, refused: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Per group whose status is wrong about whether its workers can be placed: why no
-    place could ever take them, or "" now that one could. A group with workers desired has
-    a place, and one with no work left wants none (nothing to say of either)."""
+    place could ever take them (or, `refused`, why the cluster refused to start them), or ""
+    now that one could. A group with workers desired has a place, and one with no work left
+    wants none (nothing to say of either)."""
     news: dict[str, str] = {}
     for key, group in decided.groups.items():
-        reason = ""
-        if decided.desired.get(key, 0) == 0 and group.upstream > 0:
+        reason = (refused or {}).get(key, "")
+        if not reason and decided.desired.get(key, 0) == 0 and group.upstream > 0:
             reason = capacity.unplaceable(group.job, group.tier)
         if reason != told_waiting(group):
             news[key] = reason

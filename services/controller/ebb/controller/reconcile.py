@@ -30,7 +30,7 @@ from ebb.common.messaging.messages import TERMINAL_JOB_STATES, JobStatus
 from ebb.common.runner import GRACE_S
 
 from . import metrics
-from .backend import Capacity, ClusterBackend, WorkerInfo
+from .backend import Capacity, ClusterBackend, LaunchRefused, WorkerInfo
 from .groups import (
     Plan,
     group_key,
@@ -136,6 +136,9 @@ class Reconciler:
         pipeline."""
         self.to_tell: dict[tuple[str, str], Notice] = {}
         """Workers that ended badly, until the master has heard (job, worker) -> notice."""
+        self.refused: dict[str, str] = {}
+        """Per group: why the cluster refused its last launch (LaunchRefused), until one
+        goes through."""
 
     async def reconcile_once(self) -> Plan:
         """One pass: observe, decide, act. Safe to call at any time, any number of times."""
@@ -168,9 +171,19 @@ class Reconciler:
         )
         for key, count in decided.launch.items():
             group = decided.groups[key]
-            for _ in range(count):
-                worker_id = new_worker_id(group.job.id, group.tier)
-                await self.backend.launch(group.job, worker_id, tier=group.tier)
+            try:
+                for _ in range(count):
+                    worker_id = new_worker_id(group.job.id, group.tier)
+                    await self.backend.launch(group.job, worker_id, tier=group.tier)
+            except LaunchRefused as e:
+                # Not the pass's failure: the other groups are still served, and the job
+                # says why it waits (_tell_placement) until an operator mends it.
+                if self.refused.get(key) != e.reason:
+                    log.error("workers of %s cannot start: %s", key, e.reason)
+                self.refused[key] = e.reason
+            else:
+                if self.refused.pop(key, None) is not None:
+                    log.info("workers of %s start again", key)
         for worker_id in decided.terminate:
             await self.backend.terminate(worker_id, grace_s=self.config.worker_grace_s)
         await self._tell_placement(decided, capacity)
@@ -319,10 +332,11 @@ class Reconciler:
             del self.to_tell[key]
 
     async def _tell_placement(self, decided: Plan, capacity: Capacity) -> None:
-        """Tell the master which groups wait for a place no node could ever give them, and
-        why, and which need not any more: whenever its status says otherwise (level-triggered:
-        a master that restarted, and forgot, hears it again on the next pass)."""
-        for key, reason in placement_news(decided, capacity).items():
+        """Tell the master which groups wait for a place no node could ever give them (or for
+        a permission the cluster refused them), and why, and which need not any more:
+        whenever its status says otherwise (level-triggered: a master that restarted, and
+        forgot, hears it again on the next pass)."""
+        for key, reason in placement_news(decided, capacity, self.refused).items():
             group = decided.groups[key]
             try:
                 await self.master.placement(group.job.id, group.tier, reason)
@@ -332,7 +346,7 @@ class Reconciler:
             except RemoteError as e:
                 log.warning("the master refused word of where %s can run: %s", key, e)
                 continue
-            if reason:
+            if reason and key not in self.refused:  # a refusal was logged as it came
                 log.warning("workers of %s wait: no node could ever take them: %s", key, reason)
             else:
                 log.info("workers of %s can be placed again", key)
@@ -351,6 +365,7 @@ class Reconciler:
             self.progress,  # by group, as not_before: a job's id, or `job/tier`
             self.not_before,
             self.setup_failures,
+            self.refused,
         )
         for table in tables:
             for key in [k for k in table if job_of(k) not in running]:

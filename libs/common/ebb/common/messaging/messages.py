@@ -295,9 +295,11 @@ class JobStatus(Message):
     mlflow_error: str = ""
     waiting: str = ""
     """Why the job runs no workers although it wants some: no node of the cluster could
-    ever take them (the pool, GPU type or node selector it asks for), as the controller told
-    the master; "" when it may run. The job waits: it is not failed, and runs once such a
-    node appears. A job with tiers: its tiers' reasons, each named."""
+    ever take them (the pool, GPU type or node selector it asks for), or the cluster refused
+    to create them (a permission the controller lacks, in the API server's words), as the
+    controller told the master; "" when it may run. The job waits: it is not failed, and
+    runs once such a node appears, or the permission is granted. A job with tiers: its
+    tiers' reasons, each named."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,9 @@ keep failing (for a while).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections import defaultdict
@@ -30,7 +32,7 @@ from ebb.common.messaging.identity import WorkerSigner
 from ebb.common.messaging.messages import JobStatus
 
 from .. import metrics
-from ..backend import Capacity, Phase, WorkerInfo, job_environment
+from ..backend import Capacity, LaunchRefused, Phase, WorkerInfo, job_environment
 from ..groups import group_key, job_spec, tier_resources
 from ..policy.avoidance import NodeAvoidance
 from ..policy.capacity import Bin, Resources, add
@@ -81,6 +83,18 @@ def running_image(spec_image: str, image_id: str) -> str:
     if not at or not digest.startswith("sha256:"):
         return spec_image
     return f"{repository(spec_image)}@{digest}"
+
+
+def forbidden(e: ApiException, what: str) -> str:
+    """Why the API server refused the controller `what` (a 403), in its own words: they
+    name the verb, the resource and the ServiceAccount."""
+    message = ""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        message = str(json.loads(e.body or b"").get("message") or "")
+    return (
+        f"the controller may not {what}: {message or e.reason} (k8s/base/rbac.yaml grants "
+        "the controller's ServiceAccount what it needs)"
+    )
 
 
 async def from_cluster(
@@ -355,12 +369,20 @@ class KubernetesBackend:
             of_tier = f" (tier {tier})" if tier else ""
             log.info("created pod %s for job %s%s", body["metadata"]["name"], job.id, of_tier)
         except ApiException as e:
+            if e.status == 403:
+                raise LaunchRefused(forbidden(e, "create worker pods")) from e
             if e.status != 409:  # 409: it exists already (a repeated pass)
                 raise
             return  # its Secret, if it lacks one, comes with the next pass's observe()
         if self.credentials is not None:
             uid = str(created.metadata.uid)
-            await self.credentials.issue({**body, "metadata": {**body["metadata"], "uid": uid}})
+            try:
+                await self.credentials.issue({**body, "metadata": {**body["metadata"], "uid": uid}})
+            except ApiException as e:
+                if e.status == 403:
+                    # The pod waits for its Secret (the next passes try again): say why.
+                    raise LaunchRefused(forbidden(e, "create worker pods' credentials")) from e
+                raise
 
     async def terminate(self, worker_id: str, *, grace_s: float) -> None:
         await self.delete_pod(worker_id, grace_s=int(grace_s))
