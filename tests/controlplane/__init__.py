@@ -5,7 +5,8 @@ each a local process on free loopback ports, with their data in a folder of the 
 The API server authorizes with RBAC and authenticates a static admin token (group
 `system:masters`, as a cluster's admin credentials are) and ServiceAccount tokens it signs
 itself: a test that acts as Ebb's controller asks the TokenRequest API for its
-ServiceAccount's token and gets exactly the rights `k8s/` grants it. The controller manager
+ServiceAccount's token and gets exactly the rights `k8s/` grants it; the requests of the
+ServiceAccounts of `ebb` are in its audit log (`audited`). The controller manager
 runs every default controller (ReplicaSets, ServiceAccounts and their tokens, namespaces'
 deletion, garbage collection, node lifecycle); the scheduler places pods on nodes as on any
 cluster. There is no kubelet: nodes are simulated (nodes.py).
@@ -26,6 +27,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, Configuration
 
@@ -36,6 +38,9 @@ REPO = HERE.parents[1]
 STARTUP_S = 90.0
 """How long each component may take to answer its health check (the API server's first
 start bootstraps its RBAC roles and priority classes into etcd)."""
+AUDITED_NAMESPACE = "ebb"
+"""The namespace whose ServiceAccounts' requests the API server writes to its audit log
+(k8s/'s: the controller's, the workers')."""
 
 
 def binaries() -> Path:
@@ -141,6 +146,8 @@ class ControlPlane:
                 "--service-account-signing-key-file", str(self.root / "sa.key"),
                 "--service-cluster-ip-range", self.service_range,
                 "--allow-privileged",
+                "--audit-policy-file", str(self._audit_policy()),
+                "--audit-log-path", str(self.audit_log),
             ],
         )  # fmt: skip
         self._healthy("kube-apiserver", f"{self.url}/readyz", token=self.admin_token)
@@ -168,6 +175,34 @@ class ControlPlane:
                 "--cert-dir", str(self.root / "scheduler-certs"),
             ],
         )  # fmt: skip
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines): every request a ServiceAccount of
+        AUDITED_NAMESPACE made, who made it, and what the server answered."""
+        return self.root / "logs" / "audit.jsonl"
+
+    def audited(self, username: str) -> list[dict[str, Any]]:
+        """The audit events of `username`'s requests, each once (at its last stage)."""
+        events: dict[str, dict[str, Any]] = {}
+        if self.audit_log.exists():
+            for line in self.audit_log.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("user", {}).get("username") == username:
+                    events[event["auditID"]] = event
+        return list(events.values())
+
+    def _audit_policy(self) -> Path:
+        path = self.root / "audit-policy.yaml"
+        path.write_text(
+            "apiVersion: audit.k8s.io/v1\n"
+            "kind: Policy\n"
+            "omitStages: [RequestReceived]\n"
+            "rules:\n"
+            f"  - level: Metadata\n    userGroups: [system:serviceaccounts:{AUDITED_NAMESPACE}]\n"
+            "  - level: None\n"
+        )
+        return path
 
     def _keys(self) -> None:
         """The ServiceAccount tokens' signing key, and the admin's static token."""

@@ -14,7 +14,27 @@ is patched. Where things live:
     async with FakeKubeAPI() as kube, kube.api_client() as client:
         kube.add_node("gpu-1", labels={"gpu": "a100"})
         pod = await CoreV1Api(client).create_namespaced_pod("default", body)
-"""
+
+What Kubernetes does is tested on a control plane built from Kubernetes' own code
+(tests/controlplane, the `*_on_control_plane.py` and `test_control_plane.py` modules): RBAC as
+k8s/ grants it (every request audited), leader election and the standby taking over, the
+garbage collector removing a worker's Secret, kube-scheduler's placement and Unschedulable
+pods, PriorityClass preemption, informers relisting after a crashed API server lost its
+history, `kubectl apply -k` of the overlays, pods run as processes. This server stays for what
+a real one cannot be made to do on demand, at a chosen moment, in one process:
+
+* watches cut mid-stream, history compacted under a watcher, a 500 or 429 on the next call
+  (`cut_watches`, `compact`, `fail_next`): the informers' recovery from each, one at a time;
+* a cache lagging behind the server, so one pod is drained twice (test_tide_signals);
+* a node turned NotReady or lost at once, and container ends a kubelet reports only after the
+  fact: OOMKilled, Evicted, a crash loop, an image that cannot be pulled, exits on demand
+  (the OOM, eviction, crash-loop and bad-node tests of test_kube_backend);
+* preemption and node loss timed to the middle of one shard (the quarantine test);
+* every request logged, so what the controller asked for in these faults is checked against
+  k8s/'s RBAC too (the `controllers_rbac` fixture) and a test can count its calls.
+
+Where a test here checks something the real server decides (validation, scheduling, RBAC), the
+same claim is tested on the control plane as well."""
 
 from __future__ import annotations
 

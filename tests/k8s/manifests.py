@@ -150,3 +150,42 @@ def allowed(service_account: str, namespace: str, a: Access) -> bool:
         if role is not None and _allows(role.get("rules", []), a):
             return True
     return False
+
+
+Grant = tuple[str, str, str, str | None, bool]
+"""(group, resource, verb, resource name or None, namespaced) of one rule of a role."""
+
+
+def granted(service_account: str, namespace: str) -> set[Grant]:
+    """Every grant the base's roles bound to `namespace/service_account` hold."""
+    out: set[Grant] = set()
+    subject = {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
+    for binding in objects():
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if subject not in binding["subjects"]:
+            continue
+        role: Obj = find(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+        namespaced = binding["kind"] == "RoleBinding"
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        for name in rule.get("resourceNames") or [None]:
+                            out.add((group, resource, verb, name, namespaced))
+    return out
+
+
+def used_grants(a: Access, grants: set[Grant], namespace: str) -> set[Grant]:
+    """The grants that let request `a` through: a namespaced one for a request in
+    `namespace` (the account's own) if there is one (a Role is what it is meant to use),
+    else the cluster's."""
+    matching = {
+        g
+        for g in grants
+        if g[:3] == (a.group, a.resource, a.verb)
+        and (g[3] is None or g[3] == a.name)
+        and (a.namespace == namespace if g[4] else True)
+    }
+    namespaced = {g for g in matching if g[4]}
+    return namespaced or matching

@@ -1,7 +1,7 @@
 """Two of the controller's Kubernetes semantics on a control plane built from Kubernetes' own
-code (test_kube_backend.py has them on the fake API server): leader election on real Lease
-objects (two replicas racing to create one: the API server's conflict decides; a leader that
-dies without a word loses it when it runs out), and each worker's NATS credential Secret
+code: leader election on real Lease objects (two replicas racing to create one: the API
+server's conflict decides; a leader that dies without a word loses it when it runs out; a
+standby that leads carries on with the workers there), and each worker's NATS credential Secret
 owned by its pod, so that kube-controller-manager's garbage collector deletes it with the pod
 (the controller deletes no Secret itself)."""
 
@@ -16,14 +16,17 @@ from typing import Any
 from kubernetes_asyncio.client import CoreV1Api
 from nats.aio.client import Client as NATS
 
+from ebb.client.sdk import EbbClient
 from ebb.common.messaging import identity
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.election import LeaderElector
+from ebb.controller.kube.backend import JOB_LABEL, KubeConfig, KubernetesBackend
 from ebb.controller.kube.podspec import CREDENTIALS_KEY, mounted_credentials
+from ebb.controller.service import Controller, ControllerConfig
 from tests.controlplane import ControlPlane
 from tests.controlplane.nodes import NodesThread
 from tests.helpers import wait_until
-from tests.k8s.harness import NS, Harness
+from tests.k8s.harness import NS, Harness, submit
 from tests.k8s.test_placement import running, spec_of
 from tests.scripted_master import ScriptedMaster
 
@@ -44,6 +47,67 @@ async def test_one_of_two_racing_replicas_leads_and_a_dead_leaders_lease_is_take
         lease: Any = await _lease(workers_plane, "lead")
         assert lease["spec"]["holderIdentity"] == standby.identity != leader.identity
         assert lease["spec"]["leaseTransitions"] == 1
+
+
+async def test_one_controller_leads_and_the_standby_carries_on_with_its_workers(
+    workers_plane: ControlPlane, ebb: EbbClient, nats_config: NatsConfig, tmp_path: Path
+) -> None:
+    """Two controllers, one Lease: the first leads and starts a job's workers, the second
+    waits; the first stops, the second leads and adopts them (its first pass makes none)."""
+    job = await submit(ebb, tmp_path / "job", workers=2, cpu=1)
+    node = {"off-0": {"ebb.io/pool": "offline"}}
+    allocatable = {"cpu": "2", "memory": "8Gi", "pods": "110"}  # room for the two alone
+    with NodesThread.simulated(workers_plane, node, allocatable=allocatable):
+        async with (
+            workers_plane.api_client() as a,
+            workers_plane.api_client() as b,
+            workers_plane.api_client() as admin,
+        ):
+            core: Any = CoreV1Api(admin)  # plain JSON maps: the stubs know only models
+            controllers = [
+                Controller(
+                    ControllerConfig(nats=nats_config, resync_s=0.2),
+                    KubernetesBackend(KubeConfig(namespace=NS, nats=nats_config, tidal=None), api),
+                    elector=LeaderElector(
+                        api, namespace=NS, name="standby", identity=f"c{n}", lease_s=1, renew_s=0.2
+                    ),
+                )
+                for n, api in enumerate((a, b))
+            ]
+
+            async def alive() -> list[Any]:
+                response = await core.list_namespaced_pod(
+                    NS, label_selector=f"{JOB_LABEL}={job}", _preload_content=False
+                )
+                pods = (await response.json())["items"]
+                return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+            async def two() -> bool:
+                return len(await alive()) == 2
+
+            runs = [asyncio.create_task(controllers[0].run())]
+            try:
+                await wait_until(controllers[0].leading.is_set, what="the first to lead")
+                runs.append(asyncio.create_task(controllers[1].run()))
+                await wait_until(two, timeout=60, what="2 workers")
+                before = {p["metadata"]["uid"] for p in await alive()}
+                assert not controllers[1].leading.is_set()
+                lease: Any = await _lease(workers_plane, "standby")
+                assert lease["spec"]["holderIdentity"] == "c0"
+                controllers[0].request_stop()
+                await runs[0]
+                await wait_until(controllers[1].leading.is_set, timeout=30, what="the standby")
+
+                def reconciled() -> bool:
+                    return (r := controllers[1].reconciler) is not None and r.last_plan is not None
+
+                await wait_until(reconciled, timeout=30, what="the standby's first pass")
+                assert {p["metadata"]["uid"] for p in await alive()} == before
+            finally:
+                for c in controllers:
+                    c.request_stop()
+                await asyncio.gather(*runs, return_exceptions=True)
+                await ebb.cancel(job)
 
 
 async def _lease(plane: ControlPlane, name: str) -> Any:

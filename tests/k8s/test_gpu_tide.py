@@ -11,12 +11,11 @@ from prometheus_client import REGISTRY
 
 from ebb.client.sdk import EbbClient
 from ebb.controller.policy.tidal import TidalConfig
-from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_store import NODES as NODE_TYPE
 from tests.k8s.fake_store import PODS, Change
-from tests.k8s.harness import offline, submit, tidal_state
-from tests.k8s.test_kube_backend import displaced_pods, running
+from tests.k8s.harness import submit, tidal_state
+from tests.k8s.test_kube_backend import running
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
@@ -70,49 +69,6 @@ def batch_gpus(h: Any, job: str) -> int:
 
 def metric(name: str, resource: str = GPU) -> float:
     return REGISTRY.get_sample_value(name, {"resource": resource}) or 0.0
-
-
-async def test_the_tide_lends_idle_gpus_and_takes_them_back_for_online_gpu_pods(
-    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
-) -> None:
-    offline(kube, "off-0", cpu="4")  # CPU only: the GPU job's workers cannot go there
-    gpu_nodes(kube)
-    night = [f"serve-{n}" for n in range(2)]
-    serving(kube, night)
-    job = await submit(ebb, tmp_path / "job", workers=16, cpu=2, gpu=1)
-    tide = TidalConfig(sample_s=0.05, lead_s=0.5, headroom=0.25, window=3, min_online=0)
-    h = harness_factory(tidal=tide)
-    hours_before = metric("ebb_tidal_harvested_node_hours_total")
-    # Night: 2 of 16 GPUs serve; a quarter (4) kept free; the GPU budget (10) is batch work's,
-    # though the online pods use only 4 of 64 cores: the budget is the GPUs'.
-    await h.converge(
-        lambda: batch_gpus(h, job) == 10 and running(kube, night),
-        what="10 batch GPU pods on the lent GPU nodes",
-    )
-    assert all(tidal_state(kube, n) == "offline" for n in NODES)
-    assert metric("ebb_tidal_budget") == 10
-    assert metric("ebb_tidal_budget", "cpu") == 64 - 4 - 16
-    await wait_until(
-        lambda: metric("ebb_tidal_harvested_node_hours_total") > hours_before,
-        what="GPU node-hours harvested",
-    )
-    displaced = displaced_pods(kube)
-    # Morning: 8 more servers at once, 10 GPUs online; 10 + 10 > 16, and no forecast saw it:
-    # the scheduler preempts batch pods for them, and they run at once.
-    morning = [f"serve-{n}" for n in range(2, 10)]
-    serving(kube, morning)
-    await h.converge(lambda: running(kube, night + morning), what="the servers running")
-    assert displaced["preempted"] >= 1
-    # The tide follows: no more batch GPUs than the forecast leaves (16 - 10).
-    await h.converge(lambda: batch_gpus(h, job) <= 6, what="batch GPUs within the forecast")
-    # Noon: every GPU serves. Batch pods give them all back, and each server runs.
-    noon = [f"serve-{n}" for n in range(10, 16)]
-    serving(kube, noon)
-    await h.converge(
-        lambda: running(kube, night + morning + noon) and batch_gpus(h, job) == 0,
-        what="every GPU serving",
-    )
-    assert metric("ebb_tidal_budget") == 0
 
 
 async def test_the_threshold_tide_sees_gpu_nodes_busy_by_their_gpus(

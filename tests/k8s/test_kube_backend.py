@@ -8,7 +8,6 @@ import base64
 import contextlib
 import json
 from collections import Counter
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +22,15 @@ from ebb.common.messaging import identity
 from ebb.common.messaging.api import MasterClient
 from ebb.common.messaging.natsconfig import NatsConfig
 from ebb.controller.__main__ import worker_signer
-from ebb.controller.election import LeaderElector
 from ebb.controller.kube.backend import (
     JOB_LABEL,
     KubeConfig,
-    KubernetesBackend,
     from_cluster,
     repository,
     running_image,
 )
 from ebb.controller.kube.podspec import CREDENTIALS_DIR, CREDENTIALS_KEY, mounted_credentials
 from ebb.controller.policy.tidal import TidalConfig
-from ebb.controller.service import Controller, ControllerConfig
 from tests.helpers import job_spec, wait_until, write_dataset, write_model
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.fake_kubelet import Evicted, Exit, ImagePullError, OOMKilled
@@ -533,74 +529,6 @@ async def test_informers_survive_cut_watches_expired_history_and_api_errors(
     )
 
 
-async def test_one_replica_leads_and_the_standby_takes_over(
-    kube: FakeKubeAPI, ebb: EbbClient, nats_config: NatsConfig, tmp_path: Path
-) -> None:
-    kube.add_namespace(NS)
-    offline(kube, "off-0", cpu="4")
-    job = await submit(ebb, tmp_path / "job", workers=2, cpu=1)
-    clients = [kube.api_client(), kube.api_client()]
-    controllers = []
-    for n, client in enumerate(clients):
-        backend = KubernetesBackend(KubeConfig(namespace=NS, nats=nats_config, tidal=None), client)
-        elector = LeaderElector(
-            client, namespace=NS, name="ebb-controller", identity=f"c{n}", lease_s=1, renew_s=0.2
-        )
-        controllers.append(
-            Controller(ControllerConfig(nats=nats_config, resync_s=0.2), backend, elector=elector)
-        )
-    runs: list[asyncio.Task[None]] = [asyncio.create_task(controllers[0].run())]
-    try:
-        await wait_until(controllers[0].leading.is_set, what="the first to lead")
-        runs.append(asyncio.create_task(controllers[1].run()))
-        await kube.wait_for(lambda: len(_alive(kube, job)) == 2, timeout=20, what="2 workers")
-        assert not controllers[1].leading.is_set()
-        lease = kube.get("leases", "ebb-controller", NS)
-        assert lease is not None and lease["spec"]["holderIdentity"] == "c0"
-        controllers[0].request_stop()
-        await runs[0]
-        await wait_until(controllers[1].leading.is_set, timeout=20, what="the standby to lead")
-        # The new leader carries on from what is there: no worker is made twice.
-        kube.add_node(
-            "off-1",
-            labels={"ebb.io/pool": "offline"},
-            allocatable={"cpu": "1", "memory": "8Gi", "pods": "10"},
-        )
-        await kube.wait_for(lambda: len(_alive(kube, job)) == 2, timeout=5, what="still 2 workers")
-    finally:
-        for c in controllers:
-            c.request_stop()
-        await asyncio.gather(*runs, return_exceptions=True)
-        for client in clients:
-            await client.close()
-
-
-def _alive(kube: FakeKubeAPI, job: str) -> list[dict[str, Any]]:
-    return [
-        p
-        for p in kube.list_pods(NS, label_selector=f"{JOB_LABEL}={job}")
-        if not p["metadata"].get("deletionTimestamp")
-        and p["status"].get("phase") in ("Pending", "Running")
-    ]
-
-
-async def test_a_dead_leaders_lease_expires_and_is_taken_over(kube: FakeKubeAPI) -> None:
-    kube.add_namespace(NS)
-    async with kube.api_client() as a, kube.api_client() as b:
-        first = LeaderElector(a, namespace=NS, name="lead", identity="a", lease_s=1, renew_s=0.1)
-        second = LeaderElector(b, namespace=NS, name="lead", identity="b", lease_s=1, renew_s=0.1)
-        assert await first.try_acquire()
-        assert not await second.try_acquire()
-        # `first` dies without a word: no renewals. Its lease runs out, then `second` leads.
-        assert await wait_until(second.try_acquire, timeout=10, interval=0.1, what="a takeover")
-        lease = kube.get("leases", "lead", NS)
-        assert lease is not None and lease["spec"]["holderIdentity"] == "b"
-        assert lease["spec"]["leaseTransitions"] == 1
-
-
-_ = Coroutine
-
-
 # -- one NATS credential per worker ----------------------------------------------------------
 
 
@@ -701,23 +629,6 @@ async def test_a_controller_lost_between_a_pod_and_its_secret_is_repaired_by_the
     await second.backend.launch(status, pod["metadata"]["name"])
     await second.reconciler.reconcile_once()
     assert _secret_posts(kube) == 2  # the one refused, the one made
-
-
-async def test_a_worker_pods_secret_goes_with_the_pod(
-    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
-) -> None:
-    offline(kube, "off-0")
-    job = await submit(ebb, tmp_path / "job", workers=2)
-    h = harness_factory(tidal=None, signer=identity.Trust.new("ebb").worker_signer())
-    await h.converge(lambda: len(h.pods(job)) == 2, what="2 worker pods")
-    pods = h.pods(job)
-    await kube.wait_for(lambda: all(_secret_of(kube, p) for p in pods), what="their Secrets")
-    await ebb.cancel(job)
-    await h.converge(lambda: not h.pods(job, alive=False), what="the pods deleted")
-    # Kubernetes' garbage collector deletes each Secret with its owner; the controller
-    # deletes no Secret itself.
-    await kube.wait_for(lambda: not any(_secret_of(kube, p) for p in pods), what="Secrets gone")
-    assert not [r for r in kube.requests if r.method == "DELETE" and "/secrets" in r.path]
 
 
 async def test_without_a_signer_workers_share_the_configured_secret(

@@ -17,7 +17,6 @@ from ebb.controller.policy.tidal import TidalConfig
 from tests.helpers import wait_until
 from tests.k8s.fake_apiserver import FakeKubeAPI
 from tests.k8s.harness import Harness, offline, submit, tidal_state
-from tests.k8s.test_kube_backend import online_pod
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("controllers_rbac")]
 
@@ -66,39 +65,6 @@ def condition(kube: FakeKubeAPI, pod: str) -> tuple[str, str]:
         if c.get("type") == "PodScheduled":
             return c.get("status", ""), c.get("reason", "")
     return "", ""
-
-
-async def test_pending_online_pods_that_more_room_would_not_place_reclaim_nothing(
-    kube: FakeKubeAPI, ebb: EbbClient, harness_factory: Any, tmp_path: Path
-) -> None:
-    offline(kube, "off-0", cpu="4")
-    mixed_nodes(kube)
-    job = await submit(ebb, tmp_path / "job", workers=20, cpu=2)
-    h = harness_factory(tidal=threshold_tide())
-    await h.converge(
-        lambda: sum(tidal_state(kube, n) == "offline" for n in MIXED) == 2,
-        what="two mixed nodes lent",
-    )
-    lent = {n for n in MIXED if tidal_state(kube, n) == "offline"}
-    evictions = REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0
-    # Held by a scheduling gate; pinned to a pool with no node (the scheduler finds no room,
-    # but no mixed node could take it); waiting for its volume's claim to bind.
-    online_pod(kube, "gated", "6", schedulingGates=[{"name": "example.com/quota"}])
-    online_pod(kube, "pinned", "6", nodeSelector={"ebb.io/pool": "online"})
-    await wait_until(lambda: condition(kube, "gated") == ("False", "SchedulingGated"), what="gate")
-    await wait_until(lambda: condition(kube, "pinned") == ("False", "Unschedulable"), what="pin")
-    await samples(h, 10)
-    await h.converge(lambda: True, what="a reconcile pass")
-    assert {n for n in MIXED if tidal_state(kube, n) == "offline"} == lent
-    assert (REGISTRY.get_sample_value("ebb_batch_evictions_total") or 0.0) == evictions
-    assert harvester(h).reclaimed[job] == 0
-
-    # One the mixed pool's room would place: that one calls a lent node back.
-    online_pod(kube, "room", "6")
-    await h.converge(
-        lambda: any(tidal_state(kube, n) != "offline" for n in lent),
-        what="a lent node reclaimed for the pod that needs room",
-    )
 
 
 async def test_cordoned_and_not_ready_mixed_nodes_are_neither_lent_nor_counted(
