@@ -361,12 +361,14 @@ def _server_round(
         for shape_name, shape in shapes.items():
             ctx.log(f"  {shape_name}, vLLM's server:")
             rows = shape.rows
-            asyncio.run(_alone(server.url, rows, CONCURRENCY[0]))  # warm: new shapes
-            for c in CONCURRENCY:
+            # The smoke run goes each way once: one concurrency, one job, no warming.
+            if not ctx.smoke:
+                asyncio.run(_alone(server.url, rows, CONCURRENCY[0]))  # warm: new shapes
+            for c in CONCURRENCY[:1] if ctx.smoke else CONCURRENCY:
                 with TokenMeter(server.port) as meter:
                     asyncio.run(_alone(server.url, rows, c))
                 shape.record(f"{SERVER_ALONE}, {c} in flight", meter.steady()[1], ctx.log)
-            for workers in WORKERS:
+            for workers in WORKERS[:1] if ctx.smoke else WORKERS:
                 name = _ebb_name("endpoint", workers)
                 llm = _llm(server_model(ctx), "endpoint", server.url)
                 with TokenMeter(server.port) as meter:
@@ -461,7 +463,7 @@ def run(ctx: Context) -> Section:
     cap = 8 if ctx.smoke else 1 << 30
     shapes = {
         shape: _Shape(_workload(tokenizer, shape, n, cap=cap), {}, {})
-        for shape in ("spread", "equal")
+        for shape in (("spread",) if ctx.smoke else ("spread", "equal"))
     }
     startups: list[float] = []
     loads: list[float] = []
