@@ -346,10 +346,10 @@ class Reconciler:
             except RemoteError as e:
                 log.warning("the master refused word of where %s can run: %s", key, e)
                 continue
-            if reason and key not in self.refused:  # a refusal was logged as it came
-                log.warning("workers of %s wait: no node could ever take them: %s", key, reason)
-            else:
+            if not reason:
                 log.info("workers of %s can be placed again", key)
+            elif key not in self.refused:  # a refusal was logged as it came
+                log.warning("workers of %s wait: no node could ever take them: %s", key, reason)
 
     def _forgive(self, job: str) -> None:
         """The job's workers are not crash-looping: start counting again."""
